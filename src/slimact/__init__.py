@@ -1,0 +1,25 @@
+"""slimact: train Transformers with a fraction of the activation memory.
+
+``convert`` turns a model's layers into ones that keep compressed tensors for the backward pass,
+``profile`` measures what autograd keeps, ``revert`` undoes the conversion. Importing slimact never
+initialises CUDA and does not import Triton or transformers.
+"""
+
+from slimact.convert import Summary, convert, revert, summary
+from slimact.policy import PRESETS, Policy, PolicyError
+from slimact.profile import Report, profile
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "Policy",
+    "PolicyError",
+    "Report",
+    "Summary",
+    "__version__",
+    "convert",
+    "profile",
+    "revert",
+    "summary",
+]

@@ -1,0 +1,128 @@
+"""``convert`` / ``revert`` / ``summary``: one call turns a model's layers into slimact's, reversibly.
+
+Conversion swaps the class of each chosen module for its slimact subclass, in place (see
+:mod:`slimact.nn._base`): no parameter is copied or re-initialised, ``state_dict`` keys and values are
+unchanged, ``isinstance`` checks keep working, and ``revert`` restores the original classes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from slimact._kinds import is_hf_conv1d, kind_of
+from slimact.nn._base import SlimModule, attach, detach
+from slimact.nn.linear import conv1d_class, linear_class
+from slimact.policy import Policy, resolve
+
+__all__ = ["Summary", "convert", "revert", "summary"]
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+_POLICY_ATTR = "_slimact_policy"
+_SKIPPED_ATTR = "_slimact_skipped"
+
+
+def _slim_class(module: nn.Module) -> type[nn.Module] | None:
+    """The slimact class for ``module``'s class, or ``None`` if slimact has no replacement for it."""
+    cls = module._slimact_orig_cls if isinstance(module, SlimModule) else type(module)
+    if is_hf_conv1d(module):
+        return conv1d_class(cls)
+    if isinstance(module, nn.Linear):
+        return linear_class(cls)
+    return None
+
+
+def convert(
+    model: nn.Module,
+    policy: str | os.PathLike[str] | Policy = "int8",
+    *,
+    filter_fn: FilterFn | None = None,
+) -> nn.Module:
+    """Convert ``model``'s layers in place to slimact's; returns ``model``.
+
+    Args:
+        model: any ``nn.Module``.
+        policy: a preset name (``"int8"``, ``"mesa"``, ``"tempo"``), a :class:`slimact.Policy`, or the path of
+            a TOML/JSON policy file.
+        filter_fn: ``filter_fn(module, qualified_name) -> bool``; modules for which it returns ``False`` are
+            left alone.
+
+    Idempotent: converting again (with the same or another policy) re-applies the policy to every module.
+    """
+    pol = resolve(policy)
+    skipped: dict[str, str] = {}
+    for name, module in model.named_modules():
+        slim_cls = _slim_class(module)
+        if slim_cls is None:
+            continue
+        kind = kind_of(module)
+        reason = pol.skip_reason(kind, name)
+        if reason is None and filter_fn is not None and not filter_fn(module, name):
+            reason = "excluded by filter_fn"
+        if reason is not None:
+            detach(module)
+            skipped[name] = reason
+            continue
+        attach(module, slim_cls, pol.quant_config(kind))
+    model.__dict__[_POLICY_ATTR] = pol
+    model.__dict__[_SKIPPED_ATTR] = skipped
+    return model
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Restore every converted module of ``model`` to its original class, in place; returns ``model``."""
+    for module in model.modules():
+        detach(module)
+    model.__dict__.pop(_POLICY_ATTR, None)
+    model.__dict__.pop(_SKIPPED_ATTR, None)
+    return model
+
+
+@dataclass
+class Summary:
+    """What ``convert`` did to a model. ``str(summary)`` is a readable report."""
+
+    policy: str | None
+    converted: dict[str, int] = field(default_factory=dict)  # kind -> modules converted
+    skipped: dict[str, str] = field(default_factory=dict)  # qualified name -> why it was left alone
+    modules: dict[str, str] = field(default_factory=dict)  # converted qualified name -> kind
+
+    def __str__(self) -> str:
+        lines = [f"slimact summary (policy: {self.policy or 'none: model not converted'})"]
+        total = sum(self.converted.values())
+        lines.append(f"converted {total} module(s)")
+        lines += [f"  {kind:<12} {n:>5}" for kind, n in sorted(self.converted.items())]
+        if self.skipped:
+            lines.append(f"left alone {len(self.skipped)} module(s):")
+            by_reason = Counter(self.skipped.values())
+            for reason, n in by_reason.most_common():
+                names = [m for m, r in self.skipped.items() if r == reason]
+                shown = ", ".join(names[:4]) + (f", ... ({n - 4} more)" if n > 4 else "")
+                lines.append(f"  {n:>5} x {reason}: {shown}")
+        return "\n".join(lines)
+
+
+def summary(model: nn.Module) -> Summary:
+    """What was converted (per kind), and every module left alone with the reason."""
+    pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
+    skipped = dict(model.__dict__.get(_SKIPPED_ATTR, {}))
+    modules: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SlimModule):
+            modules[name] = kind_of(module)
+        elif name not in skipped and not any(True for _ in module.children()) and name:
+            kind = kind_of(module)
+            if kind == "other" and not any(True for _ in module.parameters(recurse=False)):
+                continue  # parameterless glue (identity, flatten...) keeps nothing worth reporting
+            skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
+    return Summary(
+        policy=pol.name if pol else None,
+        converted=dict(Counter(modules.values())),
+        skipped=skipped,
+        modules=modules,
+    )

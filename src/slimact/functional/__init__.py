@@ -1,0 +1,5 @@
+"""One ``torch.autograd.Function`` per op family, each keeping only compressed tensors for backward."""
+
+from slimact.functional.linear import linear
+
+__all__ = ["linear"]

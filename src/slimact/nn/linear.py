@@ -1,0 +1,64 @@
+"""``slimact.nn.Linear``: an ``nn.Linear`` whose saved input is 8-bit (see :mod:`slimact.functional.linear`).
+
+Also the mixin that makes the same of Hugging Face's ``Conv1D`` (GPT-2's projections, weight ``[in, out]``).
+In eval mode, under ``no_grad``/``inference_mode``, or when nothing needs a gradient, forward is exactly the
+parent's.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from slimact.functional.linear import linear
+from slimact.nn._base import SlimModule, attach, slim_class
+from slimact.policy import Policy, resolve
+
+__all__ = ["Linear", "conv1d_class"]
+
+
+class _LinearMixin(SlimModule):
+    _transposed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self._slimact_active():
+            return super().forward(x)  # type: ignore[misc]
+        return linear(
+            x, self.weight, self.bias, self._slimact_cfg, self._slimact_state, transposed=self._transposed
+        )
+
+
+class _Conv1DMixin(_LinearMixin):
+    _transposed = True
+
+
+class Linear(_LinearMixin, nn.Linear):
+    """Drop-in ``nn.Linear`` keeping its input for the backward as b-bit codes.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        policy: preset name, :class:`slimact.Policy` or policy file; its ``"linear"`` settings apply.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        policy: str | Policy = "int8",
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self._slimact_orig_cls = nn.Linear
+        attach(self, Linear, resolve(policy).quant_config("linear"))
+
+
+def linear_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The slimact class for an ``nn.Linear`` (sub)class."""
+    return Linear if cls is nn.Linear else slim_class(_LinearMixin, cls)
+
+
+def conv1d_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The slimact class for Hugging Face's ``Conv1D`` (or a subclass)."""
+    return slim_class(_Conv1DMixin, cls)

@@ -1,0 +1,244 @@
+"""``profile``: the bytes autograd keeps for the backward pass, per op kind and per module.
+
+How it counts: one training forward runs under ``torch.autograd.graph.saved_tensors_hooks``, whose pack
+hook sees every tensor any op saves for backward, PyTorch's built-in ops and slimact's Functions alike
+(slimact saves only through ``ctx.save_for_backward``). Each saved tensor is charged the full size of its
+storage, once per unique storage (a view saved by two ops is counted once, by the first), and never if the
+storage belongs to a parameter or buffer. It is attributed to the innermost module whose forward was
+running when it was saved, and to that module's kind (:func:`slimact._kinds.kind_of`); tensors the loss
+function saves go to ``"(loss)"``. The backward then runs, and the model is left as it was found: its
+training mode, gradients, buffers (running estimates, BatchNorm statistics) and the RNG state.
+
+On CUDA the report also carries ``torch.cuda.max_memory_allocated`` over the step, minus what was
+allocated before it (``cuda_peak_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from slimact._kinds import kind_of
+
+__all__ = ["Report", "SavedTensor", "profile"]
+
+ROOT = "(model)"
+LOSS = "(loss)"
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One unique storage kept for the backward pass."""
+
+    module: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:10.2f} MiB"
+
+
+def _sum_by(entries: list[SavedTensor], key: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in entries:
+        k = getattr(e, key)
+        out[k] = out.get(k, 0) + e.nbytes
+    return out
+
+
+@dataclass
+class Report:
+    """What one training step keeps for its backward pass."""
+
+    entries: list[SavedTensor] = field(default_factory=list)
+    cuda_peak_bytes: int | None = None
+
+    @property
+    def activation_bytes(self) -> int:
+        """Total bytes autograd keeps for backward (unique storages, parameters and buffers excluded)."""
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def by_kind(self) -> dict[str, int]:
+        """Bytes per op kind: ``{"linear": ..., "attention": ..., "layernorm": ...}``."""
+        return _sum_by(self.entries, "kind")
+
+    @property
+    def by_module(self) -> dict[str, int]:
+        """Bytes per qualified module name (the innermost module running when the tensor was saved)."""
+        return _sum_by(self.entries, "module")
+
+    def _rows(self, by: str) -> dict[str, int]:
+        if by not in ("kind", "module"):
+            raise ValueError(f"by must be 'kind' or 'module', got {by!r}")
+        return self.by_kind if by == "kind" else self.by_module
+
+    def table(self, by: str = "kind", top: int | None = None) -> str:
+        """A readable table of bytes per kind (or per module), largest first; ``top`` limits the rows."""
+        rows = sorted(self._rows(by).items(), key=lambda kv: -kv[1])
+        total = self.activation_bytes
+        width = max([len(by), *(len(k) for k, _ in rows)]) + 2
+        lines = [f"{by:<{width}}{'bytes kept':>14}{'share':>8}"]
+        shown = rows if top is None else rows[:top]
+        for name, n in shown:
+            lines.append(f"{name:<{width}}{_mib(n):>14}{n / max(total, 1):>8.1%}")
+        if len(shown) < len(rows):
+            rest = sum(n for _, n in rows[len(shown) :])
+            lines.append(f"{f'({len(rows) - len(shown)} more)':<{width}}{_mib(rest):>14}{rest / max(total, 1):>8.1%}")
+        lines.append(f"{'total':<{width}}{_mib(total):>14}{'100.0%':>8}")
+        if self.cuda_peak_bytes is not None:
+            lines.append(f"{'cuda peak':<{width}}{_mib(self.cuda_peak_bytes):>14}")
+        return "\n".join(lines)
+
+    def compare(self, other: Report, by: str = "kind") -> str:
+        """This report (the baseline) against ``other`` (e.g. the converted model), row by row, with ratios."""
+        mine, theirs = self._rows(by), other._rows(by)
+        names = sorted(set(mine) | set(theirs), key=lambda k: -max(mine.get(k, 0), theirs.get(k, 0)))
+        width = max([len(by), *(len(k) for k in names)]) + 2
+
+        def row(name: str, a: int, b: int) -> str:
+            ratio = f"{b / a:>7.3f}x" if a else f"{'-':>8}"
+            return f"{name:<{width}}{_mib(a):>14}{_mib(b):>14}{ratio:>9}"
+
+        lines = [f"{by:<{width}}{'baseline':>14}{'converted':>14}{'ratio':>9}"]
+        lines += [row(k, mine.get(k, 0), theirs.get(k, 0)) for k in names]
+        lines.append(row("total", self.activation_bytes, other.activation_bytes))
+        return "\n".join(lines)
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _default_loss(output: Any) -> Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, Tensor):
+        return loss
+    if isinstance(output, Tensor):
+        return output.float().sum()
+    if isinstance(output, dict):
+        output = list(output.values())
+    items = output if isinstance(output, (tuple, list)) else ()
+    tensors = [t for t in items if isinstance(t, Tensor) and t.requires_grad]
+    if not tensors:
+        raise TypeError(f"cannot derive a loss from a {type(output).__name__}; pass loss_fn=")
+    return sum(t.float().sum() for t in tensors)
+
+
+def _storage_key(t: Tensor) -> tuple[str, int] | None:
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # tensors without a storage (some subclasses)
+        return None
+
+
+class _ModuleStack:
+    """Forward hooks that keep the qualified name of the innermost running module."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: list[str] = []
+        self.modules: list[nn.Module] = []
+        self.handles = []
+        for name, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._push(name or ROOT, module)))
+            self.handles.append(module.register_forward_hook(self._pop, always_call=True))
+
+    def _push(self, name: str, module: nn.Module):
+        def hook(mod, args):
+            self.names.append(name)
+            self.modules.append(module)
+
+        return hook
+
+    def _pop(self, mod, args, output):
+        if self.modules and self.modules[-1] is mod:
+            self.names.pop()
+            self.modules.pop()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _restoring(model: nn.Module):
+    """Leave ``model`` as found: mode, grads, buffers, RNG state."""
+    was_training = {m: m.training for m in model.modules()}
+    grads = {p: p.grad for p in model.parameters()}
+    for p in grads:
+        p.grad = None  # the backward below must not accumulate into the caller's gradients
+    buffers = {(m, n): None if b is None else b.clone() for m in model.modules() for n, b in m._buffers.items()}
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            for m, mode in was_training.items():
+                m.training = mode
+            for p, g in grads.items():
+                p.grad = g
+            for (m, n), b in buffers.items():
+                m._buffers[n] = b
+
+
+def profile(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[[Any], Tensor] | None = None,
+) -> Report:
+    """Measure what one training forward of ``model`` keeps for the backward, then run the backward.
+
+    Args:
+        model: any module (converted or not); run in training mode, then restored to its mode.
+        inputs: a dict (``model(**inputs)``), a tuple (``model(*inputs)``) or a tensor (``model(inputs)``).
+        loss_fn: ``loss_fn(output) -> scalar``; default: ``output.loss`` if present, else the sum of the output.
+    """
+    excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    seen: set[tuple[str, int]] = set()
+    entries: list[SavedTensor] = []
+    stack = _ModuleStack(model)
+
+    def pack_hook(t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key is None or key in excluded or key in seen:
+            return t
+        seen.add(key)
+        name = stack.names[-1] if stack.names else LOSS
+        kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
+        entries.append(SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
+        return t
+
+    use_cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+    with _restoring(model):
+        if use_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        model.train()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+                output = _call(model, inputs)
+                stack.names.clear()
+                stack.modules.clear()
+                loss = (loss_fn or _default_loss)(output)
+        finally:
+            stack.remove()
+        del output
+        loss.backward()
+        peak = torch.cuda.max_memory_allocated() - base if use_cuda else None
+    return Report(entries, peak)

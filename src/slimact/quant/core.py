@@ -1,0 +1,156 @@
+"""``pack`` / ``unpack``: the one entry point every slimact Function uses to keep a tensor small.
+
+The steps shared by every backend live here: per-group range (this tensor's own), the NaN/inf check
+(one host sync; a non-finite tensor is kept uncompressed), the running-estimate update, the scale
+snapshot. Only the elementwise quantise/dequantise pass is dispatched: to the Triton kernels for CUDA
+tensors when Triton is installed, else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference``
+forces the reference everywhere.
+
+Nothing is stored twice: when two consumers pack the same tensor with the same config in one step (the
+query, key and value projections all reading one hidden state; a norm's output that the next Linear also
+keeps), the second gets the first's :class:`Packed`, so both save the very same storages. The cache is
+keyed by the tensor's storage view, holds only weak references (to the source tensor, so its storage
+address cannot be reused while an entry is valid, and to the codes, so it never keeps them alive), and
+is checked against the source's version counter, so an in-place change in between forces a fresh pack.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import weakref
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from slimact.quant import reference
+from slimact.quant.reference import (
+    COMPRESSIBLE_DTYPES,
+    GroupLayout,
+    Packed,
+    PackMeta,
+    QuantConfig,
+    group_layout,
+    group_minmax,
+    scale_params,
+)
+from slimact.quant.state import RunningRange
+
+__all__ = ["Backend", "backend_for", "pack", "unpack"]
+
+Backend = Literal["reference", "triton"]
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend_for(x: Tensor) -> Backend:
+    """The backend :func:`pack` uses for ``x`` unless told otherwise."""
+    if os.environ.get("SLIMACT_BACKEND") == "reference":
+        return "reference"
+    return "triton" if x.is_cuda and _triton_available() else "reference"
+
+
+def _kernels(backend: Backend):
+    if backend == "triton":
+        from slimact.quant import triton as kernels
+
+        return kernels
+    return reference
+
+
+def _raw(x: Tensor) -> Packed:
+    return Packed((x,), PackMeta(x.shape, x.dtype, 0, GroupLayout(None, 1, 1, x.numel()), True))
+
+
+class _SharedPacks:
+    """Weak cache of this step's packs, so that a tensor two layers keep is packed (and kept) once."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def _key(x: Tensor, cfg: QuantConfig) -> tuple:
+        return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype, cfg)
+
+    def get(self, x: Tensor, cfg: QuantConfig) -> Packed | None:
+        entry = self._entries.get(self._key(x, cfg))
+        if entry is None:
+            return None
+        source, version, refs, meta = entry
+        tensors = tuple(r() for r in refs)
+        if source() is None or version != x._version or any(t is None for t in tensors):
+            return None
+        return Packed(tensors, meta)  # type: ignore[arg-type]
+
+    def put(self, x: Tensor, cfg: QuantConfig, packed: Packed) -> None:
+        key = self._key(x, cfg)
+        entries = self._entries
+        # The entry dies with its source tensor (whose storage address may then be reused).
+        source = weakref.ref(x, lambda _ref, key=key: entries.pop(key, None))
+        refs = tuple(weakref.ref(t) for t in packed.tensors)
+        entries[key] = (source, x._version, refs, packed.meta)
+
+
+_shared = _SharedPacks()
+
+
+@torch.no_grad()
+def pack(
+    x: Tensor,
+    cfg: QuantConfig,
+    state: RunningRange | None = None,
+    *,
+    training: bool = True,
+    backend: Backend | None = None,
+    share: bool = True,
+) -> Packed:
+    """Compress ``x`` for a backward pass.
+
+    Args:
+        x: fp32/fp16/bf16 tensor, any strides. Other dtypes, empty tensors and tensors holding NaN/inf are
+            returned uncompressed (``Packed.raw``), exactly as given.
+        cfg: bits, grouping, scale mode and rounding.
+        state: running-estimate buffers, used when ``cfg.scale == "running"``.
+        training: whether the running estimate may be updated.
+        backend: ``"reference"`` or ``"triton"``; default :func:`backend_for`.
+        share: reuse the pack of the same tensor (same storage view, unchanged since) made with the same
+            ``cfg`` while that pack is still kept by someone.
+    """
+    if x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
+        return _raw(x)
+    if share:
+        hit = _shared.get(x, cfg)
+        if hit is not None:
+            return hit
+    layout = group_layout(x.shape, cfg)
+    lo, hi = group_minmax(x, layout)
+    # One host sync. NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
+    if not bool(torch.isfinite(torch.cat([lo, hi - lo])).all()):
+        return _raw(x)
+    if cfg.scale == "running":
+        if state is None:
+            raise ValueError("scale='running' needs a RunningRange state")
+        lo, hi = state.update(lo, hi, cfg.decay, training)
+    lo, step = scale_params(lo, hi, cfg.qmax)
+    seed = reference.draw_seed() if cfg.stochastic else None
+    kernels = _kernels(backend or backend_for(x))
+    codes = kernels.quantize(x, layout, lo, step, cfg.bits, seed)
+    packed = Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
+    if share:
+        _shared.put(x, cfg, packed)
+    return packed
+
+
+@torch.no_grad()
+def unpack(packed: Packed, *, backend: Backend | None = None) -> Tensor:
+    """Restore a :class:`Packed` to its original shape and dtype (contiguous; raw tensors as kept)."""
+    if packed.meta.raw:
+        return packed.tensors[0]
+    codes, lo, step = packed.tensors
+    kernels = _kernels(backend or backend_for(codes))
+    return kernels.dequantize(codes, packed.meta, lo, step)

@@ -1,0 +1,278 @@
+"""Pure-PyTorch compression core: the oracle every fast kernel is tested against, and the CPU path.
+
+A float tensor ``x`` (fp32, fp16 or bf16) becomes ``b``-bit integer codes with one affine map per group::
+
+    step_g = (hi_g - lo_g) / (2**b - 1)              # fp32, computed in fp64 so it never overflows
+    code   = clamp(round((x - lo_g) / step_g), 0, 2**b - 1)
+    x_hat  = lo_g + code * step_g                     # restored in fp32, then cast to x.dtype
+
+Groups (``QuantConfig.group_dim`` / ``groups``):
+
+* per channel group, ``[..., C]`` with ``group_dim=-1``: channel ``c`` belongs to group ``c * G // C``, so a
+  group count that does not divide ``C`` is fine (groups differ in size by at most one channel);
+* per head, ``[B, H, T, D]`` with ``group_dim=1, groups=0`` (0 = one group per index of that dim);
+* whole tensor, ``group_dim=None``.
+
+``lo``/``hi`` are either this tensor's own per-group min and max (``scale="dynamic"``) or a running estimate
+(``scale="running"``, see :mod:`slimact.quant.state`); a value outside a stale estimate saturates at 0 or
+``2**b - 1``: it never wraps.
+
+Rounding is to nearest (``floor(v + 0.5)``) or stochastic (``floor(v + u)``, ``u`` uniform in [0, 1)).
+The stochastic bits come from a counter-based hash of ``(seed, flat element index)``; the seed is drawn
+from PyTorch's global generator, so results are reproducible under ``torch.manual_seed``, and the Triton
+kernel (:mod:`slimact.quant.triton`) reproduces the same codes bit for bit without storing any noise.
+
+Error bound per element, measured before the cast back to ``x.dtype``: at most ``step/2`` with nearest
+rounding, under ``step`` with stochastic rounding (which is unbiased); the cast adds at most half an ulp
+of the output dtype.
+
+Bytes kept per element: ``b/8`` for the codes, plus 8 bytes per group for ``lo`` and ``step``.
+
+Defined edge cases:
+
+* zero-range group (``hi == lo``, including one-element groups): ``step = 1``, every code 0, restored
+  exactly as ``lo``; no division by zero;
+* tiny ranges (fp16 ranges down to denormals): the scale is fp32, computed in fp64, never inf or 0;
+* NaN or inf anywhere in ``x``, a range that overflows fp32, an empty tensor, or a dtype other than
+  fp32/fp16/bf16 (float64 included): the tensor is kept uncompressed (``Packed.raw``), so the backward
+  sees exactly what PyTorch's would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from slimact.quant.packing import pack_bits, unpack_bits
+
+__all__ = [
+    "COMPRESSIBLE_DTYPES",
+    "GroupLayout",
+    "PackMeta",
+    "Packed",
+    "QuantConfig",
+    "dequantize",
+    "draw_seed",
+    "group_layout",
+    "group_minmax",
+    "hash_uniform",
+    "quantize",
+    "scale_params",
+    "seed_key",
+]
+
+COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How one saved tensor is compressed.
+
+    Attributes:
+        bits: code width, 8, 4 or 2.
+        group_dim: the dim whose indices are grouped (``-1`` channels, ``1`` heads); ``None`` = whole tensor.
+        groups: number of groups along ``group_dim``; ``0`` means one group per index (per head).
+            Clamped to the dim's size; need not divide it.
+        scale: ``"dynamic"`` (this tensor's own range) or ``"running"`` (Mesa's EMA estimate).
+        decay: EMA decay of the running estimate.
+        stochastic: stochastic rounding (unbiased) instead of round-to-nearest.
+    """
+
+    bits: int = 8
+    group_dim: int | None = -1
+    groups: int = 1
+    scale: Literal["dynamic", "running"] = "dynamic"
+    decay: float = 0.9
+    stochastic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (8, 4, 2):
+            raise ValueError(f"bits must be 8, 4 or 2, got {self.bits}")
+        if self.groups < 0:
+            raise ValueError(f"groups must be >= 0 (0 = one per index), got {self.groups}")
+        if self.scale not in ("dynamic", "running"):
+            raise ValueError(f"scale must be 'dynamic' or 'running', got {self.scale!r}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+
+    @property
+    def qmax(self) -> int:
+        return (1 << self.bits) - 1
+
+
+class GroupLayout(NamedTuple):
+    """Where the groups of a tensor are: along ``dim`` (size ``size``) in ``groups`` contiguous runs.
+
+    ``inner`` is the number of elements after ``dim`` in a contiguous tensor, so the flat index ``i`` of an
+    element lies at index ``(i // inner) % size`` of ``dim`` and in group ``that * groups // size``.
+    ``dim is None`` is the whole-tensor layout (``size = groups = 1``, ``inner = numel``).
+    """
+
+    dim: int | None
+    size: int
+    groups: int
+    inner: int
+
+    def broadcast_shape(self, ndim: int) -> tuple[int, ...]:
+        """Shape that broadcasts a per-index vector of length ``size`` against the tensor."""
+        if self.dim is None:
+            return (1,) * ndim
+        return tuple(self.size if d == self.dim else 1 for d in range(ndim))
+
+    def group_index(self, device: torch.device) -> Tensor:
+        """``[size]`` int64: the group of each index along ``dim``."""
+        return torch.arange(self.size, device=device) * self.groups // self.size
+
+
+def group_layout(shape: torch.Size | tuple[int, ...], cfg: QuantConfig) -> GroupLayout:
+    numel = 1
+    for s in shape:
+        numel *= s
+    if cfg.group_dim is None or len(shape) == 0:
+        return GroupLayout(None, 1, 1, max(numel, 1))
+    dim = cfg.group_dim % len(shape)
+    size = shape[dim]
+    groups = size if cfg.groups == 0 else min(cfg.groups, size)
+    inner = 1
+    for s in shape[dim + 1 :]:
+        inner *= s
+    return GroupLayout(dim, size, max(groups, 1), inner)
+
+
+def _group_reduce(per_index: Tensor, layout: GroupLayout, reduce: Literal["amin", "amax"]) -> Tensor:
+    # per_index: [size] -> [groups]
+    if layout.groups == layout.size:
+        return per_index
+    if layout.size % layout.groups == 0:
+        view = per_index.view(layout.groups, -1)
+        return view.amin(1) if reduce == "amin" else view.amax(1)
+    out = per_index.new_empty(layout.groups)
+    return out.scatter_reduce_(0, layout.group_index(per_index.device), per_index, reduce, include_self=False)
+
+
+def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
+    """Per-group min and max of ``x`` as fp32 ``[groups]`` tensors. NaN propagates into its group."""
+    if layout.dim is None:
+        lo, hi = torch.aminmax(x)
+        return lo.float().reshape(1), hi.float().reshape(1)
+    others = tuple(d for d in range(x.dim()) if d != layout.dim)
+    lo = x.amin(dim=others) if others else x
+    hi = x.amax(dim=others) if others else x
+    return _group_reduce(lo.float(), layout, "amin"), _group_reduce(hi.float(), layout, "amax")
+
+
+def scale_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """fp32 ``(lo, step)`` per group from fp32 bounds.
+
+    The step is computed in fp64 so that neither ``hi - lo`` nor the division over/underflows; a group with
+    no positive range (or one so small that its fp32 step would be 0) gets ``step = 1`` and codes 0.
+    """
+    rng = hi.double() - lo.double()
+    step = (rng / qmax).float()
+    step = torch.where((rng > 0) & (step > 0), step, torch.ones_like(step))
+    return lo.float(), step
+
+
+_FMIX1 = 0x85EBCA6B
+_FMIX2 = 0xC2B2AE35
+
+
+def _mul32(h: Tensor, c: int) -> Tensor:
+    # (h * c) mod 2**32 on int64 without overflowing int64: split c into 16-bit halves.
+    lo = h * (c & 0xFFFF)
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    # MurmurHash3's finaliser on uint32 values held in int64.
+    h = h ^ (h >> 16)
+    h = _mul32(h, _FMIX1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _FMIX2)
+    return h ^ (h >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key both implementations mix into each element index for a given seed."""
+    h = seed & _MASK32
+    h ^= h >> 16
+    h = (h * _FMIX1) & _MASK32
+    h ^= h >> 13
+    h = (h * _FMIX2) & _MASK32
+    return h ^ (h >> 16)
+
+
+def hash_uniform(numel: int, seed: int, device: torch.device | str = "cpu") -> Tensor:
+    """``[numel]`` fp32 in [0, 1): 24 bits of ``fmix32(index ^ seed_key(seed))`` per element."""
+    idx = torch.arange(numel, dtype=torch.int64, device=device) & _MASK32
+    h = _fmix32(idx ^ seed_key(seed))
+    return (h >> 8).float() * (1.0 / (1 << 24))
+
+
+def draw_seed() -> int:
+    """A 31-bit seed from PyTorch's global CPU generator (reproducible under ``torch.manual_seed``)."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+class PackMeta(NamedTuple):
+    """Non-tensor description of a packed tensor (lives on ``ctx``; tensors go to ``save_for_backward``)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    layout: GroupLayout
+    raw: bool
+
+
+class Packed(NamedTuple):
+    """A compressed tensor: ``tensors`` is ``(codes, lo, step)``, or ``(x,)`` when kept uncompressed."""
+
+    tensors: tuple[Tensor, ...]
+    meta: PackMeta
+
+    @property
+    def raw(self) -> bool:
+        return self.meta.raw
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def _expand(v: Tensor, layout: GroupLayout, ndim: int) -> Tensor:
+    # [groups] -> broadcastable against the tensor
+    if layout.dim is not None and layout.groups != layout.size:
+        v = v[layout.group_index(v.device)]
+    return v.reshape(layout.broadcast_shape(ndim))
+
+
+def quantize(x: Tensor, layout: GroupLayout, lo: Tensor, step: Tensor, bits: int, seed: int | None) -> Tensor:
+    """Codes of ``x`` for the given per-group ``lo``/``step``: uint8, bit-packed when ``bits < 8``.
+
+    ``seed=None`` rounds to nearest; otherwise stochastic rounding with :func:`hash_uniform` bits.
+    """
+    v = (x.float() - _expand(lo, layout, x.dim())) / _expand(step, layout, x.dim())
+    if seed is None:
+        v = v + 0.5
+    else:
+        v = v + hash_uniform(x.numel(), seed, x.device).view(x.shape)
+    codes = v.floor_().clamp_(0, (1 << bits) - 1).to(torch.uint8)
+    return codes if bits == 8 else pack_bits(codes.reshape(-1), bits)
+
+
+def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tensor:
+    """Reference restore: ``lo + code * step`` in fp32, cast to the original dtype and shape."""
+    numel = 1
+    for s in meta.shape:
+        numel *= s
+    if meta.bits != 8:
+        codes = unpack_bits(codes, meta.bits, numel)
+    codes = codes.reshape(meta.shape)
+    ndim = len(meta.shape)
+    out = _expand(lo, meta.layout, ndim) + codes.float() * _expand(step, meta.layout, ndim)
+    return out.to(meta.dtype)

@@ -1,0 +1,44 @@
+import pytest
+import torch
+from torch import nn
+
+import slimact
+from slimact._metrics import sqnr_db
+
+
+def test_is_an_nn_linear_with_identical_output_and_close_grads():
+    torch.manual_seed(0)
+    ref = nn.Linear(40, 24)
+    lin = slimact.nn.Linear(40, 24)
+    lin.load_state_dict(ref.state_dict(), strict=True)
+    assert isinstance(lin, nn.Linear)
+    x = torch.randn(3, 7, 40, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y_ref = lin(x), ref(x2)
+    assert torch.equal(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+    assert sqnr_db(ref.weight.grad, lin.weight.grad) >= 30
+
+
+def test_eval_mode_is_the_plain_forward(monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(
+        importlib.import_module("slimact.functional.linear"), "pack", lambda *a, **k: pytest.fail("packed in eval")
+    )
+    lin = slimact.nn.Linear(8, 4).eval()
+    x = torch.randn(2, 8, requires_grad=True)
+    assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_running_policy_state_is_non_persistent():
+    lin = slimact.nn.Linear(8, 4, policy="mesa")
+    keys = set(lin.state_dict())
+    lin(torch.randn(5, 8, requires_grad=True)).sum().backward()
+    assert lin._slimact_x_lo is not None
+    assert set(lin.state_dict()) == keys == {"weight", "bias"}
+    assert "slimact" in repr(lin)

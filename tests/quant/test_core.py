@@ -1,0 +1,260 @@
+"""pack/unpack on the reference backend: error bounds, unbiased stochastic rounding, edge cases."""
+
+import math
+import weakref
+
+import pytest
+import torch
+
+from slimact.quant import QuantConfig, RunningRange, pack, unpack
+from slimact.quant.reference import _expand
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (shape, cfg) covering every group layout, group counts that do and do not divide, awkward sizes.
+LAYOUTS = [
+    ((1,), QuantConfig(group_dim=None)),
+    ((1,), QuantConfig(group_dim=-1, groups=8)),
+    ((7,), QuantConfig(group_dim=-1, groups=3)),
+    ((5, 13), QuantConfig(group_dim=-1, groups=4)),  # 4 does not divide 13
+    ((3, 5, 16), QuantConfig(group_dim=-1, groups=8)),
+    ((3, 5, 16), QuantConfig(group_dim=-1, groups=0)),  # one group per channel
+    ((2, 3, 9, 5), QuantConfig(group_dim=1, groups=0)),  # per head of [B, H, T, D]
+    ((2, 6, 9, 5), QuantConfig(group_dim=1, groups=4)),  # head groups that do not divide H
+    ((4, 3, 11), QuantConfig(group_dim=None)),
+]
+
+
+def _non_contiguous(shape):
+    # The same values read through transposed strides.
+    x = torch.randn(*reversed(shape)) * 3 + 1
+    return x.permute(*reversed(range(len(shape))))
+
+
+def _step_and_slack(x, packed):
+    codes, lo, step = packed.tensors
+    meta = packed.meta
+    step_e = _expand(step, meta.layout, x.dim())
+    lo_e = _expand(lo, meta.layout, x.dim())
+    eps32 = torch.finfo(torch.float32).eps
+    # fp32 arithmetic of lo + code * step, then the cast to x.dtype: half an ulp of the result, whose
+    # magnitude is at most |x| + step (an ulp is absolute below the smallest normal number).
+    fi = torch.finfo(x.dtype)
+    slack = 4 * eps32 * (lo_e.abs() + 255 * step_e) + fi.eps * torch.clamp(x.float().abs() + step_e, min=fi.smallest_normal) / 2
+    return step_e, slack
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,cfg", LAYOUTS)
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_nearest_error_at_most_half_step(shape, cfg, dtype, contiguous):
+    x = (torch.randn(shape) * 3 + 1 if contiguous else _non_contiguous(shape)).to(dtype)
+    packed = pack(x, cfg, backend="reference")
+    assert not packed.raw
+    assert packed.tensors[0].dtype == torch.uint8
+    x_hat = unpack(packed, backend="reference")
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    step, slack = _step_and_slack(x, packed)
+    err = (x_hat.float() - x.float()).abs()
+    assert (err <= step / 2 + slack).all(), (err - step / 2).max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,cfg", LAYOUTS)
+def test_stochastic_error_under_one_step(shape, cfg, dtype):
+    cfg = QuantConfig(group_dim=cfg.group_dim, groups=cfg.groups, stochastic=True)
+    x = _non_contiguous(shape).to(dtype)
+    packed = pack(x, cfg, backend="reference")
+    x_hat = unpack(packed, backend="reference")
+    step, slack = _step_and_slack(x, packed)
+    err = (x_hat.float() - x.float()).abs()
+    assert (err < step + slack).all()
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_sub_byte_codes_error_and_size(bits):
+    x = torch.randn(7, 9)
+    packed = pack(x, QuantConfig(bits=bits, groups=3), backend="reference")
+    assert packed.tensors[0].numel() == math.ceil(63 * bits / 8)
+    step, slack = _step_and_slack(x, packed)
+    assert ((unpack(packed) - x).abs() <= step / 2 + slack).all()
+
+
+@pytest.mark.parametrize("frac", [0.1, 0.3, 0.5, 0.77, 0.9])
+def test_stochastic_rounding_is_unbiased(frac):
+    # Range [0, 255] makes the step exactly 1; every other element sits `frac` of a step above a code,
+    # where round-to-nearest would be off by min(frac, 1 - frac) on every draw.
+    k = torch.arange(1, 254, dtype=torch.float32)
+    x = torch.cat([torch.tensor([0.0, 255.0]), k + frac])
+    cfg = QuantConfig(group_dim=None, stochastic=True)
+    draws = 400
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for _ in range(draws):
+        total += unpack(pack(x, cfg, share=False)).double() - x.double()
+    mean_err = total[2:] / draws
+    # Mean over 253 * 400 draws: its standard deviation is <= 0.5 / sqrt(101200) ~ 0.0016 step.
+    assert abs(mean_err.mean().item()) < 0.01
+    # Per element: each mean has std <= 0.5 / sqrt(400) = 0.025 step; 6 sigma.
+    assert mean_err.abs().max().item() < 0.15
+
+
+def test_stochastic_rounding_reproducible_under_manual_seed():
+    x = torch.randn(64, 33)
+    cfg = QuantConfig(stochastic=True)
+    torch.manual_seed(123)
+    a = pack(x, cfg, share=False).tensors[0]
+    b = pack(x, cfg, share=False).tensors[0]
+    torch.manual_seed(123)
+    c = pack(x, cfg, share=False).tensors[0]
+    assert torch.equal(a, c)
+    assert not torch.equal(a, b)
+
+
+def _module_with_state():
+    module = torch.nn.Module()
+    return module, RunningRange(module, "_x")
+
+
+def test_stale_running_estimate_saturates_never_wraps():
+    module, state = _module_with_state()
+    cfg = QuantConfig(group_dim=None, scale="running")
+    state.update(torch.tensor([0.0]), torch.tensor([1.0]), cfg.decay)  # estimate [0, 1]
+    x = torch.linspace(-0.2, 1.2, 141)
+    x_hat = unpack(pack(x, cfg, state, training=False))
+    step = 1.0 / 255
+    top = x_hat[x >= 1.0]
+    assert (top - 1.0).abs().max() <= step
+    assert top.min() > 0.9  # Mesa's uint8 |= int32 wrapped these to near the minimum
+    assert (x_hat[x <= 0.0] - 0.0).abs().max() <= step
+    assert x_hat.max() <= 1.0 + step and x_hat.min() >= -step
+    # The estimate did not move in eval (training=False).
+    assert torch.equal(module._x_range, torch.tensor([1.0]))
+
+
+def test_running_estimate_ema_and_snapshot():
+    module, state = _module_with_state()
+    cfg = QuantConfig(group_dim=None, scale="running", decay=0.9)
+    p1 = pack(torch.tensor([0.0, 1.0]), cfg, state)  # initialises from the first tensor
+    assert torch.allclose(module._x_lo, torch.tensor([0.0])) and torch.allclose(module._x_range, torch.tensor([1.0]))
+    p2 = pack(torch.tensor([-1.0, 3.0]), cfg, state)
+    assert torch.allclose(module._x_lo, torch.tensor([-0.1]))
+    assert torch.allclose(module._x_range, torch.tensor([0.9 + 0.4]))
+    # p1 restores with the scale it was packed with, whatever the state is now.
+    torch.testing.assert_close(unpack(p1), torch.tensor([0.0, 1.0]))
+    assert p2.tensors[1] is not module._x_lo
+    # Buffers are non-persistent: state_dict is unaffected.
+    assert module.state_dict() == {}
+
+
+def test_zero_range_groups_are_exact():
+    x = torch.tensor([[2.5, 2.5, -1.0, 3.0], [2.5, 2.5, -1.0, 3.0]])  # groups of 2 channels: [2.5, 2.5] constant
+    packed = pack(x, QuantConfig(groups=2))
+    _, _, step = packed.tensors
+    assert torch.isfinite(step).all() and (step > 0).all()
+    x_hat = unpack(packed)
+    assert torch.equal(x_hat[:, :2], x[:, :2])
+    zeros = torch.zeros(3, 8, dtype=torch.float16)
+    assert torch.equal(unpack(pack(zeros, QuantConfig())), zeros)
+    one = torch.tensor([0.123])
+    assert torch.equal(unpack(pack(one, QuantConfig())), one)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e-5, 1e-7])
+def test_tiny_fp16_ranges_have_finite_scale(scale):
+    # Mesa cast the scale to fp16: 255 / range overflowed to inf for ranges under ~4e-3.
+    x = (torch.randn(4, 64) * scale).half()
+    packed = pack(x, QuantConfig(groups=4))
+    assert not packed.raw
+    _, lo, step = packed.tensors
+    assert step.dtype == torch.float32 and torch.isfinite(step).all() and (step > 0).all()
+    x_hat = unpack(packed)
+    assert torch.isfinite(x_hat).all()
+    s, slack = _step_and_slack(x, packed)
+    assert ((x_hat.float() - x.float()).abs() <= s / 2 + slack).all()
+
+
+def test_denormal_fp32_range_no_division_by_zero():
+    x = torch.tensor([0.0, 1e-44, 5e-45])  # step would underflow to 0 in fp32
+    packed = pack(x, QuantConfig(group_dim=None))
+    assert torch.isfinite(packed.tensors[2]).all() and (packed.tensors[2] > 0).all()
+    assert torch.isfinite(unpack(packed)).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_is_kept_uncompressed(bad):
+    x = torch.randn(4, 16)
+    x[2, 5] = bad
+    packed = pack(x, QuantConfig())
+    assert packed.raw
+    x_hat = unpack(packed)
+    torch.testing.assert_close(x_hat, x, equal_nan=True, rtol=0, atol=0)
+
+
+def test_non_finite_input_does_not_touch_running_estimate():
+    module, state = _module_with_state()
+    cfg = QuantConfig(group_dim=None, scale="running")
+    pack(torch.tensor([0.0, 1.0]), cfg, state)
+    assert pack(torch.tensor([0.0, float("nan")]), cfg, state).raw
+    assert torch.equal(module._x_range, torch.tensor([1.0]))
+
+
+def test_range_overflowing_fp32_is_kept_uncompressed():
+    x = torch.tensor([-3e38, 3e38, 0.0])
+    assert pack(x, QuantConfig(group_dim=None)).raw
+
+
+@pytest.mark.parametrize("x", [torch.randn(3, 4, dtype=torch.float64), torch.arange(6), torch.ones(3, dtype=torch.bool),
+                               torch.empty(0, 5)], ids=["float64", "int64", "bool", "empty"])
+def test_other_dtypes_and_empty_pass_through(x):
+    packed = pack(x, QuantConfig())
+    assert packed.raw and packed.tensors[0] is x
+    assert unpack(packed) is x
+
+
+def test_running_scale_requires_state():
+    with pytest.raises(ValueError, match="RunningRange"):
+        pack(torch.randn(3), QuantConfig(scale="running"))
+
+
+@pytest.mark.parametrize("kwargs", [{"bits": 3}, {"groups": -1}, {"scale": "ema"}, {"decay": 1.0}])
+def test_bad_config_is_an_error(kwargs):
+    with pytest.raises(ValueError):
+        QuantConfig(**kwargs)
+
+
+def test_same_tensor_is_packed_once_while_kept():
+    x = torch.randn(8, 16)
+    cfg = QuantConfig()
+    first = pack(x, cfg)
+    again = pack(x, cfg)
+    assert all(a is b for a, b in zip(first.tensors, again.tensors, strict=True))
+    view = x.view(8, 16)  # another tensor object on the same storage view
+    assert pack(view, cfg).tensors[0] is first.tensors[0]
+    assert pack(x, QuantConfig(groups=2)).tensors[0] is not first.tensors[0]  # another config
+    assert pack(x[1:], cfg).tensors[0] is not first.tensors[0]  # another view
+
+
+def test_shared_pack_is_refreshed_after_in_place_change_or_release():
+    x = torch.randn(8, 16)
+    cfg = QuantConfig()
+    first = pack(x, cfg)
+    x.mul_(2)
+    changed = pack(x, cfg)
+    assert changed.tensors[0] is not first.tensors[0]
+    torch.testing.assert_close(unpack(changed), x, atol=changed.tensors[2].max().item(), rtol=0)
+    codes = weakref.ref(changed.tensors[0])
+    del first, changed  # nobody keeps the codes any more: the cache must not either
+    assert codes() is None
+    fresh = pack(x, cfg)
+    assert pack(x, cfg).tensors[0] is fresh.tensors[0]
+
+
+def test_shared_entry_dies_with_its_source():
+    from slimact.quant.core import _shared
+
+    x = torch.randn(4, 4)
+    kept = pack(x, QuantConfig())
+    assert any(e[0]() is x for e in _shared._entries.values())
+    del x
+    assert not any(e[0]() is None for e in _shared._entries.values())
+    del kept

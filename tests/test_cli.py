@@ -1,0 +1,39 @@
+import re
+import subprocess
+import sys
+
+import pytest
+
+from slimact.cli import main
+
+pytest.importorskip("transformers")
+
+
+def _ratio(text, kind):
+    m = re.search(rf"^{kind}\s+[\d.]+ MiB\s+[\d.]+ MiB\s+([\d.]+)x$", text, re.MULTILINE)
+    assert m, text
+    return float(m.group(1))
+
+
+def test_profile_gpt2_linear_inputs_at_most_0_3x(capsys):
+    # The foundation issue's bar, on exactly its command: gpt2 (124M), batch 2 x 256 tokens.
+    assert main(["profile", "--model", "gpt2", "--batch", "2", "--seq", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "124.4M parameters" in out
+    assert _ratio(out, "linear") <= 0.3
+    assert _ratio(out, "total") < 1.0
+
+
+def test_python_m_slimact_profile_bert_by_module():
+    proc = subprocess.run(
+        [sys.executable, "-m", "slimact", "profile", "--model", "bert-base", "--layers", "1", "--batch", "1",
+         "--seq", "32", "--by-module"],
+        capture_output=True, text=True, check=True, timeout=300,
+    )
+    assert _ratio(proc.stdout, "linear") <= 0.3
+    assert "bert.encoder.layer.0.attention.self.query" in proc.stdout
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown model"):
+        main(["profile", "--model", "gpt5", "--layers", "1"])

@@ -1,0 +1,162 @@
+import pytest
+import torch
+from torch import nn
+
+import slimact
+from slimact._metrics import cosine
+from slimact.nn import SlimModule
+
+
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(50, 32), Block(), Block(), nn.Linear(32, 50))
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids)
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+IDS = torch.randint(0, 50, (4, 16))
+
+
+def test_keeps_the_same_parameter_objects_and_state_dict():
+    model = _model()
+    params = list(model.parameters())
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    assert slimact.convert(model) is model
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    after = model.state_dict()
+    assert list(after) == list(sd)
+    for k in sd:
+        assert torch.equal(after[k], sd[k]) and after[k].data_ptr() == ptrs[k]
+    _step(model, IDS)  # a training step adds running state, never state_dict entries
+    assert list(model.state_dict()) == list(sd)
+
+
+def test_checkpoints_load_both_ways_strict():
+    plain, converted = _model(), slimact.convert(_model(), "mesa")
+    _step(converted, IDS)
+    converted.load_state_dict(plain.state_dict(), strict=True)
+    plain.load_state_dict(converted.state_dict(), strict=True)
+
+
+def test_replaced_modules_subclass_originals():
+    model = slimact.convert(_model())
+    fc = model[1].fc1
+    assert isinstance(fc, nn.Linear) and isinstance(fc, slimact.nn.Linear) and isinstance(fc, SlimModule)
+    assert type(model[0]) is nn.Embedding
+
+
+def test_converted_forward_is_exact_and_grads_close():
+    model = _model()
+    out0, g0 = _step(model, IDS)
+    slimact.convert(model)
+    out1, g1 = _step(model, IDS)
+    assert torch.equal(out0, out1)
+    for name in g0:
+        assert cosine(g0[name], g1[name]) >= 0.999, name
+
+
+def test_revert_restores_exact_outputs_and_gradients():
+    model = _model()
+    out0, g0 = _step(model, IDS)
+    classes = [type(m) for m in model.modules()]
+    slimact.convert(model, "mesa")
+    _step(model, IDS)
+    slimact.revert(model)
+    assert [type(m) for m in model.modules()] == classes
+    assert not any(n.startswith("_slimact") for m in model.modules() for n in vars(m))
+    assert not any("slimact" in n for n, _ in model.named_buffers())
+    out1, g1 = _step(model, IDS)
+    assert torch.equal(out0, out1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+def test_idempotent():
+    model = _model()
+    slimact.convert(model)
+    classes = [type(m) for m in model.modules()]
+    slimact.convert(model)
+    assert [type(m) for m in model.modules()] == classes
+    slimact.convert(model, "mesa")  # another policy re-applies to the same classes
+    assert [type(m) for m in model.modules()] == classes
+    assert model[1].fc1._slimact_cfg.scale == "running"
+    slimact.convert(model, "int8")
+    assert model[1].fc1._slimact_cfg.scale == "dynamic"
+    assert "_slimact_x_lo" not in model[1].fc1._buffers
+
+
+def test_filter_fn_and_patterns_exclude_modules():
+    model = slimact.convert(_model(), filter_fn=lambda m, name: name != "3")
+    assert not isinstance(model[3], SlimModule) and isinstance(model[1].fc1, SlimModule)
+    s = slimact.summary(model)
+    assert s.skipped["3"] == "excluded by filter_fn"
+    model = slimact.convert(_model(), slimact.Policy(exclude=("*.fc2",)))
+    assert not isinstance(model[1].fc2, SlimModule) and isinstance(model[1].fc1, SlimModule)
+
+
+def test_summary_reports_converted_and_left_alone():
+    model = slimact.convert(_model())
+    s = slimact.summary(model)
+    assert s.converted == {"linear": 5}
+    assert "LayerNorm" in s.skipped["1.norm"]
+    text = str(s)
+    assert "policy: int8" in text and "linear" in text and "1.norm" in text
+    assert slimact.summary(_model()).policy is None
+
+
+def test_tempo_policy_leaves_linear_exact():
+    model = slimact.convert(_model(), "tempo")
+    assert not any(isinstance(m, SlimModule) for m in model.modules())
+    assert "lossless" in slimact.summary(model).skipped["3"]
+
+
+def test_subclass_of_linear_keeps_its_class_in_mro():
+    mha = nn.MultiheadAttention(16, 2)
+    slimact.convert(mha)
+    assert isinstance(mha.out_proj, nn.modules.linear.NonDynamicallyQuantizableLinear)
+    assert isinstance(mha.out_proj, SlimModule)
+
+
+def test_hf_gpt2_conv1d_is_converted():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (2, 32))
+    model.train()
+    torch.manual_seed(1)  # the same dropout masks in both runs
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    g0 = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    slimact.convert(model)
+    conv = model.transformer.h[0].attn.c_attn
+    assert isinstance(conv, transformers.pytorch_utils.Conv1D) and isinstance(conv, SlimModule)
+    assert slimact.summary(model).converted["linear"] == 2 * 4 + 1
+    torch.manual_seed(1)
+    out = model(input_ids=ids, labels=ids)
+    assert torch.equal(out.logits, ref.logits)
+    out.loss.backward()
+    for n, p in model.named_parameters():
+        assert cosine(g0[n], p.grad) >= 0.99, n
