@@ -11,9 +11,12 @@ __all__ = ["main"]
 
 def _profile(args: argparse.Namespace) -> int:
     import torch
+    import transformers
 
     from slimact import convert, profile, revert
     from slimact.zoo import build, example_inputs
+
+    transformers.logging.set_verbosity_error()  # config notices about random test models are noise here
 
     model = build(args.model, layers=args.layers, attn=args.attn).to(args.device)
     inputs = example_inputs(model, args.batch, args.seq)

@@ -83,7 +83,7 @@ class Report:
 
     def table(self, by: str = "kind", top: int | None = None) -> str:
         """A readable table of bytes per kind (or per module), largest first; ``top`` limits the rows."""
-        rows = sorted(self._rows(by).items(), key=lambda kv: -kv[1])
+        rows = sorted(self._rows(by).items(), key=lambda kv: (-kv[1], kv[0]))
         total = self.activation_bytes
         width = max([len(by), *(len(k) for k, _ in rows)]) + 2
         lines = [f"{by:<{width}}{'bytes kept':>14}{'share':>8}"]
@@ -101,7 +101,7 @@ class Report:
     def compare(self, other: Report, by: str = "kind") -> str:
         """This report (the baseline) against ``other`` (e.g. the converted model), row by row, with ratios."""
         mine, theirs = self._rows(by), other._rows(by)
-        names = sorted(set(mine) | set(theirs), key=lambda k: -max(mine.get(k, 0), theirs.get(k, 0)))
+        names = sorted(set(mine) | set(theirs), key=lambda k: (-max(mine.get(k, 0), theirs.get(k, 0)), k))
         width = max([len(by), *(len(k) for k in names)]) + 2
 
         def row(name: str, a: int, b: int) -> str:

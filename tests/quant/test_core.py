@@ -32,7 +32,7 @@ def _non_contiguous(shape):
 
 
 def _step_and_slack(x, packed):
-    codes, lo, step = packed.tensors
+    _, lo, step = packed.tensors
     meta = packed.meta
     step_e = _expand(step, meta.layout, x.dim())
     lo_e = _expand(lo, meta.layout, x.dim())
@@ -40,7 +40,8 @@ def _step_and_slack(x, packed):
     # fp32 arithmetic of lo + code * step, then the cast to x.dtype: half an ulp of the result, whose
     # magnitude is at most |x| + step (an ulp is absolute below the smallest normal number).
     fi = torch.finfo(x.dtype)
-    slack = 4 * eps32 * (lo_e.abs() + 255 * step_e) + fi.eps * torch.clamp(x.float().abs() + step_e, min=fi.smallest_normal) / 2
+    cast = fi.eps * torch.clamp(x.float().abs() + step_e, min=fi.smallest_normal) / 2
+    slack = 4 * eps32 * (lo_e.abs() + 255 * step_e) + cast
     return step_e, slack
 
 
@@ -165,7 +166,7 @@ def test_tiny_fp16_ranges_have_finite_scale(scale):
     x = (torch.randn(4, 64) * scale).half()
     packed = pack(x, QuantConfig(groups=4))
     assert not packed.raw
-    _, lo, step = packed.tensors
+    step = packed.tensors[2]
     assert step.dtype == torch.float32 and torch.isfinite(step).all() and (step > 0).all()
     x_hat = unpack(packed)
     assert torch.isfinite(x_hat).all()

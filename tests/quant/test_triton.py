@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from slimact.quant import QuantConfig, pack, unpack  # noqa: E402
+from slimact.quant import QuantConfig, pack, unpack
 
 CASES = [
     ((1,), QuantConfig(group_dim=None)),
