@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -11,3 +12,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# Helpers shared by the test files (tests/_harness.py) are importable as a top-level module.
+sys.path.insert(0, os.path.dirname(__file__))

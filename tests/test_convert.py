@@ -98,9 +98,9 @@ def test_idempotent():
     assert [type(m) for m in model.modules()] == classes
     slimact.convert(model, "mesa")  # another policy re-applies to the same classes
     assert [type(m) for m in model.modules()] == classes
-    assert model[1].fc1._slimact_cfg.scale == "running"
+    assert model[1].fc1._slimact_policy.scale == "running"
     slimact.convert(model, "int8")
-    assert model[1].fc1._slimact_cfg.scale == "dynamic"
+    assert model[1].fc1._slimact_policy.scale == "dynamic"
     assert "_slimact_x_lo" not in model[1].fc1._buffers
 
 
@@ -116,16 +116,16 @@ def test_filter_fn_and_patterns_exclude_modules():
 def test_summary_reports_converted_and_left_alone():
     model = slimact.convert(_model())
     s = slimact.summary(model)
-    assert s.converted == {"linear": 5}
-    assert "LayerNorm" in s.skipped["1.norm"]
+    assert s.converted == {"linear": 5, "layernorm": 2, "gelu": 2, "dropout": 2}
+    assert "Embedding" in s.skipped["0"]
     text = str(s)
-    assert "policy: int8" in text and "linear" in text and "1.norm" in text
+    assert "policy: int8" in text and "linear" in text and "Embedding" in text
     assert slimact.summary(_model()).policy is None
 
 
-def test_tempo_policy_leaves_linear_exact():
+def test_tempo_policy_converts_only_lossless_kinds():
     model = slimact.convert(_model(), "tempo")
-    assert not any(isinstance(m, SlimModule) for m in model.modules())
+    assert {m._slimact_kind for m in model.modules() if isinstance(m, SlimModule)} == {"dropout"}
     assert "lossless" in slimact.summary(model).skipped["3"]
 
 

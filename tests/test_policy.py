@@ -16,8 +16,13 @@ def test_presets_and_frozen():
 
 
 def test_quant_config_follows_policy():
-    cfg = Policy(bits=4, channel_groups=3, stochastic=True).quant_config("linear")
+    policy = Policy(bits=4, channel_groups=3, head_groups=2, stochastic=True)
+    cfg = policy.quant_config("linear", 3)
     assert (cfg.bits, cfg.groups, cfg.stochastic, cfg.group_dim) == (4, 3, True, -1)
+    assert (policy.quant_config("matmul", 4).group_dim, policy.quant_config("matmul", 4).groups) == (1, 2)
+    assert policy.quant_config("softmax", 3).group_dim == -1  # not an attention map: channel groups
+    assert (policy.quant_config("conv", 4).group_dim, policy.quant_config("conv", 4).groups) == (1, 3)
+    assert Policy().quant_config("softmax", 4).groups == 0  # default: one group per head
 
 
 @pytest.mark.parametrize(

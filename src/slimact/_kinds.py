@@ -1,10 +1,20 @@
-"""The op kind of a module, by what it computes: shared by ``convert``, ``summary`` and ``profile``."""
+"""The op kind of a module, by what it computes: shared by ``convert``, ``summary`` and ``profile``.
+
+Activation modules are recognised by evaluating them on a probe vector and comparing with the known forms
+(:data:`slimact.functional.activation.FORMS`), so a model's own class (Hugging Face's
+``NewGELUActivation``, ``GELUTanh``, ``QuickGELUActivation``, a user's ``Swish``) is found by its math,
+not its name.
+"""
 
 from __future__ import annotations
 
+import re
+import weakref
+
+import torch
 from torch import nn
 
-__all__ = ["is_hf_conv1d", "kind_of"]
+__all__ = ["activation_form", "is_hf_conv1d", "kind_of"]
 
 _BY_TYPE: tuple[tuple[type[nn.Module], str], ...] = (
     (nn.Linear, "linear"),
@@ -13,19 +23,19 @@ _BY_TYPE: tuple[tuple[type[nn.Module], str], ...] = (
     (nn.LayerNorm, "layernorm"),
     (nn.RMSNorm, "rmsnorm"),
     (nn.GroupNorm, "norm"),
-    (nn.modules.batchnorm._BatchNorm, "norm"),
+    (nn.modules.batchnorm._BatchNorm, "batchnorm"),
     (nn.MultiheadAttention, "attention"),
     (nn.Softmax, "softmax"),
     (nn.modules.dropout._DropoutNd, "dropout"),
     (nn.Embedding, "embedding"),
     (nn.EmbeddingBag, "embedding"),
-    (nn.GELU, "activation"),
-    (nn.ReLU, "activation"),
-    (nn.SiLU, "activation"),
-    (nn.Tanh, "activation"),
-    (nn.Sigmoid, "activation"),
     (nn.modules.loss._Loss, "loss"),
 )
+
+_FORM_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "silu": "silu", "relu": "relu"}
+_ACTIVATION_NAME = re.compile(r"gelu|silu|swish|relu|act", re.IGNORECASE)
+_PROBE = torch.linspace(-8.0, 8.0, 321)
+_forms: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -35,18 +45,67 @@ def is_hf_conv1d(module: nn.Module) -> bool:
     )
 
 
+def _looks_like_activation(module: nn.Module) -> bool:
+    cls = getattr(module, "_slimact_orig_cls", type(module))
+    if next(module.children(), None) is not None or next(module.parameters(), None) is not None:
+        return False
+    if next(module.buffers(), None) is not None and not any(n.startswith("_slimact_") for n in module._buffers):
+        return False
+    return (
+        cls.__module__.startswith(("torch.nn.modules.activation", "transformers.activations"))
+        or bool(_ACTIVATION_NAME.search(cls.__name__))
+    )
+
+
+def activation_form(module: nn.Module) -> str | None:
+    """``"gelu"``, ``"gelu_tanh"``, ``"quick_gelu"``, ``"silu"`` or ``"relu"`` if ``module`` computes that
+    activation (to fp32 rounding on [-8, 8]), else ``None``."""
+    if module in _forms:
+        return _forms[module]
+    from slimact.functional.activation import FORMS, reference
+
+    form = None
+    if _looks_like_activation(module):
+        cls = getattr(module, "_slimact_orig_cls", type(module))
+        try:
+            with torch.no_grad():
+                y = cls.forward(module, _PROBE.clone()).double()
+        except Exception:  # a module that cannot run on a plain vector is not a pointwise activation
+            y = None
+        if y is not None and y.shape == _PROBE.shape:
+            for candidate in FORMS:
+                ref = reference(candidate, _PROBE.double())
+                if torch.allclose(y, ref, rtol=1e-5, atol=2e-6):
+                    form = candidate
+                    break
+    _forms[module] = form
+    return form
+
+
 def kind_of(module: nn.Module) -> str:
-    """``"linear"``, ``"layernorm"``, ``"attention"``, ... or ``"other"``."""
+    """``"linear"``, ``"layernorm"``, ``"gelu"``, ``"attention"``, ... or ``"other"``."""
+    kind = getattr(module, "_slimact_kind", None)
+    if kind is not None:
+        return kind
     for cls, kind in _BY_TYPE:
         if isinstance(module, cls):
             return kind
     if is_hf_conv1d(module):
         return "linear"
+    from slimact.nn.matmul import MatMulBase
+
+    if isinstance(module, MatMulBase):
+        return "matmul"
     name = type(module).__name__
     if "Attention" in name:
         return "attention"
-    if name.endswith(("LayerNorm", "RMSNorm")):
-        return "layernorm" if name.endswith("LayerNorm") else "rmsnorm"
-    if type(module).__module__.startswith("transformers.activations"):
+    if name.endswith("LayerNorm"):
+        return "layernorm"
+    if name.endswith("RMSNorm"):
+        return "rmsnorm"
+    form = activation_form(module)
+    if form is not None:
+        return _FORM_KIND[form]
+    if _looks_like_activation(module):
         return "activation"
     return "other"

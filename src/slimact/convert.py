@@ -14,27 +14,53 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from slimact._kinds import is_hf_conv1d, kind_of
-from slimact.nn._base import SlimModule, attach, detach
+from slimact._kinds import activation_form, is_hf_conv1d, kind_of
+from slimact.nn._base import SlimModule, StepCounter, attach, detach
+from slimact.nn.activation import activation_class
+from slimact.nn.batch_norm import batch_norm_class
+from slimact.nn.conv import conv_class, conv_unsupported
+from slimact.nn.dropout import dropout_class
+from slimact.nn.layer_norm import layer_norm_class
 from slimact.nn.linear import conv1d_class, linear_class
+from slimact.nn.matmul import MatMul, MatMulBase
+from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, resolve
 
 __all__ = ["Summary", "convert", "revert", "summary"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
-_POLICY_ATTR = "_slimact_policy"
-_SKIPPED_ATTR = "_slimact_skipped"
+# Attributes of the converted model itself (named so that detaching the root module leaves them alone).
+_POLICY_ATTR = "_slimact_root_policy"
+_SKIPPED_ATTR = "_slimact_root_skipped"
+_HOOK_ATTR = "_slimact_root_hook"
 
 
-def _slim_class(module: nn.Module) -> type[nn.Module] | None:
-    """The slimact class for ``module``'s class, or ``None`` if slimact has no replacement for it."""
+def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None, dict]:
+    """``(slimact class, None, extra)`` for a convertible module, ``(None, reason, {})`` for a known kind
+    slimact cannot convert, ``(None, None, {})`` for anything else."""
     cls = module._slimact_orig_cls if isinstance(module, SlimModule) else type(module)
     if is_hf_conv1d(module):
-        return conv1d_class(cls)
+        return conv1d_class(cls), None, {}
     if isinstance(module, nn.Linear):
-        return linear_class(cls)
-    return None
+        return linear_class(cls), None, {}
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        reason = conv_unsupported(module)
+        return (None, reason, {}) if reason else (conv_class(cls), None, {})
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return batch_norm_class(cls), None, {}
+    if isinstance(module, nn.LayerNorm):
+        return layer_norm_class(cls), None, {}
+    if isinstance(module, nn.Softmax):
+        return softmax_class(cls), None, {}
+    if isinstance(module, MatMulBase):
+        return MatMul, None, {}
+    if type(module) is nn.Dropout or (isinstance(module, SlimModule) and cls is nn.Dropout):
+        return dropout_class(cls), None, {}
+    form = activation_form(module)
+    if form is not None:
+        return activation_class(cls), None, {"form": form}
+    return None, None, {}
 
 
 def convert(
@@ -55,20 +81,27 @@ def convert(
     Idempotent: converting again (with the same or another policy) re-applies the policy to every module.
     """
     pol = resolve(policy)
+    steps = model.__dict__.get(_HOOK_ATTR, (None, None))[1] or StepCounter()
     skipped: dict[str, str] = {}
+    seen: dict[str, int] = {}
     for name, module in model.named_modules():
-        slim_cls = _slim_class(module)
+        slim_cls, unsupported, extra = _replacement(module)
         if slim_cls is None:
+            if unsupported is not None:
+                skipped[name] = unsupported
             continue
         kind = kind_of(module)
-        reason = pol.skip_reason(kind, name)
+        index = seen[kind] = seen.get(kind, -1) + 1
+        reason = pol.skip_reason(kind, name, index)
         if reason is None and filter_fn is not None and not filter_fn(module, name):
             reason = "excluded by filter_fn"
         if reason is not None:
             detach(module)
             skipped[name] = reason
             continue
-        attach(module, slim_cls, pol.quant_config(kind))
+        attach(module, slim_cls, pol, kind, steps, **extra)
+    if _HOOK_ATTR not in model.__dict__:
+        model.__dict__[_HOOK_ATTR] = (model.register_forward_pre_hook(steps), steps)
     model.__dict__[_POLICY_ATTR] = pol
     model.__dict__[_SKIPPED_ATTR] = skipped
     return model
@@ -78,6 +111,9 @@ def revert(model: nn.Module) -> nn.Module:
     """Restore every converted module of ``model`` to its original class, in place; returns ``model``."""
     for module in model.modules():
         detach(module)
+    hook = model.__dict__.pop(_HOOK_ATTR, None)
+    if hook is not None:
+        hook[0].remove()
     model.__dict__.pop(_POLICY_ATTR, None)
     model.__dict__.pop(_SKIPPED_ATTR, None)
     return model

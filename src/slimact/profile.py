@@ -182,6 +182,7 @@ def _restoring(model: nn.Module):
     for p in grads:
         p.grad = None  # the backward below must not accumulate into the caller's gradients
     buffers = {(m, n): None if b is None else b.clone() for m in model.modules() for n, b in m._buffers.items()}
+    buffer_names = {m: set(m._buffers) for m in model.modules()}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         try:
@@ -193,6 +194,10 @@ def _restoring(model: nn.Module):
                 p.grad = g
             for (m, n), b in buffers.items():
                 m._buffers[n] = b
+            for m, names in buffer_names.items():  # buffers the step created (running estimates)
+                for n in set(m._buffers) - names:
+                    del m._buffers[n]
+                    m._non_persistent_buffers_set.discard(n)
 
 
 def profile(

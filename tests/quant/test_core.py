@@ -231,8 +231,15 @@ def test_same_tensor_is_packed_once_while_kept():
     assert all(a is b for a, b in zip(first.tensors, again.tensors, strict=True))
     view = x.view(8, 16)  # another tensor object on the same storage view
     assert pack(view, cfg).tensors[0] is first.tensors[0]
-    assert pack(x, QuantConfig(groups=2)).tensors[0] is not first.tensors[0]  # another config
+    assert pack(x, QuantConfig(groups=2)).tensors[0] is first.tensors[0]  # any grouping serves
+    assert pack(x, QuantConfig(bits=4)).tensors[0] is first.tensors[0]  # as do more bits than asked
     assert pack(x[1:], cfg).tensors[0] is not first.tensors[0]  # another view
+    low = pack(torch.randn(8, 16), QuantConfig(bits=4))
+    assert low.meta.bits == 4
+    y = torch.randn(8, 16)
+    coarse = pack(y, QuantConfig(bits=4))
+    fine = pack(y, cfg)  # asks for more bits than the cached pack has: packed anew
+    assert fine.meta.bits == 8 and fine.tensors[0] is not coarse.tensors[0]
 
 
 def test_shared_pack_is_refreshed_after_in_place_change_or_release():

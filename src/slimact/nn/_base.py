@@ -2,36 +2,80 @@
 
 A slimact module is the torch module it replaces with its class swapped for a subclass (``slimact.nn.Linear``
 is an ``nn.Linear``): the object, its parameters and its ``state_dict`` stay the very same. What slimact adds
-lives in plain attributes (the compression config, the original class) and in non-persistent buffers (the
-running estimate), so checkpoints load both ways with ``strict=True``.
+lives in plain attributes (the policy, the layer kind, the original class) and in non-persistent buffers
+(running estimates), so checkpoints load both ways with ``strict=True``.
+
+Running estimates are kept per **call site**: the ``k``-th call of a module within one forward pass of
+the converted model has its own estimate (buffers ``_slimact_<operand>`` for the first call,
+``_slimact_<operand>_<k>`` after), so a module applied twice per step to tensors of very different ranges
+(a shared block, ``q @ k^T`` and ``p @ v`` through one MatMul) does not average them. ``convert`` counts
+forward passes with a pre-hook on the model; a slimact module used on its own has a single call site.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
 
+from torch import Tensor, nn
+
+from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
 
-__all__ = ["SlimModule", "attach", "detach", "slim_class"]
+__all__ = ["MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "detach", "slim_class", "standalone"]
+
+#: Calls of one module per forward pass that get their own running estimate; later calls share the last.
+MAX_CALL_SITES = 16
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+class StepCounter:
+    """Counts forward passes of a converted model (incremented by a forward pre-hook on the model)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self, module: nn.Module, args: object) -> None:
+        self.value += 1
 
 
 class SlimModule:
     """Mixin of every slimact module (``isinstance(m, SlimModule)`` tells a converted module)."""
 
-    _slimact_cfg: QuantConfig
-    _slimact_state: RunningRange | None
+    _slimact_policy: Policy
+    _slimact_kind: str
     _slimact_orig_cls: type[nn.Module]
+    _slimact_steps: StepCounter | None
 
     def _slimact_active(self) -> bool:
-        # Compression only where a backward will need it: never in eval mode.
+        """Compression only where a backward will need it: never in eval mode."""
         return self.training  # type: ignore[attr-defined]
 
+    def _slimact_begin(self) -> None:
+        """Start a call: find its call site (for running estimates)."""
+        steps = self.__dict__.get("_slimact_steps")
+        if steps is None:
+            self._slimact_site = 0
+            return
+        if self.__dict__.get("_slimact_step") != steps.value:
+            self._slimact_step = steps.value
+            self._slimact_site = 0
+        else:
+            self._slimact_site = min(self._slimact_site + 1, MAX_CALL_SITES - 1)
+
+    def _slimact_cfg(self, x: Tensor) -> QuantConfig:
+        return self._slimact_policy.quant_config(self._slimact_kind, x.dim())
+
+    def _slimact_state(self, operand: str = "x") -> RunningRange | None:
+        """The running estimate of ``operand`` at this call site, if the policy uses running estimates."""
+        if self._slimact_policy.scale != "running":
+            return None
+        site = self.__dict__.get("_slimact_site", 0)
+        return RunningRange(self, f"_slimact_{operand}" + (f"_{site}" if site else ""))  # type: ignore[arg-type]
+
     def extra_repr(self) -> str:
-        cfg = self._slimact_cfg
-        rounding = "stochastic" if cfg.stochastic else "nearest"
-        slim = f"slimact: int{cfg.bits}, {cfg.scale} scale, {cfg.groups} groups, {rounding}"
+        p = self._slimact_policy
+        slim = f"slimact: {self._slimact_kind}, policy {p.name!r}"
         base = super().extra_repr()  # type: ignore[misc]
         return f"{base}, {slim}" if base else slim
 
@@ -44,20 +88,35 @@ def slim_class(mixin: type, cls: type[nn.Module]) -> type[nn.Module]:
     return _CLASS_CACHE[key]
 
 
-def attach(module: nn.Module, slim_cls: type[nn.Module], cfg: QuantConfig) -> nn.Module:
-    """Turn ``module`` into an instance of ``slim_cls`` in place (idempotent: re-attaching updates ``cfg``)."""
+def _clear_state(module: nn.Module) -> None:
+    for name in [n for n in module._buffers if n.startswith("_slimact_")]:
+        del module._buffers[name]
+        module._non_persistent_buffers_set.discard(name)
+
+
+def attach(
+    module: nn.Module,
+    slim_cls: type[nn.Module],
+    policy: Policy,
+    kind: str,
+    steps: StepCounter | None = None,
+    **extra: Any,
+) -> nn.Module:
+    """Turn ``module`` into an instance of ``slim_cls`` in place (idempotent: re-attaching updates the policy).
+
+    ``extra`` items become ``_slimact_<name>`` attributes (e.g. an activation's form). Changing the policy
+    drops the running estimates gathered under the old one.
+    """
     if not isinstance(module, SlimModule):
         module._slimact_orig_cls = type(module)
         module.__class__ = slim_cls
-    module._slimact_cfg = cfg
-    state = module.__dict__.get("_slimact_state")
-    if cfg.scale == "running":
-        if state is None:
-            module._slimact_state = RunningRange(module, "_slimact_x")
-    else:
-        if state is not None:
-            state.clear()
-        module._slimact_state = None
+    elif module.__dict__.get("_slimact_policy") != policy:
+        _clear_state(module)
+    module._slimact_policy = policy
+    module._slimact_kind = kind
+    module._slimact_steps = steps
+    for name, value in extra.items():
+        setattr(module, f"_slimact_{name}", value)
     return module
 
 
@@ -65,9 +124,23 @@ def detach(module: nn.Module) -> nn.Module:
     """Undo :func:`attach`: the original class again, slimact's attributes and buffers gone."""
     if not isinstance(module, SlimModule):
         return module
-    if module._slimact_state is not None:
-        module._slimact_state.clear()
+    _clear_state(module)
     module.__class__ = module._slimact_orig_cls
-    for name in ("_slimact_cfg", "_slimact_state", "_slimact_orig_cls"):
-        module.__dict__.pop(name, None)
+    for name in [n for n in module.__dict__ if n.startswith("_slimact_") and not n.startswith("_slimact_root")]:
+        del module.__dict__[name]
     return module
+
+
+def standalone(mixin: type, base: type[nn.Module], kind: str, name: str, doc: str, **extra: Any) -> type[nn.Module]:
+    """A named slimact class for direct use: ``base``'s constructor plus a keyword-only ``policy``.
+
+    ``extra`` maps attribute names to functions of the constructed module (e.g. its activation form).
+    """
+
+    def __init__(self, *args: Any, policy: str | Policy = "int8", **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        self._slimact_orig_cls = base
+        attach(self, cls, resolve(policy), kind, **{k: f(self) for k, f in extra.items()})
+
+    cls = type(name, (mixin, base), {"__init__": __init__, "__doc__": doc, "__module__": mixin.__module__})
+    return cls

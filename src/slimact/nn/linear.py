@@ -10,10 +10,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from slimact.functional.linear import linear
-from slimact.nn._base import SlimModule, attach, slim_class
-from slimact.policy import Policy, resolve
+from slimact.nn._base import SlimModule, slim_class, standalone
 
-__all__ = ["Linear", "conv1d_class"]
+__all__ = ["Linear", "conv1d_class", "linear_class"]
 
 
 class _LinearMixin(SlimModule):
@@ -22,8 +21,9 @@ class _LinearMixin(SlimModule):
     def forward(self, x: Tensor) -> Tensor:
         if not self._slimact_active():
             return super().forward(x)  # type: ignore[misc]
+        self._slimact_begin()
         return linear(
-            x, self.weight, self.bias, self._slimact_cfg, self._slimact_state, transposed=self._transposed
+            x, self.weight, self.bias, self._slimact_cfg(x), self._slimact_state(), transposed=self._transposed
         )
 
 
@@ -31,27 +31,13 @@ class _Conv1DMixin(_LinearMixin):
     _transposed = True
 
 
-class Linear(_LinearMixin, nn.Linear):
+Linear = standalone(
+    _LinearMixin, nn.Linear, "linear", "Linear",
     """Drop-in ``nn.Linear`` keeping its input for the backward as b-bit codes.
 
-    Args:
-        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
-        policy: preset name, :class:`slimact.Policy` or policy file; its ``"linear"`` settings apply.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-        *,
-        policy: str | Policy = "int8",
-    ) -> None:
-        super().__init__(in_features, out_features, bias, device, dtype)
-        self._slimact_orig_cls = nn.Linear
-        attach(self, Linear, resolve(policy).quant_config("linear"))
+    Args: those of ``nn.Linear``, and ``policy`` (keyword): preset name, :class:`slimact.Policy` or file.
+    """,
+)
 
 
 def linear_class(cls: type[nn.Module]) -> type[nn.Module]:

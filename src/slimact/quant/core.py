@@ -6,12 +6,14 @@ snapshot. Only the elementwise quantise/dequantise pass is dispatched: to the Tr
 tensors when Triton is installed, else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference``
 forces the reference everywhere.
 
-Nothing is stored twice: when two consumers pack the same tensor with the same config in one step (the
-query, key and value projections all reading one hidden state; a norm's output that the next Linear also
-keeps), the second gets the first's :class:`Packed`, so both save the very same storages. The cache is
-keyed by the tensor's storage view, holds only weak references (to the source tensor, so its storage
-address cannot be reused while an entry is valid, and to the codes, so it never keeps them alive), and
-is checked against the source's version counter, so an in-place change in between forces a fresh pack.
+Nothing is stored twice: when two consumers pack the same tensor in one step (the query, key and value
+projections all reading one hidden state; a LayerNorm's output that the next Linear also keeps), the
+second gets the first's :class:`Packed`, so both keep the very same storages. A pack is reused whatever
+its grouping, as long as it has at least the requested bits (the first consumer's layout serves both).
+The cache is keyed by the tensor's storage view, holds only weak references (to the source tensor, so its
+storage address cannot be reused while an entry is valid, and to the codes, so it never keeps them
+alive), and is checked against the source's version counter, so an in-place change in between forces a
+fresh pack.
 """
 
 from __future__ import annotations
@@ -74,21 +76,21 @@ class _SharedPacks:
         self._entries: dict[tuple, tuple] = {}
 
     @staticmethod
-    def _key(x: Tensor, cfg: QuantConfig) -> tuple:
-        return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype, cfg)
+    def _key(x: Tensor) -> tuple:
+        return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype)
 
     def get(self, x: Tensor, cfg: QuantConfig) -> Packed | None:
-        entry = self._entries.get(self._key(x, cfg))
+        entry = self._entries.get(self._key(x))
         if entry is None:
             return None
         source, version, refs, meta = entry
         tensors = tuple(r() for r in refs)
-        if source() is None or version != x._version or any(t is None for t in tensors):
+        if source() is None or version != x._version or any(t is None for t in tensors) or meta.bits < cfg.bits:
             return None
         return Packed(tensors, meta)  # type: ignore[arg-type]
 
-    def put(self, x: Tensor, cfg: QuantConfig, packed: Packed) -> None:
-        key = self._key(x, cfg)
+    def put(self, x: Tensor, packed: Packed) -> None:
+        key = self._key(x)
         entries = self._entries
         # The entry dies with its source tensor (whose storage address may then be reused).
         source = weakref.ref(x, lambda _ref, key=key: entries.pop(key, None))
@@ -118,8 +120,8 @@ def pack(
         state: running-estimate buffers, used when ``cfg.scale == "running"``.
         training: whether the running estimate may be updated.
         backend: ``"reference"`` or ``"triton"``; default :func:`backend_for`.
-        share: reuse the pack of the same tensor (same storage view, unchanged since) made with the same
-            ``cfg`` while that pack is still kept by someone.
+        share: reuse a pack of the same tensor (same storage view, unchanged since, at least ``cfg.bits``)
+            while that pack is still kept by someone.
     """
     if x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
         return _raw(x)
@@ -142,7 +144,7 @@ def pack(
     codes = kernels.quantize(x, layout, lo, step, cfg.bits, seed)
     packed = Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
     if share:
-        _shared.put(x, cfg, packed)
+        _shared.put(x, packed)
     return packed
 
 

@@ -48,8 +48,3 @@ class RunningRange:
             self.module._buffers[self.lo_name] = new_lo
             self.module._buffers[self.range_name] = new_rng
         return new_lo.clone(), new_lo + new_rng
-
-    def clear(self) -> None:
-        """Remove the buffers from the module (used by ``revert``)."""
-        self.module._buffers.pop(self.lo_name, None)
-        self.module._buffers.pop(self.range_name, None)

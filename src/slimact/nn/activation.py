@@ -1,0 +1,41 @@
+"""Activation modules keeping their input 8-bit (GELU forms, SiLU) or a 1-bit mask (ReLU).
+
+``convert`` turns any module that computes one of the known forms (see :mod:`slimact._kinds`) into its
+slimact subclass; the forward stays the module's own code. ``slimact.nn.GELU``/``SiLU``/``ReLU`` are the
+named classes for direct use.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from slimact._kinds import activation_form
+from slimact.functional.activation import activation
+from slimact.nn._base import SlimModule, slim_class, standalone
+
+__all__ = ["GELU", "ReLU", "SiLU", "activation_class"]
+
+
+class _ActivationMixin(SlimModule):
+    _slimact_form: str
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self._slimact_active():
+            return super().forward(x)  # type: ignore[misc]
+        self._slimact_begin()
+        cfg = self._slimact_cfg(x)
+        return activation(x, self._slimact_form, cfg, self._slimact_state(), fn=super().forward)  # type: ignore[misc]
+
+
+_DOC = "Drop-in ``nn.{0}`` keeping {1} for the backward. Args: those of ``nn.{0}``, and keyword ``policy``."
+GELU = standalone(_ActivationMixin, nn.GELU, "gelu", "GELU", _DOC.format("GELU", "its input 8-bit"),
+                  form=activation_form)
+SiLU = standalone(_ActivationMixin, nn.SiLU, "silu", "SiLU", _DOC.format("SiLU", "its input 8-bit"),
+                  form=activation_form)
+ReLU = standalone(_ActivationMixin, nn.ReLU, "relu", "ReLU", _DOC.format("ReLU", "a 1-bit mask"),
+                  form=activation_form)
+
+
+def activation_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The slimact class for an activation module class."""
+    return {nn.GELU: GELU, nn.SiLU: SiLU, nn.ReLU: ReLU}.get(cls) or slim_class(_ActivationMixin, cls)

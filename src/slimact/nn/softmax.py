@@ -1,0 +1,28 @@
+"""``slimact.nn.Softmax``: keeps only its output, 8-bit (per head for attention maps)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from slimact.functional.softmax import softmax
+from slimact.nn._base import SlimModule, slim_class, standalone
+
+__all__ = ["Softmax", "softmax_class"]
+
+
+class _SoftmaxMixin(SlimModule):
+    def forward(self, x: Tensor) -> Tensor:
+        if not self._slimact_active() or self.dim is None:
+            return super().forward(x)  # type: ignore[misc]
+        self._slimact_begin()
+        return softmax(x, self.dim, self._slimact_cfg(x), self._slimact_state())
+
+
+Softmax = standalone(
+    _SoftmaxMixin, nn.Softmax, "softmax", "Softmax",
+    "Drop-in ``nn.Softmax`` keeping its output 8-bit. Args: those of ``nn.Softmax``, and keyword ``policy``.",
+)
+
+
+def softmax_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return Softmax if cls is nn.Softmax else slim_class(_SoftmaxMixin, cls)
