@@ -105,10 +105,22 @@ def test_stochastic_rounding_reproducible_under_manual_seed():
     torch.manual_seed(123)
     a = pack(x, cfg, share=False).tensors[0]
     b = pack(x, cfg, share=False).tensors[0]
+    torch.manual_seed(7)
+    pack(x, cfg, share=False)
     torch.manual_seed(123)
     c = pack(x, cfg, share=False).tensors[0]
-    assert torch.equal(a, c)
+    d = pack(x, cfg, share=False).tensors[0]
+    assert torch.equal(a, c) and torch.equal(b, d)
     assert not torch.equal(a, b)
+
+
+def test_stochastic_rounding_never_advances_torchs_generator():
+    x = torch.randn(64, 33)
+    torch.manual_seed(3)
+    expected = torch.rand(5)
+    torch.manual_seed(3)
+    pack(x, QuantConfig(stochastic=True), share=False)
+    assert torch.equal(torch.rand(5), expected)  # dropout masks after it are the plain model's
 
 
 def _module_with_state():

@@ -18,9 +18,10 @@ Groups (``QuantConfig.group_dim`` / ``groups``):
 ``2**b - 1``: it never wraps.
 
 Rounding is to nearest (``floor(v + 0.5)``) or stochastic (``floor(v + u)``, ``u`` uniform in [0, 1)).
-The stochastic bits come from a counter-based hash of ``(seed, flat element index)``; the seed is drawn
-from PyTorch's global generator, so results are reproducible under ``torch.manual_seed``, and the Triton
-kernel (:mod:`slimact.quant.triton`) reproduces the same codes bit for bit without storing any noise.
+The stochastic bits come from a counter-based hash of ``(seed, flat element index)``; the seed comes from a
+stream keyed by ``torch.initial_seed()`` (:func:`draw_seed`), so results are reproducible under
+``torch.manual_seed`` without ever advancing PyTorch's own generator, and the Triton kernel
+(:mod:`slimact.quant.triton`) reproduces the same codes bit for bit without storing any noise.
 
 Error bound per element, measured before the cast back to ``x.dtype``: at most ``step/2`` with nearest
 rounding, under ``step`` with stochastic rounding (which is unbiased); the cast adds at most half an ulp
@@ -214,9 +215,23 @@ def hash_uniform(numel: int, seed: int, device: torch.device | str = "cpu") -> T
     return (h >> 8).float() * (1.0 / (1 << 24))
 
 
+_stream = {"initial": None, "count": 0}
+
+
 def draw_seed() -> int:
-    """A 31-bit seed from PyTorch's global CPU generator (reproducible under ``torch.manual_seed``)."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+    """The next 31-bit stochastic-rounding seed.
+
+    A counter stream keyed by ``torch.initial_seed()``: it restarts whenever ``torch.manual_seed`` sets a new
+    seed, so runs seeded alike round alike, and it never draws from (or advances) PyTorch's generator, so a
+    converted model's dropout masks are exactly the plain model's. (Seeding twice with the same value in one
+    process continues the stream rather than restarting it.)
+    """
+    initial = torch.initial_seed()
+    if _stream["initial"] != initial:
+        _stream["initial"], _stream["count"] = initial, 0
+    n = _stream["count"]
+    _stream["count"] = n + 1
+    return hash((initial, n)) & 0x7FFFFFFF
 
 
 class PackMeta(NamedTuple):
