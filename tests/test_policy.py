@@ -64,3 +64,61 @@ def test_missing_file_and_unknown_preset_are_errors(tmp_path):
         slimact.convert(__import__("torch").nn.Linear(2, 2), tmp_path / "nope.toml")
     with pytest.raises(PolicyError, match="unknown policy"):
         slimact.policy.resolve("int9")
+
+
+MESA_FILE = """\
+# a Mesa policy file, as its README writes them
+on gelu: # layer tag
+    by_index: all # layer index
+    enable: True
+    level: 256
+    ema_decay: 0.9
+
+    by_index: 1 # exclude the GELU with index 1
+    enable: False
+
+on layernorm:
+    by_index: all
+    enable: True
+    ema_decay: 0.8
+"""
+
+
+def test_mesa_text_file_enabling_only_gelu_and_layernorm_converts_only_those(tmp_path):
+    import torch
+    from torch import nn
+
+    f = tmp_path / "policy.txt"
+    f.write_text(MESA_FILE, encoding="utf-8")
+    policy = Policy.from_file(f)
+    assert policy.kinds == ("gelu", "layernorm")
+    assert policy.exclude_index == ("gelu:1",)
+    assert (policy.bits, policy.ema_decay, policy.scale, policy.stochastic) == (8, 0.8, "running", True)
+
+    def block():
+        return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.Softmax(-1), nn.ReLU(), nn.Dropout())
+
+    model = slimact.convert(nn.Sequential(block(), block(), block()), f)
+    converted = {n: m._slimact_kind for n, m in model.named_modules() if isinstance(m, slimact.nn.SlimModule)}
+    assert converted == {"0.0": "layernorm", "0.2": "gelu", "1.0": "layernorm", "2.0": "layernorm", "2.2": "gelu"}
+    assert slimact.summary(model).skipped["1.2"] == "excluded by index (gelu:1)"
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("on attention:\n  by_index: all\n  enable: True\n", r"p.txt:1: unknown Mesa layer tag"),
+        ("on gelu:\n  by_index: all\n  enable: maybe\n", r"p.txt:3: bad value for 'enable'"),
+        ("on gelu:\n  by_index: all\n  level: 100\n", r"p.txt:3: bad value for 'level'"),
+        ("on gelu:\n  by_index: all\n  groups: 3\n", r"p.txt:3: unknown key 'groups'"),
+        ("on gelu:\n  enable: True\n", r"p.txt:2: 'enable' before a 'by_index:' line"),
+        ("by_index: all\n", r"p.txt:1: 'by_index' before any 'on <tag>:' line"),
+        ("on gelu:\n  by_index: 2\n  enable: True\n", r"p.txt:2: enabling only some 'gelu' layers"),
+    ],
+)
+def test_mesa_text_errors_name_file_and_line(tmp_path, text, match):
+    f = tmp_path / "p.txt"
+    f.write_text(text, encoding="utf-8")
+    with pytest.raises(PolicyError, match=match):
+        Policy.from_file(f)

@@ -223,7 +223,7 @@ def _from_mesa_text(text: str, source: str) -> Policy:
     tag: str | None = None
     block: dict[str, Any] | None = None
 
-    def close_block(line_no: int) -> None:
+    def close_block() -> None:
         if block is None or tag is None:
             return
         kind = _MESA_TAGS[tag]
@@ -237,7 +237,7 @@ def _from_mesa_text(text: str, source: str) -> Policy:
             excluded.extend(f"{kind}:{i}" for i in block["by_index"])
         elif kind not in kinds:
             raise PolicyError(
-                f"{source}:{line_no}: enabling only some {tag!r} layers by index is not supported; "
+                f"{source}:{block['line']}: enabling only some {tag!r} layers by index is not supported; "
                 "enable 'all' and disable the others by index"
             )
 
@@ -252,7 +252,7 @@ def _from_mesa_text(text: str, source: str) -> Policy:
             raise PolicyError(f"{source}:{no}: expected 'key: value', got {raw.strip()!r}")
         words = head.split()
         if words and words[0] == "on":
-            close_block(no)
+            close_block()
             if len(words) != 2 or words[1] not in _MESA_TAGS:
                 raise PolicyError(f"{source}:{no}: unknown Mesa layer tag {head!r}; known: {sorted(_MESA_TAGS)}")
             tag, block = words[1], None
@@ -260,12 +260,12 @@ def _from_mesa_text(text: str, source: str) -> Policy:
         if tag is None:
             raise PolicyError(f"{source}:{no}: {head!r} before any 'on <tag>:' line")
         if head == "by_index":
-            close_block(no)
+            close_block()
             if value == "all":
-                block = {"by_index": "all"}
+                block = {"by_index": "all", "line": no}
             else:
                 try:
-                    block = {"by_index": [int(v) for v in value.replace(",", " ").split()]}
+                    block = {"by_index": [int(v) for v in value.replace(",", " ").split()], "line": no}
                 except ValueError:
                     raise PolicyError(f"{source}:{no}: by_index must be 'all' or indices, got {value!r}") from None
             continue
@@ -284,7 +284,7 @@ def _from_mesa_text(text: str, source: str) -> Policy:
                 settings["ema_decay"] = float(value)
         except (ValueError, KeyError):
             raise PolicyError(f"{source}:{no}: bad value for {head!r}: {value!r}") from None
-    close_block(len(lines))
+    close_block()
     try:
         return base.replace(
             name=Path(source).stem, kinds=tuple(kinds), exclude_index=tuple(excluded), **settings

@@ -122,3 +122,16 @@ def test_nan_input_shows_in_weight_grad_as_in_torch():
     F.linear(x, w2).sum().backward()
     assert torch.equal(w.grad.isnan(), w2.grad.isnan())
     torch.testing.assert_close(w.grad, w2.grad, equal_nan=True)
+
+
+def test_linear_keeps_at_most_0_27x():
+    from _harness import saved_ratio
+
+    assert saved_ratio(torch.nn.Linear(256, 256), torch.randn(256, 256)) <= 0.27
+
+
+def test_hf_conv1d_keeps_at_most_0_27x():
+    transformers = pytest.importorskip("transformers")
+    from _harness import saved_ratio
+
+    assert saved_ratio(transformers.pytorch_utils.Conv1D(256, 256), torch.randn(256, 256)) <= 0.27
