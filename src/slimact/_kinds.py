@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["activation_form", "is_hf_conv1d", "kind_of"]
+__all__ = ["activation_form", "is_hf_conv1d", "kind_of", "norm_form"]
 
 _BY_TYPE: tuple[tuple[type[nn.Module], str], ...] = (
     (nn.Linear, "linear"),
@@ -82,11 +82,64 @@ def activation_form(module: nn.Module) -> str | None:
     return form
 
 
+_norm_forms: weakref.WeakKeyDictionary[nn.Module, dict | None] = weakref.WeakKeyDictionary()
+
+
+def _probe_norm(module: nn.Module, cls: type, weight: torch.Tensor, eps: float) -> dict | None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, weight.numel(), generator=gen) * 3 + 1
+    y = None
+    for dtype in (torch.float32, weight.dtype):  # fp32 first; a module that insists on its own dtype next
+        try:
+            with torch.no_grad():
+                y = cls.forward(module, x.to(dtype)).float()
+            break
+        except Exception:  # not a plain [..., C] -> [..., C] norm in this dtype
+            continue
+    if y is None:
+        return None
+    x = x.to(dtype).float()
+    tol = max(1e-3, 4 * torch.finfo(dtype).eps)
+    xf, w = x.float(), weight.detach().float()
+    bias = getattr(module, "bias", None)
+    b = bias.detach().float() if isinstance(bias, torch.Tensor) else 0.0
+    rms = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    var, mean = torch.var_mean(xf, -1, unbiased=False, keepdim=True)
+    centered = (xf - mean) * torch.rsqrt(var + eps)
+    candidates = [(centered, True, 0.0), (rms, False, 0.0), (rms, False, 1.0)]
+    for xn, is_centered, offset in candidates:
+        if y.shape == xn.shape and torch.allclose(y, xn * (w + offset) + b, rtol=tol, atol=tol / 10):
+            return {"centered": is_centered, "offset": offset, "eps": eps}
+    return None
+
+
+def norm_form(module: nn.Module) -> dict | None:
+    """``{"centered", "offset", "eps"}`` if ``module`` is a LayerNorm (centered) or an RMSNorm (Gemma's
+    ``1 + weight``: ``offset=1``) over its last dim, by what it computes; else ``None``."""
+    if module in _norm_forms:
+        return _norm_forms[module]
+    cls = getattr(module, "_slimact_orig_cls", type(module))
+    form = None
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        if len(module.normalized_shape) == 1:
+            form = {"centered": isinstance(module, nn.LayerNorm), "offset": 0.0, "eps": module.eps}
+    elif "Norm" in cls.__name__ and next(module.children(), None) is None:
+        weight = getattr(module, "weight", None)
+        eps = next((getattr(module, a) for a in ("eps", "variance_epsilon", "epsilon") if hasattr(module, a)), None)
+        if isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(eps, float):
+            form = _probe_norm(module, cls, weight, eps)
+    _norm_forms[module] = form
+    return form
+
+
 def kind_of(module: nn.Module) -> str:
     """``"linear"``, ``"layernorm"``, ``"gelu"``, ``"attention"``, ... or ``"other"``."""
     kind = getattr(module, "_slimact_kind", None)
     if kind is not None:
         return kind
+    form = norm_form(module)
+    if form is not None:
+        return "layernorm" if form["centered"] else "rmsnorm"
     for cls, kind in _BY_TYPE:
         if isinstance(module, cls):
             return kind

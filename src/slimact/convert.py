@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from slimact._kinds import activation_form, is_hf_conv1d, kind_of
+from slimact._kinds import activation_form, is_hf_conv1d, kind_of, norm_form
 from slimact.nn._base import SlimModule, StepCounter, attach, detach
 from slimact.nn.activation import activation_class
 from slimact.nn.batch_norm import batch_norm_class
 from slimact.nn.conv import conv_class, conv_unsupported
 from slimact.nn.dropout import dropout_class
-from slimact.nn.layer_norm import layer_norm_class
 from slimact.nn.linear import conv1d_class, linear_class
 from slimact.nn.matmul import MatMul, MatMulBase
+from slimact.nn.norm import norm_class
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, resolve
 
@@ -49,17 +49,20 @@ def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None,
         return (None, reason, {}) if reason else (conv_class(cls), None, {})
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return batch_norm_class(cls), None, {}
-    if isinstance(module, nn.LayerNorm):
-        return layer_norm_class(cls), None, {}
+    form = norm_form(module)
+    if form is not None:
+        return norm_class(cls), None, form
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return None, "normalised over more than the last dim: not supported yet", {}
     if isinstance(module, nn.Softmax):
         return softmax_class(cls), None, {}
     if isinstance(module, MatMulBase):
         return MatMul, None, {}
     if type(module) is nn.Dropout or (isinstance(module, SlimModule) and cls is nn.Dropout):
         return dropout_class(cls), None, {}
-    form = activation_form(module)
-    if form is not None:
-        return activation_class(cls), None, {"form": form}
+    act = activation_form(module)
+    if act is not None:
+        return activation_class(cls), None, {"form": act}
     return None, None, {}
 
 

@@ -38,10 +38,12 @@ __all__ = ["KINDS", "LOSSLESS_KINDS", "PRESETS", "Policy", "PolicyError"]
 
 #: Layer kinds slimact can convert.
 KINDS: tuple[str, ...] = (
-    "linear", "conv", "batchnorm", "layernorm", "matmul", "softmax", "gelu", "silu", "relu", "dropout",
+    "linear", "conv", "batchnorm", "layernorm", "rmsnorm", "matmul", "softmax", "gelu", "silu", "relu", "dropout",
+    "mlp", "lmloss",
 )
-#: Kinds whose slimact form is exact (a bit mask keeps all the backward needs): on under lossless policies.
-LOSSLESS_KINDS: tuple[str, ...] = ("relu", "dropout")
+#: Kinds whose slimact form is exact when nothing is quantised (bit masks; outputs kept instead of inputs):
+#: the ones a lossless policy (``quantize=False``, the ``"tempo"`` preset) converts.
+LOSSLESS_KINDS: tuple[str, ...] = ("relu", "dropout", "layernorm", "rmsnorm", "gelu", "mlp", "lmloss")
 _HEADWISE_KINDS = ("matmul", "softmax")
 _CHANNEL_FIRST_KINDS = ("conv", "batchnorm")
 
@@ -102,13 +104,13 @@ class Policy:
             if not re.fullmatch(r"[a-z]+:\d+", entry) or entry.split(":")[0] not in KINDS:
                 raise PolicyError(f"exclude_index entries are 'kind:index' with a known kind, got {entry!r}")
         try:
-            self.quant_config("linear", 2)
+            _quant_config(self, "linear", 2)
         except ValueError as e:
             raise PolicyError(str(e)) from None
 
-    def quant_config(self, kind: str, ndim: int) -> QuantConfig:
-        """The compression of a rank-``ndim`` tensor saved by a layer of ``kind``."""
-        return _quant_config(self, kind, ndim)
+    def quant_config(self, kind: str, ndim: int) -> QuantConfig | None:
+        """The compression of a rank-``ndim`` tensor saved by a layer of ``kind``; ``None``: keep it exact."""
+        return _quant_config(self, kind, ndim) if self.quantize else None
 
     def skip_reason(self, kind: str, qualified_name: str, index: int = -1) -> str | None:
         """Why a module of ``kind`` named ``qualified_name`` (the ``index``-th of its kind) is left alone.

@@ -4,9 +4,9 @@ from slimact.functional.activation import activation
 from slimact.functional.batch_norm import batch_norm
 from slimact.functional.conv import conv
 from slimact.functional.dropout import dropout
-from slimact.functional.layer_norm import layer_norm
 from slimact.functional.linear import linear
 from slimact.functional.matmul import matmul
+from slimact.functional.norm import norm
 from slimact.functional.softmax import softmax
 
-__all__ = ["activation", "batch_norm", "conv", "dropout", "layer_norm", "linear", "matmul", "softmax"]
+__all__ = ["activation", "batch_norm", "conv", "dropout", "linear", "matmul", "norm", "softmax"]

@@ -5,9 +5,9 @@ from slimact.nn.activation import GELU, ReLU, SiLU
 from slimact.nn.batch_norm import BatchNorm2d
 from slimact.nn.conv import Conv2d
 from slimact.nn.dropout import Dropout
-from slimact.nn.layer_norm import LayerNorm
 from slimact.nn.linear import Linear
 from slimact.nn.matmul import MatMul, MatMulBase
+from slimact.nn.norm import LayerNorm, RMSNorm
 from slimact.nn.softmax import Softmax
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Linear",
     "MatMul",
     "MatMulBase",
+    "RMSNorm",
     "ReLU",
     "SiLU",
     "SlimModule",

@@ -104,7 +104,7 @@ _shared = _SharedPacks()
 @torch.no_grad()
 def pack(
     x: Tensor,
-    cfg: QuantConfig,
+    cfg: QuantConfig | None,
     state: RunningRange | None = None,
     *,
     training: bool = True,
@@ -116,14 +116,14 @@ def pack(
     Args:
         x: fp32/fp16/bf16 tensor, any strides. Other dtypes, empty tensors and tensors holding NaN/inf are
             returned uncompressed (``Packed.raw``), exactly as given.
-        cfg: bits, grouping, scale mode and rounding.
+        cfg: bits, grouping, scale mode and rounding; ``None`` keeps ``x`` exact (lossless policies).
         state: running-estimate buffers, used when ``cfg.scale == "running"``.
         training: whether the running estimate may be updated.
         backend: ``"reference"`` or ``"triton"``; default :func:`backend_for`.
         share: reuse a pack of the same tensor (same storage view, unchanged since, at least ``cfg.bits``)
             while that pack is still kept by someone.
     """
-    if x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
+    if cfg is None or x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
         return _raw(x)
     if share:
         hit = _shared.get(x, cfg)

@@ -1,0 +1,53 @@
+"""``slimact.nn.LayerNorm`` / ``slimact.nn.RMSNorm``: keep their output (shared with the next layer) and rstd.
+
+``convert`` also turns model-specific norm classes into these by what they compute (see
+:func:`slimact._kinds.norm_form`): Hugging Face's ``LlamaRMSNorm`` and its copies, ``GemmaRMSNorm`` with its
+``1 + weight``, ``T5LayerNorm`` (an RMSNorm by another name). The forward stays the module's own code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from slimact._kinds import norm_form
+from slimact.functional.norm import norm
+from slimact.nn._base import SlimModule, slim_class, standalone
+
+__all__ = ["LayerNorm", "RMSNorm", "norm_class"]
+
+
+class _NormMixin(SlimModule):
+    _slimact_centered: bool
+    _slimact_offset: float
+    _slimact_eps: float | None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self._slimact_active():
+            return super().forward(x)  # type: ignore[misc]
+        self._slimact_begin()
+        eps = self._slimact_eps if self._slimact_eps is not None else torch.finfo(x.dtype).eps
+        return norm(
+            x, getattr(self, "weight", None), getattr(self, "bias", None), eps, self._slimact_cfg(x),
+            self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,
+            fn=super().forward,  # type: ignore[misc]
+        )
+
+
+def _form(key: str):
+    return lambda module: norm_form(module)[key]
+
+
+_DOC = "Drop-in ``nn.{0}`` keeping its output and rstd. Args: those of ``nn.{0}``, and keyword ``policy``."
+LayerNorm = standalone(
+    _NormMixin, nn.LayerNorm, "layernorm", "LayerNorm", _DOC.format("LayerNorm"),
+    centered=_form("centered"), offset=_form("offset"), eps=_form("eps"),
+)
+RMSNorm = standalone(
+    _NormMixin, nn.RMSNorm, "rmsnorm", "RMSNorm", _DOC.format("RMSNorm"),
+    centered=_form("centered"), offset=_form("offset"), eps=_form("eps"),
+)
+
+
+def norm_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return {nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm}.get(cls) or slim_class(_NormMixin, cls)

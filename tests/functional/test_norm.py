@@ -1,0 +1,147 @@
+import pytest
+import torch
+from torch import nn
+
+import slimact
+from _harness import FLOAT_DTYPES, check_against_plain, non_contiguous, saved_ratio
+from slimact._kinds import norm_form
+from slimact._metrics import cosine
+from slimact.functional.norm import output_recoverable
+
+
+def _affine(norm, dtype):
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.normal_(0, 0.1)
+    return norm.to(dtype)
+
+
+def _ln(c, dtype=torch.float32, affine=True):
+    ln = nn.LayerNorm(c, elementwise_affine=affine)
+    return _affine(ln, dtype) if affine else ln.to(dtype)
+
+
+def _input(shape, dtype):
+    x = non_contiguous(3, 17, 48) if shape == "non-contiguous" else torch.randn(shape)
+    return (x * 2 + 0.5).to(dtype)
+
+
+SHAPES = [(1, 1, 64), (3, 7, 33), "non-contiguous"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_8bit_matches_torch(shape, dtype, affine):
+    x = _input(shape, dtype)
+    check_against_plain(_ln(x.shape[-1], dtype, affine), x)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rms_norm_8bit_matches_torch(shape, dtype):
+    x = _input(shape, dtype)
+    check_against_plain(_affine(nn.RMSNorm(x.shape[-1]), dtype), x)
+
+
+@pytest.mark.parametrize("make", [lambda c: _ln(c), lambda c: _affine(nn.RMSNorm(c), torch.float32)], ids=["ln", "rms"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_lossless_norms_equal_torch_to_float_rounding(make, shape):
+    x = _input(shape, torch.float32)
+    slim = check_against_plain(make(x.shape[-1]), x, policy="tempo", exact=True)
+    assert next(m for m in slim.modules() if isinstance(m, slimact.nn.SlimModule))._slimact_kind in (
+        "layernorm", "rmsnorm"
+    )
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+def test_tiny_and_zero_gammas_stay_finite_and_accurate(policy, kind):
+    torch.manual_seed(0)
+    norm = _ln(400) if kind == "ln" else _affine(nn.RMSNorm(400), torch.float32)
+    with torch.no_grad():
+        norm.weight[:4] = 1e-4  # 1% of gamma tiny
+        norm.weight[4:6] = 0.0  # and some exactly zero (Tempo divided by these)
+    x = torch.randn(32, 400) * 2 + 0.5
+    from _harness import _step, converted_copy
+
+    _, exact = _step(norm.train(), (x,), seed=1)
+    _, approx = _step(converted_copy(norm, policy).train(), (x,), seed=1)
+    for name in exact:
+        assert torch.isfinite(approx[name]).all()
+        assert cosine(exact[name], approx[name]) >= 0.9999, name
+
+
+def test_guards():
+    w, b = torch.ones(8), torch.zeros(8)
+    assert output_recoverable(w, b, torch.float32, exact=True)
+    assert output_recoverable(w, b, torch.float32, exact=False)
+    w[2], b[2] = 1e-3, 10.0
+    assert not output_recoverable(w, b, torch.float32, exact=True)  # |b| >> |w|: y's rounding swamps xn
+    assert output_recoverable(w, b, torch.float32, exact=False)  # still far below an 8-bit step in fp32
+    assert not output_recoverable(w, b, torch.bfloat16, exact=False)  # not in bf16
+    w[2] = 0.0
+    assert not output_recoverable(w, b, torch.float32, exact=False)
+
+
+def test_norms_keep_at_most_0_27x():
+    assert saved_ratio(_ln(256), torch.randn(256, 256)) <= 0.27
+    assert saved_ratio(_affine(nn.RMSNorm(256), torch.float32), torch.randn(256, 256)) <= 0.27
+
+
+def test_layer_norm_and_next_linear_share_one_copy():
+    torch.manual_seed(0)
+    x = torch.randn(256, 256, requires_grad=True)
+    model = nn.Sequential(_ln(256), nn.Linear(256, 256))
+    report = slimact.profile(slimact.convert(model), x)
+    # One uint8 copy of the LayerNorm output (plus per-channel scales and the rows' rstd); the Linear
+    # reuses it and keeps nothing of its own.
+    assert report.by_module.get("1", 0) == 0
+    assert report.by_module["0"] == 256 * 256 + 2 * 256 * 4 + 256 * 4
+    # Lossless: the LayerNorm keeps the output the Linear keeps anyway (one storage, charged to the
+    # LayerNorm, which saves it first) and rstd; PyTorch keeps the LayerNorm's input too.
+    plain = slimact.profile(nn.Sequential(_ln(256), nn.Linear(256, 256)), x)
+    tempo = slimact.profile(slimact.convert(nn.Sequential(_ln(256), nn.Linear(256, 256)), "tempo"), x)
+    assert plain.by_module == {"0": 256 * 256 * 4 + 2 * 256 * 4, "1": 256 * 256 * 4}  # x, mean, rstd; y
+    assert tempo.by_module == {"0": 256 * 256 * 4 + 256 * 4}  # y, rstd
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    def __init__(self, c, eps=1e-6, offset=0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(c) if offset else torch.ones(c))
+        self.variance_epsilon, self.offset = eps, offset
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return ((self.weight.float() + self.offset) * h).to(x.dtype)
+
+
+class T5LayerNorm(LlamaStyleRMSNorm):  # an RMSNorm by another name
+    pass
+
+
+@pytest.mark.parametrize(
+    "module,expected",
+    [
+        (LlamaStyleRMSNorm(16), {"centered": False, "offset": 0.0, "eps": 1e-6}),
+        (LlamaStyleRMSNorm(16, offset=1.0), {"centered": False, "offset": 1.0, "eps": 1e-6}),
+        (T5LayerNorm(16), {"centered": False, "offset": 0.0, "eps": 1e-6}),
+        (nn.LayerNorm(16), {"centered": True, "offset": 0.0, "eps": 1e-5}),
+        (nn.LayerNorm((4, 16)), None),
+    ],
+    ids=["llama", "gemma", "t5", "layernorm", "2d-layernorm"],
+)
+def test_norms_recognised_by_what_they_compute(module, expected):
+    assert norm_form(module) == expected
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_hf_style_rms_norms_convert_and_match(offset, dtype):
+    norm = LlamaStyleRMSNorm(48, offset=offset)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 0.5) if offset else norm.weight.uniform_(0.5, 1.5)
+    check_against_plain(norm.to(dtype), _input((3, 7, 48), dtype))
