@@ -43,7 +43,7 @@ KINDS: tuple[str, ...] = (
 )
 #: Kinds whose slimact form is exact when nothing is quantised (bit masks; outputs kept instead of inputs):
 #: the ones a lossless policy (``quantize=False``, the ``"tempo"`` preset) converts.
-LOSSLESS_KINDS: tuple[str, ...] = ("relu", "dropout", "layernorm", "rmsnorm", "gelu", "mlp", "lmloss")
+LOSSLESS_KINDS: tuple[str, ...] = ("relu", "dropout", "layernorm", "rmsnorm", "gelu", "silu", "mlp", "lmloss")
 _HEADWISE_KINDS = ("matmul", "softmax")
 _CHANNEL_FIRST_KINDS = ("conv", "batchnorm")
 

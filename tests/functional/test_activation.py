@@ -89,3 +89,90 @@ def test_named_modules_for_direct_use():
     assert isinstance(gelu, nn.GELU) and gelu._slimact_form == "gelu_tanh"
     x = torch.randn(4, 8, requires_grad=True)
     assert torch.equal(gelu(x), nn.functional.gelu(x, approximate="tanh"))
+
+
+# The stated worst-case bounds of the in-place (lossless) path, per dtype of y: (distance from the minimum
+# beyond which the first bound holds, that bound, the bound everywhere).
+INPLACE_BOUNDS = {
+    torch.float32: (0.01, 1e-5, 2e-4),
+    torch.float16: (0.2, 1e-3, 1e-2),
+    torch.bfloat16: (0.2, 1e-2, 3e-2),
+}
+
+
+# How models compute each form (PyTorch's kernels compute in fp32 and round once).
+KERNELS = {
+    "gelu": nn.functional.gelu,
+    "gelu_tanh": lambda t: nn.functional.gelu(t, approximate="tanh"),
+    "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t),
+    "silu": nn.functional.silu,
+}
+
+
+@pytest.mark.parametrize("dtype", list(INPLACE_BOUNDS), ids=str)
+@pytest.mark.parametrize("form", list(KERNELS))
+def test_inplace_gradient_error_over_the_real_line(form, dtype):
+    from slimact.functional.activation import MINIMUM, activation
+
+    torch.manual_seed(0)
+    x = torch.cat([torch.linspace(-10, 10, 100001), torch.randn(50000) * 3]).to(dtype).requires_grad_(True)
+    (grad,) = torch.autograd.grad(activation(x, form, None, fn=KERNELS[form]).sum(), x)
+    exact = derivative(form, x.detach().double())
+    err = (grad.double() - exact).abs()
+    dist = (x.detach().double() - MINIMUM[form]).abs()
+    radius, away, everywhere = INPLACE_BOUNDS[dtype]
+    assert err[dist >= radius].max() <= away
+    assert err.max() <= everywhere
+    tempo_interval = (x.detach() > 1.1) & (x.detach() < 3.0)  # where Tempo's released spline was wrong
+    assert err[tempo_interval].max() <= away
+
+
+def test_inplace_gelu_keeps_output_and_a_bit_mask():
+    from slimact.functional.activation import activation
+
+    x = torch.randn(256, 256, requires_grad=True)
+
+    def keep(policy_cfg):
+        return slimact.profile(lambda_module(lambda t: activation(t, "gelu", policy_cfg)), x).activation_bytes
+
+    # Output (the next layer keeps it anyway) + 1 bit per element, against PyTorch's input.
+    assert keep(None) == 256 * 256 * 4 + 256 * 256 // 8
+
+
+def lambda_module(fn):
+    class Wrap(nn.Module):
+        def forward(self, t):
+            return fn(t)
+
+    return Wrap()
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "hf_gelu_new", "hf_quick_gelu"])
+def test_tempo_activations_match_torch_gradients_within_the_stated_bound(name):
+    from _harness import _step, converted_copy
+
+    x = torch.randn(4, 33, 40) * 3
+    out0, g0 = _step(MODULES[name](), (x,), seed=1)
+    out1, g1 = _step(converted_copy(MODULES[name](), "tempo"), (x,), seed=1)
+    assert torch.equal(out0, out1)
+    upstream = torch.randn(out0.shape, generator=torch.Generator().manual_seed(1 + 1))  # as _step draws it
+    # |error| <= |upstream| * (the fp32 bound on y', 2e-4 anywhere), plus float rounding of the product.
+    assert ((g1["input0"] - g0["input0"]).abs() <= upstream.abs() * 2e-4 + 1e-6).all()
+
+
+def test_tempo_gelu_output_is_the_storage_the_next_linear_keeps():
+    torch.manual_seed(0)
+    x = torch.randn(64, 128, requires_grad=True)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+
+    plain = slimact.profile(model(), x)
+    tempo = slimact.profile(slimact.convert(model(), "tempo"), x)
+    # PyTorch keeps the GELU's input and the second Linear's input (the GELU output); slimact keeps the
+    # GELU output once (shared with the Linear) and a bit mask.
+    assert plain.by_kind["gelu"] == 64 * 256 * 4
+    assert tempo.by_kind["gelu"] == 64 * 256 * 4 + 64 * 256 // 8
+    assert "2" not in tempo.by_module  # the second Linear's input is the GELU's kept output
+    assert tempo.activation_bytes < plain.activation_bytes

@@ -1,5 +1,5 @@
-"""Pointwise activations with a compressed saved input (GELU, its tanh and sigmoid forms, SiLU) and ReLU
-with a 1-bit mask.
+"""Pointwise activations: GELU (erf and tanh forms), QuickGELU and SiLU keep their 8-bit input, or, under a
+lossless policy, their output plus a 1-bit branch mask (Tempo's in-place GELU); ReLU keeps a 1-bit mask.
 
 Math, per form, with ``s(z) = 1 / (1 + e^-z)``, ``Phi``/``phi`` the normal cdf/pdf, ``c = sqrt(2/pi)``::
 
@@ -14,13 +14,34 @@ The forward is the replaced module's own code (identical output, whatever formul
 activation with: GPT-2's tanh GELU written as five elementwise ops keeps five full-size tensors in plain
 PyTorch, here one 8-bit tensor). The backward evaluates ``y'`` in fp32 at the restored ``x_hat``.
 
-What it keeps: ``x`` at ``b`` bits per element plus 8 bytes per scale group (GELU, SiLU forms); for ReLU
-the mask ``x > 0``, 1 bit per element (exact). Error: ``|x - x_hat| <= step/2``, so the derivative's error
-is at most ``step/2 * max|y''|`` (``max|y''|`` is 0.80 for GELU, 0.50 for SiLU); tests assert SQNR >= 30 dB.
+What it keeps, 8-bit policies: ``x`` at ``b`` bits per element plus 8 bytes per scale group. Error:
+``|x - x_hat| <= step/2``, so the derivative's error is at most ``step/2 * max|y''|`` (0.80 for GELU, 0.50
+for SiLU); tests assert SQNR >= 30 dB.
+
+What it keeps, lossless policies (in-place): the output ``y``, which the next layer keeps anyway (one
+storage), and the mask ``x >= x_min``, 1 bit per element. Each smooth form has a single minimum ``x_min``
+(GELU -0.7518, tanh GELU -0.7525, QuickGELU -0.7512, SiLU -1.2785) and is monotonic on each side, so the
+backward inverts ``y`` on the branch the mask names: a float64 table per branch (grid spaced as ``t^2``
+away from the minimum, where the inverse has a square-root singularity) gives a one-cell bracket, and three
+safeguarded Newton steps finish. Tempo's released spline had a sign error on (1.1, 3.0), where its
+gradient reached 3.7 instead of 1.0.
+
+Worst-case gradient error ``|y'(x_rebuilt) - y'(x)|`` over [-10, 10] and Gaussian inputs (measured, and
+asserted by ``tests/functional/test_activation.py``); it comes from the rounding ``delta`` of ``y`` in its
+dtype, which moves the rebuilt ``x`` by ``delta / |y'(x)|``, hence ``~ delta / |x - x_min|`` near the minimum
+and ``sqrt(2 y''(x_min) delta)`` at it:
+
+    fp32   <= 1e-5 for |x - x_min| >= 0.01;   <= 2e-4 within 0.01 of the minimum
+    fp16   <= 1e-3 for |x - x_min| >= 0.2;    <= 1e-2 everywhere
+    bf16   <= 1e-2 for |x - x_min| >= 0.2;    <= 3e-2 everywhere
+
+(PyTorch's own bf16 gradient is rounded to bf16 too: a relative 4e-3.) Where ``y`` underflows to 0 on the
+left tail (GELU below about -5.3 in fp32) the derivative is below 1e-6 and the rebuilt one is 0.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -30,12 +51,20 @@ from torch import Tensor
 from slimact.functional._saving import Mask, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
-__all__ = ["FORMS", "activation", "derivative", "reference"]
+__all__ = ["FORMS", "MINIMUM", "activation", "derivative", "invert", "reference"]
 
 FORMS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")
 
 _C = math.sqrt(2.0 / math.pi)
 _K = 0.044715
+
+#: Where each smooth form has its minimum (y' = 0), to float64 precision.
+MINIMUM = {"gelu": -0.7517915246935644, "gelu_tanh": -0.7524614220710162, "quick_gelu": -0.7511542554412889,
+           "silu": -1.2784645427610737}
+# Left ends of the inverse tables: beyond them y' < 1e-20 and y is 0 in fp32 or close to it.
+_LEFT_END = {"gelu": -10.0, "gelu_tanh": -10.0, "quick_gelu": -60.0, "silu": -104.0}
+_RIGHT_END = 12.0  # beyond: x - y < 1e-4, and x = y is the start of Newton
+_TABLE_SIZE = 2048
 
 
 def reference(form: str, x: Tensor) -> Tensor:
@@ -67,6 +96,77 @@ def derivative(form: str, x: Tensor) -> Tensor:
     raise ValueError(f"no smooth derivative for activation form {form!r}")
 
 
+def _stable(form: str, x: Tensor) -> Tensor:
+    """``reference`` written to keep its relative precision on the far left tail (for the tables)."""
+    if form == "gelu":
+        return x * 0.5 * torch.special.erfc(-x / math.sqrt(2.0))
+    if form == "gelu_tanh":
+        return x * torch.sigmoid(2.0 * _C * (x + _K * x.pow(3)))
+    return reference(form, x)
+
+
+@functools.cache
+def _tables(form: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """float64 ``(x_right, y_right, x_left, -y_left)``, each second tensor increasing."""
+    t = torch.linspace(0.0, 1.0, _TABLE_SIZE, dtype=torch.float64, device=device).pow(2)
+    x_min = MINIMUM[form]
+    x_right = x_min + t * (_RIGHT_END - x_min)
+    x_left = (x_min - t * (x_min - _LEFT_END[form])).flip(0)  # ascending x: y falls from ~0 to y_min
+    return x_right, _stable(form, x_right), x_left, -_stable(form, x_left)
+
+
+def _newton(form: str, y: Tensor, x: Tensor, lo: Tensor, hi: Tensor, increasing: bool, steps: int = 3) -> Tensor:
+    """Safeguarded Newton on ``reference(form, x) = y`` inside the bracket ``[lo, hi]``."""
+    for _ in range(steps):
+        f = _stable(form, x) - y
+        above = f > 0 if increasing else f < 0
+        hi = torch.where(above, x, hi)
+        lo = torch.where(above, lo, x)
+        step = x - f / derivative(form, x)
+        x = torch.where((step >= lo) & (step <= hi), step, (lo + hi) / 2)
+    return x
+
+
+def invert(form: str, y: Tensor, right: Tensor) -> Tensor:
+    """float64 ``x`` with ``reference(form, x) = y`` on the branch ``right`` (``x >= x_min``) or left of it."""
+    y = y.double()
+    x_right, y_right, x_left, neg_y_left = _tables(form, y.device)
+    x = torch.empty_like(y)
+    last = _TABLE_SIZE - 1
+
+    yr = torch.maximum(y[right], y_right[0])  # rounding may put y a hair below the minimum
+    i = torch.searchsorted(y_right, yr).clamp(1, last)
+    lo, hi = x_right[i - 1], x_right[i]
+    start = lo + (yr - y_right[i - 1]) / (y_right[i] - y_right[i - 1]) * (hi - lo)
+    beyond = yr > y_right[-1]
+    lo, hi, start = torch.where(beyond, yr, lo), torch.where(beyond, yr + 0.01, hi), torch.where(beyond, yr, start)
+    x[right] = _newton(form, yr, start.clamp(lo, hi), lo, hi, increasing=True)
+
+    yl = torch.maximum(y[~right], y_right[0])
+    i = torch.searchsorted(neg_y_left, -yl).clamp(1, last)
+    lo, hi = x_left[i - 1], x_left[i]
+    start = lo + (yl + neg_y_left[i - 1]) / (neg_y_left[i - 1] - neg_y_left[i]) * (hi - lo)
+    tail = -yl < neg_y_left[0]  # y closer to 0 than the table's left end: y' is below 1e-20 there
+    rebuilt = _newton(form, yl, start.clamp(lo, hi), lo, hi, increasing=False)
+    x[~right] = torch.where(tail, torch.full_like(yl, _LEFT_END[form]), rebuilt)
+    return x
+
+
+class _InplaceActivationFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn, form):
+        y = fn(x)
+        ctx.form = form
+        save(ctx, y, Mask.of(x >= MINIMUM[form]))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        y, right = load(ctx)
+        d = derivative(ctx.form, invert(ctx.form, y, right))
+        return (grad_y.double() * d).to(grad_y.dtype), None, None
+
+
 class _ActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, form, cfg, state):
@@ -87,17 +187,20 @@ class _ActivationFunction(torch.autograd.Function):
 def activation(
     x: Tensor,
     form: str,
-    cfg: QuantConfig,
+    cfg: QuantConfig | None,
     state: RunningRange | None = None,
     fn: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
-    """Apply the activation ``form`` (computed by ``fn``, default :func:`reference`) keeping ``x`` compressed.
+    """Apply the activation ``form`` (computed by ``fn``, default :func:`reference`).
 
-    Falls back to ``fn(x)`` with PyTorch's own saving when no gradient will flow through ``x``.
+    Keeps ``x`` compressed with ``cfg``, or (``cfg=None``, lossless) the output and a branch mask. Falls back
+    to ``fn(x)`` with PyTorch's own saving when no gradient will flow through ``x``.
     """
     if form not in FORMS:
         raise ValueError(f"unknown activation form {form!r}; known: {FORMS}")
     fn = fn or (lambda t: reference(form, t))
     if not torch.is_grad_enabled() or not x.requires_grad:
         return fn(x)
+    if cfg is None and form != "relu":
+        return _InplaceActivationFunction.apply(x, fn, form)
     return _ActivationFunction.apply(x, fn, form, cfg, state)
