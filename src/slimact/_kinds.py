@@ -140,6 +140,8 @@ def kind_of(module: nn.Module) -> str:
     form = norm_form(module)
     if form is not None:
         return "layernorm" if form["centered"] else "rmsnorm"
+    if all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "mlp"
     for cls, kind in _BY_TYPE:
         if isinstance(module, cls):
             return kind

@@ -21,7 +21,9 @@ from slimact.nn.batch_norm import batch_norm_class
 from slimact.nn.conv import conv_class, conv_unsupported
 from slimact.nn.dropout import dropout_class
 from slimact.nn.linear import conv1d_class, linear_class
+from slimact.nn.lm_loss import LossRouting
 from slimact.nn.matmul import MatMul, MatMulBase
+from slimact.nn.mlp import gated_mlp_class, gated_mlp_form
 from slimact.nn.norm import norm_class
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, resolve
@@ -34,12 +36,16 @@ FilterFn = Callable[[nn.Module, str], bool]
 _POLICY_ATTR = "_slimact_root_policy"
 _SKIPPED_ATTR = "_slimact_root_skipped"
 _HOOK_ATTR = "_slimact_root_hook"
+_LOSS_ATTR = "_slimact_root_loss"
 
 
 def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None, dict]:
     """``(slimact class, None, extra)`` for a convertible module, ``(None, reason, {})`` for a known kind
     slimact cannot convert, ``(None, None, {})`` for anything else."""
     cls = module._slimact_orig_cls if isinstance(module, SlimModule) else type(module)
+    mlp = gated_mlp_form(module)
+    if mlp is not None:
+        return gated_mlp_class(cls), None, {"form": mlp}
     if is_hf_conv1d(module):
         return conv1d_class(cls), None, {}
     if isinstance(module, nn.Linear):
@@ -87,8 +93,13 @@ def convert(
     steps = model.__dict__.get(_HOOK_ATTR, (None, None))[1] or StepCounter()
     skipped: dict[str, str] = {}
     seen: dict[str, int] = {}
+    fused: set[str] = set()  # modules a converted parent computes itself
     for name, module in model.named_modules():
         slim_cls, unsupported, extra = _replacement(module)
+        if name in fused:
+            detach(module)
+            skipped[name] = "computed by its gated MLP (kind 'mlp')"
+            continue
         if slim_cls is None:
             if unsupported is not None:
                 skipped[name] = unsupported
@@ -103,11 +114,30 @@ def convert(
             skipped[name] = reason
             continue
         attach(module, slim_cls, pol, kind, steps, **extra)
+        if kind == "mlp":
+            fused.add(f"{name}.down_proj" if name else "down_proj")
+    _route_loss(model, pol, skipped)
     if _HOOK_ATTR not in model.__dict__:
         model.__dict__[_HOOK_ATTR] = (model.register_forward_pre_hook(steps), steps)
     model.__dict__[_POLICY_ATTR] = pol
     model.__dict__[_SKIPPED_ATTR] = skipped
     return model
+
+
+def _route_loss(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None:
+    """Compute the model's LM loss from its head's input (``slimact.nn.lm_loss``), if the policy wants it."""
+    old = model.__dict__.pop(_LOSS_ATTR, None)
+    if old is not None:
+        old.remove()
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear):
+        return
+    reason = pol.skip_reason("lmloss", "(loss)")
+    if reason is not None:
+        skipped["(loss)"] = reason
+        return
+    model.__dict__[_LOSS_ATTR] = LossRouting(model, head, lambda t: pol.quant_config("lmloss", t.dim()))
 
 
 def revert(model: nn.Module) -> nn.Module:
@@ -117,6 +147,9 @@ def revert(model: nn.Module) -> nn.Module:
     hook = model.__dict__.pop(_HOOK_ATTR, None)
     if hook is not None:
         hook[0].remove()
+    routing = model.__dict__.pop(_LOSS_ATTR, None)
+    if routing is not None:
+        routing.remove()
     model.__dict__.pop(_POLICY_ATTR, None)
     model.__dict__.pop(_SKIPPED_ATTR, None)
     return model
@@ -159,6 +192,8 @@ def summary(model: nn.Module) -> Summary:
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):
                 continue  # parameterless glue (identity, flatten...) keeps nothing worth reporting
             skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
+    if _LOSS_ATTR in model.__dict__:
+        modules["(loss)"] = "lmloss"
     return Summary(
         policy=pol.name if pol else None,
         converted=dict(Counter(modules.values())),

@@ -5,8 +5,21 @@ from slimact.functional.batch_norm import batch_norm
 from slimact.functional.conv import conv
 from slimact.functional.dropout import dropout
 from slimact.functional.linear import linear
+from slimact.functional.lm_loss import linear_cross_entropy
 from slimact.functional.matmul import matmul
+from slimact.functional.mlp import gated_mlp
 from slimact.functional.norm import norm
 from slimact.functional.softmax import softmax
 
-__all__ = ["activation", "batch_norm", "conv", "dropout", "linear", "matmul", "norm", "softmax"]
+__all__ = [
+    "activation",
+    "batch_norm",
+    "conv",
+    "dropout",
+    "gated_mlp",
+    "linear",
+    "linear_cross_entropy",
+    "matmul",
+    "norm",
+    "softmax",
+]

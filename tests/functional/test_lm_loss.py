@@ -1,0 +1,104 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import slimact
+from slimact._metrics import cosine
+from slimact.functional.lm_loss import linear_cross_entropy
+from slimact.quant import QuantConfig
+
+
+def _data(n=300, c=24, v=130, ignored=(3, 7, 250)):
+    torch.manual_seed(0)
+    h = torch.randn(n, c, requires_grad=True)
+    w = (torch.randn(v, c) / c**0.5).requires_grad_(True)
+    b = torch.randn(v, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    t[list(ignored)] = -100
+    return h, w, b, t
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_matches_f_cross_entropy(smoothing, reduction, chunked, monkeypatch):
+    if chunked:  # several chunks of tokens
+        monkeypatch.setattr("slimact.functional.lm_loss.CHUNK_ELEMENTS", 130 * 64)
+    h, w, b, t = _data()
+    ref = F.cross_entropy(F.linear(h, w, b), t, label_smoothing=smoothing, reduction=reduction)
+    g0 = torch.autograd.grad(ref, (h, w, b))
+    out = linear_cross_entropy(h, w, b, t, label_smoothing=smoothing, reduction=reduction)
+    g1 = torch.autograd.grad(out, (h, w, b))
+    torch.testing.assert_close(out, ref)
+    for a, e in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+def test_custom_ignore_index_and_divisor():
+    h, w, b, t = _data()
+    t[t == -100] = 5
+    ref = F.cross_entropy(F.linear(h, w, b), t, ignore_index=5, reduction="sum") / 17.0
+    out = linear_cross_entropy(h, w, b, t, ignore_index=5, reduction="sum", divisor=17.0)
+    torch.testing.assert_close(out, ref)
+
+
+def test_8bit_hidden_gradients_close():
+    h, w, b, t = _data()
+    ref = F.cross_entropy(F.linear(h, w, b), t)
+    g0 = torch.autograd.grad(ref, (h, w, b))
+    out = linear_cross_entropy(h, w, b, t, cfg=QuantConfig(groups=8))
+    g1 = torch.autograd.grad(out, (h, w, b))
+    torch.testing.assert_close(out, ref)  # the forward is exact
+    assert all(cosine(a, e) >= 0.999 for a, e in zip(g1, g0, strict=True))
+
+
+class TinyLM(nn.Module):
+    """A head and an inline CrossEntropyLoss, as BERT's MLM head writes it."""
+
+    def __init__(self, v=130, c=24):
+        super().__init__()
+        self.embed = nn.Embedding(v, c)
+        self.head = nn.Linear(c, v)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, ids, labels):
+        logits = self.head(self.embed(ids))
+        return nn.CrossEntropyLoss()(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def test_routing_keeps_no_tokens_by_vocab_tensor_and_matches():
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 130, (4, 50)), torch.randint(0, 130, (4, 50))
+    model = TinyLM()
+    plain = slimact.profile(model, (ids, labels))
+    model.zero_grad()
+    ref = model(ids, labels)
+    ref.backward()
+    g0 = {n: p.grad.clone() for n, p in model.named_parameters()}
+    slimact.convert(model, "tempo")
+    assert slimact.summary(model).converted.get("lmloss") == 1
+    conv = slimact.profile(model, (ids, labels))
+    vocab_sized = [e for e in conv.entries if e.nbytes >= 200 * 130 * 4]
+    assert not vocab_sized, vocab_sized
+    assert any(e.nbytes >= 200 * 130 * 4 for e in plain.entries)  # PyTorch keeps the log-softmax output
+    model.zero_grad()
+    out = model(ids, labels)
+    out.backward()
+    torch.testing.assert_close(out, ref)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, g0[n])
+
+
+def test_routing_falls_back_when_it_cannot_apply():
+    torch.manual_seed(0)
+    model = slimact.convert(TinyLM(), "tempo")
+    ids, labels = torch.randint(0, 130, (2, 8)), torch.randint(0, 130, (2, 8))
+    logits = model.head(model.embed(ids))
+    weights = torch.rand(130)
+    plain = F.cross_entropy(logits.view(-1, 130), labels.view(-1), weight=weights)
+    assert torch.isfinite(plain)  # outside the model's forward: PyTorch's own path, untouched
+    slimact.revert(model)
+    assert not hasattr(model, "_slimact_root_loss")

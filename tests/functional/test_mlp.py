@@ -1,0 +1,69 @@
+import pytest
+import torch
+from torch import nn
+
+import slimact
+from _harness import FLOAT_DTYPES, _step, check_against_plain, converted_copy
+from slimact._metrics import cosine
+from slimact.nn.mlp import gated_mlp_form
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden=48, inter=136, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = act or nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_recognised_by_what_it_computes():
+    assert gated_mlp_form(LlamaMLP()) == "silu"
+    assert gated_mlp_form(LlamaMLP(act=nn.GELU(approximate="tanh"))) == "gelu_tanh"
+
+    class NotGated(LlamaMLP):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)))
+
+    assert gated_mlp_form(NotGated()) is None
+
+
+@pytest.mark.parametrize("act", [nn.SiLU(), nn.GELU(approximate="tanh")], ids=["swiglu", "geglu"])
+def test_lossless_matches_torch(act):
+    x = torch.randn(3, 17, 48)
+    model = nn.Sequential(LlamaMLP(act=act))
+    slim = check_against_plain(model, x, policy="tempo", exact=True)
+    assert slim[0]._slimact_kind == "mlp"
+    assert "computed by its gated MLP" in slimact.summary(slim).skipped["0.down_proj"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_8bit_gradients_close(dtype):
+    x = torch.randn(3, 17, 48).to(dtype)
+    model = LlamaMLP().to(dtype)
+    _, exact = _step(model, (x,), seed=1)
+    _, approx = _step(converted_copy(model, "int8"), (x,), seed=1)
+    for name in exact:
+        assert cosine(exact[name], approx[name]) >= 0.99, name
+
+
+def test_keeps_gate_and_up_only():
+    torch.manual_seed(0)
+    x = torch.randn(64, 48, requires_grad=True)
+    rows, inter = 64, 136
+
+    def mlp_bytes(policy):
+        model = LlamaMLP()
+        if policy:
+            slimact.convert(model, policy)
+        report = slimact.profile(model, x)
+        # What the block keeps at the intermediate size: anything but the gate/up Linears' input x.
+        return sum(e.nbytes for e in report.entries if e.shape[-1] == inter)
+
+    assert mlp_bytes(None) == 4 * rows * inter * 4  # g, act(g), u, and the product h, fp32
+    assert mlp_bytes("tempo") == 2 * rows * inter * 4  # g and u
+    # 8-bit: g and u at one byte per element, plus their scales (8 groups each).
+    assert mlp_bytes("int8") == 2 * rows * inter
