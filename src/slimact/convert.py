@@ -115,7 +115,7 @@ def convert(
             continue
         attach(module, slim_cls, pol, kind, steps, **extra)
         if kind == "mlp":
-            fused.add(f"{name}.down_proj" if name else "down_proj")
+            fused.update(f"{name}.{part}" if name else part for part in ("down_proj", "act_fn"))
     _route_loss(model, pol, skipped)
     if _HOOK_ATTR not in model.__dict__:
         model.__dict__[_HOOK_ATTR] = (model.register_forward_pre_hook(steps), steps)
