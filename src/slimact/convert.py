@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from slimact import attention
 from slimact._kinds import activation_form, is_hf_conv1d, kind_of, norm_form
-from slimact.nn._base import SlimModule, StepCounter, attach, detach
+from slimact.nn._base import SlimModule, StepCounter, attach, clear_state, detach
 from slimact.nn.activation import activation_class
 from slimact.nn.batch_norm import batch_norm_class
 from slimact.nn.conv import conv_class, conv_unsupported
@@ -37,6 +38,7 @@ _POLICY_ATTR = "_slimact_root_policy"
 _SKIPPED_ATTR = "_slimact_root_skipped"
 _HOOK_ATTR = "_slimact_root_hook"
 _LOSS_ATTR = "_slimact_root_loss"
+_ATTN_ATTR = "_slimact_root_attn"
 
 
 def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None, dict]:
@@ -117,6 +119,7 @@ def convert(
         if kind == "mlp":
             fused.update(f"{name}.{part}" if name else part for part in ("down_proj", "act_fn"))
     _route_loss(model, pol, skipped)
+    _route_attention(model, pol, skipped, filter_fn)
     if _HOOK_ATTR not in model.__dict__:
         model.__dict__[_HOOK_ATTR] = (model.register_forward_pre_hook(steps), steps)
     model.__dict__[_POLICY_ATTR] = pol
@@ -140,6 +143,36 @@ def _route_loss(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None:
     model.__dict__[_LOSS_ATTR] = LossRouting(model, head, lambda t: pol.quant_config("lmloss", t.dim()))
 
 
+def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
+    """Select slimact's attention function on a Hugging Face model and tag its attention modules."""
+    for module in model.modules():
+        if module.__dict__.pop(attention.POLICY_ATTR, None) is not None:
+            clear_state(module)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return
+    if _ATTN_ATTR not in model.__dict__:
+        model.__dict__[_ATTN_ATTR] = config._attn_implementation
+    original = model.__dict__[_ATTN_ATTR]
+    tagged = 0
+    for name, module in model.named_modules():
+        if kind_of(module) != "attention" or not hasattr(module, "config"):
+            continue
+        reason = pol.skip_reason("attention", name)
+        if reason is None and filter_fn is not None and not filter_fn(module, name):
+            reason = "excluded by filter_fn"
+        if reason is not None:
+            skipped[name] = reason
+            continue
+        module.__dict__[attention.POLICY_ATTR] = pol
+        tagged += 1
+    if tagged:
+        attention.register()
+        config._attn_implementation = attention.NAME
+    else:
+        config._attn_implementation = original
+
+
 def revert(model: nn.Module) -> nn.Module:
     """Restore every converted module of ``model`` to its original class, in place; returns ``model``."""
     for module in model.modules():
@@ -150,6 +183,11 @@ def revert(model: nn.Module) -> nn.Module:
     routing = model.__dict__.pop(_LOSS_ATTR, None)
     if routing is not None:
         routing.remove()
+    original_attn = model.__dict__.pop(_ATTN_ATTR, None)
+    if original_attn is not None:
+        model.config._attn_implementation = original_attn
+    for module in model.modules():
+        module.__dict__.pop(attention.POLICY_ATTR, None)
     model.__dict__.pop(_POLICY_ATTR, None)
     model.__dict__.pop(_SKIPPED_ATTR, None)
     return model
@@ -187,6 +225,8 @@ def summary(model: nn.Module) -> Summary:
     for name, module in model.named_modules():
         if isinstance(module, SlimModule):
             modules[name] = kind_of(module)
+        elif attention.POLICY_ATTR in module.__dict__:
+            modules[name] = "attention"
         elif name not in skipped and not any(True for _ in module.children()) and name:
             kind = kind_of(module)
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):

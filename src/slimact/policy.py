@@ -39,11 +39,13 @@ __all__ = ["KINDS", "LOSSLESS_KINDS", "PRESETS", "Policy", "PolicyError"]
 #: Layer kinds slimact can convert.
 KINDS: tuple[str, ...] = (
     "linear", "conv", "batchnorm", "layernorm", "rmsnorm", "matmul", "softmax", "gelu", "silu", "relu", "dropout",
-    "mlp", "lmloss",
+    "mlp", "lmloss", "attention",
 )
 #: Kinds whose slimact form is exact when nothing is quantised (bit masks; outputs kept instead of inputs):
 #: the ones a lossless policy (``quantize=False``, the ``"tempo"`` preset) converts.
-LOSSLESS_KINDS: tuple[str, ...] = ("relu", "dropout", "layernorm", "rmsnorm", "gelu", "silu", "mlp", "lmloss")
+LOSSLESS_KINDS: tuple[str, ...] = (
+    "relu", "dropout", "layernorm", "rmsnorm", "gelu", "silu", "mlp", "lmloss", "attention",
+)
 _HEADWISE_KINDS = ("matmul", "softmax")
 _CHANNEL_FIRST_KINDS = ("conv", "batchnorm")
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
 
-__all__ = ["MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "detach", "slim_class", "standalone"]
+__all__ = ["MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "clear_state", "detach", "slim_class", "standalone"]
 
 #: Calls of one module per forward pass that get their own running estimate; later calls share the last.
 MAX_CALL_SITES = 16
@@ -88,7 +88,8 @@ def slim_class(mixin: type, cls: type[nn.Module]) -> type[nn.Module]:
     return _CLASS_CACHE[key]
 
 
-def _clear_state(module: nn.Module) -> None:
+def clear_state(module: nn.Module) -> None:
+    """Drop every slimact buffer (running estimates) of ``module``."""
     for name in [n for n in module._buffers if n.startswith("_slimact_")]:
         del module._buffers[name]
         module._non_persistent_buffers_set.discard(name)
@@ -111,7 +112,7 @@ def attach(
         module._slimact_orig_cls = type(module)
         module.__class__ = slim_cls
     elif module.__dict__.get("_slimact_policy") != policy:
-        _clear_state(module)
+        clear_state(module)
     module._slimact_policy = policy
     module._slimact_kind = kind
     module._slimact_steps = steps
@@ -124,7 +125,7 @@ def detach(module: nn.Module) -> nn.Module:
     """Undo :func:`attach`: the original class again, slimact's attributes and buffers gone."""
     if not isinstance(module, SlimModule):
         return module
-    _clear_state(module)
+    clear_state(module)
     module.__class__ = module._slimact_orig_cls
     for name in [n for n in module.__dict__ if n.startswith("_slimact_") and not n.startswith("_slimact_root")]:
         del module.__dict__[name]
