@@ -64,11 +64,13 @@ def test_mesa_gradients_close_and_bytes_down(name):
         approx = _grads(model, inputs)
     assert exact.keys() == approx.keys()
     # A gradient that is zero in exact arithmetic (the key bias: softmax ignores a per-row shift; the
-    # embeddings of tokens not in the batch) is float noise on both sides: cosine means nothing there.
+    # embeddings of tokens not in the batch) is noise on both sides: cosine means nothing there. With 8-bit
+    # q, k and output the cancellation is no longer exact; the residue is quantisation noise, a fraction of
+    # a step (1/255) of a typical gradient.
     typical = torch.stack([g.norm() for g in exact.values()]).median()
     for n in exact:
         if exact[n].norm() <= 1e-6 * typical:
-            assert approx[n].norm() <= 1e-5 * typical, n
+            assert approx[n].norm() <= 1e-3 * typical, n
         else:
             assert cosine(exact[n], approx[n]) >= 0.99, n
     conv = slimact.profile(model, inputs)

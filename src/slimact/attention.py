@@ -1,12 +1,17 @@
 """Attention through slimact, and its registration with Hugging Face ``transformers``.
 
-``attention_forward`` has the signature of ``transformers``' attention functions (``AttentionInterface``). It
-computes eager attention with slimact's pieces: ``q @ k^T`` through :func:`slimact.functional.matmul` (8-bit
-``q`` and ``k`` with one scale per head under an 8-bit policy; plain under a lossless one), then
-:func:`slimact.functional.attention.softmax_dropout_matmul` (the probabilities kept once, the dropout mask as
-bits, ``v`` never repeated for grouped-query attention). ``convert`` registers it as ``"slimact"`` (with
-eager attention's additive masks) and selects it on the model's config; ``revert`` restores the original
-setting. A module ``convert`` did not tag runs plain eager attention.
+``attention_forward`` has the signature of ``transformers``' attention functions (``AttentionInterface``):
+
+* by default it runs :func:`slimact.functional.scaled_dot_product_attention`, the fused path: ``q``, ``k``,
+  ``v`` and the output kept 8-bit per head (exact under a lossless policy) plus the log-sum-exp, never a
+  ``[T, S]`` tensor, grouped-query heads never repeated;
+* when the caller asks for the probabilities (``output_attentions=True``) it runs the eager path:
+  ``q @ k^T`` and ``probs @ v`` through slimact's MatMul, the softmax through slimact's Softmax (the
+  probabilities packed once, shared with the product when no dropout sits between), dropout as bits.
+
+``convert`` registers it as ``"slimact"`` (with SDPA-style masks: ``None`` for plain causal attention, a
+boolean mask otherwise), selects it on the model's config and tags the model's attention modules; ``revert``
+restores the original setting. An untagged module runs plain PyTorch attention.
 """
 
 from __future__ import annotations
@@ -14,15 +19,36 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from slimact.functional.attention import softmax_dropout_matmul
+from slimact.functional.attention import scaled_dot_product_attention
+from slimact.functional.dropout import dropout as _dropout
 from slimact.functional.matmul import matmul
+from slimact.functional.softmax import softmax
 from slimact.policy import Policy
 from slimact.quant import RunningRange
 
-__all__ = ["NAME", "attention_forward", "register"]
+__all__ = ["NAME", "POLICY_ATTR", "attention_forward", "register"]
 
 NAME = "slimact"
 POLICY_ATTR = "_slimact_attention"
+
+
+def _eager(module, query, key, value, mask, scaling, p, policy):
+    """Eager attention returning the probabilities, each tensor kept as ``policy`` says."""
+    b, h, t, d = query.shape
+    h_kv = key.shape[1]
+    cfg = policy.quant_config("attention", 4)
+    q = query.reshape(b, h_kv, h // h_kv, t, d)  # grouped: keys and values are never repeated
+    scores = matmul(q, key.unsqueeze(2).transpose(-1, -2), cfg, cfg).reshape(b, h, t, -1) * scaling
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device).masked_fill_(
+                ~mask, torch.finfo(scores.dtype).min
+            )
+        scores = scores + mask
+    probs = softmax(scores.float(), -1, cfg).to(query.dtype)
+    dropped = _dropout(probs, p, p > 0)
+    out = matmul(dropped.reshape(b, h_kv, h // h_kv, t, -1), value.unsqueeze(2), cfg, cfg)
+    return out.reshape(b, h, t, -1), probs
 
 
 def attention_forward(
@@ -33,47 +59,36 @@ def attention_forward(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    is_causal: bool | None = None,
     **kwargs,
-) -> tuple[Tensor, None]:
-    """``[B, H, T, D]`` query, ``[B, H_kv, S, D]`` key and value -> ``([B, T, H, D]`` output, ``None)``."""
+) -> tuple[Tensor, Tensor | None]:
+    """``[B, H, T, D]`` query, ``[B, H_kv, S, D]`` key and value -> (``[B, T, H, D]`` output, probabilities or None)."""
     policy: Policy | None = module.__dict__.get(POLICY_ATTR)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    def state(name: str) -> RunningRange | None:
-        # Running estimates live in the attention module's own non-persistent buffers (cleared by revert).
-        return RunningRange(module, f"_slimact_{name}") if policy is not None and policy.scale == "running" else None
-
-    b, h, t, d = query.shape
-    h_kv = key.shape[1]
-    q = query.reshape(b, h_kv, h // h_kv, t, d)  # grouped: the keys are never repeated
-    k_t = key.unsqueeze(2).transpose(-1, -2)  # [B, H_kv, 1, D, S]
-    if policy is not None and policy.quantize and "matmul" in policy.kinds:
-        cfg = policy.quant_config("matmul", 4)
-        scores = matmul(q, k_t, cfg, cfg, state("q"), state("k"))
-    else:
-        scores = torch.matmul(q, k_t)
-    scores = scores.reshape(b, h, t, -1) * scaling
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            attention_mask = torch.zeros_like(attention_mask, dtype=scores.dtype).masked_fill(
-                ~attention_mask, torch.finfo(scores.dtype).min
-            )
-        scores = scores + attention_mask[..., : scores.shape[-1]]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
-    if policy is None:
-        probs = torch.softmax(scores, -1, dtype=torch.float32).to(scores.dtype)
-        probs = nn.functional.dropout(probs, p, module.training)
-        out = torch.matmul(probs.reshape(b, h_kv, h // h_kv, t, -1), value.unsqueeze(2)).reshape(b, h, t, -1)
-    else:
-        cfg = policy.quant_config("softmax", 4)
-        out = softmax_dropout_matmul(scores, value, p, cfg, cfg, state("p"), state("v"))
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = attention_mask[..., : key.shape[-2]]
+    if kwargs.get("output_attentions", False) and policy is not None:
+        out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy)
+        return out.transpose(1, 2).contiguous(), probs
+    # As transformers' SDPA integration: causal only when no mask stands for it and there is more than one query.
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    state = None
+    if policy is not None and policy.scale == "running":
+        state = {n: RunningRange(module, f"_slimact_{n}") for n in ("q", "k", "v", "o")}
+    cfg = policy.quant_config("attention", 4) if policy is not None else None
+    attend = scaled_dot_product_attention if policy is not None else nn.functional.scaled_dot_product_attention
+    extra = {"cfg": cfg, "state": state} if policy is not None else {}
+    out = attend(query, key, value, attn_mask=attention_mask, dropout_p=p, is_causal=is_causal, scale=scaling,
+                 enable_gqa=key.shape[1] != query.shape[1], **extra)
     return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
-    """Register ``"slimact"`` with ``transformers`` (attention function and eager-style masks). Idempotent."""
+    """Register ``"slimact"`` with ``transformers`` (attention function and SDPA-style masks). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(NAME, attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

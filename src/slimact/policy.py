@@ -46,7 +46,7 @@ KINDS: tuple[str, ...] = (
 LOSSLESS_KINDS: tuple[str, ...] = (
     "relu", "dropout", "layernorm", "rmsnorm", "gelu", "silu", "mlp", "lmloss", "attention",
 )
-_HEADWISE_KINDS = ("matmul", "softmax")
+_HEADWISE_KINDS = ("matmul", "softmax", "attention")
 _CHANNEL_FIRST_KINDS = ("conv", "batchnorm")
 
 

@@ -1,4 +1,11 @@
-"""Eager attention's softmax, dropout and ``probs @ v`` in one Function (Tempo's attention technique).
+"""Attention: fused scaled-dot-product attention keeping no ``[T, S]`` tensor, and eager attention's softmax,
+dropout and ``probs @ v`` in one Function (Tempo's attention technique) for when the probabilities are needed.
+
+Fused path (:func:`scaled_dot_product_attention`): keeps ``q``, ``k``, ``v`` and the output (8-bit per head, or
+exact) and the fp32 log-sum-exp per row, 4 bytes per query row and head; never a ``[T, S]`` tensor (a boolean
+mask, if given, as bits). Error: exact when kept exact; at 8 bits the backward runs on restored tensors.
+
+Eager path:
 
 Math, with ``s`` the scores ``[B, H, T, S]`` (``q k^T * scale + mask``), ``m`` a Bernoulli(1 - p) mask::
 
@@ -27,7 +34,7 @@ from torch import Tensor
 from slimact.functional._saving import Mask, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
-__all__ = ["softmax_dropout_matmul"]
+__all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
 
 def _grouped(probs: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -92,3 +99,223 @@ def softmax_dropout_matmul(
         pg, vg = _grouped(probs, v)
         return torch.matmul(pg, vg).reshape(*probs.shape[:-1], v.shape[-1])
     return _SoftmaxDropoutMatmul.apply(scores, v, p, cfg_p, cfg_v, state_p, state_v)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fused scaled-dot-product attention keeping no [T, S] tensor.
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``attn_mask`` as an additive float mask (bool ``True`` = attend; masked = the dtype's minimum, not -inf,
+    so a fully masked row gives a uniform, finite softmax rather than NaN)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def _dead_rows(mask: Tensor | None) -> Tensor | None:
+    """Query rows a mask allows nothing in (all False, or all -inf): PyTorch gives them 0, and 0 gradients."""
+    if mask is None:
+        return None
+    dead = ~mask.any(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)
+    return dead.unsqueeze(-1) if bool(dead.any()) else None  # [..., T, 1]
+
+
+def _saved_mask(mask: Tensor | None):
+    """What to keep of an attention mask: bits for a boolean one (1/8 of its bytes), an additive one as is."""
+    if mask is None:
+        return None
+    return Mask.of(mask) if mask.dtype == torch.bool else mask
+
+
+_FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+class _FlashAttentionCPU(torch.autograd.Function):
+    """PyTorch's CPU flash kernel forward and backward, with q, k, v, out kept packed and lse exact."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, cfg_q, cfg_kv, state):
+        add = _additive(mask, q.dtype)
+        out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, is_causal, attn_mask=add, scale=scale)
+        dead = _dead_rows(mask)
+        if dead is not None:
+            out = out.masked_fill(dead, 0)
+        ctx.is_causal, ctx.scale, ctx.dtype = is_causal, scale, q.dtype
+        st = state or {}
+        save(ctx, pack(q, cfg_q, st.get("q")), pack(k, cfg_kv, st.get("k")), pack(v, cfg_kv, st.get("v")),
+             pack(out, cfg_q, st.get("o")), lse, _saved_mask(mask), dead)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, mask, dead = load(ctx)
+        if dead is not None:
+            grad_out = grad_out.masked_fill(dead, 0)
+        gq, gk, gv = getattr(torch.ops.aten, _FLASH_CPU + "_backward")(
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal,
+            attn_mask=_additive(mask, ctx.dtype), scale=ctx.scale,
+        )
+        return gq, gk, gv, None, None, None, None, None, None
+
+
+#: Query rows per block of the chunked path (its transient scores are [B, H, rows, S]).
+CHUNK_ROWS = 256
+
+
+def _rng_state(device: torch.device) -> Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _replayed_mask(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p: float, device) -> Tensor:
+    """The dropout mask ``native_dropout`` drew from RNG ``state``: drawn again on a forked generator."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        return torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)[1]
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """Flash-style attention in PyTorch ops, a block of query rows at a time, on any device.
+
+    Keeps q, k, v, out (packed) and the per-row log-sum-exp; with dropout, the RNG state it drew the mask
+    from, so the backward redraws the same mask: nothing of size [T, S] is ever kept.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state):
+        b, h, t, d = q.shape
+        h_kv, s = k.shape[1], k.shape[2]
+        add = _additive(mask, torch.float32)
+        qg = q.reshape(b, h_kv, h // h_kv, t, d)
+        kt, vg = k.unsqueeze(2).transpose(-1, -2), v.unsqueeze(2)
+        rng = None
+        if dropout_p > 0:
+            # One draw over the whole [B, H, T, S] grid, as eager F.dropout makes it (same masks as the plain
+            # model); the backward replays it from the snapshot. Transient here, never kept.
+            rng = _rng_state(q.device)
+            scores = _block_scores(qg, kt, add, is_causal, scale, (b, h, t, s), 0, t)
+            lse = torch.logsumexp(scores, -1)
+            probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+            dropped, _ = torch.native_dropout(probs, dropout_p, True)
+            out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, -1)
+        else:
+            out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.empty(b, h, t, dtype=torch.float32, device=q.device)
+            for t0 in range(0, t, CHUNK_ROWS):
+                t1 = min(t, t0 + CHUNK_ROWS)
+                scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
+                lse[:, :, t0:t1] = torch.logsumexp(scores, -1)
+                pg = torch.exp(scores - lse[:, :, t0:t1, None]).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
+                out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, -1)
+        dead = _dead_rows(mask)
+        if dead is not None:
+            out = out.masked_fill(dead, 0)
+        ctx.args = (is_causal, scale, dropout_p, v.dtype)
+        st = state or {}
+        save(ctx, pack(q, cfg_q, st.get("q")), pack(k, cfg_kv, st.get("k")), pack(v, cfg_kv, st.get("v")),
+             pack(out, cfg_q, st.get("o")), lse, _saved_mask(mask), dead, rng)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, mask, dead, rng = load(ctx)
+        is_causal, scale, dropout_p, p_dtype = ctx.args
+        if dead is not None:
+            grad_out = grad_out.masked_fill(dead, 0)
+        b, h, t, d = q.shape
+        h_kv, s = k.shape[1], k.shape[2]
+        rep = h // h_kv
+        add = _additive(mask, torch.float32)
+        qg = q.float().reshape(b, h_kv, rep, t, d)
+        kf, vf = k.float(), v.float()
+        kt, vg = kf.unsqueeze(2).transpose(-1, -2), vf.unsqueeze(2)
+        g = grad_out.float()
+        delta = (g * out.float()).sum(-1)  # [B, H, T]: rowsum(dP * P) = rowsum(dO * O)
+        gq = torch.empty_like(qg)
+        gk = torch.zeros(b, h_kv, rep, s, d, dtype=torch.float32, device=q.device)
+        gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
+        gg = g.reshape(b, h_kv, rep, t, -1)
+        keep_all = _replayed_mask(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
+        for t0 in range(0, t, CHUNK_ROWS):
+            t1 = min(t, t0 + CHUNK_ROWS)
+            scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
+            probs = torch.exp(scores - lse[:, :, t0:t1, None]).reshape(b, h_kv, rep, t1 - t0, s)
+            keep = None
+            dropped = probs
+            if keep_all is not None:
+                keep = keep_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
+                dropped = probs * keep / (1 - dropout_p)
+            gblk = gg[..., t0:t1, :]
+            gv += dropped.transpose(-1, -2).matmul(gblk)
+            dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
+            if keep is not None:
+                dp = dp * keep / (1 - dropout_p)
+            ds = probs * (dp - delta[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, 1))
+            gq[..., t0:t1, :] = ds.matmul(kf.unsqueeze(2)) * scale
+            gk += ds.transpose(-1, -2).matmul(qg[..., t0:t1, :]) * scale
+        return (gq.reshape(b, h, t, d).to(q.dtype), gk.sum(2).to(k.dtype), gv.sum(2).to(v.dtype),
+                None, None, None, None, None, None, None)
+
+
+def _block_scores(qg, kt, add, is_causal, scale, shape, t0, t1) -> Tensor:
+    """fp32 scores of query rows ``t0:t1``: ``[B, H_kv, rep, rows, S]`` flattened to ``[B, H, rows, S]``."""
+    b, h, t, s = shape
+    scores = torch.matmul(qg.float(), kt.float()).reshape(b, h, t1 - t0, s) * scale
+    if add is not None:
+        m = add if add.dim() == 4 else add.view(*(1,) * (4 - add.dim()), *add.shape)
+        rows = m[..., t0:t1, :] if m.shape[-2] == t else m
+        scores = scores + rows
+    if is_causal:
+        causal = torch.ones(t1 - t0, s, dtype=torch.bool, device=scores.device).tril(diagonal=t0)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    return scores
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    cfg: QuantConfig | None = None,
+    state: dict[str, RunningRange] | None = None,
+) -> Tensor:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` keeping no ``[T, S]`` tensor.
+
+    Keeps ``query``, ``key``, ``value`` and the output packed with ``cfg`` (``None``: exact; use a per-head
+    config, ``group_dim=1``) and the exact per-row log-sum-exp; a boolean ``attn_mask`` is kept as bits.
+    On CPU without dropout it runs PyTorch's CPU flash kernel (forward and backward, on the restored
+    tensors); with dropout, or on other devices, a flash-style path in PyTorch ops, chunked over query rows
+    in the backward. Its dropout mask is drawn by ``native_dropout`` from PyTorch's generator (the draws
+    of eager ``F.dropout``); only the generator state is kept, and the backward redraws the mask from it.
+    Grouped-query attention (fewer key/value heads, ``enable_gqa=True``) never repeats ``key``/``value``.
+
+    Args: those of ``F.scaled_dot_product_attention``; ``cfg`` the compression; ``state`` running
+    estimates (``{"q", "k", "v", "o"}``) for ``scale="running"``.
+    """
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError("slimact's scaled_dot_product_attention takes [B, H, T, D] query, key and value")
+    if key.shape[1] != query.shape[1] and not (enable_gqa and query.shape[1] % key.shape[1] == 0):
+        raise ValueError(
+            f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for grouped-query attention"
+        )
+    if attn_mask is not None and is_causal:
+        raise ValueError("pass either attn_mask or is_causal, not both (as F.scaled_dot_product_attention)")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if not needs_grad:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    if dropout_p == 0.0 and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
+        return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
+    return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)
