@@ -130,11 +130,15 @@ def test_tempo_policy_converts_only_lossless_kinds():
     assert "lossless" in slimact.summary(model).skipped["3"]
 
 
+class MyLinear(nn.Linear):
+    pass
+
+
 def test_subclass_of_linear_keeps_its_class_in_mro():
-    mha = nn.MultiheadAttention(16, 2)
-    slimact.convert(mha)
-    assert isinstance(mha.out_proj, nn.modules.linear.NonDynamicallyQuantizableLinear)
-    assert isinstance(mha.out_proj, SlimModule)
+    model = slimact.convert(nn.Sequential(MyLinear(4, 4)))
+    assert isinstance(model[0], MyLinear) and isinstance(model[0], SlimModule)
+    slimact.revert(model)
+    assert type(model[0]) is MyLinear
 
 
 def test_hf_gpt2_conv1d_is_converted():

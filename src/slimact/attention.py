@@ -32,7 +32,7 @@ NAME = "slimact"
 POLICY_ATTR = "_slimact_attention"
 
 
-def _eager(module, query, key, value, mask, scaling, p, policy):
+def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
     """Eager attention returning the probabilities, each tensor kept as ``policy`` says."""
     b, h, t, d = query.shape
     h_kv = key.shape[1]
@@ -45,10 +45,29 @@ def _eager(module, query, key, value, mask, scaling, p, policy):
                 ~mask, torch.finfo(scores.dtype).min
             )
         scores = scores + mask
+    elif is_causal:  # top-left aligned, as scaled_dot_product_attention's is_causal
+        causal = torch.ones(t, scores.shape[-1], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
     probs = softmax(scores.float(), -1, cfg).to(query.dtype)
     dropped = _dropout(probs, p, p > 0)
     out = matmul(dropped.reshape(b, h_kv, h // h_kv, t, -1), value.unsqueeze(2), cfg, cfg)
     return out.reshape(b, h, t, -1), probs
+
+
+def _probabilities_wanted(kwargs: dict) -> bool:
+    """Whether the caller collects attention probabilities (``output_attentions=True``).
+
+    Some models (GPT-2) drop the flag before calling the attention function; transformers then collects the
+    probabilities through a context variable, which is consulted too.
+    """
+    if kwargs.get("output_attentions", False):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # another transformers version: the flag above is all there is
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and "attentions" in collected
 
 
 def attention_forward(
@@ -68,12 +87,12 @@ def attention_forward(
     p = dropout if module.training else 0.0
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[..., : key.shape[-2]]
-    if kwargs.get("output_attentions", False) and policy is not None:
-        out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy)
-        return out.transpose(1, 2).contiguous(), probs
     # As transformers' SDPA integration: causal only when no mask stands for it and there is more than one query.
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    if policy is not None and _probabilities_wanted(kwargs):
+        out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy, is_causal)
+        return out.transpose(1, 2).contiguous(), probs
     state = None
     if policy is not None and policy.scale == "running":
         state = {n: RunningRange(module, f"_slimact_{n}") for n in ("q", "k", "v", "o")}

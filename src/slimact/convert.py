@@ -18,6 +18,7 @@ from slimact import attention
 from slimact._kinds import activation_form, is_hf_conv1d, kind_of, norm_form
 from slimact.nn._base import SlimModule, StepCounter, attach, clear_state, detach
 from slimact.nn.activation import activation_class
+from slimact.nn.attention import mha_class
 from slimact.nn.batch_norm import batch_norm_class
 from slimact.nn.conv import conv_class, conv_unsupported
 from slimact.nn.dropout import dropout_class
@@ -48,6 +49,8 @@ def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None,
     mlp = gated_mlp_form(module)
     if mlp is not None:
         return gated_mlp_class(cls), None, {"form": mlp}
+    if isinstance(module, nn.MultiheadAttention):
+        return mha_class(cls), None, {}
     if is_hf_conv1d(module):
         return conv1d_class(cls), None, {}
     if isinstance(module, nn.Linear):
@@ -100,7 +103,7 @@ def convert(
         slim_cls, unsupported, extra = _replacement(module)
         if name in fused:
             detach(module)
-            skipped[name] = "computed by its gated MLP (kind 'mlp')"
+            skipped[name] = "computed by its parent (a fused gated MLP or attention module)"
             continue
         if slim_cls is None:
             if unsupported is not None:
@@ -116,8 +119,8 @@ def convert(
             skipped[name] = reason
             continue
         attach(module, slim_cls, pol, kind, steps, **extra)
-        if kind == "mlp":
-            fused.update(f"{name}.{part}" if name else part for part in ("down_proj", "act_fn"))
+        parts = {"mlp": ("down_proj", "act_fn"), "attention": ("out_proj",)}.get(kind, ())
+        fused.update(f"{name}.{part}" if name else part for part in parts)
     _route_loss(model, pol, skipped)
     _route_attention(model, pol, skipped, filter_fn)
     if _HOOK_ATTR not in model.__dict__:

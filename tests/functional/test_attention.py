@@ -1,9 +1,13 @@
+"""Attention: the fused path against F.scaled_dot_product_attention, and the eager softmax-dropout-matmul."""
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import slimact
 from slimact._metrics import sqnr_db
+from slimact.functional import scaled_dot_product_attention
 from slimact.functional.attention import softmax_dropout_matmul
 from slimact.quant import QuantConfig
 
@@ -109,3 +113,114 @@ def test_padded_batches_match_eager(name):
     slimact.convert(model, "tempo")
     out = model(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(out[mask.bool()], ref[mask.bool()])
+
+
+PER_HEAD = QuantConfig(group_dim=1, groups=0)
+
+CASES = [  # (heads, kv heads, query length, key length, head size, mask)
+    (4, 4, 1, 1, 40, "none"),
+    (4, 4, 7, 7, 64, "causal"),
+    (12, 4, 129, 129, 80, "causal"),  # grouped-query attention
+    (4, 4, 7, 9, 40, "bool"),  # padding, with a fully padded row
+    (12, 4, 129, 129, 64, "bool"),
+    (4, 2, 7, 7, 80, "additive"),
+]
+
+
+def _case(h, h_kv, t, s, d, mask, dtype):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, L, d, generator=gen).to(dtype) for n, L in ((h, t), (h_kv, s), (h_kv, s)))
+    kw = {"enable_gqa": h != h_kv}
+    if mask == "causal":
+        kw["is_causal"] = True
+    elif mask == "bool":
+        m = torch.rand(2, 1, t, s, generator=gen) > 0.3
+        m[1, :, 0, :] = False  # a fully padded row: must give 0, not NaN
+        kw["attn_mask"] = m
+    elif mask == "additive":
+        kw["attn_mask"] = torch.randn(2, 1, 1, s, generator=gen).to(dtype)
+    return q, k, v, kw
+
+
+def _run(fn, q, k, v, g, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v, **kw)
+    out.backward(g)
+    return out.detach(), (q.grad, k.grad, v.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_lossless_equals_torch(case, dtype):
+    q, k, v, kw = _case(*case, dtype)
+    g = torch.randn((*q.shape[:-1], v.shape[-1])).to(dtype)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g, **kw)
+    out1, g1 = _run(scaled_dot_product_attention, q, k, v, g, **kw)
+    assert not any(t.isnan().any() for t in (out1, *g1))
+    torch.testing.assert_close(out1, out0)
+    for a, e in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_8bit_gradients(case, dtype):
+    q, k, v, kw = _case(*case, dtype)
+    g = torch.randn((*q.shape[:-1], v.shape[-1])).to(dtype)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g, **kw)
+    out1, g1 = _run(lambda *a, **k_: scaled_dot_product_attention(*a, **k_, cfg=PER_HEAD), q, k, v, g, **kw)
+    torch.testing.assert_close(out1, out0)  # the forward is the kernel's own
+    scale = g0[2].float().norm()  # v's gradient: never zero in exact arithmetic
+    for name, a, e in zip("qkv", g1, g0, strict=True):
+        if e.float().norm() <= 1e-5 * scale:  # zero in exact arithmetic (softmax over one key): float noise
+            assert a.float().norm() <= 1e-3 * scale, name
+        else:
+            assert sqnr_db(e, a) >= 25, name
+
+
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_dropout_replays_torchs_draws(cfg):
+    q, k, v, kw = _case(4, 2, 33, 33, 40, "bool", torch.float32)
+    g = torch.randn(q.shape)
+    torch.manual_seed(7)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g, dropout_p=0.2, **kw)
+    torch.manual_seed(7)
+    out1, g1 = _run(lambda *a, **k_: scaled_dot_product_attention(*a, **k_, cfg=cfg), q, k, v, g,
+                    dropout_p=0.2, **kw)
+    torch.testing.assert_close(out1, out0)  # the same seed gives the same forward: the same mask
+    for a, e in zip(g1, g0, strict=True):
+        if cfg is None:
+            torch.testing.assert_close(a, e)  # and a backward consistent with it
+        else:
+            assert sqnr_db(e, a) >= 25
+
+
+class _Call(nn.Module):
+    def __init__(self, fn, **kw):
+        super().__init__()
+        self.fn, self.kw = fn, kw
+
+    def forward(self, q, k, v):
+        return self.fn(q, k, v, **self.kw)
+
+
+def test_keeps_no_sequence_by_sequence_tensor_and_0_30x_of_torch():
+    t, d = 256, 64
+    q, k, v = (torch.randn(2, 8, t, d, requires_grad=True) for _ in range(3))
+    mask = torch.rand(2, 1, 1, t) > 0.1
+    plain = slimact.profile(_Call(F.scaled_dot_product_attention, is_causal=True), (q, k, v))
+    ours = slimact.profile(_Call(scaled_dot_product_attention, is_causal=True, cfg=PER_HEAD), (q, k, v))
+    for e in ours.entries:
+        assert sum(1 for n in e.shape if n == t) < 2, e  # nothing [.., T, S]
+    assert ours.activation_bytes <= 0.30 * plain.activation_bytes
+    masked = slimact.profile(_Call(scaled_dot_product_attention, attn_mask=mask, cfg=PER_HEAD), (q, k, v))
+    assert all(sum(1 for n in e.shape if n == t) < 2 for e in masked.entries)
+
+
+def test_argument_errors():
+    q = torch.randn(1, 4, 3, 8, requires_grad=True)
+    k = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        scaled_dot_product_attention(q, k, k)
+    with pytest.raises(ValueError, match="either attn_mask or is_causal"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True)

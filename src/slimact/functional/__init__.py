@@ -1,6 +1,7 @@
 """One ``torch.autograd.Function`` per op family, each keeping only compressed tensors for backward."""
 
 from slimact.functional.activation import activation
+from slimact.functional.attention import scaled_dot_product_attention, softmax_dropout_matmul
 from slimact.functional.batch_norm import batch_norm
 from slimact.functional.conv import conv
 from slimact.functional.dropout import dropout
@@ -21,5 +22,7 @@ __all__ = [
     "linear_cross_entropy",
     "matmul",
     "norm",
+    "scaled_dot_product_attention",
     "softmax",
+    "softmax_dropout_matmul",
 ]

@@ -1,0 +1,74 @@
+"""``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``) through slimact.
+
+The converted module computes the input projection with slimact's Linear (its input kept 8-bit, shared by
+q, k and v in self-attention), attention with :func:`slimact.functional.scaled_dot_product_attention` (q, k,
+v and the output kept 8-bit per head, or exact under a lossless policy; never a ``[T, S]`` tensor), and the
+output projection with slimact's Linear. Masks follow ``nn.MultiheadAttention``: a boolean ``attn_mask`` or
+``key_padding_mask`` marks positions *not* to attend; float masks are added. Calls this path does not cover
+(``need_weights=True``, separate key/value projection weights, ``bias_k``/``bias_v``, ``add_zero_attn``) run the
+module's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from slimact.functional.attention import scaled_dot_product_attention
+from slimact.functional.linear import linear
+from slimact.nn._base import SlimModule, slim_class
+
+__all__ = ["mha_class"]
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if mask is None or mask.dtype != torch.bool:
+        return mask if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+class _MultiheadAttentionMixin(SlimModule):
+    def _slimact_covers(self, key, value, need_weights) -> bool:
+        return (
+            not need_weights and self._qkv_same_embed_dim and self.bias_k is None and self.bias_v is None
+            and not self.add_zero_attn and key.shape == value.shape
+        )
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if not self._slimact_active() or not self._slimact_covers(key, value, need_weights):
+            return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                                   attn_mask=attn_mask, average_attn_weights=average_attn_weights,
+                                   is_causal=is_causal)
+        self._slimact_begin()
+        if not self.batch_first:  # [T, B, E] -> [B, T, E]
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        b, t, e = query.shape
+        s, h = key.shape[1], self.num_heads
+        cfg = self._slimact_cfg(query)
+        if query is key and key is value:  # self-attention: one projection, one kept input
+            q, k, v = linear(query, self.in_proj_weight, self.in_proj_bias, cfg).chunk(3, dim=-1)
+        else:
+            w, bias = self.in_proj_weight.chunk(3), (self.in_proj_bias.chunk(3) if self.in_proj_bias is not None
+                                                      else (None, None, None))
+            q, k, v = (linear(x, w_i, b_i, cfg) for x, w_i, b_i in zip((query, key, value), w, bias, strict=True))
+        q, k, v = (x.reshape(b, -1, h, e // h).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, D]
+        mask = _additive(attn_mask, q.dtype)
+        if mask is not None:
+            mask = mask.view(1, 1, t, s) if mask.dim() == 2 else mask.view(b, h, t, s)
+        if key_padding_mask is not None:
+            pad = _additive(key_padding_mask, q.dtype).view(b, 1, 1, s)
+            mask = pad if mask is None else mask + pad
+        out = scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=bool(is_causal and mask is None), cfg=self._slimact_policy.quant_config("attention", 4),
+        )
+        # [B, H, T, D] -> time-major [T * B, E], as nn.MultiheadAttention lays its output out: a later dropout
+        # draws its mask in memory order, so the same layout gives the plain module's masks.
+        out = out.permute(2, 0, 1, 3).reshape(t * b, e)
+        out = linear(out, self.out_proj.weight, self.out_proj.bias, self._slimact_cfg(out)).view(t, b, e)
+        return (out.transpose(0, 1) if self.batch_first else out), None
+
+
+def mha_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return slim_class(_MultiheadAttentionMixin, cls)

@@ -1,0 +1,127 @@
+"""Attention modules converted: nn.MultiheadAttention / TransformerEncoder, and Hugging Face models."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import slimact
+from slimact._metrics import cosine
+
+
+def _grads(model, call):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # the same dropout draws
+    out = call(model)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_transformer_encoder(policy, batch_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=batch_first)
+    model = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False).train()
+    x = torch.randn(4, 33, 64) if batch_first else torch.randn(33, 4, 64)
+    pad = torch.zeros(4, 33, dtype=torch.bool)
+    pad[1, 20:] = True
+
+    def call(m):
+        return m(x, src_key_padding_mask=pad)
+
+    out0, g0 = _grads(model, call)
+    slim = slimact.convert(copy.deepcopy(model), policy)
+    assert slimact.summary(slim).converted["attention"] == 3
+    out1, g1 = _grads(slim, call)
+    torch.testing.assert_close(out1, out0)  # same dropout masks, same forward
+    for n in g0:
+        if policy == "tempo":
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+        else:
+            assert cosine(g0[n], g1[n]) >= 0.99, n
+    inputs = {"src": x, "src_key_padding_mask": pad}
+    assert slimact.profile(slim, inputs).activation_bytes < slimact.profile(model, inputs).activation_bytes
+
+
+def test_uncovered_calls_run_the_module_as_written():
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    slim = slimact.convert(copy.deepcopy(mha))
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    out0, w0 = mha(x, x, x)  # need_weights=True: PyTorch's own path, weights returned
+    out1, w1 = slim(x, x, x)
+    torch.testing.assert_close(out1, out0)
+    torch.testing.assert_close(w1, w0)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=64)
+    ids = torch.randint(0, 96, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0  # padding
+    return transformers.BertForMaskedLM(cfg), {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 96, (2, 24))
+    return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=12, num_key_value_heads=4,  # grouped-query attention
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(0, 96, (2, 24))
+    return transformers.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+def _vit():
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=128, num_labels=10)
+    return transformers.ViTForImageClassification(cfg), {"pixel_values": torch.randn(4, 3, 32, 32),
+                                                        "labels": torch.randint(0, 10, (4,))}
+
+
+MODELS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "vit": _vit}
+
+
+def _loss_grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    model(**inputs).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_models_int8_attention_routed(name):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model.train()
+    exact = _loss_grads(model, inputs)
+    slimact.convert(model, "int8")
+    assert model.config._attn_implementation == "slimact"
+    assert slimact.summary(model).converted["attention"] == 2
+    approx = _loss_grads(model, inputs)
+    typical = torch.stack([g.norm() for g in exact.values()]).median()
+    for n in exact:
+        if exact[n].norm() <= 1e-6 * typical:  # zero in exact arithmetic (e.g. the key bias)
+            assert approx[n].norm() <= 1e-3 * typical, n
+        else:
+            assert cosine(exact[n], approx[n]) >= 0.99, n
+    # The probabilities are still there when asked for, and right.
+    model.eval()
+    with torch.no_grad():
+        ours = model(**inputs, output_attentions=True).attentions
+        slimact.revert(model)
+        model.config._attn_implementation = "eager"
+        theirs = model(**inputs, output_attentions=True).attentions
+    assert len(ours) == len(theirs) == 2
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)
