@@ -230,6 +230,11 @@ def summary(model: nn.Module) -> Summary:
             modules[name] = kind_of(module)
         elif attention.POLICY_ATTR in module.__dict__:
             modules[name] = "attention"
+        elif name and name not in skipped and kind_of(module) == "attention":
+            skipped[name] = (
+                f"{type(module).__name__} computes attention in its own code (not through transformers' "
+                "AttentionInterface or nn.MultiheadAttention): left as written"
+            )
         elif name not in skipped and not any(True for _ in module.children()) and name:
             kind = kind_of(module)
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):

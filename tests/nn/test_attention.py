@@ -125,3 +125,30 @@ def test_hf_models_int8_attention_routed(name):
     assert len(ours) == len(theirs) == 2
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_eval_mode_has_no_dropout_and_matches_plain():
+    torch.manual_seed(0)
+    model, inputs = _bert()
+    model.config.attention_probs_dropout_prob = 0.5
+    model.eval()
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        slimact.convert(model, "int8")
+        a, b = model(**inputs).logits, model(**inputs).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # deterministic: no dropout
+    torch.testing.assert_close(a, plain)
+
+
+def test_attention_that_bypasses_the_interface_is_reported():
+    class HandAttention(nn.Module):  # computes attention itself: nothing to route
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    model = slimact.convert(nn.Sequential(HandAttention()))
+    assert "not through transformers' AttentionInterface" in slimact.summary(model).skipped["0"]
