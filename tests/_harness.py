@@ -59,3 +59,72 @@ def saved_ratio(plain: nn.Module, *inputs: torch.Tensor, policy="int8") -> float
 def non_contiguous(*shape: int) -> torch.Tensor:
     """A tensor of ``shape`` read through transposed strides."""
     return torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+
+
+def tiny_hf(name: str, *, padding: bool = False, mlm_mask: bool = False, heads: int = 4, kv_heads: int | None = None):
+    """A small random Hugging Face model and a training batch: ``"bert"``, ``"gpt2"``, ``"llama"``, ``"vit"``.
+
+    ``padding``: BERT's batch pads its second row; ``mlm_mask``: BERT's labels only on ~30% of the tokens;
+    ``heads``/``kv_heads``: Llama's query and key/value heads (grouped-query attention).
+    """
+    import transformers
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (2, 32), generator=gen)
+    if name == "bert":
+        cfg = transformers.BertConfig(
+            vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+            max_position_embeddings=64,
+        )
+        inputs = {"input_ids": ids, "labels": ids}
+        if mlm_mask:
+            inputs["labels"] = torch.where(torch.rand(2, 32, generator=gen) < 0.3, ids, torch.full_like(ids, -100))
+        if padding:
+            mask = torch.ones_like(ids)
+            mask[1, 20:] = 0
+            inputs["attention_mask"] = mask
+        return transformers.BertForMaskedLM(cfg), inputs
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+        return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+    if name == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=96, hidden_size=16 * heads, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=heads, num_key_value_heads=kv_heads or heads // 2, max_position_embeddings=64,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )
+        return transformers.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+    if name == "vit":
+        cfg = transformers.ViTConfig(
+            image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=256, num_labels=10,
+        )
+        inputs = {"pixel_values": torch.randn(4, 3, 32, 32, generator=gen), "labels": torch.randint(0, 10, (4,))}
+        return transformers.ViTForImageClassification(cfg), inputs
+    raise ValueError(name)
+
+
+def loss_grads(model: nn.Module, inputs: dict):
+    """``(loss, {name: grad})`` of one training step, with the dropout masks of seed 1."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    out = model(**inputs)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_gradients_close(exact: dict, approx: dict, min_cosine: float = 0.99) -> None:
+    """Every gradient at cosine >= ``min_cosine``; one that is zero in exact arithmetic (a key bias: softmax
+    ignores a per-row shift; embeddings of tokens not in the batch) only has to stay at noise level, a
+    fraction of an 8-bit step (1/255) of a typical gradient."""
+    from slimact._metrics import cosine
+
+    assert exact.keys() == approx.keys()
+    typical = torch.stack([g.norm() for g in exact.values()]).median()
+    for n in exact:
+        if exact[n].norm() <= 1e-6 * typical:
+            assert approx[n].norm() <= 1e-3 * typical, n
+        else:
+            assert cosine(exact[n], approx[n]) >= min_cosine, n
