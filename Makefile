@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/slimact profile --model gpt2 --batch 2 --seq 256
+	$(VENV)/bin/slimact demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

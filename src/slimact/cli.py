@@ -37,6 +37,39 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    import transformers
+
+    from slimact.demo import format_table, run_demo
+
+    transformers.logging.set_verbosity_error()
+    results = run_demo(args.out, steps=args.steps, quick=args.quick, seed=args.seed, device=args.device)
+    print(format_table(results))
+    print(f"\nwrote {args.out}/demo.png, demo.md, demo.csv")
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    import transformers
+
+    from slimact.fit import AUTO_ORDER, fit
+    from slimact.policy import resolve
+    from slimact.zoo import build, example_inputs
+
+    transformers.logging.set_verbosity_error()
+    model = build(args.model, layers=args.layers).to(args.device)
+    policies = ("plain", *AUTO_ORDER) if args.policy == "auto" else ("plain", args.policy)
+    report = fit(model, lambda b: example_inputs(model, b, args.seq), args.budget, policies=policies,
+                 optimizer=args.optimizer, batch=args.batch)
+    print(f"{args.model}, {args.seq} tokens per sample, optimizer {args.optimizer}")
+    print(report.table())
+    chosen = report.chosen or (args.policy if args.policy != "auto" else None)
+    if chosen and chosen != "plain":
+        path = resolve(chosen).to_file(args.out)
+        print(f"wrote {path}: slimact.convert(model, {str(path)!r})")
+    return 0 if args.batch is None or report.chosen else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slimact", description="Activation-memory compression for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--by-module", action="store_true", help="also compare module by module")
     p.set_defaults(func=_profile)
+
+    d = sub.add_parser("demo", help="train small models plainly and converted on real data; compare loss and memory")
+    d.add_argument("--quick", action="store_true", help="a one-minute version (60 steps per run)")
+    d.add_argument("--steps", type=int, default=300, help="training steps per run")
+    d.add_argument("--out", default="slimact-out", help="folder for demo.png, demo.md, demo.csv")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default="cpu")
+    d.set_defaults(func=_demo)
+
+    f = sub.add_parser("fit", help="the largest batch that fits a memory budget, plain and under each policy")
+    f.add_argument("--model", default="gpt2", help="zoo model (gpt2, bert-base, llama)")
+    f.add_argument("--budget", required=True, help="memory budget, e.g. 8GiB")
+    f.add_argument("--seq", type=int, default=512)
+    f.add_argument("--policy", default="auto", help="auto (least lossy that reaches --batch), or a policy name")
+    f.add_argument("--batch", type=int, default=None, help="the batch size wanted (for --policy auto)")
+    f.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    f.add_argument("--layers", type=int, default=None)
+    f.add_argument("--device", default="cpu")
+    f.add_argument("--out", default="slimact-policy.toml", help="where the chosen policy is written")
+    f.set_defaults(func=_fit)
     return parser
 
 

@@ -134,6 +134,24 @@ class Policy:
     def replace(self, **changes: Any) -> Policy:
         return dataclasses.replace(self, **changes)
 
+    def to_file(self, path: str | os.PathLike[str]) -> Path:
+        """Write this policy as TOML (every field), readable by :meth:`from_file`."""
+        lines = [f"# slimact policy {self.name!r}", ""]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (int, float)):
+                text = repr(value)
+            elif isinstance(value, str):
+                text = json.dumps(value)
+            else:
+                text = "[" + ", ".join(json.dumps(v) for v in value) + "]"
+            lines.append(f"{f.name} = {text}")
+        path = Path(path)
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Policy:
         """Read a policy file: TOML or JSON (the fields of :class:`Policy`, plus ``preset`` as a base), or

@@ -32,7 +32,20 @@ def _bert_base(layers: int | None) -> nn.Module:
     return BertForMaskedLM(cfg)
 
 
-MODELS: dict[str, Callable[[int | None], nn.Module]] = {"gpt2": _gpt2, "bert-base": _bert_base}
+def _llama(layers: int | None) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # A Llama of GPT-2-small size: 12 layers, hidden 768, 12 query heads over 4 key/value heads, SwiGLU
+    # (intermediate 2048), RMSNorm, GPT-2's 50257-token vocabulary.
+    cfg = LlamaConfig(
+        vocab_size=50257, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers or 12,
+        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+MODELS: dict[str, Callable[[int | None], nn.Module]] = {"gpt2": _gpt2, "bert-base": _bert_base, "llama": _llama}
 
 
 def build(name: str, *, layers: int | None = None, attn: str = "sdpa", seed: int = 0) -> nn.Module:

@@ -22,7 +22,7 @@ What it keeps, lossless policies (in-place): the output ``y``, which the next la
 storage), and the mask ``x >= x_min``, 1 bit per element. Each smooth form has a single minimum ``x_min``
 (GELU -0.7518, tanh GELU -0.7525, QuickGELU -0.7512, SiLU -1.2785) and is monotonic on each side, so the
 backward inverts ``y`` on the branch the mask names: a float64 table per branch (grid spaced as ``t^2``
-away from the minimum, where the inverse has a square-root singularity) gives a one-cell bracket, and three
+away from the minimum, where the inverse has a square-root singularity) gives a one-cell bracket, and two
 safeguarded Newton steps finish. Tempo's released spline had a sign error on (1.1, 3.0), where its
 gradient reached 3.7 instead of 1.0.
 
@@ -106,20 +106,29 @@ def _stable(form: str, x: Tensor) -> Tensor:
 
 
 @functools.cache
-def _tables(form: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """float64 ``(x_right, y_right, x_left, -y_left)``, each second tensor increasing."""
+def _table(form: str, device: torch.device) -> tuple[Tensor, Tensor, float]:
+    """float64 ``(x, key, y_min)``: ``x`` ascending over both branches, ``key`` ascending with it.
+
+    ``key`` is ``y`` on the right branch and ``2 y_min - y`` (the left branch reflected below the minimum) on
+    the left one, so one search finds any element's cell whatever its branch.
+    """
     t = torch.linspace(0.0, 1.0, _TABLE_SIZE, dtype=torch.float64, device=device).pow(2)
     x_min = MINIMUM[form]
+    x_left = (x_min - t[1:] * (x_min - _LEFT_END[form])).flip(0)  # ascending, ends just below x_min
     x_right = x_min + t * (_RIGHT_END - x_min)
-    x_left = (x_min - t * (x_min - _LEFT_END[form])).flip(0)  # ascending x: y falls from ~0 to y_min
-    return x_right, _stable(form, x_right), x_left, -_stable(form, x_left)
+    x = torch.cat([x_left, x_right])
+    y = _stable(form, x)
+    y_min = float(_stable(form, torch.tensor(x_min, dtype=torch.float64)))
+    key = torch.where(x < x_min, 2 * y_min - y, y)
+    return x, key, y_min
 
 
-def _newton(form: str, y: Tensor, x: Tensor, lo: Tensor, hi: Tensor, increasing: bool, steps: int = 3) -> Tensor:
-    """Safeguarded Newton on ``reference(form, x) = y`` inside the bracket ``[lo, hi]``."""
+def _newton(form: str, y: Tensor, x: Tensor, lo: Tensor, hi: Tensor, right: Tensor, steps: int = 2) -> Tensor:
+    """Safeguarded Newton on ``reference(form, x) = y`` inside the bracket ``[lo, hi]`` (increasing on the
+    right branch, decreasing on the left)."""
     for _ in range(steps):
         f = _stable(form, x) - y
-        above = f > 0 if increasing else f < 0
+        above = torch.where(right, f > 0, f < 0)
         hi = torch.where(above, x, hi)
         lo = torch.where(above, lo, x)
         step = x - f / derivative(form, x)
@@ -129,27 +138,21 @@ def _newton(form: str, y: Tensor, x: Tensor, lo: Tensor, hi: Tensor, increasing:
 
 def invert(form: str, y: Tensor, right: Tensor) -> Tensor:
     """float64 ``x`` with ``reference(form, x) = y`` on the branch ``right`` (``x >= x_min``) or left of it."""
-    y = y.double()
-    x_right, y_right, x_left, neg_y_left = _tables(form, y.device)
-    x = torch.empty_like(y)
-    last = _TABLE_SIZE - 1
-
-    yr = torch.maximum(y[right], y_right[0])  # rounding may put y a hair below the minimum
-    i = torch.searchsorted(y_right, yr).clamp(1, last)
-    lo, hi = x_right[i - 1], x_right[i]
-    start = lo + (yr - y_right[i - 1]) / (y_right[i] - y_right[i - 1]) * (hi - lo)
-    beyond = yr > y_right[-1]
-    lo, hi, start = torch.where(beyond, yr, lo), torch.where(beyond, yr + 0.01, hi), torch.where(beyond, yr, start)
-    x[right] = _newton(form, yr, start.clamp(lo, hi), lo, hi, increasing=True)
-
-    yl = torch.maximum(y[~right], y_right[0])
-    i = torch.searchsorted(neg_y_left, -yl).clamp(1, last)
-    lo, hi = x_left[i - 1], x_left[i]
-    start = lo + (yl + neg_y_left[i - 1]) / (neg_y_left[i - 1] - neg_y_left[i]) * (hi - lo)
-    tail = -yl < neg_y_left[0]  # y closer to 0 than the table's left end: y' is below 1e-20 there
-    rebuilt = _newton(form, yl, start.clamp(lo, hi), lo, hi, increasing=False)
-    x[~right] = torch.where(tail, torch.full_like(yl, _LEFT_END[form]), rebuilt)
-    return x
+    x_tab, key_tab, y_min = _table(form, y.device)
+    y = torch.clamp(y.double(), min=y_min)  # rounding may put y a hair below the minimum
+    key = torch.where(right, y, 2 * y_min - y)
+    i = torch.searchsorted(key_tab, key).clamp_(1, len(key_tab) - 1)
+    lo, hi = x_tab[i - 1], x_tab[i]
+    k_lo, k_hi = key_tab[i - 1], key_tab[i]
+    width = k_hi - k_lo  # zero where the far-left tail's keys coincide in float64
+    start = lo + torch.where(width > 0, (key - k_lo) / width, 0.5) * (hi - lo)
+    beyond = key > key_tab[-1]  # right of the table: x - y < 1e-4, Newton from x = y
+    lo = torch.where(beyond, y, lo)
+    hi = torch.where(beyond, y + 0.01, hi)
+    start = torch.where(beyond, y, start).clamp(lo, hi)
+    x = _newton(form, y, start, lo, hi, right)
+    # Left of the table (y closer to 0 than y(LEFT_END)): y' is below 1e-20 there.
+    return torch.where(key < key_tab[0], torch.full_like(x, _LEFT_END[form]), x)
 
 
 class _InplaceActivationFunction(torch.autograd.Function):
