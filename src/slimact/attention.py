@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from slimact.functional.attention import scaled_dot_product_attention
+from slimact.functional.attention import _additive, scaled_dot_product_attention
 from slimact.functional.dropout import dropout as _dropout
 from slimact.functional.matmul import matmul
 from slimact.functional.softmax import softmax
@@ -40,11 +40,7 @@ def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
     q = query.reshape(b, h_kv, h // h_kv, t, d)  # grouped: keys and values are never repeated
     scores = matmul(q, key.unsqueeze(2).transpose(-1, -2), cfg, cfg).reshape(b, h, t, -1) * scaling
     if mask is not None:
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device).masked_fill_(
-                ~mask, torch.finfo(scores.dtype).min
-            )
-        scores = scores + mask
+        scores = scores + _additive(mask, scores.dtype)
     elif is_causal:  # top-left aligned, as scaled_dot_product_attention's is_causal
         causal = torch.ones(t, scores.shape[-1], dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)

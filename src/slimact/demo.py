@@ -92,7 +92,7 @@ class _Task:
 
 
 class _Text(_Task):
-    name, lr = "text", 3e-3
+    name, lr = "text", 1e-3
 
     def __init__(self, seq: int = 128, batch: int = 16) -> None:
         data = stdlib_bytes()

@@ -22,6 +22,8 @@ __all__ = ["mha_class"]
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """An ``nn.MultiheadAttention`` mask (boolean ``True`` = do *not* attend) as an additive one, -inf where
+    masked, so a fully masked row is recognised as such (and gives 0, not NaN)."""
     if mask is None or mask.dtype != torch.bool:
         return mask if mask is None else mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
