@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -165,3 +167,80 @@ def test_hf_gpt2_conv1d_is_converted():
     out.loss.backward()
     for n, p in model.named_parameters():
         assert cosine(g0[n], p.grad) >= 0.99, n
+
+
+def _train_steps(model, ids, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(ids).float().pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa", "tempo"])
+def test_whole_model_survives_save_load_and_deepcopy(tmp_path, policy):
+    import io
+
+    model = slimact.convert(_model(), policy)
+    _train_steps(model, IDS)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copies = [torch.load(buf, weights_only=False), copy.deepcopy(model)]  # both taken at the same step
+    torch.manual_seed(3)  # the same generator state, hence the same stochastic rounding ("mesa")
+    out0, g0 = _step(model, IDS)
+    for other in copies:
+        assert [type(m) for m in other.modules()] == [type(m) for m in model.modules()]
+        torch.manual_seed(3)
+        out1, g1 = _step(other, IDS)
+        assert torch.equal(out0, out1)
+        for n in g0:
+            assert torch.equal(g0[n], g1[n]), n
+
+
+def test_converted_hf_model_loads_in_a_fresh_process(tmp_path):
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    from _harness import tiny_hf
+
+    model, inputs = tiny_hf("gpt2")
+    slimact.convert(model, "int8")
+    torch.save({"model": model, "inputs": inputs}, tmp_path / "m.pt")
+    code = (
+        "import torch, slimact\n"
+        f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+        "m = d['model']\n"
+        "assert m.config._attn_implementation == 'slimact'\n"
+        "m(**d['inputs']).loss.backward()\n"
+        "assert slimact.summary(m).converted['attention'] == 2\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_dtype_moves_and_trained_weights_survive_revert():
+    model = slimact.convert(_model(), "mesa")
+    _train_steps(model, IDS)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    model.half()
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    model.to(torch.float32)
+    _train_steps(model, IDS, steps=1)  # still trains after the moves (running estimates follow the dtype)
+    model.load_state_dict(trained, strict=True)
+    slimact.revert(model)
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+
+
+def test_deterministic_runs_give_bit_identical_gradients():
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = slimact.convert(_model(), "mesa")  # stochastic rounding and running estimates
+            torch.manual_seed(1)
+            grads.append(_step(model, IDS)[1])
+        assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -124,7 +124,8 @@ def convert(
     _route_loss(model, pol, skipped)
     _route_attention(model, pol, skipped, filter_fn)
     if _HOOK_ATTR not in model.__dict__:
-        model.__dict__[_HOOK_ATTR] = (model.register_forward_pre_hook(steps), steps)
+        handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
+        model.__dict__[_HOOK_ATTR] = (handles, steps)
     model.__dict__[_POLICY_ATTR] = pol
     model.__dict__[_SKIPPED_ATTR] = skipped
     return model
@@ -143,7 +144,7 @@ def _route_loss(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None:
     if reason is not None:
         skipped["(loss)"] = reason
         return
-    model.__dict__[_LOSS_ATTR] = LossRouting(model, head, lambda t: pol.quant_config("lmloss", t.dim()))
+    model.__dict__[_LOSS_ATTR] = LossRouting(model, head, pol)
 
 
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
@@ -182,7 +183,8 @@ def revert(model: nn.Module) -> nn.Module:
         detach(module)
     hook = model.__dict__.pop(_HOOK_ATTR, None)
     if hook is not None:
-        hook[0].remove()
+        for handle in hook[0]:
+            handle.remove()
     routing = model.__dict__.pop(_LOSS_ATTR, None)
     if routing is not None:
         routing.remove()

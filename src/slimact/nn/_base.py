@@ -14,12 +14,14 @@ forward passes with a pre-hook on the model; a slimact module used on its own ha
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import Tensor, nn
 
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
+from slimact.quant.reference import begin_stream, end_stream
 
 __all__ = ["MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "clear_state", "detach", "slim_class", "standalone"]
 
@@ -30,13 +32,18 @@ _CLASS_CACHE: dict[tuple[type, type], type] = {}
 
 
 class StepCounter:
-    """Counts forward passes of a converted model (incremented by a forward pre-hook on the model)."""
+    """Counts forward passes of a converted model (a forward pre-hook on the model) and brackets each with
+    its stochastic-rounding seed stream (:func:`slimact.quant.reference.begin_stream`)."""
 
     def __init__(self) -> None:
         self.value = 0
 
     def __call__(self, module: nn.Module, args: object) -> None:
         self.value += 1
+        begin_stream(self.value)
+
+    def end(self, module: nn.Module, args: object, output: object) -> None:
+        end_stream()
 
 
 class SlimModule:
@@ -73,11 +80,30 @@ class SlimModule:
         site = self.__dict__.get("_slimact_site", 0)
         return RunningRange(self, f"_slimact_{operand}" + (f"_{site}" if site else ""))  # type: ignore[arg-type]
 
+    def __reduce_ex__(self, protocol):
+        # A class made by slim_class exists only in the process that made it: pickle (torch.save,
+        # deepcopy) the module as its mixin, its original class and its state, and rebuild the class on load.
+        cls = type(self)
+        if getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls:
+            return super().__reduce_ex__(protocol)
+        return _rebuild, (cls.__bases__[0], self._slimact_orig_cls, self.__getstate__())
+
     def extra_repr(self) -> str:
         p = self._slimact_policy
         slim = f"slimact: {self._slimact_kind}, policy {p.name!r}"
         base = super().extra_repr()  # type: ignore[misc]
         return f"{base}, {slim}" if base else slim
+
+
+def _rebuild(mixin: type, cls: type[nn.Module], state: dict) -> nn.Module:
+    if "transformers" in sys.modules:  # a converted Hugging Face model being loaded: its attention name too
+        from slimact.attention import register
+
+        register()
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    module.__class__ = slim_class(mixin, cls)
+    return module
 
 
 def slim_class(mixin: type, cls: type[nn.Module]) -> type[nn.Module]:

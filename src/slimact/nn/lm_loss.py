@@ -48,9 +48,9 @@ class _Mode(TorchFunctionMode):
 class LossRouting:
     """Installed on a converted model by ``convert``: hooks on the model and its head, and the mode."""
 
-    def __init__(self, model: nn.Module, head: nn.Linear, cfg_for) -> None:
+    def __init__(self, model: nn.Module, head: nn.Linear, policy) -> None:
         self.head = head
-        self.cfg_for = cfg_for  # tensor -> QuantConfig | None (the head's policy)
+        self.policy = policy  # how the kept hidden states are compressed (kind "lmloss")
         self._sources: dict[int, tuple[weakref.ref, Tensor]] = {}
         self._mode: _Mode | None = None
         self.handles = [
@@ -100,7 +100,7 @@ class LossRouting:
             return None
         loss = linear_cross_entropy(
             h, head.weight, head.bias, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-            reduction=reduction, cfg=self.cfg_for(h),
+            reduction=reduction, cfg=self.policy.quant_config("lmloss", h.dim()),
         )
         return loss.to(logits.dtype)
 

@@ -41,6 +41,7 @@ Defined edge cases:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -55,8 +56,10 @@ __all__ = [
     "PackMeta",
     "Packed",
     "QuantConfig",
+    "begin_stream",
     "dequantize",
     "draw_seed",
+    "end_stream",
     "group_layout",
     "group_minmax",
     "hash_uniform",
@@ -216,16 +219,36 @@ def hash_uniform(numel: int, seed: int, device: torch.device | str = "cpu") -> T
 
 
 _stream = {"initial": None, "count": 0}
+_forward_streams: list[list[int]] = []  # [key, count] per converted-model forward in progress
+
+
+def begin_stream(step: int) -> None:
+    """Start the seed stream of one forward pass of a converted model (called by ``convert``'s hook).
+
+    Its key is a digest of PyTorch's CPU generator state (read, never advanced) and the model's step count:
+    runs seeded alike draw alike (even twice in one process), every step draws afresh, and PyTorch's own
+    random stream, hence every dropout mask, is exactly the plain model's.
+    """
+    digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).digest()
+    _forward_streams.append([hash((digest, step)), 0])
+
+
+def end_stream() -> None:
+    if _forward_streams:
+        _forward_streams.pop()
 
 
 def draw_seed() -> int:
     """The next 31-bit stochastic-rounding seed.
 
-    A counter stream keyed by ``torch.initial_seed()``: it restarts whenever ``torch.manual_seed`` sets a new
-    seed, so runs seeded alike round alike, and it never draws from (or advances) PyTorch's generator, so a
-    converted model's dropout masks are exactly the plain model's. (Seeding twice with the same value in one
-    process continues the stream rather than restarting it.)
+    Inside a converted model's forward: the pack's number in that forward's stream (:func:`begin_stream`).
+    Elsewhere: a counter stream keyed by ``torch.initial_seed()``, restarting whenever ``torch.manual_seed``
+    sets a new seed. Neither draws from (or advances) PyTorch's generator.
     """
+    if _forward_streams:
+        stream = _forward_streams[-1]
+        stream[1] += 1
+        return hash((stream[0], stream[1])) & 0x7FFFFFFF
     initial = torch.initial_seed()
     if _stream["initial"] != initial:
         _stream["initial"], _stream["count"] = initial, 0
