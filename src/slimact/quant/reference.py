@@ -18,9 +18,9 @@ Groups (``QuantConfig.group_dim`` / ``groups``):
 ``2**b - 1``: it never wraps.
 
 Rounding is to nearest (``floor(v + 0.5)``) or stochastic (``floor(v + u)``, ``u`` uniform in [0, 1)).
-The stochastic bits come from a counter-based hash of ``(seed, flat element index)``; the seed comes from a
-stream keyed by ``torch.initial_seed()`` (:func:`draw_seed`), so results are reproducible under
-``torch.manual_seed`` without ever advancing PyTorch's own generator, and the Triton kernel
+The stochastic bits come from a counter-based hash of ``(seed, flat element index)``; seeds come from
+:func:`draw_seed` (streams derived from PyTorch's generator state without ever advancing it), so results are
+reproducible under ``torch.manual_seed`` and dropout masks stay the plain model's, and the Triton kernel
 (:mod:`slimact.quant.triton`) reproduces the same codes bit for bit without storing any noise.
 
 Error bound per element, measured before the cast back to ``x.dtype``: at most ``step/2`` with nearest
