@@ -95,6 +95,13 @@ def convert(
     Idempotent: converting again (with the same or another policy) re-applies the policy to every module.
     """
     pol = resolve(policy)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "the model has parameters on the meta device: slimact recognises some layers (gated MLPs, norms and "
+            "activations of model-specific classes) by running them on a probe, which needs real weights. "
+            "Materialise the model first (e.g. model.to_empty(device=...) and initialise or load its weights), "
+            "then convert it."
+        )
     steps = model.__dict__.get(_HOOK_ATTR, (None, None))[1] or StepCounter()
     skipped: dict[str, str] = {}
     seen: dict[str, int] = {}
