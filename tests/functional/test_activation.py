@@ -176,3 +176,34 @@ def test_tempo_gelu_output_is_the_storage_the_next_linear_keeps():
     assert tempo.by_kind["gelu"] == 64 * 256 * 4 + 64 * 256 // 8
     assert "2" not in tempo.by_module  # the second Linear's input is the GELU's kept output
     assert tempo.activation_bytes < plain.activation_bytes
+
+
+@pytest.mark.parametrize("form", ["gelu", "gelu_tanh", "quick_gelu", "silu"])
+def test_flat_bounds_hold(form):
+    from slimact.functional.activation import FLAT
+
+    x = torch.linspace(FLAT[form], 1e4, 10001, dtype=torch.float64)
+    assert (derivative(form, x) - 1).abs().max() <= 1e-6
+    assert derivative(form, -x).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu", "hf_quick_gelu"])
+def test_heavy_tailed_inputs_keep_the_sqnr_floor(name):
+    torch.manual_seed(0)
+    x = torch.randn(64, 128)
+    outliers = torch.rand_like(x) < 0.01
+    x = torch.where(outliers, x.sign() * 1e4, x)  # 1% of the inputs at 1e4 times the typical magnitude
+    check_against_plain(MODULES[name](), x)
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+def test_non_finite_inputs_show_in_the_gradient_as_in_torch(policy):
+    from _harness import _step, converted_copy
+
+    x = torch.randn(4, 16)
+    x[1, 3], x[2, 5], x[3, 7] = float("nan"), float("inf"), -float("inf")
+    _, g0 = _step(nn.GELU(), (x,), seed=1)
+    _, g1 = _step(converted_copy(nn.GELU(), policy), (x,), seed=1)
+    assert torch.equal(g0["input0"].isnan(), g1["input0"].isnan())
+    finite = torch.isfinite(g0["input0"])
+    torch.testing.assert_close(g1["input0"][finite], g0["input0"][finite], rtol=1e-3, atol=1e-3)
