@@ -239,7 +239,10 @@ def summary(model: nn.Module) -> Summary:
             modules[name] = kind_of(module)
         elif attention.POLICY_ATTR in module.__dict__:
             modules[name] = "attention"
-        elif name and name not in skipped and kind_of(module) == "attention":
+        elif name and name not in skipped and kind_of(module) == "attention" and not any(
+            attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
+            for sub in module.modules()
+        ):  # attention computed in the module's own code (a wrapper around a routed one is fine)
             skipped[name] = (
                 f"{type(module).__name__} computes attention in its own code (not through transformers' "
                 "AttentionInterface or nn.MultiheadAttention): left as written"

@@ -217,3 +217,12 @@ def test_argument_errors():
         scaled_dot_product_attention(q, k, k)
     with pytest.raises(ValueError, match="either attn_mask or is_causal"):
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True)
+
+
+def test_a_learned_mask_gets_its_gradient():
+    # Swin and T5 add a learned position bias through the mask: it must keep learning.
+    q, k, v = (torch.randn(2, 4, 9, 16, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 4, 9, 9, requires_grad=True)
+    (g0,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum(), bias)
+    (g1,) = torch.autograd.grad(scaled_dot_product_attention(q, k, v, attn_mask=bias, cfg=PER_HEAD).sum(), bias)
+    torch.testing.assert_close(g1, g0)

@@ -110,3 +110,16 @@ def test_attention_that_bypasses_the_interface_is_reported():
 
     model = slimact.convert(nn.Sequential(HandAttention()))
     assert "not through transformers' AttentionInterface" in slimact.summary(model).skipped["0"]
+
+
+def test_swin_relative_position_bias_keeps_learning():
+    torch.manual_seed(0)
+    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                  window_size=4, num_labels=10)
+    model = transformers.SwinForImageClassification(cfg).train()
+    inputs = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([1, 2])}
+    _, exact = loss_grads(model, inputs)
+    slimact.convert(model, "int8")
+    _, approx = loss_grads(model, inputs)
+    assert any("relative_position_bias" in n for n in approx)
+    assert_gradients_close(exact, approx)

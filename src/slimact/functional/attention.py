@@ -1,9 +1,12 @@
 """Attention: fused scaled-dot-product attention keeping no ``[T, S]`` tensor, and eager attention's softmax,
 dropout and ``probs @ v`` in one Function (Tempo's attention technique) for when the probabilities are needed.
 
-Fused path (:func:`scaled_dot_product_attention`): keeps ``q``, ``k``, ``v`` and the output (8-bit per head, or
-exact) and the fp32 log-sum-exp per row, 4 bytes per query row and head; never a ``[T, S]`` tensor (a boolean
-mask, if given, as bits). Error: exact when kept exact; at 8 bits the backward runs on restored tensors.
+Fused path (:func:`scaled_dot_product_attention`): at 8 bits keeps ``q``, ``k``, ``v`` (per head) and recomputes
+the output and log-sum-exp from them in the backward (one more fused forward), so the backward is the exact
+gradient of the attention of the restored tensors (a kept 8-bit output would disagree with the probabilities
+rebuilt from 8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients); under a lossless policy keeps ``q``,
+``k``, ``v``, the output and the fp32 log-sum-exp exactly. Never a ``[T, S]`` tensor (a boolean mask, if given,
+as bits). A mask that needs a gradient (a learned position bias) runs PyTorch's own attention.
 
 Eager path:
 
@@ -143,18 +146,21 @@ class _FlashAttentionCPU(torch.autograd.Function):
             out = out.masked_fill(dead, 0)
         ctx.is_causal, ctx.scale, ctx.dtype = is_causal, scale, q.dtype
         st = state or {}
+        exact = cfg_q is None  # lossless: keep the output and lse; 8-bit: recompute them from q, k, v
         save(ctx, pack(q, cfg_q, st.get("q")), pack(k, cfg_kv, st.get("k")), pack(v, cfg_kv, st.get("v")),
-             pack(out, cfg_q, st.get("o")), lse, _saved_mask(mask), dead)
+             out if exact else None, lse if exact else None, _saved_mask(mask), dead)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, mask, dead = load(ctx)
+        add = _additive(mask, ctx.dtype)
+        if out is None:  # the output and lse of the restored q, k, v: a self-consistent backward
+            out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, ctx.is_causal, attn_mask=add, scale=ctx.scale)
         if dead is not None:
             grad_out = grad_out.masked_fill(dead, 0)
         gq, gk, gv = getattr(torch.ops.aten, _FLASH_CPU + "_backward")(
-            grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal,
-            attn_mask=_additive(mask, ctx.dtype), scale=ctx.scale,
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=add, scale=ctx.scale,
         )
         return gq, gk, gv, None, None, None, None, None, None
 
@@ -216,8 +222,9 @@ class _ChunkedAttention(torch.autograd.Function):
             out = out.masked_fill(dead, 0)
         ctx.args = (is_causal, scale, dropout_p, v.dtype)
         st = state or {}
+        exact = cfg_q is None  # lossless: keep the output and lse; 8-bit: recompute them from q, k, v
         save(ctx, pack(q, cfg_q, st.get("q")), pack(k, cfg_kv, st.get("k")), pack(v, cfg_kv, st.get("v")),
-             pack(out, cfg_q, st.get("o")), lse, _saved_mask(mask), dead, rng)
+             out if exact else None, lse if exact else None, _saved_mask(mask), dead, rng)
         return out
 
     @staticmethod
@@ -234,7 +241,8 @@ class _ChunkedAttention(torch.autograd.Function):
         kf, vf = k.float(), v.float()
         kt, vg = kf.unsqueeze(2).transpose(-1, -2), vf.unsqueeze(2)
         g = grad_out.float()
-        delta = (g * out.float()).sum(-1)  # [B, H, T]: rowsum(dP * P) = rowsum(dO * O)
+        # [B, H, T]: rowsum(dP * P) = rowsum(dO * O); from the kept output, or the block's own below
+        delta = (g * out.float()).sum(-1) if out is not None else None
         gq = torch.empty_like(qg)
         gk = torch.zeros(b, h_kv, rep, s, d, dtype=torch.float32, device=q.device)
         gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
@@ -243,18 +251,23 @@ class _ChunkedAttention(torch.autograd.Function):
         for t0 in range(0, t, CHUNK_ROWS):
             t1 = min(t, t0 + CHUNK_ROWS)
             scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
-            probs = torch.exp(scores - lse[:, :, t0:t1, None]).reshape(b, h_kv, rep, t1 - t0, s)
+            lse_blk = lse[:, :, t0:t1] if lse is not None else torch.logsumexp(scores, -1)
+            probs = torch.exp(scores - lse_blk[..., None]).reshape(b, h_kv, rep, t1 - t0, s)
             keep = None
             dropped = probs
             if keep_all is not None:
                 keep = keep_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
                 dropped = probs * keep / (1 - dropout_p)
             gblk = gg[..., t0:t1, :]
+            if delta is None:  # the output these restored tensors give, for a self-consistent backward
+                d_blk = (gblk * dropped.matmul(vg)).sum(-1)  # [B, H_kv, rep, rows]
+            else:
+                d_blk = delta[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0)
             gv += dropped.transpose(-1, -2).matmul(gblk)
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
             if keep is not None:
                 dp = dp * keep / (1 - dropout_p)
-            ds = probs * (dp - delta[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, 1))
+            ds = probs * (dp - d_blk.unsqueeze(-1))
             gq[..., t0:t1, :] = ds.matmul(kf.unsqueeze(2)) * scale
             gk += ds.transpose(-1, -2).matmul(qg[..., t0:t1, :]) * scale
         return (gq.reshape(b, h, t, d).to(q.dtype), gk.sum(2).to(k.dtype), gv.sum(2).to(v.dtype),
@@ -290,8 +303,9 @@ def scaled_dot_product_attention(
 ) -> Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` keeping no ``[T, S]`` tensor.
 
-    Keeps ``query``, ``key``, ``value`` and the output packed with ``cfg`` (``None``: exact; use a per-head
-    config, ``group_dim=1``) and the exact per-row log-sum-exp; a boolean ``attn_mask`` is kept as bits.
+    Keeps ``query``, ``key``, ``value`` packed with ``cfg`` (a per-head config, ``group_dim=1``), recomputing the
+    output and log-sum-exp in the backward; with ``cfg=None`` keeps them and the output and log-sum-exp exactly.
+    A boolean ``attn_mask`` is kept as bits; a mask that requires grad runs PyTorch's own attention.
     On CPU without dropout it runs PyTorch's CPU flash kernel (forward and backward, on the restored
     tensors); with dropout, or on other devices, a flash-style path in PyTorch ops, chunked over query rows
     in the backward. Its dropout mask is drawn by ``native_dropout`` from PyTorch's generator (the draws
@@ -311,7 +325,8 @@ def scaled_dot_product_attention(
         raise ValueError("pass either attn_mask or is_causal, not both (as F.scaled_dot_product_attention)")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if not needs_grad:
+    mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
+    if not needs_grad or mask_grad:  # a learned bias in the mask (Swin, T5) needs PyTorch's own backward
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
