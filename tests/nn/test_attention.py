@@ -19,7 +19,7 @@ def _grads(model, call):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("policy", ["tempo", "int8", "mesa"])
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_transformer_encoder(policy, batch_first):
     torch.manual_seed(0)

@@ -25,17 +25,17 @@ from torch import Tensor
 
 from slimact.functional._saving import load, save
 from slimact.functional.activation import derivative
-from slimact.quant import QuantConfig, pack
+from slimact.quant import QuantConfig, RunningRange, pack
 
 __all__ = ["gated_mlp"]
 
 
 class _GatedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g, u, weight, bias, act, form, cfg):
+    def forward(ctx, g, u, weight, bias, act, form, cfg, state_g, state_u):
         y = F.linear(act(g) * u, weight, bias)
         ctx.act, ctx.form, ctx.has_bias = act, form, bias is not None
-        save(ctx, pack(g, cfg), pack(u, cfg), weight)
+        save(ctx, pack(g, cfg, state_g), pack(u, cfg, state_u), weight)
         return y
 
     @staticmethod
@@ -55,7 +55,7 @@ class _GatedMLPFunction(torch.autograd.Function):
             grad_w = grad_y.reshape(-1, out).t().matmul(h.reshape(-1, h.shape[-1]).to(grad_y.dtype))
         if ctx.has_bias and need_b:
             grad_b = grad_y.reshape(-1, out).sum(0)
-        return grad_g, grad_u, grad_w, grad_b, None, None, None
+        return grad_g, grad_u, grad_w, grad_b, None, None, None, None, None
 
 
 def gated_mlp(
@@ -66,6 +66,8 @@ def gated_mlp(
     form: str,
     cfg: QuantConfig | None,
     act: Callable[[Tensor], Tensor] | None = None,
+    state_g: RunningRange | None = None,
+    state_u: RunningRange | None = None,
 ) -> Tensor:
     """``F.linear(act(g) * u, weight, bias)`` keeping only ``g`` and ``u``.
 
@@ -74,6 +76,7 @@ def gated_mlp(
         form: the activation's form (``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"quick_gelu"``).
         cfg: compression of ``g`` and ``u``; ``None`` keeps them exact.
         act: the activation as the model computes it (default: the form's reference).
+        state_g, state_u: running estimates of ``g`` and ``u``, for ``scale="running"``.
     """
     if act is None:
         from slimact.functional.activation import reference
@@ -83,4 +86,4 @@ def gated_mlp(
 
     if not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad or weight.requires_grad):
         return F.linear(act(g) * u, weight, bias)
-    return _GatedMLPFunction.apply(g, u, weight, bias, act, form, cfg)
+    return _GatedMLPFunction.apply(g, u, weight, bias, act, form, cfg, state_g, state_u)

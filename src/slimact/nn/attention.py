@@ -48,12 +48,14 @@ class _MultiheadAttentionMixin(SlimModule):
         b, t, e = query.shape
         s, h = key.shape[1], self.num_heads
         cfg = self._slimact_cfg(query)
+        state = self._slimact_state  # running estimates per operand (scale="running"), else None
         if query is key and key is value:  # self-attention: one projection, one kept input
-            q, k, v = linear(query, self.in_proj_weight, self.in_proj_bias, cfg).chunk(3, dim=-1)
+            q, k, v = linear(query, self.in_proj_weight, self.in_proj_bias, cfg, state("x")).chunk(3, dim=-1)
         else:
             w, bias = self.in_proj_weight.chunk(3), (self.in_proj_bias.chunk(3) if self.in_proj_bias is not None
                                                       else (None, None, None))
-            q, k, v = (linear(x, w_i, b_i, cfg) for x, w_i, b_i in zip((query, key, value), w, bias, strict=True))
+            q, k, v = (linear(x, w_i, b_i, cfg, state(f"x{i}"))
+                       for i, (x, w_i, b_i) in enumerate(zip((query, key, value), w, bias, strict=True)))
         q, k, v = (x.reshape(b, -1, h, e // h).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, D]
         mask = _additive(attn_mask, q.dtype)
         if mask is not None:
@@ -64,11 +66,12 @@ class _MultiheadAttentionMixin(SlimModule):
         out = scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=bool(is_causal and mask is None), cfg=self._slimact_policy.quant_config("attention", 4),
+            state=None if state() is None else {n: state(n) for n in ("q", "k", "v", "o")},
         )
         # [B, H, T, D] -> time-major [T * B, E], as nn.MultiheadAttention lays its output out: a later dropout
         # draws its mask in memory order, so the same layout gives the plain module's masks.
         out = out.permute(2, 0, 1, 3).reshape(t * b, e)
-        out = linear(out, self.out_proj.weight, self.out_proj.bias, self._slimact_cfg(out)).view(t, b, e)
+        out = linear(out, self.out_proj.weight, self.out_proj.bias, self._slimact_cfg(out), state("out")).view(t, b, e)
         return (out.transpose(0, 1) if self.batch_first else out), None
 
 

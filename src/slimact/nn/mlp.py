@@ -51,7 +51,8 @@ class _GatedMLPMixin(SlimModule):
         self._slimact_begin()
         g, u = self.gate_proj(x), self.up_proj(x)
         down = self.down_proj
-        return gated_mlp(g, u, down.weight, down.bias, self._slimact_form, self._slimact_cfg(g), act=self.act_fn)
+        return gated_mlp(g, u, down.weight, down.bias, self._slimact_form, self._slimact_cfg(g), act=self.act_fn,
+                         state_g=self._slimact_state("g"), state_u=self._slimact_state("u"))
 
 
 def gated_mlp_class(cls: type[nn.Module]) -> type[nn.Module]:
