@@ -77,6 +77,22 @@ def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None,
     return None, None, {}
 
 
+def _leave_alone(pol: Policy, kind: str, name: str, module: nn.Module, filter_fn: FilterFn | None,
+                 index: int = -1) -> str | None:
+    """Why ``module`` stays as it is (the policy, then ``filter_fn``), or ``None`` to convert it."""
+    reason = pol.skip_reason(kind, name, index)
+    if reason is None and filter_fn is not None and not filter_fn(module, name):
+        reason = "excluded by filter_fn"
+    return reason
+
+
+def _untag_attention(model: nn.Module) -> None:
+    """Drop the attention tags and the running estimates they gathered from every module of ``model``."""
+    for module in model.modules():
+        if module.__dict__.pop(attention.POLICY_ATTR, None) is not None:
+            clear_state(module)
+
+
 def convert(
     model: nn.Module,
     policy: str | os.PathLike[str] | Policy = "int8",
@@ -118,9 +134,7 @@ def convert(
             continue
         kind = kind_of(module)
         index = seen[kind] = seen.get(kind, -1) + 1
-        reason = pol.skip_reason(kind, name, index)
-        if reason is None and filter_fn is not None and not filter_fn(module, name):
-            reason = "excluded by filter_fn"
+        reason = _leave_alone(pol, kind, name, module, filter_fn, index)
         if reason is not None:
             detach(module)
             skipped[name] = reason
@@ -156,9 +170,7 @@ def _route_loss(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None:
 
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
     """Select slimact's attention function on a Hugging Face model and tag its attention modules."""
-    for module in model.modules():
-        if module.__dict__.pop(attention.POLICY_ATTR, None) is not None:
-            clear_state(module)
+    _untag_attention(model)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return
@@ -169,9 +181,7 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
     for name, module in model.named_modules():
         if kind_of(module) != "attention" or not hasattr(module, "config"):
             continue
-        reason = pol.skip_reason("attention", name)
-        if reason is None and filter_fn is not None and not filter_fn(module, name):
-            reason = "excluded by filter_fn"
+        reason = _leave_alone(pol, "attention", name, module, filter_fn)
         if reason is not None:
             skipped[name] = reason
             continue
@@ -198,8 +208,7 @@ def revert(model: nn.Module) -> nn.Module:
     original_attn = model.__dict__.pop(_ATTN_ATTR, None)
     if original_attn is not None:
         model.config._attn_implementation = original_attn
-    for module in model.modules():
-        module.__dict__.pop(attention.POLICY_ATTR, None)
+    _untag_attention(model)
     model.__dict__.pop(_POLICY_ATTR, None)
     model.__dict__.pop(_SKIPPED_ATTR, None)
     return model

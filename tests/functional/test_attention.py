@@ -81,7 +81,7 @@ def test_hf_attention_routing_and_revert():
     )
     model = transformers.LlamaForCausalLM(cfg)
     model.config._attn_implementation = "eager"
-    slimact.convert(model, "int8")
+    slimact.convert(model, "mesa")  # running estimates: buffers on the attention modules too
     assert model.config._attn_implementation == "slimact"
     assert slimact.summary(model).converted["attention"] == 1
     ids = torch.randint(0, 64, (2, 12))
@@ -91,6 +91,7 @@ def test_hf_attention_routing_and_revert():
     slimact.revert(model)
     assert model.config._attn_implementation == "eager"
     assert not any("slimact" in n for m in model.modules() for n in vars(m))
+    assert not any("slimact" in n for n, _ in model.named_buffers())  # revert drops the running estimates
 
 
 @pytest.mark.parametrize("name", ["bert", "llama"])
