@@ -7,7 +7,8 @@
   ``[T, S]`` tensor, grouped-query heads never repeated;
 * when the caller asks for the probabilities (``output_attentions=True``) it runs the eager path:
   ``q @ k^T`` and ``probs @ v`` through slimact's MatMul, the softmax through slimact's Softmax (the
-  probabilities packed once, shared with the product when no dropout sits between), dropout as bits.
+  probabilities 8-bit per head, kept by the softmax and again by ``probs @ v``, which reads them through a
+  grouped view the pack cache does not match), dropout as bits.
 
 ``convert`` registers it as ``"slimact"`` (with SDPA-style masks: ``None`` for plain causal attention, a
 boolean mask otherwise), selects it on the model's config and tags the model's attention modules; ``revert``
