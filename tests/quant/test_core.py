@@ -278,3 +278,21 @@ def test_shared_entry_dies_with_its_source():
     del x
     assert not any(e[0]() is None for e in _shared._entries.values())
     del kept
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("lo", [-1e-3, -0.3, -1.0, -5.0, -99.0])
+def test_zero_is_restored_exactly_where_a_range_straddles_it(bits, lo):
+    # A zeroed token next to others: DeiT's class token at initialisation, a padded row. Any error on it
+    # is multiplied by its (possibly large) gradient, so 0 must be a code.
+    x = torch.cat([torch.linspace(lo, 1.0, 97), torch.zeros(5)])[torch.randperm(102)]
+    cfg = QuantConfig(bits=bits, group_dim=None)
+    packed = pack(x, cfg)
+    x_hat = unpack(packed)
+    assert torch.equal(x_hat[x == 0], torch.zeros(int((x == 0).sum())))
+    # The step grew by at most (qmax/2) / (qmax/2 - 1) over the plain range / qmax, and nothing clamps.
+    qmax = 2**bits - 1
+    step = packed.tensors[2]
+    plain = (1.0 - lo) / qmax
+    assert plain <= step.item() <= plain * (qmax / 2) / (qmax / 2 - 1) * (1 + 1e-6)
+    assert ((x_hat - x).abs() <= step / 2 + 1e-6).all()

@@ -174,11 +174,33 @@ def scale_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
 
     The step is computed in fp64 so that neither ``hi - lo`` nor the division over/underflows; a group with
     no positive range (or one so small that its fp32 step would be 0) gets ``step = 1`` and codes 0.
+
+    Zero is a code: where a range straddles 0 (``lo < 0 < hi``) with 4 or more bits, ``lo`` becomes
+    ``-z * step`` for an integer ``z``, so an exact 0 (a zeroed token, a padded row, a masked feature) is
+    restored as 0, not as a fraction of a step that a large gradient would multiply. ``z`` and the step are
+    chosen so that ``[lo, hi]`` stays inside the code range (no clamping): the step grows by at most
+    ``(qmax / 2) / (qmax / 2 - 1)`` (0.8% at 8 bits, 15% at 4 bits). Two-bit codes keep the plain range,
+    where the same guarantee would cost up to 1.5x the step.
     """
-    rng = hi.double() - lo.double()
-    step = (rng / qmax).float()
-    step = torch.where((rng > 0) & (step > 0), step, torch.ones_like(step))
-    return lo.float(), step
+    lo64, hi64 = lo.double(), hi.double()
+    rng = hi64 - lo64
+    step64 = rng / qmax
+    if qmax >= 15:
+        z_star = -lo64 / rng.clamp(min=torch.finfo(torch.float64).tiny) * qmax
+        best = None
+        for z in (z_star.floor(), z_star.ceil()):
+            z = z.clamp(1, qmax - 1)
+            cand = torch.maximum(-lo64 / z, hi64 / (qmax - z))
+            best = (z, cand) if best is None else (torch.where(cand < best[1], z, best[0]), best[1].minimum(cand))
+        z, zero_step = best
+        straddles = (lo64 < 0) & (hi64 > 0)
+        step64 = torch.where(straddles, zero_step, step64)
+    step = step64.float()
+    ok = (rng > 0) & (step > 0)
+    if qmax >= 15:
+        # -z * step in fp32: the reference restores code z as lo + z * step = 0 exactly.
+        lo = torch.where(straddles & ok, -(z.float() * step), lo.float())
+    return lo.float(), torch.where(ok, step, torch.ones_like(step))
 
 
 _FMIX1 = 0x85EBCA6B
