@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 
 import pytest
@@ -93,7 +94,10 @@ def test_mesa_text_file_enabling_only_gelu_and_layernorm_converts_only_those(tmp
     policy = Policy.from_file(f)
     assert policy.kinds == ("gelu", "layernorm")
     assert policy.exclude_index == ("gelu:1",)
-    assert (policy.bits, policy.ema_decay, policy.scale, policy.stochastic) == (8, 0.8, "running", True)
+    assert (policy.scale, policy.stochastic) == ("running", True)
+    # Mesa's level and ema_decay are per layer tag: per-kind settings.
+    assert (policy.settings("gelu").bits, policy.settings("gelu").ema_decay) == (8, 0.9)
+    assert policy.settings("layernorm").ema_decay == 0.8
 
     def block():
         return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.Softmax(-1), nn.ReLU(), nn.Dropout())
@@ -122,3 +126,52 @@ def test_mesa_text_errors_name_file_and_line(tmp_path, text, match):
     f.write_text(text, encoding="utf-8")
     with pytest.raises(PolicyError, match=match):
         Policy.from_file(f)
+
+
+def test_per_kind_settings_override_the_policy_for_that_kind_only():
+    p = Policy(per_kind={"attention": {"bits": 4, "groups": 2}, "gelu": {"quantize": False},
+                         "linear": slimact.KindSettings(scale="running", stochastic=True)})
+    att = p.quant_config("attention", 4)
+    assert (att.bits, att.group_dim, att.groups) == (4, 1, 2)
+    assert p.quant_config("gelu", 3) is None  # kept exact: the lossless in-place form
+    lin = p.quant_config("linear", 3)
+    assert (lin.bits, lin.scale, lin.stochastic, lin.groups) == (8, "running", True, 8)
+    assert p.quant_config("layernorm", 3) == Policy().quant_config("layernorm", 3)
+    # Off for one kind that has no lossless form: that kind is left alone, with the reason.
+    assert "no lossless saving" in Policy(per_kind={"linear": {"quantize": False}}).skip_reason("linear", "fc")
+    assert hash(p) == hash(Policy(per_kind=dict(reversed(list(dict(p.per_kind).items())))))
+
+
+def test_per_kind_settings_reach_the_converted_layers():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 64, requires_grad=True)
+    default = slimact.profile(slimact.convert(copy.deepcopy(model)), x).by_kind
+    four = slimact.profile(slimact.convert(copy.deepcopy(model), Policy(per_kind={"gelu": {"bits": 4}})), x).by_kind
+    assert four["gelu"] < default["gelu"] and four["linear"] == default["linear"]
+
+
+def test_per_kind_toml_round_trip(tmp_path):
+    p = Policy(name="mixed", per_kind={"attention": {"bits": 4}, "gelu": {"quantize": False, "groups": 3}})
+    q = Policy.from_file(p.to_file(tmp_path / "mixed.toml"))
+    assert q == p
+
+
+@pytest.mark.parametrize(
+    "text,match,line",
+    [
+        ("[per_kind.gelux]\nbits = 4\n", "unknown layer kind 'gelux'", 1),
+        ("[per_kind.gelu]\nbits = 4\nbitz = 4\n", "per_kind.gelu: unknown key 'bitz'", 3),
+        ('bits = 8\n[per_kind.gelu]\nbits = "4"\n', "per_kind.gelu: key 'bits' must be int", 3),
+        ("bits = 8\n\n[per_kind.gelu]\nbits = 5\n", "per_kind.gelu: bits must be 8, 4 or 2", 4),
+        ('[per_kind.attention]\nscale = "runing"\n', "scale must be 'dynamic' or 'running'", 2),
+        ("per_kind = 3\n", "per_kind must be a table", 1),
+    ],
+)
+def test_per_kind_file_errors_name_file_line_and_key(tmp_path, text, match, line):
+    f = tmp_path / "p.toml"
+    f.write_text(text, encoding="utf-8")
+    with pytest.raises(PolicyError, match=match) as e:
+        Policy.from_file(f)
+    assert str(e.value).startswith(f"{f}:{line}: "), str(e.value)

@@ -28,7 +28,7 @@ def test_unknown_policy_and_keys_are_clear_errors(tmp_path):
         slimact.convert(nn.Linear(2, 2), "int7")
     bad = tmp_path / "p.toml"
     bad.write_text("bitz = 8\n", encoding="utf-8")
-    with pytest.raises(slimact.PolicyError, match=r"p\.toml: unknown key 'bitz'"):
+    with pytest.raises(slimact.PolicyError, match=r"p\.toml:1: unknown key 'bitz'"):
         slimact.convert(nn.Linear(2, 2), bad)
 
 

@@ -6,13 +6,14 @@ initialises CUDA and does not import Triton or transformers.
 """
 
 from slimact.convert import Summary, convert, revert, summary
-from slimact.policy import PRESETS, Policy, PolicyError
+from slimact.policy import PRESETS, KindSettings, Policy, PolicyError
 from slimact.profile import Report, profile
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "KindSettings",
     "Policy",
     "PolicyError",
     "Report",

@@ -140,7 +140,9 @@ def kind_of(module: nn.Module) -> str:
     form = norm_form(module)
     if form is not None:
         return "layernorm" if form["centered"] else "rmsnorm"
-    if all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+    if all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) or all(
+        isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj")
+    ):  # a gated MLP: separate gate and up projections, or fused (Phi-3)
         return "mlp"
     for cls, kind in _BY_TYPE:
         if isinstance(module, cls):

@@ -91,7 +91,7 @@ def attention_forward(
         out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy, is_causal)
         return out.transpose(1, 2).contiguous(), probs
     state = None
-    if policy is not None and policy.scale == "running":
+    if policy is not None and policy.settings("attention").scale == "running":
         state = {n: RunningRange(module, f"_slimact_{n}") for n in ("q", "k", "v", "o")}
     cfg = policy.quant_config("attention", 4) if policy is not None else None
     attend = scaled_dot_product_attention if policy is not None else nn.functional.scaled_dot_product_attention

@@ -7,10 +7,12 @@ unchanged, ``isinstance`` checks keep working, and ``revert`` restores the origi
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -23,10 +25,10 @@ from slimact.nn.batch_norm import batch_norm_class
 from slimact.nn.conv import conv_class, conv_unsupported
 from slimact.nn.dropout import dropout_class
 from slimact.nn.linear import conv1d_class, linear_class
-from slimact.nn.lm_loss import LossRouting
 from slimact.nn.matmul import MatMul, MatMulBase
 from slimact.nn.mlp import gated_mlp_class, gated_mlp_form
 from slimact.nn.norm import norm_class
+from slimact.nn.routing import FUNCTIONAL_NAME, Routing
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, resolve
 
@@ -38,7 +40,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 _POLICY_ATTR = "_slimact_root_policy"
 _SKIPPED_ATTR = "_slimact_root_skipped"
 _HOOK_ATTR = "_slimact_root_hook"
-_LOSS_ATTR = "_slimact_root_loss"
+_ROUTE_ATTR = "_slimact_root_routing"
 _ATTN_ATTR = "_slimact_root_attn"
 
 
@@ -140,9 +142,9 @@ def convert(
             skipped[name] = reason
             continue
         attach(module, slim_cls, pol, kind, steps, **extra)
-        parts = {"mlp": ("down_proj", "act_fn"), "attention": ("out_proj",)}.get(kind, ())
+        parts = {"mlp": ("down_proj", "act_fn", "activation_fn"), "attention": ("out_proj",)}.get(kind, ())
         fused.update(f"{name}.{part}" if name else part for part in parts)
-    _route_loss(model, pol, skipped)
+    _route_calls(model, pol, skipped)
     _route_attention(model, pol, skipped, filter_fn)
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
@@ -152,20 +154,22 @@ def convert(
     return model
 
 
-def _route_loss(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None:
-    """Compute the model's LM loss from its head's input (``slimact.nn.lm_loss``), if the policy wants it."""
-    old = model.__dict__.pop(_LOSS_ATTR, None)
+def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None:
+    """Route the LM loss and functional dropout/activations in model code through slimact
+    (:mod:`slimact.nn.routing`), as far as the policy wants them."""
+    old = model.__dict__.pop(_ROUTE_ATTR, None)
     if old is not None:
         old.remove()
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if not isinstance(head, nn.Linear):
-        return
-    reason = pol.skip_reason("lmloss", "(loss)")
-    if reason is not None:
+    head = head if isinstance(head, nn.Linear) else None
+    if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
         skipped["(loss)"] = reason
-        return
-    model.__dict__[_LOSS_ATTR] = LossRouting(model, head, pol)
+    routing = Routing(model, pol, head)
+    if routing.handlers:
+        model.__dict__[_ROUTE_ATTR] = routing
+    else:
+        routing.remove()
 
 
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
@@ -202,7 +206,7 @@ def revert(model: nn.Module) -> nn.Module:
     if hook is not None:
         for handle in hook[0]:
             handle.remove()
-    routing = model.__dict__.pop(_LOSS_ATTR, None)
+    routing = model.__dict__.pop(_ROUTE_ATTR, None)
     if routing is not None:
         routing.remove()
     original_attn = model.__dict__.pop(_ATTN_ATTR, None)
@@ -222,12 +226,24 @@ class Summary:
     converted: dict[str, int] = field(default_factory=dict)  # kind -> modules converted
     skipped: dict[str, str] = field(default_factory=dict)  # qualified name -> why it was left alone
     modules: dict[str, str] = field(default_factory=dict)  # converted qualified name -> kind
+    #: Share of the plain model's activation bytes kept by converted modules (``summary(model, inputs)``).
+    coverage: float | None = None
+    #: Plain-model bytes outside converted modules, by module (``summary(model, inputs)``).
+    uncovered: dict[str, int] = field(default_factory=dict)
+    #: Kinds of functional calls in model code routed through slimact (``F.dropout``, ``F.gelu``...).
+    functional: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"slimact summary (policy: {self.policy or 'none: model not converted'})"]
         total = sum(self.converted.values())
         lines.append(f"converted {total} module(s)")
         lines += [f"  {kind:<12} {n:>5}" for kind, n in sorted(self.converted.items())]
+        if self.functional:
+            lines.append(f"routed in model code ({FUNCTIONAL_NAME}): {', '.join(self.functional)}")
+        if self.coverage is not None:
+            lines.append(f"coverage: {self.coverage:.1%} of the plain model's activation bytes handled by slimact")
+            for name, n in sorted(self.uncovered.items(), key=lambda kv: -kv[1])[:5]:
+                lines.append(f"  not covered: {name or '(model itself)'}: {n / 2**20:.2f} MiB")
         if self.skipped:
             lines.append(f"left alone {len(self.skipped)} module(s):")
             by_reason = Counter(self.skipped.values())
@@ -238,8 +254,14 @@ class Summary:
         return "\n".join(lines)
 
 
-def summary(model: nn.Module) -> Summary:
-    """What was converted (per kind), and every module left alone with the reason."""
+def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], Any] | None = None) -> Summary:
+    """What was converted (per kind), and every module left alone with the reason.
+
+    With ``inputs`` (as for :func:`slimact.profile`; a small batch is enough), also the coverage: a plain
+    copy of the model (converted modules reverted) is profiled on them, and the share of its activation
+    bytes kept inside converted modules (or their children) is reported; with the LM loss routed, the
+    bytes kept by the model's own code (where Hugging Face computes the loss) count as the loss's.
+    """
     pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
     skipped = dict(model.__dict__.get(_SKIPPED_ATTR, {}))
     modules: dict[str, str] = {}
@@ -261,11 +283,42 @@ def summary(model: nn.Module) -> Summary:
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):
                 continue  # parameterless glue (identity, flatten...) keeps nothing worth reporting
             skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
-    if _LOSS_ATTR in model.__dict__:
+    routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
+    if routing is not None and routing.loss is not None:
         modules["(loss)"] = "lmloss"
-    return Summary(
+    result = Summary(
         policy=pol.name if pol else None,
         converted=dict(Counter(modules.values())),
         skipped=skipped,
         modules=modules,
+        functional=[k for k in routing.kinds if k != "lmloss"] if routing is not None else [],
     )
+    if inputs is not None:
+        result.coverage, result.uncovered = _coverage(model, set(modules), inputs, loss_fn)
+    return result
+
+
+def _coverage(model: nn.Module, converted: set[str], inputs: Any, loss_fn) -> tuple[float, dict[str, int]]:
+    """``(share, {module: bytes})``: the share of the plain model's bytes that slimact handles, and the bytes
+    it leaves, by module.
+
+    Bytes kept inside converted modules (or their children) are covered. A module slimact did not convert
+    still counts as uncovered with what it keeps in the converted model (measured), at most what it kept in
+    the plain one: bytes that routing removed from its own code (functional dropout, activations, the loss)
+    are covered, and whatever it still keeps is not, compressed or not.
+    """
+    from slimact.profile import profile
+
+    plain = revert(copy.deepcopy(model))
+    before = profile(plain, inputs, loss_fn=loss_fn).by_module
+    del plain
+    after = profile(model, inputs, loss_fn=loss_fn).by_module
+    roots = tuple(f"{name}." for name in converted if name and name != "(loss)")
+
+    def covered(name: str) -> bool:
+        return name in converted or (name + ".").startswith(roots)
+
+    uncovered = {name: min(n, after.get(name, 0)) for name, n in before.items() if not covered(name)}
+    uncovered = {name: n for name, n in uncovered.items() if n}
+    total = sum(before.values())
+    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered

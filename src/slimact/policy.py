@@ -34,7 +34,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["KINDS", "LOSSLESS_KINDS", "PRESETS", "Policy", "PolicyError"]
+__all__ = ["KINDS", "LOSSLESS_KINDS", "PRESETS", "KindSettings", "Policy", "PolicyError"]
 
 #: Layer kinds slimact can convert.
 KINDS: tuple[str, ...] = (
@@ -55,6 +55,42 @@ class PolicyError(ValueError):
 
 
 @dataclass(frozen=True)
+class KindSettings:
+    """Settings of one layer kind that override the policy's own (``None``: the policy's value).
+
+    ``groups`` is the number of scale groups of that kind's tensors: channel groups, or head groups for the
+    ``[B, H, T, D]`` tensors of attention (0 = one per channel or head).
+    """
+
+    bits: int | None = None
+    scale: Literal["dynamic", "running"] | None = None
+    ema_decay: float | None = None
+    stochastic: bool | None = None
+    groups: int | None = None
+    quantize: bool | None = None
+
+    @classmethod
+    def of(cls, value: KindSettings | dict[str, Any], where: str) -> KindSettings:
+        if isinstance(value, KindSettings):
+            return value
+        if not isinstance(value, dict):
+            raise PolicyError(f"{where}: per-kind settings are a table of {_KIND_KEYS}, got {value!r}")
+        for key, v in value.items():
+            if key not in _KIND_KEYS:
+                raise PolicyError(f"{where}: unknown key {key!r}; known: {', '.join(_KIND_KEYS)}")
+            expected = _KIND_TYPES[key]
+            if expected is float and isinstance(v, int) and not isinstance(v, bool):
+                value = {**value, key: float(v)}
+            elif not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
+                raise PolicyError(f"{where}: key {key!r} must be {expected.__name__}, got {v!r}")
+        return cls(**value)
+
+
+_KIND_TYPES = {"bits": int, "scale": str, "ema_decay": float, "stochastic": bool, "groups": int, "quantize": bool}
+_KIND_KEYS = tuple(_KIND_TYPES)
+
+
+@dataclass(frozen=True)
 class Policy:
     """How ``slimact.convert`` treats a model.
 
@@ -72,6 +108,8 @@ class Policy:
         exclude: patterns whose matches are left alone.
         exclude_index: ``"kind:i"`` entries leaving alone the ``i``-th module of that kind (counted from 0
             in ``model.named_modules()`` order, as Mesa's ``by_index`` does).
+        per_kind: settings of single kinds overriding the ones above, ``{"attention": {"bits": 4},
+            "gelu": {"quantize": False}}`` (:class:`KindSettings` or dicts; stored as sorted pairs).
     """
 
     name: str = "custom"
@@ -86,8 +124,18 @@ class Policy:
     include: tuple[str, ...] = field(default=())
     exclude: tuple[str, ...] = field(default=())
     exclude_index: tuple[str, ...] = field(default=())
+    per_kind: tuple[tuple[str, KindSettings], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        items = self.per_kind.items() if isinstance(self.per_kind, dict) else self.per_kind
+        try:
+            per_kind = tuple(sorted((k, KindSettings.of(v, f"per_kind.{k}")) for k, v in items))
+        except (TypeError, ValueError) as e:
+            raise PolicyError(f"Policy.per_kind: {e}") from None
+        object.__setattr__(self, "per_kind", per_kind)
+        unknown = sorted({k for k, _ in per_kind} - set(KINDS))
+        if unknown:
+            raise PolicyError(f"per_kind: unknown layer kind(s) {unknown}; known: {list(KINDS)}")
         for name in ("kinds", "include", "exclude", "exclude_index"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -105,14 +153,19 @@ class Policy:
         for entry in self.exclude_index:
             if not re.fullmatch(r"[a-z]+:\d+", entry) or entry.split(":")[0] not in KINDS:
                 raise PolicyError(f"exclude_index entries are 'kind:index' with a known kind, got {entry!r}")
-        try:
-            _quant_config(self, "linear", 2)
-        except ValueError as e:
-            raise PolicyError(str(e)) from None
+        for kind in ("linear", *(k for k, _ in per_kind)):
+            try:
+                _quant_config(self, kind, 2)
+            except ValueError as e:
+                raise PolicyError(f"per_kind.{kind}: {e}" if kind != "linear" else str(e)) from None
+
+    def settings(self, kind: str) -> KindSettings:
+        """The effective settings of ``kind``: its ``per_kind`` entry over the policy's own values."""
+        return _settings(self, kind)
 
     def quant_config(self, kind: str, ndim: int) -> QuantConfig | None:
         """The compression of a rank-``ndim`` tensor saved by a layer of ``kind``; ``None``: keep it exact."""
-        return _quant_config(self, kind, ndim) if self.quantize else None
+        return _quant_config(self, kind, ndim) if self.settings(kind).quantize else None
 
     def skip_reason(self, kind: str, qualified_name: str, index: int = -1) -> str | None:
         """Why a module of ``kind`` named ``qualified_name`` (the ``index``-th of its kind) is left alone.
@@ -127,8 +180,8 @@ class Policy:
             return "matched by policy exclude patterns"
         if f"{kind}:{index}" in self.exclude_index:
             return f"excluded by index ({kind}:{index})"
-        if not self.quantize and kind not in LOSSLESS_KINDS:
-            return f"policy {self.name!r} is lossless and a {kind} has no lossless saving yet"
+        if not self.settings(kind).quantize and kind not in LOSSLESS_KINDS:
+            return f"policy {self.name!r} keeps {kind} tensors exact and a {kind} has no lossless saving yet"
         return None
 
     def replace(self, **changes: Any) -> Policy:
@@ -138,16 +191,11 @@ class Policy:
         """Write this policy as TOML (every field), readable by :meth:`from_file`."""
         lines = [f"# slimact policy {self.name!r}", ""]
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, (int, float)):
-                text = repr(value)
-            elif isinstance(value, str):
-                text = json.dumps(value)
-            else:
-                text = "[" + ", ".join(json.dumps(v) for v in value) + "]"
-            lines.append(f"{f.name} = {text}")
+            if f.name != "per_kind":
+                lines.append(f"{f.name} = {_toml_value(getattr(self, f.name))}")
+        for kind, settings in self.per_kind:
+            lines += ["", f"[per_kind.{kind}]"]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(settings).items() if v is not None]
         path = Path(path)
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
@@ -173,13 +221,28 @@ class Policy:
             raise PolicyError(f"{path}: {e}") from None
         if not isinstance(data, dict):
             raise PolicyError(f"{path}: a policy file holds a table of fields")
-        return cls._from_mapping(data, source=str(path))
+        try:
+            return cls._from_mapping(data, source=str(path))
+        except PolicyError as e:
+            raise PolicyError(_with_line(str(e), str(path), text)) from None
 
     @classmethod
     def _from_mapping(cls, data: dict[str, Any], source: str) -> Policy:
         data = dict(data)
         base = resolve(data.pop("preset", "int8"))
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        if "per_kind" in data:
+            table = data["per_kind"]
+            if not isinstance(table, dict):
+                raise PolicyError(f"{source}: per_kind must be a table of kinds, got {table!r}")
+            for kind, value in table.items():
+                if kind not in KINDS:
+                    raise PolicyError(f"{source}: per_kind: unknown layer kind {kind!r}; known: {list(KINDS)}")
+                try:
+                    KindSettings.of(value, f"per_kind.{kind}")
+                except PolicyError as e:
+                    raise PolicyError(f"{source}: {e}") from None
+            data["per_kind"] = tuple(table.items())
         for key, value in data.items():
             if key not in fields:
                 raise PolicyError(f"{source}: unknown key {key!r}; known: preset, {', '.join(fields)}")
@@ -197,22 +260,63 @@ class Policy:
             raise PolicyError(f"{source}: {e}") from None
 
 
+def _with_line(message: str, source: str, text: str) -> str:
+    """``message`` about ``source`` with the line of the key it names added (``file:line: ...``): a quoted
+    ``key 'k'`` or ``kind 'k'``, or ``k must ...``; inside ``per_kind.<kind>:`` the search starts at that
+    kind's table."""
+    prefix = f"{source}: "
+    if not message.startswith(prefix):
+        return message
+    body = message[len(prefix):]
+    section = re.match(r"per_kind\.(\w+): ", body)
+    key = re.search(r"(?:key|kind) '([^']+)'|(?:^|: )(\w+) must", body)
+    if key is None:
+        return message
+    lines = text.splitlines()
+    first = 0
+    if section is not None:
+        first = next((i for i, line in enumerate(lines) if re.search(rf'per_kind\.{section[1]}\b|"{section[1]}"\s*:',
+                                                                         line)), 0)
+    name = re.escape(key.group(1) or key.group(2))
+    for no in range(first, len(lines)):
+        if re.search(rf'(^|[\s{{,.\[])"?{name}"?\s*[\]=:]', lines[no]):
+            return f"{source}:{no + 1}: {body}"
+    return message
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    return "[" + ", ".join(json.dumps(v) for v in value) + "]"
+
+
+@functools.lru_cache(maxsize=256)
+def _settings(policy: Policy, kind: str) -> KindSettings:
+    own = dict(policy.per_kind).get(kind, KindSettings())
+    headwise = kind in _HEADWISE_KINDS
+    return KindSettings(
+        bits=policy.bits if own.bits is None else own.bits,
+        scale=policy.scale if own.scale is None else own.scale,
+        ema_decay=policy.ema_decay if own.ema_decay is None else own.ema_decay,
+        stochastic=policy.stochastic if own.stochastic is None else own.stochastic,
+        groups=(policy.head_groups if headwise else policy.channel_groups) if own.groups is None else own.groups,
+        quantize=policy.quantize if own.quantize is None else own.quantize,
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _quant_config(policy: Policy, kind: str, ndim: int) -> QuantConfig:
-    if kind in _HEADWISE_KINDS and ndim == 4:
-        group_dim, groups = 1, policy.head_groups
-    elif kind in _CHANNEL_FIRST_KINDS and ndim >= 2:
-        group_dim, groups = 1, policy.channel_groups
-    else:
-        group_dim, groups = -1, policy.channel_groups
-    return QuantConfig(
-        bits=policy.bits,
-        group_dim=group_dim,
-        groups=groups,
-        scale=policy.scale,
-        decay=policy.ema_decay,
-        stochastic=policy.stochastic,
-    )
+    s = _settings(policy, kind)
+    if (kind in _HEADWISE_KINDS and ndim == 4) or (kind in _CHANNEL_FIRST_KINDS and ndim >= 2):
+        group_dim, groups = 1, s.groups
+    else:  # [..., C]; the other tensors of a head-wise kind (an attention input) get the policy's channel groups
+        group_dim, groups = -1, policy.channel_groups if kind in _HEADWISE_KINDS else s.groups
+    return QuantConfig(bits=s.bits, group_dim=group_dim, groups=groups, scale=s.scale, decay=s.ema_decay,
+                       stochastic=s.stochastic)
 
 
 # Mesa's layer tags and the slimact kinds they name.
@@ -235,13 +339,14 @@ def _from_mesa_text(text: str, source: str) -> Policy:
     """Mesa's policy format: per tag, blocks of ``by_index`` (``all`` or indices) then settings.
 
     A tag is converted if some block enables it for ``all``; blocks that disable listed indices become
-    ``exclude_index`` entries; ``level`` (256, 16, 4) sets ``bits`` and ``ema_decay`` the decay. Unlisted
-    tags stay off, as in Mesa. Mesa's running estimates and stochastic rounding are the base.
+    ``exclude_index`` entries; ``level`` (256, 16, 4) sets the tag's ``bits`` and ``ema_decay`` its decay
+    (``per_kind``). Unlisted tags stay off, as in Mesa. Mesa's running estimates and stochastic rounding are
+    the base.
     """
     base = PRESETS["mesa"]
     kinds: list[str] = []
     excluded: list[str] = []
-    settings: dict[str, Any] = {}
+    settings: dict[str, dict[str, Any]] = {}
     tag: str | None = None
     block: dict[str, Any] | None = None
 
@@ -301,15 +406,15 @@ def _from_mesa_text(text: str, source: str) -> Policy:
                     raise ValueError
                 block["enable"] = value in ("True", "true")
             elif head == "level":
-                settings["bits"] = _MESA_LEVELS[int(value)]
+                settings.setdefault(_MESA_TAGS[tag], {})["bits"] = _MESA_LEVELS[int(value)]
             else:
-                settings["ema_decay"] = float(value)
+                settings.setdefault(_MESA_TAGS[tag], {})["ema_decay"] = float(value)
         except (ValueError, KeyError):
             raise PolicyError(f"{source}:{no}: bad value for {head!r}: {value!r}") from None
     close_block()
     try:
         return base.replace(
-            name=Path(source).stem, kinds=tuple(kinds), exclude_index=tuple(excluded), **settings
+            name=Path(source).stem, kinds=tuple(kinds), exclude_index=tuple(excluded), per_kind=settings
         )
     except PolicyError as e:
         raise PolicyError(f"{source}: {e}") from None

@@ -331,6 +331,17 @@ def scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
-    if dropout_p == 0.0 and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        # What autocast does for F.scaled_dot_product_attention (a lower-precision op): run it on q, k, v (and a
+        # float mask) cast to the autocast dtype. The kernels below are not autocast ops, so cast here, once.
+        low = torch.get_autocast_dtype(device)
+        query, key, value = (x.to(low) if x.is_floating_point() else x for x in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
+        with torch.autocast(device, enabled=False):
+            return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                                cfg=cfg, state=state)
+    if dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
         return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)

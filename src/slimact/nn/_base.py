@@ -75,7 +75,7 @@ class SlimModule:
 
     def _slimact_state(self, operand: str = "x") -> RunningRange | None:
         """The running estimate of ``operand`` at this call site, if the policy uses running estimates."""
-        if self._slimact_policy.scale != "running":
+        if self._slimact_policy.settings(self._slimact_kind).scale != "running":
             return None
         site = self.__dict__.get("_slimact_site", 0)
         return RunningRange(self, f"_slimact_{operand}" + (f"_{site}" if site else ""))  # type: ignore[arg-type]

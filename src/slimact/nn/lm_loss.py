@@ -1,12 +1,12 @@
 """Routing a model's language-model loss through :func:`slimact.functional.lm_loss.linear_cross_entropy`.
 
 Models compute ``F.cross_entropy(head(h), labels)`` in code slimact does not own (Hugging Face's
-``ForCausalLMLoss``, BERT's inline ``CrossEntropyLoss``). While a converted model runs its forward, a
-``TorchFunctionMode`` watches for the output of its head (the output-embedding Linear) and for aliases of it
-that keep the token order (``float``, ``view``/``reshape``, ``contiguous``); when ``F.cross_entropy`` gets one
-of those with plain arguments, it computes the loss from the head's input instead, without keeping the
-logits. Anything else (class weights, ``reduction="none"``, a logits tensor the head did not produce, ops
-that reorder tokens) runs exactly as written.
+``ForCausalLMLoss``, BERT's inline ``CrossEntropyLoss``). While a converted model runs its forward, the
+``TorchFunctionMode`` of :mod:`slimact.nn.routing` watches for the output of its head (the output-embedding
+Linear) and for aliases of it that keep the token order (``float``, ``view``/``reshape``/``flatten``,
+``contiguous``); when ``F.cross_entropy`` gets one of those with plain arguments, it computes the loss from
+the head's input instead, without keeping the logits. Anything else (class weights, ``reduction="none"``, a
+logits tensor the head did not produce, ops that reorder tokens) runs exactly as written.
 """
 
 from __future__ import annotations
@@ -14,64 +14,41 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from slimact.functional.lm_loss import linear_cross_entropy
 
-__all__ = ["LossRouting"]
+__all__ = ["LossTracker"]
 
 # Ops whose output has the same elements in the same row-major order as their input.
-_ALIASES = {Tensor.float, Tensor.view, Tensor.reshape, Tensor.contiguous, torch.reshape, Tensor.to}
+_ALIASES = {
+    Tensor.float, Tensor.view, Tensor.reshape, Tensor.contiguous, torch.reshape, Tensor.to, Tensor.flatten,
+    torch.flatten,
+}
 
 
-class _Mode(TorchFunctionMode):
-    def __init__(self, routing: LossRouting) -> None:
-        super().__init__()
-        self.routing = routing
+class LossTracker:
+    """Tracks the output of a model's head (and its aliases) during a forward, and computes
+    ``F.cross_entropy`` on them from the head's input. Driven by :class:`slimact.nn.routing.Routing`."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        routing = self.routing
-        if func is F.cross_entropy and args:
-            fused = routing.fused_loss(*args, **kwargs)
-            if fused is not None:
-                return fused
-        out = func(*args, **kwargs)
-        if func in _ALIASES and args and isinstance(out, Tensor) and routing.source(args[0]) is not None:
-            if func is not Tensor.to or out.dtype.is_floating_point:
-                routing.alias(out, args[0])
-        return out
-
-
-class LossRouting:
-    """Installed on a converted model by ``convert``: hooks on the model and its head, and the mode."""
-
-    def __init__(self, model: nn.Module, head: nn.Linear, policy) -> None:
+    def __init__(self, head: nn.Linear, policy) -> None:
         self.head = head
         self.policy = policy  # how the kept hidden states are compressed (kind "lmloss")
         self._sources: dict[int, tuple[weakref.ref, Tensor]] = {}
-        self._mode: _Mode | None = None
-        self.handles = [
-            model.register_forward_pre_hook(self._enter),
-            model.register_forward_hook(self._exit, always_call=True),
-            head.register_forward_hook(self._head_output),
-        ]
+        self.active = False
+        self.handle = head.register_forward_hook(self._head_output)
 
-    def _enter(self, module, args):
-        if module.training and torch.is_grad_enabled() and self._mode is None:
-            self._mode = _Mode(self)
-            self._mode.__enter__()
+    def seen(self, func, args, out) -> None:
+        """Follow ``out = func(*args)`` if it is an alias of a tracked tensor in the same token order."""
+        if func in _ALIASES and args and isinstance(out, Tensor) and self.source(args[0]) is not None:
+            if func is not Tensor.to or out.dtype.is_floating_point:
+                self.alias(out, args[0])
 
-    def _exit(self, module, args, output):
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+    def clear(self) -> None:
         self._sources.clear()
 
     def _head_output(self, module, args, output):
-        if self._mode is not None and isinstance(output, Tensor) and args:
+        if self.active and isinstance(output, Tensor) and args:
             self._track(output, args[0])
 
     def _track(self, t: Tensor, h: Tensor) -> None:
@@ -102,11 +79,9 @@ class LossRouting:
             h, head.weight, head.bias, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
             reduction=reduction, cfg=self.policy.quant_config("lmloss", h.dim()),
         )
-        return loss.to(logits.dtype)
+        # Autocast runs cross_entropy in fp32 (its fp32 op list): the loss is fp32 whatever the logits' dtype.
+        return loss.float() if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+        self.handle.remove()
+        self._sources.clear()

@@ -1,0 +1,104 @@
+"""Every model family of the zoo, converted with the default policy: a training step runs, every gradient is
+close to the plain model's, ``revert`` gives the plain model back exactly, the ``state_dict`` never changes,
+and >= 95% of the plain activation bytes sit in converted modules. Also under bf16 autocast, and "tempo"."""
+
+import pytest
+import torch
+
+import slimact
+from _harness import assert_gradients_close, loss_grads, zero_gradients
+from slimact import zoo
+
+pytest.importorskip("transformers")
+
+FAMILIES = list(zoo.MODELS)
+
+
+def _tiny(name):
+    model = zoo.build(name, tiny=True).train()
+    return model, zoo.example_inputs(model, 2, 32)
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_state(model, expected):
+    now = model.state_dict()
+    assert now.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(now[k], v), k
+
+
+def test_the_zoo_has_every_family_of_the_issue():
+    assert set(FAMILIES) == {
+        "bert-base", "roberta", "distilbert", "gpt2", "gpt-neox", "opt", "llama", "mistral", "qwen2", "gemma", "phi3",
+        "vit-b16", "deit", "swin", "t5", "torch-encoder",
+    }
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_converts_trains_and_reverts(name):
+    model, inputs = _tiny(name)
+    before = _state(model)
+    params = list(model.parameters())
+    loss0, exact = loss_grads(model, inputs)
+
+    slimact.convert(model)  # the default policy
+    assert list(model.parameters()) == params
+    _assert_same_state(model, before)
+    loss1, approx = loss_grads(model, inputs)
+    torch.testing.assert_close(loss1, loss0)  # the LM loss is summed in chunks: float rounding apart
+    assert_gradients_close(exact, approx)
+    report = slimact.summary(model, inputs)
+    assert report.coverage >= 0.95, str(report)
+    assert {"linear", "attention"} <= set(report.converted), report.converted
+
+    slimact.revert(model)
+    _assert_same_state(model, before)
+    loss2, again = loss_grads(model, inputs)
+    assert torch.equal(loss2, loss0)
+    assert again.keys() == exact.keys()
+    for n in exact:
+        assert torch.equal(again[n], exact[n]), n
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_trains_a_few_optimizer_steps(name):
+    model, inputs = _tiny(name)
+    slimact.convert(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_under_bf16_autocast(name):
+    model, inputs = _tiny(name)
+    zeros = zero_gradients(loss_grads(model, inputs)[1])  # zero in exact arithmetic: found in fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss0, exact = loss_grads(model, inputs)
+        slimact.convert(model)
+        loss1, approx = loss_grads(model, inputs)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-2, atol=0.0)
+    assert_gradients_close(exact, approx, zeros=zeros)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_under_tempo_is_exact_and_keeps_less(name):
+    model, inputs = _tiny(name)
+    loss0, exact = loss_grads(model, inputs)
+    plain = slimact.profile(model, inputs).activation_bytes
+    slimact.convert(model, "tempo")
+    loss1, approx = loss_grads(model, inputs)
+    torch.testing.assert_close(loss1, loss0)
+    for n in exact:
+        torch.testing.assert_close(approx[n], exact[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert slimact.profile(model, inputs).activation_bytes < plain
