@@ -37,3 +37,19 @@ def test_python_m_slimact_profile_bert_by_module():
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown model"):
         main(["profile", "--model", "gpt5", "--layers", "1"])
+
+
+def test_profile_local_model_directory_under_bf16_autocast(tmp_path, capsys):
+    from slimact import zoo
+
+    zoo.build("llama", tiny=True).save_pretrained(tmp_path / "llama")
+    assert main(["profile", "--model", str(tmp_path / "llama"), "--batch", "2", "--seq", "32", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 (autocast)" in out
+    assert _ratio(out, "total") < 0.5
+
+
+@pytest.mark.parametrize("name", ["t5", "swin", "torch-encoder"])
+def test_profile_accepts_every_family(name, capsys):
+    assert main(["profile", "--model", name, "--tiny", "--batch", "1", "--seq", "16"]) == 0
+    assert _ratio(capsys.readouterr().out, "total") < 1.0

@@ -9,25 +9,48 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
+_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _model(args: argparse.Namespace):
+    """The zoo model ``args.model``, or the Hugging Face model in the local directory ``args.model``."""
+    import os
+
+    from slimact.zoo import build, load
+
+    if os.path.isdir(args.model):
+        return load(args.model, attn=args.attn).to(args.device)
+    return build(args.model, layers=args.layers, attn=args.attn, tiny=getattr(args, "tiny", False)).to(args.device)
+
+
 def _profile(args: argparse.Namespace) -> int:
+    import contextlib
+
     import torch
     import transformers
 
     from slimact import convert, profile, revert
-    from slimact.zoo import build, example_inputs
+    from slimact.zoo import example_inputs
 
     transformers.logging.set_verbosity_error()  # config notices about random test models are noise here
 
-    model = build(args.model, layers=args.layers, attn=args.attn).to(args.device)
+    model = _model(args)
     inputs = example_inputs(model, args.batch, args.seq)
     n_params = sum(p.numel() for p in model.parameters())
+    what = "images" if "pixel_values" in inputs else f"x {args.seq} tokens"
     print(
-        f"{args.model}: {n_params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq} tokens, "
-        f"{args.device}, torch {torch.__version__}, attention {args.attn}"
+        f"{args.model}: {n_params / 1e6:.1f}M parameters, batch {args.batch} {what}, {args.device}, "
+        f"torch {torch.__version__}, attention {args.attn}, {args.dtype}"
+        + (" (autocast)" if _DTYPES[args.dtype] else "")
     )
-    plain = profile(model, inputs)
+    low = _DTYPES[args.dtype]
+    device_type = torch.device(args.device).type
+    autocast = (lambda: torch.autocast(device_type, dtype=getattr(torch, low))) if low else contextlib.nullcontext
+    with autocast():
+        plain = profile(model, inputs)
     convert(model, args.policy)
-    converted = profile(model, inputs)
+    with autocast():
+        converted = profile(model, inputs)
     revert(model)
     print(f"\nbytes kept for backward, plain PyTorch vs slimact policy {args.policy!r}:")
     print(plain.compare(converted, by="kind"))
@@ -54,10 +77,10 @@ def _fit(args: argparse.Namespace) -> int:
 
     from slimact.fit import AUTO_ORDER, fit
     from slimact.policy import resolve
-    from slimact.zoo import build, example_inputs
+    from slimact.zoo import example_inputs
 
     transformers.logging.set_verbosity_error()
-    model = build(args.model, layers=args.layers).to(args.device)
+    model = _model(args)
     policies = ("plain", *AUTO_ORDER) if args.policy == "auto" else ("plain", args.policy)
     report = fit(model, lambda b: example_inputs(model, b, args.seq), args.budget, policies=policies,
                  optimizer=args.optimizer, batch=args.batch)
@@ -70,17 +93,39 @@ def _fit(args: argparse.Namespace) -> int:
     return 0 if args.batch is None or report.chosen else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import transformers
+
+    from slimact.bench import memory, write_results
+
+    transformers.logging.set_verbosity_error()
+    extra = [tuple(e.split(":")) for e in args.extra]
+    rows = []
+    for row in memory(args.models, args.dtypes, args.policies, batch=args.batch, seq=args.seq, device=args.device,
+                      extra=extra):
+        print(f"{row['model']:>10} {row['dtype']:>5} {row['policy']:>6}: {row['plain_mib']:>10.2f} MiB -> "
+              f"{row['converted_mib']:>9.2f} MiB  {row['ratio']:.3f}x", flush=True)
+        rows.append(row)
+    print(f"wrote {write_results(rows, args.name, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from slimact.zoo import MODELS
+
+    model_help = f"a zoo model built from a configuration in code ({', '.join(MODELS)}), or a local model directory"
     parser = argparse.ArgumentParser(prog="slimact", description="Activation-memory compression for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("profile", help="bytes kept for backward by a model, plain vs converted")
-    p.add_argument("--model", default="gpt2", help="zoo model built from a configuration in code (gpt2, bert-base)")
+    p.add_argument("--model", default="gpt2", help=model_help)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--policy", default="int8", help="preset name or policy file")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
+    p.add_argument("--tiny", action="store_true", help="the zoo's test size (width 64, 2 layers) instead of GPT-2's")
+    p.add_argument("--dtype", default="fp32", choices=list(_DTYPES), help="bf16 and fp16 run under autocast")
     p.add_argument("--device", default="cpu")
     p.add_argument("--by-module", action="store_true", help="also compare module by module")
     p.set_defaults(func=_profile)
@@ -94,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     f = sub.add_parser("fit", help="the largest batch that fits a memory budget, plain and under each policy")
-    f.add_argument("--model", default="gpt2", help="zoo model (gpt2, bert-base, llama)")
+    f.add_argument("--model", default="gpt2", help=model_help)
+    f.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
     f.add_argument("--budget", required=True, help="memory budget, e.g. 8GiB")
     f.add_argument("--seq", type=int, default=512)
     f.add_argument("--policy", default="auto", help="auto (least lossy that reaches --batch), or a policy name")
@@ -104,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--device", default="cpu")
     f.add_argument("--out", default="slimact-policy.toml", help="where the chosen policy is written")
     f.set_defaults(func=_fit)
+
+    b = sub.add_parser("bench", help="measure and write result files (benchmarks/results/)")
+    b.add_argument("--memory", action="store_true", required=True,
+                   help="activation bytes, plain vs each policy, per model and dtype (the README's headline table)")
+    b.add_argument("--models", nargs="+", default=["bert-base", "gpt2", "llama", "vit-b16"])
+    b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
+    b.add_argument("--policies", nargs="+", default=["int8", "tempo"])
+    b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")
+    b.add_argument("--batch", type=int, default=4)
+    b.add_argument("--seq", type=int, default=512)
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--name", default="memory", help="result file stem")
+    b.add_argument("--out", default="benchmarks/results")
+    b.set_defaults(func=_bench)
     return parser
 
 

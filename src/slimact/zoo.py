@@ -55,13 +55,13 @@ def _decoder(config_name: str, model_name: str, d: _Dims, **extra: Any) -> nn.Mo
     return getattr(transformers, model_name)(cfg)
 
 
-def _encoder(config_name: str, model_name: str, d: _Dims, **extra: Any) -> nn.Module:
-    """A BERT-style masked LM (BERT, RoBERTa) at the sizes of ``d``."""
+def _encoder(config_name: str, model_name: str, d: _Dims, offset: int = 0, **extra: Any) -> nn.Module:
+    """A BERT-style masked LM (BERT, RoBERTa: its positions start after ``offset = 2``) at the sizes of ``d``."""
     import transformers
 
     cfg = getattr(transformers, config_name)(
         vocab_size=d.vocab, hidden_size=d.hidden, num_hidden_layers=d.layers, num_attention_heads=d.heads,
-        intermediate_size=d.ffn, max_position_embeddings=d.positions + 2, **extra,
+        intermediate_size=d.ffn, max_position_embeddings=d.positions + offset, **extra,
     )
     return getattr(transformers, model_name)(cfg)
 
@@ -171,7 +171,7 @@ def _torch_encoder(d: _Dims) -> nn.Module:
 
 MODELS: dict[str, Callable[[_Dims], nn.Module]] = {
     "bert-base": lambda d: _encoder("BertConfig", "BertForMaskedLM", d),
-    "roberta": lambda d: _encoder("RobertaConfig", "RobertaForMaskedLM", d, pad_token_id=1),
+    "roberta": lambda d: _encoder("RobertaConfig", "RobertaForMaskedLM", d, offset=2, pad_token_id=1),
     "distilbert": _distilbert,
     "gpt2": _gpt2,
     "gpt-neox": _gpt_neox,

@@ -1,8 +1,8 @@
 """Routing what a model computes in its own code, not in modules, through slimact.
 
 Much of what a model keeps for the backward is computed by calls in its ``forward`` methods rather than by
-modules ``convert`` can swap: ``nn.functional.dropout`` in OPT's, BART's and Whisper's layers and in
-``nn.MultiheadAttention``; ``F.relu``/``F.gelu`` as the ``activation`` of ``nn.TransformerEncoderLayer``;
+modules ``convert`` can swap: ``nn.functional.dropout`` in OPT's, BART's and Whisper's layers;
+``F.relu``/``F.gelu`` as the ``activation`` of ``nn.TransformerEncoderLayer``;
 ``gelu(x)`` in RoBERTa's LM head; ``F.cross_entropy`` on the logits in every Hugging Face LM. While a converted
 model runs a training forward, a ``TorchFunctionMode`` (entered by a pre-hook on the model, left by its
 forward hook) sends those calls to slimact:
@@ -16,7 +16,9 @@ Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lml
 policy and no ``include`` pattern restricts the policy to named modules (a call has no module name).
 Functional calls have no module to hold a running estimate, so they use each tensor's own range under
 ``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
-run as written; the forward result is PyTorch's own in every case.
+run as written; the forward result is PyTorch's own in every case. A mode sees the calls of Python code
+only, not those made inside another torch function (the attention dropout inside
+``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
 """
 
 from __future__ import annotations

@@ -1,0 +1,113 @@
+"""The benchmark harness behind ``slimact bench``: measurements written as result files with their context.
+
+Every table is a list of rows (dicts) written by :func:`write_results` as ``<name>.csv`` and ``<name>.md``
+under ``benchmarks/results/``, each row stamped with the machine, the torch version and the date, so a
+committed result says where it came from and a rerun on another machine sits beside it.
+
+``memory``: bytes kept for backward (:func:`slimact.profile`) by zoo models, plain and under each policy,
+in fp32 and under bf16/fp16 autocast. It is the README's headline table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime
+import os
+import platform
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["environment", "memory", "write_results"]
+
+_LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def environment(device: str = "cpu") -> dict[str, str]:
+    """Where a measurement was taken: machine, device, torch version, date."""
+    dev = device
+    if torch.device(device).type == "cuda":
+        dev = torch.cuda.get_device_name(torch.device(device))
+    return {
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "device": dev,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def autocast(device: str, dtype: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for ``"bf16"``/``"fp16"``, nothing for ``"fp32"``."""
+    if dtype not in _LOW:
+        raise ValueError(f"dtype must be one of {list(_LOW)}, got {dtype!r}")
+    low = _LOW[dtype]
+    return torch.autocast(torch.device(device).type, dtype=low) if low else contextlib.nullcontext()
+
+
+def memory(
+    models: Iterable[str],
+    dtypes: Iterable[str] = ("fp32", "bf16"),
+    policies: Iterable[str] = ("int8", "tempo"),
+    *,
+    batch: int = 4,
+    seq: int = 512,
+    device: str = "cpu",
+    extra: Iterable[tuple[str, str, str]] = (),
+    tiny: bool = False,
+) -> Iterator[dict[str, Any]]:
+    """Rows of activation bytes, plain and converted, for each model, dtype and policy (plus the
+    ``(model, dtype, policy)`` triples of ``extra``). Models are the zoo's, at their default size; vision
+    models take ``batch`` images at their own size and ignore ``seq``; ``tiny``: the zoo's test sizes."""
+    import slimact
+    from slimact.zoo import build, example_inputs
+
+    dtypes, policies, extra = tuple(dtypes), tuple(policies), tuple(extra)
+    for name in models:
+        model = build(name, tiny=tiny).to(device)
+        inputs = example_inputs(model, batch, seq)
+        wanted = [(d, p) for d in dtypes for p in policies] + [(d, p) for m, d, p in extra if m == name]
+        for dtype in dict.fromkeys(d for d, _ in wanted):
+            with autocast(device, dtype):
+                plain = slimact.profile(model, inputs)
+            for dt, policy in wanted:
+                if dt != dtype:
+                    continue
+                slimact.convert(model, policy)
+                with autocast(device, dtype):
+                    converted = slimact.profile(model, inputs)
+                slimact.revert(model)
+                yield {
+                    "model": name,
+                    "batch": batch,
+                    "tokens": "images" if "pixel_values" in inputs else seq,
+                    "dtype": dtype,
+                    "policy": policy,
+                    "plain_mib": round(plain.activation_bytes / 2**20, 2),
+                    "converted_mib": round(converted.activation_bytes / 2**20, 2),
+                    "ratio": round(converted.activation_bytes / plain.activation_bytes, 4),
+                    **({"cuda_peak_mib": round(converted.cuda_peak_bytes / 2**20, 2)}
+                       if converted.cuda_peak_bytes is not None else {}),
+                    **environment(device),
+                }
+        del model
+
+
+def write_results(rows: list[dict[str, Any]], name: str, folder: str | os.PathLike[str] = "benchmarks/results") -> Path:
+    """Write ``rows`` as ``<folder>/<name>.csv`` and a Markdown table ``<name>.md``; returns the CSV path."""
+    if not rows:
+        raise ValueError("no rows to write")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    path = folder / f"{name}.csv"
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(row.get(k, "")) for k in keys) + " |" for row in rows]
+    (folder / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,27 @@
+"""The benchmark harness: memory rows measured by profile, written with their context."""
+
+import csv
+
+import pytest
+
+from slimact.bench import memory, write_results
+
+pytest.importorskip("transformers")
+
+
+def test_memory_rows_and_result_files(tmp_path):
+    rows = list(memory(["gpt2", "vit-b16"], ("fp32", "bf16"), ("int8", "tempo"), batch=2, seq=32, tiny=True,
+                       extra=[("vit-b16", "bf16", "mesa")]))
+    assert [(r["model"], r["dtype"], r["policy"]) for r in rows] == [
+        ("gpt2", "fp32", "int8"), ("gpt2", "fp32", "tempo"), ("gpt2", "bf16", "int8"), ("gpt2", "bf16", "tempo"),
+        ("vit-b16", "fp32", "int8"), ("vit-b16", "fp32", "tempo"), ("vit-b16", "bf16", "int8"),
+        ("vit-b16", "bf16", "tempo"), ("vit-b16", "bf16", "mesa"),
+    ]
+    for r in rows:
+        assert 0 < r["converted_mib"] < r["plain_mib"] and r["ratio"] < 1, r
+        assert r["torch"] and r["date"] and r["machine"]
+    assert rows[0]["tokens"] == 32 and rows[4]["tokens"] == "images"
+    path = write_results(rows, "memory", tmp_path)
+    with path.open() as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert (tmp_path / "memory.md").read_text().count("\n") == len(rows) + 2
