@@ -6,6 +6,9 @@ committed result says where it came from and a rerun on another machine sits bes
 
 ``memory``: bytes kept for backward (:func:`slimact.profile`) by zoo models, plain and under each policy,
 in fp32 and under bf16/fp16 autocast. It is the README's headline table.
+
+``zoo``: per model family, what ``convert`` replaced, the coverage (:func:`slimact.summary` with inputs) and
+the bytes kept under ``"int8"`` and ``"tempo"`` (``docs/models.md``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["environment", "memory", "write_results"]
+__all__ = ["environment", "memory", "write_results", "zoo"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,6 +95,39 @@ def memory(
                        if converted.cuda_peak_bytes is not None else {}),
                     **environment(device),
                 }
+        del model
+
+
+def zoo(
+    models: Iterable[str], *, layers: int | None = 2, batch: int = 2, seq: int = 128, device: str = "cpu"
+) -> Iterator[dict[str, Any]]:
+    """Rows per model family: the converted kinds, the coverage, and the bytes under "int8" and "tempo"."""
+    import slimact
+    from slimact.zoo import build, example_inputs
+
+    for name in models:
+        model = build(name, layers=None if name == "swin" else layers).to(device)
+        inputs = example_inputs(model, batch, seq)
+        plain = slimact.profile(model, inputs).activation_bytes
+        slimact.convert(model, "int8")
+        summary = slimact.summary(model, inputs)
+        int8 = slimact.profile(model, inputs).activation_bytes
+        slimact.convert(model, "tempo")
+        tempo = slimact.profile(model, inputs).activation_bytes
+        slimact.revert(model)
+        yield {
+            "model": name,
+            "class": type(model).__name__,
+            "converted": " ".join(f"{k}:{n}" for k, n in sorted(summary.converted.items())),
+            "coverage": round(summary.coverage, 4),
+            "plain_mib": round(plain / 2**20, 2),
+            "int8_ratio": round(int8 / plain, 4),
+            "tempo_ratio": round(tempo / plain, 4),
+            "layers": "stages 2,2,6,2" if name == "swin" else layers,
+            "batch": batch,
+            "tokens": "images" if "pixel_values" in inputs else seq,
+            **environment(device),
+        }
         del model
 
 

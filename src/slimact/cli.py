@@ -96,17 +96,25 @@ def _fit(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import transformers
 
-    from slimact.bench import memory, write_results
+    from slimact.bench import memory, write_results, zoo
+    from slimact.zoo import MODELS
 
     transformers.logging.set_verbosity_error()
-    extra = [tuple(e.split(":")) for e in args.extra]
     rows = []
-    for row in memory(args.models, args.dtypes, args.policies, batch=args.batch, seq=args.seq, device=args.device,
-                      extra=extra):
-        print(f"{row['model']:>10} {row['dtype']:>5} {row['policy']:>6}: {row['plain_mib']:>10.2f} MiB -> "
-              f"{row['converted_mib']:>9.2f} MiB  {row['ratio']:.3f}x", flush=True)
-        rows.append(row)
-    print(f"wrote {write_results(rows, args.name, args.out)}")
+    if args.zoo:
+        for row in zoo(args.models or list(MODELS), batch=args.batch or 2, seq=args.seq or 128, device=args.device):
+            print(f"{row['model']:>14}: coverage {row['coverage']:.1%}, int8 {row['int8_ratio']:.3f}x, "
+                  f"tempo {row['tempo_ratio']:.3f}x  ({row['converted']})", flush=True)
+            rows.append(row)
+    else:
+        extra = [tuple(e.split(":")) for e in args.extra]
+        models = args.models or ["bert-base", "gpt2", "llama", "vit-b16"]
+        for row in memory(models, args.dtypes, args.policies, batch=args.batch or 4, seq=args.seq or 512,
+                          device=args.device, extra=extra):
+            print(f"{row['model']:>10} {row['dtype']:>5} {row['policy']:>6}: {row['plain_mib']:>10.2f} MiB -> "
+                  f"{row['converted_mib']:>9.2f} MiB  {row['ratio']:.3f}x", flush=True)
+            rows.append(row)
+    print(f"wrote {write_results(rows, args.name or ('zoo' if args.zoo else 'memory'), args.out)}")
     return 0
 
 
@@ -152,16 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=_fit)
 
     b = sub.add_parser("bench", help="measure and write result files (benchmarks/results/)")
-    b.add_argument("--memory", action="store_true", required=True,
-                   help="activation bytes, plain vs each policy, per model and dtype (the README's headline table)")
-    b.add_argument("--models", nargs="+", default=["bert-base", "gpt2", "llama", "vit-b16"])
+    what = b.add_mutually_exclusive_group(required=True)
+    what.add_argument("--memory", action="store_true",
+                      help="activation bytes, plain vs each policy, per model and dtype (the README's headline table)")
+    what.add_argument("--zoo", action="store_true",
+                      help="per model family: what is converted, coverage, bytes under int8 and tempo (2 layers)")
+    b.add_argument("--models", nargs="+", default=None, help="default: bert-base gpt2 llama vit-b16; --zoo: all")
     b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
     b.add_argument("--policies", nargs="+", default=["int8", "tempo"])
     b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")
-    b.add_argument("--batch", type=int, default=4)
-    b.add_argument("--seq", type=int, default=512)
+    b.add_argument("--batch", type=int, default=None, help="default 4 (--memory), 2 (--zoo)")
+    b.add_argument("--seq", type=int, default=None, help="default 512 (--memory), 128 (--zoo)")
     b.add_argument("--device", default="cpu")
-    b.add_argument("--name", default="memory", help="result file stem")
+    b.add_argument("--name", default=None, help="result file stem (default: memory or zoo)")
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(func=_bench)
     return parser

@@ -1,5 +1,6 @@
 """pack/unpack on the reference backend: error bounds, unbiased stochastic rounding, edge cases."""
 
+import dataclasses
 import math
 import weakref
 
@@ -14,7 +15,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (shape, cfg) covering every group layout, group counts that do and do not divide, awkward sizes.
 LAYOUTS = [
     ((1,), QuantConfig(group_dim=None)),
-    ((1,), QuantConfig(group_dim=-1, groups=8)),
+    ((1,), QuantConfig(group_dim=-1, groups=8, clamp_groups=True)),  # a policy's 8 groups on one channel
     ((7,), QuantConfig(group_dim=-1, groups=3)),
     ((5, 13), QuantConfig(group_dim=-1, groups=4)),  # 4 does not divide 13
     ((3, 5, 16), QuantConfig(group_dim=-1, groups=8)),
@@ -63,7 +64,7 @@ def test_nearest_error_at_most_half_step(shape, cfg, dtype, contiguous):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,cfg", LAYOUTS)
 def test_stochastic_error_under_one_step(shape, cfg, dtype):
-    cfg = QuantConfig(group_dim=cfg.group_dim, groups=cfg.groups, stochastic=True)
+    cfg = dataclasses.replace(cfg, stochastic=True)
     x = _non_contiguous(shape).to(dtype)
     packed = pack(x, cfg, backend="reference")
     x_hat = unpack(packed, backend="reference")
@@ -254,7 +255,7 @@ def test_same_tensor_is_packed_once_while_kept():
     assert fine.meta.bits == 8 and fine.tensors[0] is not coarse.tensors[0]
 
 
-def test_shared_pack_is_refreshed_after_in_place_change_or_release():
+def test_shared_pack_is_refreshed_after_in_place_change_and_released_with_its_source():
     x = torch.randn(8, 16)
     cfg = QuantConfig()
     first = pack(x, cfg)
@@ -263,10 +264,12 @@ def test_shared_pack_is_refreshed_after_in_place_change_or_release():
     assert changed.tensors[0] is not first.tensors[0]
     torch.testing.assert_close(unpack(changed), x, atol=changed.tensors[2].max().item(), rtol=0)
     codes = weakref.ref(changed.tensors[0])
-    del first, changed  # nobody keeps the codes any more: the cache must not either
+    del first, changed
+    # Still shared while x lives, whoever keeps the pack (checkpointing keeps nothing in its first forward,
+    # everything in its recomputation: both must share alike).
+    assert pack(x, cfg).tensors[0] is codes()
+    del x  # the pack goes with its source
     assert codes() is None
-    fresh = pack(x, cfg)
-    assert pack(x, cfg).tensors[0] is fresh.tensors[0]
 
 
 def test_shared_entry_dies_with_its_source():
@@ -296,3 +299,39 @@ def test_zero_is_restored_exactly_where_a_range_straddles_it(bits, lo):
     plain = (1.0 - lo) / qmax
     assert plain <= step.item() <= plain * (qmax / 2) / (qmax / 2 - 1) * (1 + 1e-6)
     assert ((x_hat - x).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("shape,group_dim", [((4, 3), -1), ((2, 5, 7), 1), ((6,), 0)])
+def test_more_groups_than_channels_is_an_error(shape, group_dim):
+    # An explicit config asking for more groups than the grouped dim has indices (a wrong group_dim, most
+    # likely) is refused, naming the count and the size; a Policy's configs clamp instead (clamp_groups).
+    size = shape[group_dim]
+    x = torch.randn(shape)
+    with pytest.raises(ValueError, match=rf"asks for {size + 1} groups along dim .* only {size} channels"):
+        pack(x, QuantConfig(group_dim=group_dim, groups=size + 1))
+    cached = pack(x, QuantConfig(group_dim=group_dim, groups=size))  # now cached: the error must not hide behind it
+    with pytest.raises(ValueError, match=rf"{size + 1} groups"):
+        pack(x, QuantConfig(group_dim=group_dim, groups=size + 1))
+    clamped = pack(x, QuantConfig(group_dim=group_dim, groups=size + 1, clamp_groups=True), share=False)
+    assert clamped.meta.layout == cached.meta.layout  # clamped to one group per channel
+    assert all(torch.equal(a, b) for a, b in zip(clamped.tensors, cached.tensors, strict=True))
+
+
+def test_policy_configs_clamp_their_group_count():
+    # One channel_groups setting serves layers of every width: the default policy's 8 groups on a 4-feature
+    # Linear give 4, and a converted tiny model trains.
+    import slimact
+    from slimact.policy import PRESETS
+
+    assert PRESETS["int8"].quant_config("linear", 2).clamp_groups
+    model = slimact.convert(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.GELU(), torch.nn.Linear(4, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, target = torch.randn(16, 3), torch.randn(16, 2)
+    losses = []
+    for _ in range(20):
+        loss = (model(x) - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]

@@ -70,7 +70,15 @@ def _raw(x: Tensor) -> Packed:
 
 
 class _SharedPacks:
-    """Weak cache of this step's packs, so that a tensor two layers keep is packed (and kept) once."""
+    """Cache of the packs of live tensors, so that a tensor two layers keep is packed (and kept) once.
+
+    An entry holds its pack for as long as the packed tensor itself is alive (it dies with it), not only
+    while autograd keeps the pack: whether the next layer shares a pack must not depend on who keeps it.
+    Under ``torch.utils.checkpoint`` the first forward keeps nothing, and its recomputation keeps
+    everything; with a weakly held pack the two made different choices and saved differently shaped tensors,
+    which checkpointing rejects. The pack costs at most a quarter of the (larger) tensor it was made from,
+    only while that tensor is alive anyway.
+    """
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple] = {}
@@ -83,19 +91,17 @@ class _SharedPacks:
         entry = self._entries.get(self._key(x))
         if entry is None:
             return None
-        source, version, refs, meta = entry
-        tensors = tuple(r() for r in refs)
-        if source() is None or version != x._version or any(t is None for t in tensors) or meta.bits < cfg.bits:
+        source, version, packed = entry
+        if source() is None or version != x._version or packed.meta.bits < cfg.bits:
             return None
-        return Packed(tensors, meta)  # type: ignore[arg-type]
+        return packed
 
     def put(self, x: Tensor, packed: Packed) -> None:
         key = self._key(x)
         entries = self._entries
         # The entry dies with its source tensor (whose storage address may then be reused).
         source = weakref.ref(x, lambda _ref, key=key: entries.pop(key, None))
-        refs = tuple(weakref.ref(t) for t in packed.tensors)
-        entries[key] = (source, x._version, refs, packed.meta)
+        entries[key] = (source, x._version, packed)
 
 
 _shared = _SharedPacks()
@@ -121,15 +127,15 @@ def pack(
         training: whether the running estimate may be updated.
         backend: ``"reference"`` or ``"triton"``; default :func:`backend_for`.
         share: reuse a pack of the same tensor (same storage view, unchanged since, at least ``cfg.bits``)
-            while that pack is still kept by someone.
+            while that tensor is alive (see :class:`_SharedPacks`).
     """
     if cfg is None or x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
         return _raw(x)
+    layout = group_layout(x.shape, cfg)  # before the cache, so that a bad group count is refused every time
     if share:
         hit = _shared.get(x, cfg)
         if hit is not None:
             return hit
-    layout = group_layout(x.shape, cfg)
     lo, hi = group_minmax(x, layout)
     # One host sync. NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
     if not bool(torch.isfinite(torch.cat([lo, hi - lo])).all()):

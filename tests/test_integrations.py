@@ -1,0 +1,148 @@
+"""slimact in a training stack: activation checkpointing, frozen weights and adapters, mixed precision with a
+gradient scaler."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import slimact
+from _harness import assert_gradients_close, loss_grads, zero_gradients
+from slimact import zoo
+
+pytest.importorskip("transformers")
+
+
+class _Checkpointed(nn.Module):
+    """Each block of a plain Transformer stack run under ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32), nn.Dropout(0.1))
+            for _ in range(3)
+        )
+        self.reentrant = reentrant
+        self.checkpointing = True
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + (checkpoint(block, x, use_reentrant=self.reentrant) if self.checkpointing else block(x))
+        return x
+
+
+def _step(model, x):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    torch.manual_seed(1)
+    model(x).square().mean().backward()
+    return {"x": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_torch_checkpoint_on_a_converted_model(reentrant):
+    model = _Checkpointed(reentrant).train()
+    x = torch.randn(4, 64, 32)
+    model.checkpointing = False
+    exact = _step(model, x)
+    plain_bytes = slimact.profile(model, x.requires_grad_(True)).activation_bytes
+    model.checkpointing = True
+    ckpt_bytes = slimact.profile(model, x).activation_bytes
+    slim = slimact.convert(copy.deepcopy(model))
+    assert_gradients_close(exact, _step(slim, x))
+    both = slimact.profile(slim, x).activation_bytes
+    slim.checkpointing = False
+    slim_bytes = slimact.profile(slim, x).activation_bytes
+    # Every block checkpointed: what stays is the blocks' inputs, kept whole by checkpoint either way; slimact
+    # shrinks what each block keeps while it is recomputed in the backward (not counted by profile, which
+    # measures what the forward leaves). With part of the model outside checkpoints, as in Hugging Face's
+    # gradient checkpointing below, the combination is lower than either.
+    assert both == ckpt_bytes < slim_bytes < plain_bytes, (both, ckpt_bytes, slim_bytes, plain_bytes)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_gradient_checkpointing_on_a_converted_model(name):
+    model = zoo.build(name, tiny=True).train()
+    inputs = zoo.example_inputs(model, 2, 32)
+    _, exact = loss_grads(model, inputs)
+    plain_bytes = slimact.profile(model, inputs).activation_bytes
+    ckpt = copy.deepcopy(model)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt_bytes = slimact.profile(ckpt, inputs).activation_bytes
+    slimact.convert(ckpt)
+    _, approx = loss_grads(ckpt, inputs)
+    assert_gradients_close(exact, approx)
+    both = slimact.profile(ckpt, inputs).activation_bytes
+    slim_bytes = slimact.profile(slimact.convert(model), inputs).activation_bytes
+    assert both < min(ckpt_bytes, slim_bytes) < plain_bytes, (both, ckpt_bytes, slim_bytes, plain_bytes)
+
+
+def test_frozen_layers_keep_nothing_they_do_not_need():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    for p in model[0].parameters():  # a frozen first layer on an input that needs no gradient: keeps nothing
+        p.requires_grad_(False)
+    model[2].weight.requires_grad_(False)  # a frozen weight: no input kept for its gradient
+    slim = slimact.convert(copy.deepcopy(model))
+    x = torch.randn(16, 64)
+    by_module = slimact.profile(slim, x).by_module
+    assert by_module.get("0", 0) == 0 and by_module.get("1", 0) == 0
+    assert by_module.get("2", 0) == 0  # its input gradient needs only the (parameter) weight
+    assert by_module["3"] > 0 and by_module["4"] > 0
+
+
+class _LowRank(nn.Module):
+    """A LoRA adapter by hand: ``base(x) + up(down(x))``, the base frozen."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.up.weight, std=0.02)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_low_rank_adapters_on_a_frozen_llama():
+    model = zoo.build("llama", tiny=True).train()
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        for proj in ("q_proj", "v_proj"):
+            setattr(layer.self_attn, proj, _LowRank(getattr(layer.self_attn, proj)))
+    inputs = zoo.example_inputs(model, 2, 32)
+    _, exact = loss_grads(model, inputs)
+    assert exact and all("down" in n or "up." in n for n in exact)
+    plain_bytes = slimact.profile(model, inputs).activation_bytes
+    slimact.convert(model)
+    _, approx = loss_grads(model, inputs)
+    assert_gradients_close(exact, approx)
+    assert slimact.profile(model, inputs).activation_bytes < 0.5 * plain_bytes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_fp16_autocast_with_grad_scaler(name):
+    model = zoo.build(name, tiny=True).train()
+    inputs = zoo.example_inputs(model, 2, 32)
+    zeros = zero_gradients(loss_grads(model, inputs)[1])
+    slim = slimact.convert(copy.deepcopy(model))
+    grads = []
+    for m in (model, slim):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = m(**inputs).loss
+        scaler.scale(loss).backward()
+        grads.append({n: p.grad / scaler.get_scale() for n, p in m.named_parameters() if p.grad is not None})
+    assert all(torch.isfinite(g).all() for g in grads[1].values())
+    assert_gradients_close(grads[0], grads[1], zeros=zeros)
+    # Saved codes stay 8-bit whatever the compute dtype: the converted layers keep mostly uint8.
+    with torch.autocast("cpu", dtype=torch.float16):
+        report = slimact.profile(slim, inputs)
+    coded = sum(e.nbytes for e in report.entries if e.dtype == torch.uint8)
+    assert coded >= 0.5 * report.activation_bytes
