@@ -116,6 +116,8 @@ class Routing:
         return activation(x, "silu", self._cfg("silu", x), fn=F.silu)
 
     def _enter(self, module, args):
+        if torch.compiler.is_compiling():
+            return  # dynamo does not trace a mode entered in a hook: compiled models run the calls as written
         if module.training and torch.is_grad_enabled() and self._mode is None and self.handlers:
             if self.loss is not None:
                 self.loss.active = True
