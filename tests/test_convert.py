@@ -244,3 +244,24 @@ def test_deterministic_runs_give_bit_identical_gradients():
         assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_summary_coverage_flags_attention_that_never_reached_slimact():
+    import copy as _copy
+
+    from slimact import zoo
+
+    model = zoo.build("llama", tiny=True).train()
+    inputs = zoo.example_inputs(model, 2, 16)
+    slimact.convert(model)
+    full = slimact.summary(model, inputs)
+    assert full.converted["attention"] == 2 and full.coverage >= 0.95
+    # A module reading a configuration slimact did not switch computes attention its own way.
+    stray = model.model.layers[0].self_attn
+    stray.config = _copy.deepcopy(stray.config)
+    stray.config._attn_implementation = "sdpa"
+    report = slimact.summary(model, inputs)
+    assert report.converted["attention"] == 1
+    assert "did not run through" in report.skipped["model.layers.0.self_attn"]
+    assert report.coverage < full.coverage
+    assert "model.layers.0.self_attn" in report.uncovered

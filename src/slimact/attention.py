@@ -27,10 +27,12 @@ from slimact.functional.softmax import softmax
 from slimact.policy import Policy
 from slimact.quant import RunningRange
 
-__all__ = ["NAME", "POLICY_ATTR", "attention_forward", "register"]
+__all__ = ["NAME", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register"]
 
 NAME = "slimact"
 POLICY_ATTR = "_slimact_attention"
+#: Set on a tagged module each time its attention runs here (``summary`` checks the routing took).
+SEEN_ATTR = "_slimact_attention_seen"
 
 
 def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
@@ -76,10 +78,13 @@ def attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     is_causal: bool | None = None,
+    position_bias: Tensor | None = None,
     **kwargs,
 ) -> tuple[Tensor, Tensor | None]:
     """``[B, H, T, D]`` query, ``[B, H_kv, S, D]`` key and value -> (``[B, T, H, D]`` output, probabilities or None)."""
     policy: Policy | None = module.__dict__.get(POLICY_ATTR)
+    if policy is not None:
+        module.__dict__[SEEN_ATTR] = True
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -87,6 +92,11 @@ def attention_forward(
     # As transformers' SDPA integration: causal only when no mask stands for it and there is more than one query.
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    if position_bias is not None:  # T5's learned relative bias: one additive mask, as transformers' SDPA builds it
+        from transformers.integrations.sdpa_attention import create_position_bias_mask
+
+        attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
+        is_causal = False
     if policy is not None and _probabilities_wanted(kwargs):
         out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy, is_causal)
         return out.transpose(1, 2).contiguous(), probs

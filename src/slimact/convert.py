@@ -91,6 +91,7 @@ def _leave_alone(pol: Policy, kind: str, name: str, module: nn.Module, filter_fn
 def _untag_attention(model: nn.Module) -> None:
     """Drop the attention tags and the running estimates they gathered from every module of ``model``."""
     for module in model.modules():
+        module.__dict__.pop(attention.SEEN_ATTR, None)
         if module.__dict__.pop(attention.POLICY_ATTR, None) is not None:
             clear_state(module)
 
@@ -173,18 +174,23 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None
 
 
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
-    """Select slimact's attention function on a Hugging Face model and tag its attention modules."""
+    """Select slimact's attention function on a Hugging Face model and tag its attention modules.
+
+    Every configuration object the attention modules read is switched (T5 gives its encoder and decoder
+    copies of the model's), and each one's original setting is kept for ``revert``.
+    """
     _untag_attention(model)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return
+    modules = [(name, m) for name, m in model.named_modules()
+               if kind_of(m) == "attention" and hasattr(getattr(m, "config", None), "_attn_implementation")]
     if _ATTN_ATTR not in model.__dict__:
-        model.__dict__[_ATTN_ATTR] = config._attn_implementation
-    original = model.__dict__[_ATTN_ATTR]
+        configs = {id(c): c for c in (config, *(m.config for _, m in modules))}
+        model.__dict__[_ATTN_ATTR] = [(c, c._attn_implementation) for c in configs.values()]
+    originals = model.__dict__[_ATTN_ATTR]
     tagged = 0
-    for name, module in model.named_modules():
-        if kind_of(module) != "attention" or not hasattr(module, "config"):
-            continue
+    for name, module in modules:
         reason = _leave_alone(pol, "attention", name, module, filter_fn)
         if reason is not None:
             skipped[name] = reason
@@ -193,9 +199,8 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
         tagged += 1
     if tagged:
         attention.register()
-        config._attn_implementation = attention.NAME
-    else:
-        config._attn_implementation = original
+    for c, original in originals:
+        c._attn_implementation = attention.NAME if tagged else original
 
 
 def revert(model: nn.Module) -> nn.Module:
@@ -209,9 +214,8 @@ def revert(model: nn.Module) -> nn.Module:
     routing = model.__dict__.pop(_ROUTE_ATTR, None)
     if routing is not None:
         routing.remove()
-    original_attn = model.__dict__.pop(_ATTN_ATTR, None)
-    if original_attn is not None:
-        model.config._attn_implementation = original_attn
+    for config, original in model.__dict__.pop(_ATTN_ATTR, ()):
+        config._attn_implementation = original
     _untag_attention(model)
     model.__dict__.pop(_POLICY_ATTR, None)
     model.__dict__.pop(_SKIPPED_ATTR, None)
@@ -294,13 +298,20 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         functional=[k for k in routing.kinds if k != "lmloss"] if routing is not None else [],
     )
     if inputs is not None:
-        result.coverage, result.uncovered = _coverage(model, set(modules), inputs, loss_fn)
+        result.coverage, result.uncovered, unrouted = _coverage(model, set(modules), inputs, loss_fn)
+        for name in unrouted:
+            del modules[name]
+            skipped[name] = ("tagged for slimact's attention, but its attention did not run through transformers' "
+                             "AttentionInterface: left as written")
+        result.converted = dict(Counter(modules.values()))
     return result
 
 
-def _coverage(model: nn.Module, converted: set[str], inputs: Any, loss_fn) -> tuple[float, dict[str, int]]:
-    """``(share, {module: bytes})``: the share of the plain model's bytes that slimact handles, and the bytes
-    it leaves, by module.
+def _coverage(
+    model: nn.Module, converted: set[str], inputs: Any, loss_fn
+) -> tuple[float, dict[str, int], list[str]]:
+    """``(share, {module: bytes}, unrouted)``: the share of the plain model's bytes that slimact handles, the
+    bytes it leaves by module, and the tagged attention modules whose attention never reached slimact.
 
     Bytes kept inside converted modules (or their children) are covered. A module slimact did not convert
     still counts as uncovered with what it keeps in the converted model (measured), at most what it kept in
@@ -309,10 +320,15 @@ def _coverage(model: nn.Module, converted: set[str], inputs: Any, loss_fn) -> tu
     """
     from slimact.profile import profile
 
+    tagged = {name: m for name, m in model.named_modules() if attention.POLICY_ATTR in m.__dict__}
+    for m in tagged.values():
+        m.__dict__.pop(attention.SEEN_ATTR, None)
+    after = profile(model, inputs, loss_fn=loss_fn).by_module
+    unrouted = [name for name, m in tagged.items() if not m.__dict__.get(attention.SEEN_ATTR)]
+    converted = converted - set(unrouted)
     plain = revert(copy.deepcopy(model))
     before = profile(plain, inputs, loss_fn=loss_fn).by_module
     del plain
-    after = profile(model, inputs, loss_fn=loss_fn).by_module
     roots = tuple(f"{name}." for name in converted if name and name != "(loss)")
 
     def covered(name: str) -> bool:
@@ -321,4 +337,4 @@ def _coverage(model: nn.Module, converted: set[str], inputs: Any, loss_fn) -> tu
     uncovered = {name: min(n, after.get(name, 0)) for name, n in before.items() if not covered(name)}
     uncovered = {name: n for name, n in uncovered.items() if n}
     total = sum(before.values())
-    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered
+    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted

@@ -125,8 +125,8 @@ def _swin(d: _Dims) -> nn.Module:
 def _t5(d: _Dims) -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    if d.hidden == _FULL.hidden:  # t5-small
-        cfg = T5Config(decoder_start_token_id=0)
+    if d.hidden == _FULL.hidden:  # t5-small (6 encoder and 6 decoder layers unless told otherwise)
+        cfg = T5Config(num_layers=d.layers, num_decoder_layers=d.layers, decoder_start_token_id=0)
     else:
         cfg = T5Config(vocab_size=d.vocab, d_model=d.hidden, d_kv=d.hidden // d.heads, d_ff=d.ffn,
                        num_layers=d.layers, num_heads=d.heads, decoder_start_token_id=0)
@@ -200,6 +200,7 @@ _FULL_SIZE: dict[str, dict[str, int]] = {
     "gpt2": {"positions": 1024},
     "opt": {"vocab": 50272},
     "gpt-neox": {"vocab": 50304},
+    "t5": {"layers": 6},
 }
 
 

@@ -220,10 +220,44 @@ def test_argument_errors():
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True)
 
 
-def test_a_learned_mask_gets_its_gradient():
-    # Swin and T5 add a learned position bias through the mask: it must keep learning.
+MASK_SHAPES = [(1, 4, 9, 9), (2, 4, 9, 9), (4, 9, 9), (2, 1, 1, 9), (9, 9)]
+
+
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["lossless", "8bit"])
+def test_a_learned_mask_gets_its_gradient(shape, p, cfg):
+    # Swin and T5 add a learned position bias through the mask: it must keep learning, summed over the dims
+    # it broadcasts along.
     q, k, v = (torch.randn(2, 4, 9, 16, requires_grad=True) for _ in range(3))
-    bias = torch.randn(1, 4, 9, 9, requires_grad=True)
-    (g0,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum(), bias)
-    (g1,) = torch.autograd.grad(scaled_dot_product_attention(q, k, v, attn_mask=bias, cfg=PER_HEAD).sum(), bias)
-    torch.testing.assert_close(g1, g0)
+    bias = torch.randn(*shape, requires_grad=True)
+    upstream = torch.randn(2, 4, 9, 16)
+    grads = []
+    for fn, kw in ((F.scaled_dot_product_attention, {}), (scaled_dot_product_attention, {"cfg": cfg})):
+        torch.manual_seed(3)
+        out = fn(q, k, v, attn_mask=bias * 1.0, dropout_p=p, **kw)
+        grads.append(torch.autograd.grad(out, (q, k, v, bias), upstream))
+    for name, g0, g1 in zip("qkvm", *grads, strict=True):
+        if cfg is None:
+            torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5, msg=name)
+        else:
+            assert sqnr_db(g0, g1) >= 30, name
+
+
+class _Biased(nn.Module):
+    def __init__(self, fn, **kw):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, 4, 64, 64))
+        self.fn, self.kw = fn, kw
+
+    def forward(self, q, k, v):
+        return self.fn(q, k, v, attn_mask=self.bias, **self.kw)
+
+
+def test_a_learned_mask_keeps_nothing_of_size_t_by_s():
+    inputs = tuple(torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+    plain = slimact.profile(_Biased(F.scaled_dot_product_attention), inputs).activation_bytes
+    slim = slimact.profile(_Biased(scaled_dot_product_attention, cfg=PER_HEAD), inputs)
+    # The mask is the parameter itself (not counted); q, k, v at 8 bits, nothing [T, S].
+    assert all(e.shape[-2:] != (64, 64) for e in slim.entries), slim.entries
+    assert slim.activation_bytes <= 0.3 * plain

@@ -6,7 +6,9 @@ the output and log-sum-exp from them in the backward (one more fused forward), s
 gradient of the attention of the restored tensors (a kept 8-bit output would disagree with the probabilities
 rebuilt from 8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients); under a lossless policy keeps ``q``,
 ``k``, ``v``, the output and the fp32 log-sum-exp exactly. Never a ``[T, S]`` tensor (a boolean mask, if given,
-as bits). A mask that needs a gradient (a learned position bias) runs PyTorch's own attention.
+as bits). A mask that needs a gradient (Swin's and T5's learned position biases) is kept as given (often one
+tensor shared by every layer) and gets its gradient, the scores' gradient summed over the dims it broadcasts
+along, from the chunked path.
 
 Eager path:
 
@@ -139,6 +141,10 @@ class _FlashAttentionCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale, cfg_q, cfg_kv, state):
+        # The kernel reads the head dim as contiguous (PyTorch's dispatcher picks it only when the last dim has
+        # stride 1): a transposed view gave a wrong output, up to 1e33. What is kept (and the backward kernel
+        # reads) is this copy too.
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         add = _additive(mask, q.dtype)
         out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, is_causal, attn_mask=add, scale=scale)
         dead = _dead_rows(mask)
@@ -248,6 +254,11 @@ class _ChunkedAttention(torch.autograd.Function):
         gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
         gg = g.reshape(b, h_kv, rep, t, -1)
         keep_all = _replayed_mask(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
+        # A learned additive mask (Swin's and T5's position biases): its gradient is the scores' gradient,
+        # summed over the dims it broadcasts along. [B|1, H|1, T|1, S]
+        need_mask_grad = ctx.needs_input_grad[3]
+        m4 = None if not need_mask_grad else mask.view(*(1,) * (4 - mask.dim()), *mask.shape)
+        gmask = torch.zeros(m4.shape, dtype=torch.float32, device=q.device) if need_mask_grad else None
         for t0 in range(0, t, CHUNK_ROWS):
             t1 = min(t, t0 + CHUNK_ROWS)
             scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
@@ -268,10 +279,19 @@ class _ChunkedAttention(torch.autograd.Function):
             if keep is not None:
                 dp = dp * keep / (1 - dropout_p)
             ds = probs * (dp - d_blk.unsqueeze(-1))
+            if gmask is not None:
+                gm = ds.reshape(b, h, t1 - t0, s)
+                dims = [i for i in range(3) if m4.shape[i] == 1 and gm.shape[i] != 1]
+                gm = gm.sum(dims, keepdim=True) if dims else gm  # (an empty list would sum everything)
+                if m4.shape[2] == 1:
+                    gmask += gm.sum(2, keepdim=True)
+                else:
+                    gmask[:, :, t0:t1] += gm
             gq[..., t0:t1, :] = ds.matmul(kf.unsqueeze(2)) * scale
             gk += ds.transpose(-1, -2).matmul(qg[..., t0:t1, :]) * scale
+        grad_mask = gmask.reshape(mask.shape).to(mask.dtype) if gmask is not None else None
         return (gq.reshape(b, h, t, d).to(q.dtype), gk.sum(2).to(k.dtype), gv.sum(2).to(v.dtype),
-                None, None, None, None, None, None, None)
+                grad_mask, None, None, None, None, None, None)
 
 
 def _block_scores(qg, kt, add, is_causal, scale, shape, t0, t1) -> Tensor:
@@ -305,7 +325,7 @@ def scaled_dot_product_attention(
 
     Keeps ``query``, ``key``, ``value`` packed with ``cfg`` (a per-head config, ``group_dim=1``), recomputing the
     output and log-sum-exp in the backward; with ``cfg=None`` keeps them and the output and log-sum-exp exactly.
-    A boolean ``attn_mask`` is kept as bits; a mask that requires grad runs PyTorch's own attention.
+    A boolean ``attn_mask`` is kept as bits; a float mask that requires grad (a learned bias) gets its gradient.
     On CPU without dropout it runs PyTorch's CPU flash kernel (forward and backward, on the restored
     tensors); with dropout, or on other devices, a flash-style path in PyTorch ops, chunked over query rows
     in the backward. Its dropout mask is drawn by ``native_dropout`` from PyTorch's generator (the draws
@@ -326,7 +346,7 @@ def scaled_dot_product_attention(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
-    if not needs_grad or mask_grad:  # a learned bias in the mask (Swin, T5) needs PyTorch's own backward
+    if not needs_grad and not mask_grad:
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
@@ -342,6 +362,6 @@ def scaled_dot_product_attention(
         with torch.autocast(device, enabled=False):
             return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                 cfg=cfg, state=state)
-    if dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
+    if dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad:
         return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)
