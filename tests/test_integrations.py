@@ -164,3 +164,34 @@ def test_torch_compile_of_a_converted_model(name):
     torch.testing.assert_close(loss1, loss0, rtol=1e-4, atol=1e-5)
     assert_gradients_close(eager, grads, min_cosine=0.999)
     torch._dynamo.reset()
+
+
+def test_hugging_face_trainer_trains_and_checkpoints_a_converted_model(tmp_path):
+    pytest.importorskip("accelerate")
+    from safetensors.torch import load_file
+    from transformers import Trainer, TrainingArguments
+
+    model = zoo.build("gpt2", tiny=True).train()
+    plain = copy.deepcopy(model)
+    slimact.convert(model)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (16, 32), generator=g)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
+                             save_steps=4, logging_steps=1, report_to=[], use_cpu=True, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    result = trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert result.global_step == 4
+    state = load_file(tmp_path / "checkpoint-4" / "model.safetensors")
+    # Hugging Face drops the tied head weight from the file; load it as from_pretrained would.
+    plain.load_state_dict(state, strict=False)
+    missing = set(plain.state_dict()) - set(state)
+    assert missing <= {"lm_head.weight"}, missing
+    reloaded = slimact.convert(copy.deepcopy(plain))
+    for name, p in model.named_parameters():
+        assert torch.equal(dict(plain.named_parameters())[name], p), name
+        assert torch.equal(dict(reloaded.named_parameters())[name], p), name
+    # Strict both ways between the converted model and the plain one.
+    plain.load_state_dict(model.state_dict(), strict=True)
+    reloaded.load_state_dict(plain.state_dict(), strict=True)
