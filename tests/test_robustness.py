@@ -66,3 +66,71 @@ def test_300_steps_stay_finite_and_running_estimates_track_a_shift():
     expected = shifted.amax((0, 2)) - shifted.amin((0, 2))
     # 150 steps after the shift the EMA (decay 0.9) has converged to the new ranges.
     torch.testing.assert_close(fc._slimact_x_range, expected, rtol=1e-3, atol=0)
+
+
+def _counting_packs(monkeypatch):
+    """Count every call of the compression core's pack, wherever it is imported."""
+    import slimact.quant.core as core
+
+    calls = []
+    original = core.pack
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    for module in list(__import__("sys").modules.values()):
+        if getattr(module, "__name__", "").startswith("slimact") and getattr(module, "pack", None) is original:
+            monkeypatch.setattr(module, "pack", counting)
+    return calls
+
+
+@pytest.mark.parametrize("how", ["eval", "no_grad", "inference_mode", "no_input_grad_frozen"])
+def test_inference_packs_nothing_and_updates_no_estimate(how, monkeypatch):
+    from slimact import zoo
+
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, 2, 16)
+    slim = slimact.convert(zoo.build("gpt2", tiny=True), "mesa")  # running estimates: state that could move
+    slim.train()(**inputs)  # estimates exist
+    before = {n: b.clone() for n, b in slim.named_buffers() if "slimact" in n}
+    assert before
+    calls = _counting_packs(monkeypatch)
+    model.train(how != "eval")
+    slim.train(how != "eval")
+    if how == "no_input_grad_frozen":
+        model.requires_grad_(False)
+        slim.requires_grad_(False)
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how, torch.enable_grad)
+    with ctx():
+        torch.manual_seed(0)
+        out0 = model(**inputs).logits
+        torch.manual_seed(0)
+        out1 = slim(**inputs).logits
+    assert torch.equal(out0, out1)
+    assert calls == []
+    for n, b in slim.named_buffers():
+        if n in before:
+            assert torch.equal(b, before[n]), n
+    if how == "no_input_grad_frozen":  # nothing needs a gradient: nothing kept, as in plain PyTorch
+        assert slimact.profile(slim, inputs, loss_fn=lambda out: out.logits.sum()).activation_bytes == 0
+
+
+def test_float64_integer_and_boolean_tensors_pass_through_exactly():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4)).double()
+    slim = slimact.convert(__import__("copy").deepcopy(model))
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 4, dtype=torch.float64)
+    grads = []
+    for m in (model, slim):
+        x.grad = None
+        m.zero_grad()
+        m(x).backward(g)
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in m.parameters())])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a)  # float64 is kept exact: PyTorch's gradients to rounding
+    assert "float64" in str(slimact.summary(slim))
+    ints = torch.randint(0, 9, (4, 4))
+    assert pack(ints, slimact.Policy().quant_config("linear", 2)).raw
+    flags = torch.rand(4, 4) > 0.5
+    assert torch.equal(unpack(pack(flags, slimact.Policy().quant_config("linear", 2))), flags)

@@ -26,6 +26,7 @@ from slimact.functional.matmul import matmul
 from slimact.functional.softmax import softmax
 from slimact.policy import Policy
 from slimact.quant import RunningRange
+from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = ["NAME", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register"]
 
@@ -85,6 +86,8 @@ def attention_forward(
     policy: Policy | None = module.__dict__.get(POLICY_ATTR)
     if policy is not None:
         module.__dict__[SEEN_ATTR] = True
+        if not module.training or query.dtype not in COMPRESSIBLE_DTYPES:
+            policy = None  # eval mode (or float64): PyTorch's own attention, nothing packed
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
     if attention_mask is not None and attention_mask.dim() == 4:

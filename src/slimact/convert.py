@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from slimact import attention
@@ -236,6 +237,8 @@ class Summary:
     uncovered: dict[str, int] = field(default_factory=dict)
     #: Kinds of functional calls in model code routed through slimact (``F.dropout``, ``F.gelu``...).
     functional: list[str] = field(default_factory=list)
+    #: Things worth knowing that are not a conversion (float64 layers kept exact...).
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"slimact summary (policy: {self.policy or 'none: model not converted'})"]
@@ -248,6 +251,7 @@ class Summary:
             lines.append(f"coverage: {self.coverage:.1%} of the plain model's activation bytes handled by slimact")
             for name, n in sorted(self.uncovered.items(), key=lambda kv: -kv[1])[:5]:
                 lines.append(f"  not covered: {name or '(model itself)'}: {n / 2**20:.2f} MiB")
+        lines += [f"note: {note}" for note in self.notes]
         if self.skipped:
             lines.append(f"left alone {len(self.skipped)} module(s):")
             by_reason = Counter(self.skipped.values())
@@ -297,6 +301,14 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         modules=modules,
         functional=[k for k in routing.kinds if k != "lmloss"] if routing is not None else [],
     )
+    exact = [name for name, module in model.named_modules() if name in modules
+             and any(p.dtype == torch.float64 for p in module.parameters(recurse=False))]
+    if exact:
+        result.notes.append(
+            f"{len(exact)} converted module(s) hold float64 parameters ({', '.join(exact[:3])}"
+            f"{', ...' if len(exact) > 3 else ''}): float64 tensors are kept exact, as PyTorch keeps them "
+            "(slimact compresses fp32, fp16 and bf16)"
+        )
     if inputs is not None:
         result.coverage, result.uncovered, unrouted = _coverage(model, set(modules), inputs, loss_fn)
         for name in unrouted:

@@ -244,6 +244,7 @@ def profile(
         finally:
             stack.remove()
         del output
-        loss.backward()
+        if loss.requires_grad:  # nothing needs a gradient (frozen model, integer inputs): nothing was kept
+            loss.backward()
         peak = torch.cuda.max_memory_allocated() - base if use_cuda else None
     return Report(entries, peak)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
-from slimact.quant.reference import begin_stream, end_stream
+from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_stream
 
 __all__ = ["MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "clear_state", "detach", "slim_class", "standalone"]
 
@@ -54,9 +54,12 @@ class SlimModule:
     _slimact_orig_cls: type[nn.Module]
     _slimact_steps: StepCounter | None
 
-    def _slimact_active(self) -> bool:
-        """Compression only where a backward will need it: never in eval mode."""
-        return self.training  # type: ignore[attr-defined]
+    def _slimact_active(self, *inputs: Tensor) -> bool:
+        """Compression only where a backward will need it (never in eval mode), and only of the dtypes it
+        compresses: float64 (or integer) inputs run the module's own forward, exact."""
+        return self.training and all(  # type: ignore[attr-defined]
+            not isinstance(x, Tensor) or x.dtype in COMPRESSIBLE_DTYPES for x in inputs
+        )
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""

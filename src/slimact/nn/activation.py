@@ -20,7 +20,7 @@ class _ActivationMixin(SlimModule):
     _slimact_form: str
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active():
+        if not self._slimact_active(x):
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         cfg = self._slimact_cfg(x)

@@ -38,7 +38,7 @@ class _MultiheadAttentionMixin(SlimModule):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if not self._slimact_active() or not self._slimact_covers(key, value, need_weights):
+        if not self._slimact_active(query, key, value) or not self._slimact_covers(key, value, need_weights):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                    attn_mask=attn_mask, average_attn_weights=average_attn_weights,
                                    is_causal=is_causal)

@@ -12,7 +12,7 @@ __all__ = ["BatchNorm2d", "batch_norm_class"]
 
 class _BatchNormMixin(SlimModule):
     def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active():
+        if not self._slimact_active(x):
             return super().forward(x)  # type: ignore[misc]
         self._check_input_dim(x)
         # The running-statistics bookkeeping of nn.modules.batchnorm._BatchNorm.forward, in training mode.

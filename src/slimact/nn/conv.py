@@ -23,7 +23,7 @@ def conv_unsupported(module: nn.Module) -> str | None:
 
 class _ConvMixin(SlimModule):
     def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active():
+        if not self._slimact_active(x):
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         padding = (0,) * len(self.stride) if isinstance(self.padding, str) else self.padding

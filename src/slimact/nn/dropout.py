@@ -12,7 +12,7 @@ __all__ = ["Dropout", "dropout_class"]
 
 class _DropoutMixin(SlimModule):
     def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active() or self.inplace:
+        if not self._slimact_active(x) or self.inplace:
             return super().forward(x)  # type: ignore[misc]
         return dropout(x, self.p, True)
 

@@ -19,7 +19,7 @@ class _LinearMixin(SlimModule):
     _transposed = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active():
+        if not self._slimact_active(x):
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         return linear(

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from slimact.functional.lm_loss import linear_cross_entropy
+from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = ["LossTracker"]
 
@@ -75,6 +76,8 @@ class LossTracker:
             return None
         if h.numel() // h.shape[-1] != logits.shape[0]:
             return None
+        if not (h.requires_grad or head.weight.requires_grad) or h.dtype not in COMPRESSIBLE_DTYPES:
+            return None  # nothing will be kept (or float64, kept exact): the loss as written
         loss = linear_cross_entropy(
             h, head.weight, head.bias, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
             reduction=reduction, cfg=self.policy.quant_config("lmloss", h.dim()),

@@ -25,7 +25,7 @@ class MatMulBase(nn.Module):
 
 class _MatMulMixin(SlimModule):
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
-        if not self._slimact_active():
+        if not self._slimact_active(a, b):
             return super().forward(a, b)  # type: ignore[misc]
         self._slimact_begin()
         return matmul(

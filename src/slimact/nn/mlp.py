@@ -67,7 +67,7 @@ class _GatedMLPMixin(SlimModule):
     _slimact_form: str
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active():
+        if not self._slimact_active(x):
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         g, u = _gate_up(self, x)

@@ -23,7 +23,7 @@ class _NormMixin(SlimModule):
     _slimact_eps: float | None
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active():
+        if not self._slimact_active(x):
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         eps = self._slimact_eps if self._slimact_eps is not None else torch.finfo(x.dtype).eps

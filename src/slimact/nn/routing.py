@@ -34,6 +34,7 @@ from slimact.functional.activation import activation
 from slimact.functional.dropout import dropout
 from slimact.nn.lm_loss import LossTracker
 from slimact.policy import Policy
+from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = ["FUNCTIONAL_NAME", "Routing"]
 
@@ -42,7 +43,8 @@ FUNCTIONAL_NAME = "(functional)"
 
 
 def _wants_grad(x: object) -> bool:
-    return isinstance(x, Tensor) and x.is_floating_point() and x.requires_grad and torch.is_grad_enabled()
+    """Whether a call on ``x`` keeps something slimact compresses: a gradient will flow, in a dtype it packs."""
+    return isinstance(x, Tensor) and x.dtype in COMPRESSIBLE_DTYPES and x.requires_grad and torch.is_grad_enabled()
 
 
 class _Mode(TorchFunctionMode):

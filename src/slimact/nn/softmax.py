@@ -12,7 +12,7 @@ __all__ = ["Softmax", "softmax_class"]
 
 class _SoftmaxMixin(SlimModule):
     def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active() or self.dim is None:
+        if not self._slimact_active(x) or self.dim is None:
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         return softmax(x, self.dim, self._slimact_cfg(x), self._slimact_state())
