@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["environment", "memory", "write_results", "zoo"]
+__all__ = ["environment", "held_bytes", "memory", "write_results", "zoo"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -129,6 +129,23 @@ def zoo(
             **environment(device),
         }
         del model
+
+
+def held_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
+    """Bytes a training forward allocates on the CPU and still holds when it returns (what waits for the
+    backward, plus the small outputs), measured by ``torch.profiler``'s memory events; then the backward runs.
+
+    Unlike :func:`slimact.profile` it needs no saved-tensor hooks, so it also measures compiled models, whose
+    graphs the hooks cannot see into. On eager models the two agree (``benchmarks/integrations.py``).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = model(**inputs).loss
+    held = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage and e.cpu_parent is None)
+    loss.backward()
+    return held
 
 
 def write_results(rows: list[dict[str, Any]], name: str, folder: str | os.PathLike[str] = "benchmarks/results") -> Path:
