@@ -42,3 +42,25 @@ def test_held_bytes_agrees_with_profile_on_an_eager_model():
         # Two ways of counting the same tensors: storages kept (profile) and net allocations (held, which also
         # sees the loss and not tensors allocated before the forward): equal to 1%.
         assert abs(held - kept) <= 0.01 * kept + 4096, (policy, kept, held)
+
+
+def test_speed_rows_are_interleaved_ratios_with_memory():
+    from slimact.bench import speed
+
+    rows = list(speed(["gpt2"], ("tempo", "int8", "checkpoint+int8"), layers=None, batch=2, seq=16, rounds=2,
+                      warmup=1, tiny=True))
+    assert [r["setup"] for r in rows] == ["plain", "tempo", "int8", "checkpoint+int8"]
+    assert rows[0]["time_ratio_median"] == 1.0 and rows[0]["memory_ratio"] == 1.0
+    for r in rows[1:]:
+        assert r["time_ratio_min"] <= r["time_ratio_median"] <= r["time_ratio_max"]
+        assert 0 < r["memory_ratio"] < 1
+
+
+def test_ops_rows():
+    from slimact.bench import ops
+
+    rows = list(ops(mib=4, rounds=2))
+    names = [r["op"] for r in rows]
+    assert names[:2] == ["pack 4 MiB fp32", "unpack 4 MiB fp32"]
+    assert {"linear fwd+bwd", "gelu fwd+bwd", "attention fwd+bwd"} <= set(names)
+    assert all(r["time_ratio_median"] > 0 for r in rows)

@@ -9,6 +9,16 @@ in fp32 and under bf16/fp16 autocast. It is the README's headline table.
 
 ``zoo``: per model family, what ``convert`` replaced, the coverage (:func:`slimact.summary` with inputs) and
 the bytes kept under ``"int8"`` and ``"tempo"`` (``docs/models.md``).
+
+``speed``: a full training step (forward, backward, AdamW step) of plain PyTorch and of each setup (a preset,
+per-layer activation checkpointing, both), timed interleaved in one process (plain, setup 1, setup 2, ...,
+plain, ...) after warm-up: per round the ratio of each setup's time to that round's plain time, reported as
+the median and the spread (min, max) over the rounds, with the activation bytes of each setup, so time and
+memory sit on one plane. Shared machines are noisy: only ratios measured this way are reported, never an
+absolute time on its own.
+
+``ops``: per-op micro-benchmarks: pack and unpack of a 64 MiB fp32 tensor against ``Tensor.copy_`` of the same
+tensor (bandwidth ratio), and each Function's forward + backward against its PyTorch counterpart.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["environment", "held_bytes", "memory", "write_results", "zoo"]
+__all__ = ["environment", "held_bytes", "memory", "ops", "speed", "write_results", "zoo"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -146,6 +156,153 @@ def held_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     held = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage and e.cpu_parent is None)
     loss.backward()
     return held
+
+
+def _setups(model: torch.nn.Module, names: Iterable[str]) -> dict[str, torch.nn.Module]:
+    """Copies of ``model`` per setup name: ``"plain"``, a policy, ``"checkpoint"`` (Hugging Face gradient
+    checkpointing of every layer), or ``"checkpoint+<policy>"``."""
+    import copy
+
+    import slimact
+
+    out = {}
+    for name in names:
+        m = copy.deepcopy(model)
+        ckpt, _, policy = name.partition("+") if name.startswith("checkpoint") else ("", "", name)
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if policy and policy != "plain":
+            slimact.convert(m, policy)
+        out[name] = m.train()
+    return out
+
+
+def speed(
+    models: Iterable[str],
+    setups: Iterable[str] = ("tempo", "int8", "checkpoint", "checkpoint+int8"),
+    *,
+    layers: int | None = 4,
+    batch: int = 4,
+    seq: int = 256,
+    rounds: int = 7,
+    warmup: int = 2,
+    device: str = "cpu",
+    tiny: bool = False,
+) -> Iterator[dict[str, Any]]:
+    """Rows per model and setup: the median and spread of (setup step time / plain step time) over
+    ``rounds`` interleaved rounds, and the activation bytes of each."""
+    import statistics
+
+    import slimact
+    from slimact.zoo import build, example_inputs
+
+    names = ["plain", *setups]
+    for name in models:
+        base = build(name, layers=layers, tiny=tiny).to(device)
+        inputs = example_inputs(base, batch, seq)
+        runs = _setups(base, names)
+        times = _interleaved({key: _train_step(m, inputs, device) for key, m in runs.items()}, rounds, warmup)
+        plain_bytes = slimact.profile(runs["plain"], inputs).activation_bytes
+        for key in names:
+            ratios = [t / p for t, p in zip(times[key], times["plain"], strict=True)]
+            kept = plain_bytes if key == "plain" else slimact.profile(runs[key], inputs).activation_bytes
+            yield {
+                "model": name, "layers": layers, "batch": batch, "tokens": seq, "setup": key,
+                "time_ratio_median": round(statistics.median(ratios), 4),
+                "time_ratio_min": round(min(ratios), 4), "time_ratio_max": round(max(ratios), 4),
+                "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1),
+                "rounds": rounds, "activation_mib": round(kept / 2**20, 2),
+                "memory_ratio": round(kept / plain_bytes, 4), **environment(device),
+            }
+
+
+def _train_step(model: torch.nn.Module, inputs: dict[str, Any], device: str) -> Any:
+    """A closure running one training step (forward, backward, AdamW step) of ``model``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    cuda = torch.device(device).type == "cuda"
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(**inputs).loss.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+
+    return step
+
+
+def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    import time
+
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return times
+
+
+def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
+    """Rows of per-op micro-benchmarks (see the module docstring): ratios measured interleaved."""
+    import statistics
+
+    from slimact.quant import QuantConfig, pack, unpack
+
+    x = torch.randn(mib * 2**20 // 4, device=device).reshape(-1, 1024)
+    dst = torch.empty_like(x)
+    cfg = QuantConfig(group_dim=-1, groups=8)
+    packed = pack(x, cfg, share=False)
+    times = _interleaved({
+        "copy_": lambda: dst.copy_(x),
+        "pack": lambda: pack(x, cfg, share=False),
+        "unpack": lambda: unpack(packed),
+    }, rounds)
+    copy_time = statistics.median(times["copy_"])
+    for key in ("pack", "unpack"):
+        t = statistics.median(times[key])
+        yield {"op": f"{key} {mib} MiB fp32", "vs": "Tensor.copy_", "time_ratio_median": round(t / copy_time, 4),
+               "bandwidth_vs_copy": round(copy_time / t, 4), "rounds": rounds, **environment(device)}
+    yield from _function_rows(rounds, device)
+
+
+def _function_rows(rounds: int, device: str) -> Iterator[dict[str, Any]]:
+    """Each slimact Function's forward + backward against its PyTorch counterpart, at Transformer sizes."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    from slimact.functional import activation, dropout, linear, norm, scaled_dot_product_attention
+    from slimact.policy import Policy
+
+    pol = Policy()
+    x = torch.randn(4, 256, 768, device=device, requires_grad=True)
+    w = torch.randn(3072, 768, device=device, requires_grad=True)
+    ln_w = torch.ones(768, device=device, requires_grad=True)
+    q, k, v = (torch.randn(4, 12, 256, 64, device=device, requires_grad=True) for _ in range(3))
+    cases = {
+        "linear": (lambda: F.linear(x, w), lambda: linear(x, w, None, pol.quant_config("linear", 3))),
+        "gelu": (lambda: F.gelu(x), lambda: activation(x, "gelu", pol.quant_config("gelu", 3), fn=F.gelu)),
+        "gelu (tempo)": (lambda: F.gelu(x), lambda: activation(x, "gelu", None, fn=F.gelu)),
+        "layernorm": (lambda: F.layer_norm(x, (768,), ln_w),
+                      lambda: norm(x, ln_w, None, 1e-5, pol.quant_config("layernorm", 3))),
+        "dropout": (lambda: F.dropout(x, 0.1), lambda: dropout(x, 0.1)),
+        "attention": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                      lambda: scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                           cfg=pol.quant_config("attention", 4))),
+    }
+    for name, (plain, slim) in cases.items():
+        def run(fn):
+            return lambda: fn().sum().backward()
+
+        times = _interleaved({"plain": run(plain), "slimact": run(slim)}, rounds)
+        ratios = [a / b for a, b in zip(times["slimact"], times["plain"], strict=True)]
+        yield {"op": f"{name} fwd+bwd", "vs": "PyTorch", "time_ratio_median": round(statistics.median(ratios), 4),
+               "time_ratio_min": round(min(ratios), 4), "time_ratio_max": round(max(ratios), 4),
+               "rounds": rounds, **environment(device)}
 
 
 def write_results(rows: list[dict[str, Any]], name: str, folder: str | os.PathLike[str] = "benchmarks/results") -> Path:

@@ -96,12 +96,25 @@ def _fit(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import transformers
 
-    from slimact.bench import memory, write_results, zoo
+    from slimact.bench import memory, ops, speed, write_results, zoo
     from slimact.zoo import MODELS
 
     transformers.logging.set_verbosity_error()
     rows = []
-    if args.zoo:
+    if args.speed:
+        setups = args.policies if args.policies != ["int8", "tempo"] else ["tempo", "int8", "checkpoint",
+                                                                          "checkpoint+int8"]
+        for row in speed(args.models or ["gpt2", "llama"], setups, layers=args.layers, batch=args.batch or 4,
+                         seq=args.seq or 256, rounds=args.rounds, device=args.device):
+            print(f"{row['model']:>8} {row['setup']:>16}: time {row['time_ratio_median']:.3f}x "
+                  f"[{row['time_ratio_min']:.3f}, {row['time_ratio_max']:.3f}]  memory {row['memory_ratio']:.3f}x",
+                  flush=True)
+            rows.append(row)
+    elif args.ops:
+        for row in ops(rounds=args.rounds, device=args.device):
+            print(f"{row['op']:>24}: {row['time_ratio_median']:.3f}x of {row['vs']}", flush=True)
+            rows.append(row)
+    elif args.zoo:
         for row in zoo(args.models or list(MODELS), batch=args.batch or 2, seq=args.seq or 128, device=args.device):
             print(f"{row['model']:>14}: coverage {row['coverage']:.1%}, int8 {row['int8_ratio']:.3f}x, "
                   f"tempo {row['tempo_ratio']:.3f}x  ({row['converted']})", flush=True)
@@ -114,7 +127,8 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"{row['model']:>10} {row['dtype']:>5} {row['policy']:>6}: {row['plain_mib']:>10.2f} MiB -> "
                   f"{row['converted_mib']:>9.2f} MiB  {row['ratio']:.3f}x", flush=True)
             rows.append(row)
-    print(f"wrote {write_results(rows, args.name or ('zoo' if args.zoo else 'memory'), args.out)}")
+    default = "speed" if args.speed else "ops" if args.ops else "zoo" if args.zoo else "memory"
+    print(f"wrote {write_results(rows, args.name or default, args.out)}")
     return 0
 
 
@@ -165,9 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="activation bytes, plain vs each policy, per model and dtype (the README's headline table)")
     what.add_argument("--zoo", action="store_true",
                       help="per model family: what is converted, coverage, bytes under int8 and tempo (2 layers)")
+    what.add_argument("--speed", action="store_true",
+                      help="training-step time vs plain, interleaved (setups: presets, checkpoint, checkpoint+int8)")
+    what.add_argument("--ops", action="store_true", help="per-op micro-benchmarks: pack/unpack, each Function")
+    b.add_argument("--layers", type=int, default=4, help="--speed: layers of each model")
+    b.add_argument("--rounds", type=int, default=7, help="--speed/--ops: interleaved rounds (median reported)")
     b.add_argument("--models", nargs="+", default=None, help="default: bert-base gpt2 llama vit-b16; --zoo: all")
     b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
-    b.add_argument("--policies", nargs="+", default=["int8", "tempo"])
+    b.add_argument("--policies", nargs="+", default=["int8", "tempo"],
+                   help="--memory: policies; --speed: setups (default tempo int8 checkpoint checkpoint+int8)")
     b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")
     b.add_argument("--batch", type=int, default=None, help="default 4 (--memory), 2 (--zoo)")
     b.add_argument("--seq", type=int, default=None, help="default 512 (--memory), 128 (--zoo)")
