@@ -91,7 +91,8 @@ def test_frozen_layers_keep_nothing_they_do_not_need():
     by_module = slimact.profile(slim, x).by_module
     assert by_module.get("0", 0) == 0 and by_module.get("1", 0) == 0
     assert by_module.get("2", 0) == 0  # its input gradient needs only the (parameter) weight
-    assert by_module["3"] > 0 and by_module["4"] > 0
+    # The GELU keeps its 8-bit input; the last Linear rebuilds the GELU's output from the same codes.
+    assert by_module["3"] > 0 and by_module.get("4", 0) == 0
 
 
 class _LowRank(nn.Module):

@@ -32,6 +32,8 @@ __all__ = ["NAME", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register"]
 
 NAME = "slimact"
 POLICY_ATTR = "_slimact_attention"
+#: Probabilities asked for where nothing is compressed: the same eager path, every tensor exact.
+_EXACT = Policy(name="exact", quantize=False)
 #: Set on a tagged module each time its attention runs here (``summary`` checks the routing took).
 SEEN_ATTR = "_slimact_attention_seen"
 
@@ -100,8 +102,8 @@ def attention_forward(
 
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
-    if policy is not None and _probabilities_wanted(kwargs):
-        out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy, is_causal)
+    if _probabilities_wanted(kwargs):  # exact (lossless) in eval mode or for modules left alone
+        out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy or _EXACT, is_causal)
         return out.transpose(1, 2).contiguous(), probs
     state = None
     if policy is not None and policy.settings("attention").scale == "running":

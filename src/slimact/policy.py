@@ -100,7 +100,8 @@ class Policy:
         scale: ``"dynamic"`` (each tensor's own per-group range) or ``"running"`` (Mesa's EMA estimate).
         ema_decay: decay of the running estimate.
         stochastic: stochastic (unbiased) rounding instead of round-to-nearest.
-        channel_groups: scale groups along the channel dim (need not divide the channel count).
+        channel_groups: scale groups along the channel dim (need not divide the channel count; an upper
+            bound: a layer with fewer channels gets one group per channel).
         head_groups: scale groups along the head dim of ``[B, H, T, D]`` attention tensors; 0 = one per head.
         quantize: ``False`` keeps every tensor exact (only lossless techniques; the ``"tempo"`` preset).
         kinds: layer kinds to convert (see :data:`KINDS`).
@@ -315,8 +316,9 @@ def _quant_config(policy: Policy, kind: str, ndim: int) -> QuantConfig:
         group_dim, groups = 1, s.groups
     else:  # [..., C]; the other tensors of a head-wise kind (an attention input) get the policy's channel groups
         group_dim, groups = -1, policy.channel_groups if kind in _HEADWISE_KINDS else s.groups
+    # clamp_groups: one group count serves layers of every width (the default 8 on a 4-feature Linear gives 4).
     return QuantConfig(bits=s.bits, group_dim=group_dim, groups=groups, scale=s.scale, decay=s.ema_decay,
-                       stochastic=s.stochastic)
+                       stochastic=s.stochastic, clamp_groups=True)
 
 
 # Mesa's layer tags and the slimact kinds they name.

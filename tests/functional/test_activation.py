@@ -5,7 +5,7 @@ from torch import nn
 import slimact
 from _harness import FLOAT_DTYPES, check_against_plain, non_contiguous, saved_ratio
 from slimact._kinds import activation_form
-from slimact.functional.activation import FORMS, derivative, reference
+from slimact.functional.activation import FORMS, INPLACE_ERROR_BOUNDS, derivative, reference
 
 SHAPES = [(1, 1, 5), (3, 7, 33), "non-contiguous"]
 
@@ -91,15 +91,6 @@ def test_named_modules_for_direct_use():
     assert torch.equal(gelu(x), nn.functional.gelu(x, approximate="tanh"))
 
 
-# The stated worst-case bounds of the in-place (lossless) path, per dtype of y: (distance from the minimum
-# beyond which the first bound holds, that bound, the bound everywhere).
-INPLACE_BOUNDS = {
-    torch.float32: (0.01, 1e-5, 2e-4),
-    torch.float16: (0.2, 1e-3, 1e-2),
-    torch.bfloat16: (0.2, 1e-2, 3e-2),
-}
-
-
 # How models compute each form (PyTorch's kernels compute in fp32 and round once).
 KERNELS = {
     "gelu": nn.functional.gelu,
@@ -109,7 +100,7 @@ KERNELS = {
 }
 
 
-@pytest.mark.parametrize("dtype", list(INPLACE_BOUNDS), ids=str)
+@pytest.mark.parametrize("dtype", list(INPLACE_ERROR_BOUNDS), ids=str)
 @pytest.mark.parametrize("form", list(KERNELS))
 def test_inplace_gradient_error_over_the_real_line(form, dtype):
     from slimact.functional.activation import MINIMUM, activation
@@ -120,7 +111,7 @@ def test_inplace_gradient_error_over_the_real_line(form, dtype):
     exact = derivative(form, x.detach().double())
     err = (grad.double() - exact).abs()
     dist = (x.detach().double() - MINIMUM[form]).abs()
-    radius, away, everywhere = INPLACE_BOUNDS[dtype]
+    radius, away, everywhere = INPLACE_ERROR_BOUNDS[dtype]
     assert err[dist >= radius].max() <= away
     assert err.max() <= everywhere
     tempo_interval = (x.detach() > 1.1) & (x.detach() < 3.0)  # where Tempo's released spline was wrong
@@ -207,3 +198,15 @@ def test_non_finite_inputs_show_in_the_gradient_as_in_torch(policy):
     assert torch.equal(g0["input0"].isnan(), g1["input0"].isnan())
     finite = torch.isfinite(g0["input0"])
     torch.testing.assert_close(g1["input0"][finite], g0["input0"][finite], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+def test_relu_passes_the_gradient_at_nan_as_torch(policy):
+    # PyTorch's ReLU backward masks where y <= 0, so a NaN input passes its upstream gradient; the bit mask was
+    # y > 0, which stopped it there.
+    from _harness import _step, converted_copy
+
+    x = torch.tensor([[float("nan"), 1.0, -1.0, float("inf"), -float("inf"), 0.0]])
+    _, g0 = _step(nn.ReLU(), (x,), seed=1)
+    _, g1 = _step(converted_copy(nn.ReLU(), policy), (x,), seed=1)
+    torch.testing.assert_close(g1["input0"], g0["input0"], rtol=0, atol=0)

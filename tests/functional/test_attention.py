@@ -261,3 +261,79 @@ def test_a_learned_mask_keeps_nothing_of_size_t_by_s():
     # The mask is the parameter itself (not counted); q, k, v at 8 bits, nothing [T, S].
     assert all(e.shape[-2:] != (64, 64) for e in slim.entries), slim.entries
     assert slim.activation_bytes <= 0.3 * plain
+
+
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_transposed_query_key_value_give_torchs_output(dtype, cfg):
+    # The CPU flash kernel reads the head dim as contiguous: q, k, v seen through transposed strides (last-dim
+    # stride != 1) gave a wrong output, up to 1e33, before they were made contiguous for it. The reference is
+    # PyTorch's attention of contiguous copies (the same kernel; F.scaled_dot_product_attention itself falls back
+    # to its math path for such strides, which rounds otherwise in bf16).
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 5, generator=gen).to(dtype).transpose(-1, -2).contiguous().transpose(-1, -2)
+               for _ in range(3))
+    assert q.stride(-1) != 1
+    g = torch.randn(2, 4, 8, 5, generator=gen).to(dtype)
+    out0, g0 = _run(lambda *a: F.scaled_dot_product_attention(*(t.contiguous() for t in a)), q, k, v, g)
+    out1, g1 = _run(lambda *a: scaled_dot_product_attention(*a, cfg=cfg), q, k, v, g)
+    torch.testing.assert_close(out1, out0)
+    for name, a, e in zip("qkv", g1, g0, strict=True):
+        if cfg is None:
+            torch.testing.assert_close(a, e, msg=name)
+        else:
+            assert sqnr_db(e, a) >= 25, name
+
+
+@pytest.mark.parametrize("where", ["query", "key of one"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_in_the_query_or_key_reaches_the_output(bad, where):
+    # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN: a NaN in the query,
+    # or in the key of a one-key row (F.scaled_dot_product_attention on CPU does too, torch 2.13). Its math path,
+    # and slimact, give NaN in that row.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    s = 1 if where == "key of one" else 4
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8)
+    (q if where == "query" else k)[0, 1, 0, 3] = bad
+    out = scaled_dot_product_attention(q.requires_grad_(True), k, v)
+    with sdpa_kernel(SDPBackend.MATH):
+        exact = F.scaled_dot_product_attention(q.detach().double(), k.double(), v.double())
+    assert torch.equal(torch.isfinite(out), torch.isfinite(exact))
+    assert not torch.isfinite(out[0, 1, 0]).any()
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["flash", "chunked"])
+def test_masked_keys_stay_masked_when_the_allowed_ones_score_minus_inf(dropout_p):
+    # Masked keys took the dtype's minimum added to their score: where every allowed key scored -inf (-inf in k),
+    # the masked keys won the softmax, a finite output made of values the mask excluded. Masked is -inf now, as
+    # PyTorch converts a boolean mask: such a row has nothing to attend to, and gets 0 (PyTorch's flash kernel).
+    q, k, v = torch.rand(1, 1, 3, 4) + 0.5, torch.rand(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
+    k[0, 0, 1, 2] = -float("inf")  # key 1 scores -inf for every query
+    mask = torch.zeros(1, 1, 3, 5, dtype=torch.bool)
+    mask[0, 0, 0, 1] = True  # query 0 may see key 1 only
+    mask[0, 0, 1:, :] = True
+    torch.manual_seed(0)
+    out = scaled_dot_product_attention(q.requires_grad_(True), k, v, attn_mask=mask, dropout_p=dropout_p)
+    torch.manual_seed(0)
+    ref = F.scaled_dot_product_attention(q.detach(), k, v, attn_mask=mask, dropout_p=dropout_p)
+    assert torch.equal(out[0, 0, 0], torch.zeros(4)), out[0, 0, 0]
+    torch.testing.assert_close(out[0, 0, 1:], ref[0, 0, 1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_a_fully_masked_row_of_an_additive_mask_gives_zero_and_finite_gradients(dtype):
+    # A row of -inf only: log-sum-exp -inf made its probabilities exp(-inf - -inf) = NaN in the chunked path,
+    # and the NaN reached every key's gradient. PyTorch gives the row 0.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen).to(dtype) for _ in range(3))
+    mask = torch.zeros(1, 1, 4, 4, dtype=dtype)
+    mask[0, 0, 1] = -float("inf")
+    g = torch.randn(1, 2, 4, 8, generator=gen).to(dtype)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g, attn_mask=mask)
+    out1, g1 = _run(scaled_dot_product_attention, q, k, v, g, attn_mask=mask, dropout_p=0.0)
+    assert torch.equal(out1[0, :, 1], torch.zeros_like(out1[0, :, 1]))
+    for a, e in zip((out1, *g1), (out0, *g0), strict=True):
+        assert torch.isfinite(a).all()
+        if dtype == torch.float32:  # fp16: PyTorch's math path rounds its intermediates to fp16, this one not
+            torch.testing.assert_close(a, e)

@@ -102,3 +102,23 @@ def test_routing_falls_back_when_it_cannot_apply():
     assert torch.isfinite(plain)  # outside the model's forward: PyTorch's own path, untouched
     slimact.revert(model)
     assert not hasattr(model, "_slimact_root_loss")
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_non_finite_hidden_states_give_torchs_nan(bad, smoothing):
+    # A token whose logits hold +inf (or only -inf) has a NaN log-softmax in F.cross_entropy; torch.logsumexp
+    # gave inf there, so the loss was inf instead of NaN and weight-gradient entries stayed finite where
+    # PyTorch's are NaN.
+    h, w, b, t = _data(n=12, c=6, v=9, ignored=(3,))
+    h = h.detach().clone()
+    h[5, 2] = bad
+    h.requires_grad_(True)
+    ref = F.cross_entropy(F.linear(h, w, b), t, label_smoothing=smoothing)
+    g0 = torch.autograd.grad(ref, (h, w, b))
+    out = linear_cross_entropy(h, w, b, t, label_smoothing=smoothing)
+    g1 = torch.autograd.grad(out, (h, w, b))
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    for a, e in zip(g1, g0, strict=True):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(e))
+        torch.testing.assert_close(a, e, equal_nan=True)

@@ -86,3 +86,20 @@ def test_one_matmul_called_twice_per_step_gets_correct_gradients_for_both(monkey
     monkeypatch.setattr("slimact.nn._base.MAX_CALL_SITES", 1)
     _, shared = _attention_grads(q, k, v)
     assert min(shared) < 0, shared  # q and k gradients: noise larger than signal
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("b_shape", [(1, 3, 13, 22), (13, 22)], ids=["batch-1", "2d"])
+def test_broadcast_operand_gradient_is_rounded_once(dtype, b_shape):
+    # An operand broadcast over batch dims gets the sum of the batches' products: rounding each product to
+    # fp16/bf16 and then summing them drifted by several roundings where the batches cancel. Accumulated in fp32
+    # and rounded once, the gradient of constant operands (restored exactly) is the exact one rounded once.
+    a = torch.full((11, 3, 7, 13), 3.25, dtype=dtype, requires_grad=True)
+    b = torch.full(b_shape, -0.75, dtype=dtype, requires_grad=True)
+    g = torch.randn(11, 3, 7, 22).to(dtype)
+    exact = [(g.double() @ b.double().transpose(-1, -2)).sum_to_size(a.shape),
+             (a.double().transpose(-1, -2) @ g.double()).sum_to_size(b.shape)]
+    cfg = QuantConfig(group_dim=None)
+    ours = torch.autograd.grad(slimact.functional.matmul(a, b, cfg, cfg), (a, b), g)
+    for x, y in zip(ours, exact, strict=True):
+        torch.testing.assert_close(x, y.to(dtype))

@@ -42,3 +42,31 @@ def test_running_policy_state_is_non_persistent():
     assert lin._slimact_x_lo is not None
     assert set(lin.state_dict()) == keys == {"weight", "bias"}
     assert "slimact" in repr(lin)
+
+
+@pytest.mark.parametrize("form", [nn.GELU(), nn.GELU(approximate="tanh"), nn.SiLU()], ids=["gelu", "tanh", "silu"])
+def test_activation_and_next_linear_keep_one_copy(form):
+    # The MLP's [tokens, 4 x hidden] tensor: the activation keeps its input at 8 bits and the next Linear
+    # rebuilds the activation's output from the same codes, instead of keeping a second 8-bit copy.
+    from _harness import check_against_plain
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 128), form, nn.Linear(128, 32))
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    check_against_plain(mlp, x)  # forward identical, every gradient >= 30 dB
+    by_module = slimact.profile(slimact.convert(mlp), x).by_module
+    assert by_module.get("2", 0) == 0 and by_module["1"] > 0
+
+
+def test_an_activation_input_beyond_the_clamp_is_not_shared():
+    # The 8-bit activation input is clamped to where its derivative is flat (|x| <= 6 for GELU): then the
+    # codes cannot rebuild y = gelu(x) beyond it, and the next Linear keeps y itself.
+    from _harness import check_against_plain
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    with torch.no_grad():
+        mlp[0].bias[:4] = 20.0  # some pre-activations far beyond the clamp
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    check_against_plain(mlp, x)
+    assert slimact.profile(slimact.convert(mlp), x).by_module["2"] > 0

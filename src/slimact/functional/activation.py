@@ -52,8 +52,9 @@ from torch import Tensor
 
 from slimact.functional._saving import Mask, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
+from slimact.quant.core import register_derivation, share_derived
 
-__all__ = ["FORMS", "MINIMUM", "activation", "derivative", "invert", "reference"]
+__all__ = ["FORMS", "INPLACE_ERROR_BOUNDS", "MINIMUM", "activation", "derivative", "invert", "reference"]
 
 FORMS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")
 
@@ -63,6 +64,13 @@ _K = 0.044715
 #: Where each smooth form has its minimum (y' = 0), to float64 precision.
 MINIMUM = {"gelu": -0.7517915246935644, "gelu_tanh": -0.7524614220710162, "quick_gelu": -0.7511542554412889,
            "silu": -1.2784645427610737}
+#: The stated worst-case error ``|y'(x_rebuilt) - y'(x)|`` of the in-place (lossless) path, by the dtype of
+#: ``y`` (the table in the module docstring): ``(radius, bound beyond radius of x_min, bound everywhere)``.
+INPLACE_ERROR_BOUNDS = {
+    torch.float32: (0.01, 1e-5, 2e-4),
+    torch.float16: (0.2, 1e-3, 1e-2),
+    torch.bfloat16: (0.2, 1e-2, 3e-2),
+}
 # Beyond +-FLAT[form] the derivative is constant (0 on the left, 1 on the right) to within 1e-6, so the 8-bit
 # path keeps clamp(x, -L, L): an outlier then cannot stretch the scale and blur every other value (with 1%
 # of the inputs at 1e4 the gradient's SQNR fell to -3 dB without the clamp).
@@ -86,6 +94,10 @@ def reference(form: str, x: Tensor) -> Tensor:
     if form == "relu":
         return x.clamp_min(0)
     raise ValueError(f"unknown activation form {form!r}; known: {FORMS}")
+
+
+for _form in ("gelu", "gelu_tanh", "quick_gelu", "silu"):
+    register_derivation(_form, functools.partial(reference, _form))
 
 
 def derivative(form: str, x: Tensor) -> Tensor:
@@ -182,11 +194,15 @@ class _ActivationFunction(torch.autograd.Function):
         y = fn(x)
         ctx.form = form
         if form == "relu":
-            save(ctx, Mask.of(y > 0))
+            # PyTorch's ReLU backward passes the gradient wherever not y <= 0, a NaN input included.
+            save(ctx, Mask.of(~(y <= 0)))
         else:
             flat = FLAT[form]  # NaN/inf stay as they are (the pack then keeps x exact, as PyTorch would)
             kept = torch.where(torch.isfinite(x), x.clamp(-flat, flat), x)
-            save(ctx, pack(kept, cfg, state))
+            packed = pack(kept, cfg, state)
+            save(ctx, packed)
+            if not bool((x.abs() > flat).any()):  # nothing clamped: the codes of x also give y = f(x)
+                share_derived(y, packed, form)  # the next Linear keeps y through them, not a second copy
         return y
 
     @staticmethod

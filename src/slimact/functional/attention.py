@@ -33,6 +33,8 @@ is within half a step per element (tests assert SQNR >= 30 dB).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -111,11 +113,19 @@ def softmax_dropout_matmul(
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """``attn_mask`` as an additive float mask (bool ``True`` = attend; masked = the dtype's minimum, not -inf,
-    so a fully masked row gives a uniform, finite softmax rather than NaN)."""
+    """``attn_mask`` as an additive float mask (bool ``True`` = attend; masked = -inf, as PyTorch converts it: the
+    dtype's minimum let a masked key whose score is +inf, an inf in q or k, take the whole row, a finite and
+    wrong output where PyTorch's is NaN). A fully masked row is handled by :func:`_logsumexp` and the kernels."""
     if mask is None or mask.dtype != torch.bool:
         return mask if mask is None else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+
+
+def _logsumexp(scores: Tensor) -> Tensor:
+    """Per-row log-sum-exp, 0 for a row of -inf only (fully masked), so that its probabilities are 0, not NaN
+    (``exp(-inf - -inf)``), as PyTorch's CPU flash kernel has them."""
+    lse = torch.logsumexp(scores, -1)
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
 def _dead_rows(mask: Tensor | None) -> Tensor | None:
@@ -210,7 +220,7 @@ class _ChunkedAttention(torch.autograd.Function):
             # model); the backward replays it from the snapshot. Transient here, never kept.
             rng = _rng_state(q.device)
             scores = _block_scores(qg, kt, add, is_causal, scale, (b, h, t, s), 0, t)
-            lse = torch.logsumexp(scores, -1)
+            lse = _logsumexp(scores)
             probs = torch.exp(scores - lse[..., None]).to(v.dtype)
             dropped, _ = torch.native_dropout(probs, dropout_p, True)
             out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, -1)
@@ -220,7 +230,7 @@ class _ChunkedAttention(torch.autograd.Function):
             for t0 in range(0, t, CHUNK_ROWS):
                 t1 = min(t, t0 + CHUNK_ROWS)
                 scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
-                lse[:, :, t0:t1] = torch.logsumexp(scores, -1)
+                lse[:, :, t0:t1] = _logsumexp(scores)
                 pg = torch.exp(scores - lse[:, :, t0:t1, None]).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
                 out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, -1)
         dead = _dead_rows(mask)
@@ -262,7 +272,7 @@ class _ChunkedAttention(torch.autograd.Function):
         for t0 in range(0, t, CHUNK_ROWS):
             t1 = min(t, t0 + CHUNK_ROWS)
             scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
-            lse_blk = lse[:, :, t0:t1] if lse is not None else torch.logsumexp(scores, -1)
+            lse_blk = lse[:, :, t0:t1] if lse is not None else _logsumexp(scores)
             probs = torch.exp(scores - lse_blk[..., None]).reshape(b, h_kv, rep, t1 - t0, s)
             keep = None
             dropped = probs
@@ -362,6 +372,11 @@ def scaled_dot_product_attention(
         with torch.autocast(device, enabled=False):
             return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                 cfg=cfg, state=state)
-    if dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad:
+    # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN (a NaN in the query,
+    # or in the key of a one-key row: F.scaled_dot_product_attention's too, torch 2.13): a query or key holding
+    # NaN/inf takes the chunked path, whose output is NaN there, as the math path's. (On the CPU this check costs
+    # a pass over each, no device sync; detached, so that it records no graph.)
+    flash = dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad
+    if flash and all(bool(torch.isfinite(t.detach()).all()) for t in (query, key)):
         return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)

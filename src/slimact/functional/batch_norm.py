@@ -5,13 +5,21 @@ Math: ``y = (x - mean_c) * invstd_c * w_c + b_c`` over all dims but the channel 
 ``native_batch_norm_backward`` the backward, from the restored ``x_hat`` and the exact batch ``mean`` and
 ``invstd``.
 
-What it keeps: ``x`` at ``b`` bits per element plus 8 bytes per scale group (channel groups along dim 1),
-and the per-channel ``mean``/``invstd``.
+What it keeps: ``x`` at ``b`` bits per element plus 8 bytes per channel (one scale per channel, whatever the
+config's group count), and the per-channel ``mean``/``invstd``.
 
-Error: as LayerNorm's, per channel; tests assert SQNR >= 30 dB for the input, weight and bias gradients.
+Error: the backward normalises ``x_hat`` with the batch's exact statistics, so ``xn``'s error is
+``invstd_c * step/2``. With one scale per channel that is ``range(xn_c) / 510``, whatever the channel's spread;
+a scale shared by a channel group made it ``range_group / (510 sigma_c)``, unbounded for a channel whose batch
+variance is small next to its group's range (a constant channel: ``invstd = 1/sqrt(eps)``), and the input
+gradient, which grows with ``invstd``, followed it (13-26 dB where channel scales spanned 100x; inf in fp16).
+Tests assert SQNR >= 30 dB for the input, weight and bias gradients.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import torch
 from torch import Tensor
@@ -27,7 +35,9 @@ class _BatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, cfg, state):
         y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
         ctx.eps = eps
-        save(ctx, pack(x, cfg, state), weight, mean, invstd)
+        # one scale per channel: see the module docstring, Error
+        per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=1, groups=0)
+        save(ctx, pack(x, per_channel, state), weight, mean, invstd)
         return y
 
     @staticmethod
@@ -52,6 +62,10 @@ def batch_norm(
     state: RunningRange | None = None,
 ) -> Tensor:
     """``F.batch_norm(..., training=True)`` keeping ``x`` compressed for the backward."""
+    # F.batch_norm's own check: with one value per channel the batch variance is 0 and the unbiased one written
+    # to running_var is 0/0, NaN (native_batch_norm does not check; this Function used to write the NaN).
+    if math.prod(x.shape[:1] + x.shape[2:]) == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()}")
     params = [t for t in (weight, bias) if t is not None]
     if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)):
         return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)

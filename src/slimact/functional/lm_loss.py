@@ -45,16 +45,27 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(h, weight, bias).float()
 
 
+def _logsumexp(z: Tensor) -> Tensor:
+    """``log(sum(exp(z)))`` over the last dim as ``F.cross_entropy``'s log-softmax computes it: shifted by the
+    row's max, so a row holding +inf (or only -inf) gives NaN, as there. ``torch.logsumexp`` gives inf: the loss
+    was inf where PyTorch's is NaN, and gradient entries stayed finite where PyTorch's are NaN. Finite rows are
+    unchanged: ``torch.logsumexp`` computes ``log(sum(exp(z - max))) + max`` too."""
+    m = z.amax(-1, keepdim=True)
+    return ((z - m).exp().sum(-1, keepdim=True).log() + m).squeeze(-1)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_in, weight, bias, target, ignore_index, smoothing, divisor, cfg):
         h = h_in.reshape(-1, h_in.shape[-1])  # [N, C]; h_in itself is what gets kept (and shared)
         n, vocab = h.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        # The chunks' sums are added one after another: in float64, so that many chunks do not drift by a
+        # rounding each (PyTorch sums all tokens' losses at once, pairwise).
+        total = torch.zeros((), dtype=torch.float64, device=h.device)
         for a, b in _chunks(n, vocab):
             z = _chunk_logits(h[a:b], weight, bias)  # [rows, V]
-            lse[a:b] = torch.logsumexp(z, -1)
+            lse[a:b] = _logsumexp(z)
             t = target[a:b]
             keep = t != ignore_index
             z_t = z.gather(1, t.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)

@@ -38,10 +38,23 @@ class _MatMulFunction(torch.autograd.Function):
         a_shape, b_shape = ctx.shapes
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = grad_y.matmul(b_hat.to(grad_y.dtype).transpose(-1, -2)).sum_to_size(a_shape)
+            grad_a = _product(grad_y, b_hat.to(grad_y.dtype).transpose(-1, -2), a_shape)
         if ctx.needs_input_grad[1]:
-            grad_b = a_hat.to(grad_y.dtype).transpose(-1, -2).matmul(grad_y).sum_to_size(b_shape)
+            grad_b = _product(a_hat.to(grad_y.dtype).transpose(-1, -2), grad_y, b_shape)
         return grad_a, grad_b, None, None, None, None
+
+
+def _product(x: Tensor, y: Tensor, shape: torch.Size) -> Tensor:
+    """``x @ y`` summed over the batch dims the operand of ``shape`` was broadcast along.
+
+    In fp16/bf16 a summed product is accumulated in fp32 and rounded once, as PyTorch's own matmul backward does
+    (it folds the batch into one product): rounding each batch's product first, then summing them, drifted by
+    several roundings where the batches cancel.
+    """
+    out = (*torch.broadcast_shapes(x.shape[:-2], y.shape[:-2]), x.shape[-2], y.shape[-1])
+    if out == shape or x.dtype not in (torch.float16, torch.bfloat16):
+        return x.matmul(y).sum_to_size(shape)
+    return x.float().matmul(y.float()).sum_to_size(shape).to(x.dtype)
 
 
 def matmul(

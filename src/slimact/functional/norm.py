@@ -14,8 +14,10 @@ under an 8-bit one, a pack the next slimact layer then reuses. Per-channel scale
 independent of ``w``: ``y_c``'s step is ``|w_c| * range(xn_c) / 255``.
 
 Guard (Tempo had none): ``xn`` cannot come back where ``w_c == 0``, and where ``|b_c| >> |w_c|`` the
-output's own float rounding (``eps * |b_c| / |w_c|``) swamps it. A layer any of whose channels fails
-(exact: ``|b_c| <= 16 |w_c|``; 8-bit: ``eps * |b_c| * 512 <= |w_c|``) keeps its input instead (8-bit under
+output's own float rounding (``eps * |b_c| / |w_c|``) swamps it; for a lossless backward, so does the fp32
+rounding of ``x * rstd`` on a LayerNorm row whose mean is far beyond its spread (``eps32 * |mean| * rstd``: a
+constant row). A layer any of whose channels (or, lossless, rows) fails (exact: ``|b_c| <= 16 |w_c|``,
+``eps32 |mean| rstd <= 16 eps``; 8-bit: ``eps * |b_c| * 512 <= |w_c|``) keeps its input instead (8-bit under
 an 8-bit policy, Mesa's scheme) and the exact ``mean``/``rstd``; the gradients are then computed from it by
 the same formula. The forward is the replaced module's own code either way: identical output.
 
@@ -41,15 +43,30 @@ __all__ = ["norm", "output_recoverable"]
 
 def output_recoverable(weight: Tensor | None, bias: Tensor | None, dtype: torch.dtype, exact: bool) -> bool:
     """Whether ``xn = (y - b) / w`` is well conditioned for every channel (one host sync)."""
+    ok = _channels_recoverable(weight, bias, dtype, exact)
+    return ok is None or bool(ok.all())
+
+
+def _channels_recoverable(weight: Tensor | None, bias: Tensor | None, dtype: torch.dtype, exact: bool) -> Tensor | None:
+    """Per channel, :func:`output_recoverable` (``None``: no weight, always)."""
     if weight is None:
-        return True
+        return None
     w = weight.detach().float().abs()
     b = bias.detach().float().abs() if bias is not None else torch.zeros_like(w)
     if exact:
-        ok = (w >= torch.finfo(dtype).tiny * 1024) & (b <= 16 * w)
-    else:
-        ok = (w > 0) & (torch.finfo(dtype).eps * b * 512 <= w)
-    return bool(ok.all())
+        return (w >= torch.finfo(dtype).tiny * 1024) & (b <= 16 * w)
+    return (w > 0) & (torch.finfo(dtype).eps * b * 512 <= w)
+
+
+def _rows_recoverable(mean: Tensor, rstd: Tensor, dtype: torch.dtype) -> Tensor:
+    """Per row, whether ``xn`` survives the rounding of the output exactly enough for a lossless backward: the
+    forward computes ``y`` in fp32 from ``x`` (PyTorch's kernel: ``x * (rstd w) + (b - mean rstd w)``), so
+    ``xn = (y - b) / w`` carries an error of ``eps32 * |mean| * rstd``, which swamps ``xn`` on a row whose mean is
+    far beyond its spread (a constant row, ``rstd = 1/sqrt(eps)``: a weight gradient off by O(1) in bf16). The
+    limit is the channels': 16 roundings of ``y``'s dtype. (An 8-bit layer has no better choice: the input it
+    would keep instead is restored within ``|mean| * rstd / 255`` of such a row's xn.)"""
+    eps = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+    return (mean.abs() * rstd * eps <= 16 * torch.finfo(dtype).eps).reshape(-1)
 
 
 def _row_stats(x: Tensor, centered: bool, eps: float) -> tuple[Tensor | None, Tensor]:
@@ -67,8 +84,12 @@ class _NormFunction(torch.autograd.Function):
         y = fn(x)
         w_eff = weight + offset if weight is not None and offset else weight
         ctx.centered, ctx.offset = centered, offset
-        ctx.from_output = output_recoverable(w_eff, bias, x.dtype, exact=cfg is None)
         mean, rstd = _row_stats(x, centered, eps)
+        checks = [_channels_recoverable(w_eff, bias, x.dtype, exact=cfg is None)]
+        if mean is not None and cfg is None:
+            checks.append(_rows_recoverable(mean, rstd, x.dtype))
+        checks = [c for c in checks if c is not None]
+        ctx.from_output = not checks or bool(torch.cat(checks).all())  # one host sync
         if ctx.from_output:
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=-1, groups=0)
             save(ctx, pack(y, per_channel, state), None, rstd, weight, bias)

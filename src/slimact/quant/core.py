@@ -22,6 +22,7 @@ import functools
 import importlib.util
 import os
 import weakref
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -40,7 +41,7 @@ from slimact.quant.reference import (
 )
 from slimact.quant.state import RunningRange
 
-__all__ = ["Backend", "backend_for", "pack", "unpack"]
+__all__ = ["Backend", "backend_for", "pack", "register_derivation", "share_derived", "unpack"]
 
 Backend = Literal["reference", "triton"]
 
@@ -157,8 +158,30 @@ def pack(
 @torch.no_grad()
 def unpack(packed: Packed, *, backend: Backend | None = None) -> Tensor:
     """Restore a :class:`Packed` to its original shape and dtype (contiguous; raw tensors as kept)."""
-    if packed.meta.raw:
+    meta = packed.meta
+    if meta.derive is not None:
+        return _DERIVATIONS[meta.derive](unpack(Packed(packed.tensors, meta._replace(derive=None)), backend=backend))
+    if meta.raw:
         return packed.tensors[0]
     codes, lo, step = packed.tensors
     kernels = _kernels(backend or backend_for(codes))
-    return kernels.dequantize(codes, packed.meta, lo, step)
+    return kernels.dequantize(codes, meta, lo, step)
+
+
+#: Elementwise functions a pack may stand behind (see :func:`share_derived`), by name.
+_DERIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {}
+
+
+def register_derivation(name: str, fn: Callable[[Tensor], Tensor]) -> None:
+    """Name ``fn`` (elementwise, shape- and dtype-preserving) for :func:`share_derived`."""
+    _DERIVATIONS[name] = fn
+
+
+def share_derived(y: Tensor, packed: Packed, derive: str) -> None:
+    """Let a later ``pack(y)`` reuse ``packed``, the pack of ``x`` with ``y = derive(x)``: restored, it is
+    ``derive(x_hat)``. A GELU keeps its 8-bit input; the next Linear needs the GELU's output for its weight
+    gradient and gets it from the same codes, so the ``[tokens, 4 x hidden]`` tensor is kept once, not twice.
+    The error is the input's, carried through ``derive``: ``|y - y_hat| <= max|derive'| * step / 2``."""
+    if packed.meta.raw or derive not in _DERIVATIONS or y.shape != packed.meta.shape:
+        return
+    _shared.put(y, Packed(packed.tensors, packed.meta._replace(derive=derive, dtype=y.dtype)))

@@ -79,11 +79,16 @@ class QuantConfig:
     Attributes:
         bits: code width, 8, 4 or 2.
         group_dim: the dim whose indices are grouped (``-1`` channels, ``1`` heads); ``None`` = whole tensor.
-        groups: number of groups along ``group_dim``; ``0`` means one group per index (per head).
-            Clamped to the dim's size; need not divide it.
+        groups: number of groups along ``group_dim``; ``0`` means one group per index (per head). Need not
+            divide the dim's size; more groups than the dim has indices is an error (``pack`` raises), unless
+            ``clamp_groups``.
         scale: ``"dynamic"`` (this tensor's own range) or ``"running"`` (Mesa's EMA estimate).
         decay: EMA decay of the running estimate.
         stochastic: stochastic rounding (unbiased) instead of round-to-nearest.
+        clamp_groups: ``groups`` is an upper bound, clamped to the dim's size. What a :class:`slimact.Policy`
+            builds: its one ``channel_groups`` setting serves layers of every width (8 groups on a 4-feature
+            Linear give 4). An explicit config asking for more groups than channels is more likely a mistake
+            (a wrong ``group_dim``), so by default it is refused rather than silently changed.
     """
 
     bits: int = 8
@@ -92,6 +97,7 @@ class QuantConfig:
     scale: Literal["dynamic", "running"] = "dynamic"
     decay: float = 0.9
     stochastic: bool = False
+    clamp_groups: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4, 2):
@@ -140,6 +146,12 @@ def group_layout(shape: torch.Size | tuple[int, ...], cfg: QuantConfig) -> Group
         return GroupLayout(None, 1, 1, max(numel, 1))
     dim = cfg.group_dim % len(shape)
     size = shape[dim]
+    if cfg.groups > size > 0 and not cfg.clamp_groups:
+        raise ValueError(
+            f"QuantConfig asks for {cfg.groups} groups along dim {dim} of a tensor of shape {tuple(shape)}, which "
+            f"has only {size} channels there: use at most {size} groups (0 = one per channel), or "
+            "clamp_groups=True to clamp the count"
+        )
     groups = size if cfg.groups == 0 else min(cfg.groups, size)
     inner = 1
     for s in shape[dim + 1 :]:
@@ -287,6 +299,9 @@ class PackMeta(NamedTuple):
     bits: int
     layout: GroupLayout
     raw: bool
+    #: A registered function the restored tensor is passed through (:func:`slimact.quant.core.share_derived`):
+    #: the pack of ``x`` standing for ``f(x)``.
+    derive: str | None = None
 
 
 class Packed(NamedTuple):
