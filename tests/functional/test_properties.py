@@ -296,6 +296,13 @@ def _rounding(dtype: torch.dtype, terms: int, size: Tensor, reach: Tensor | None
     return rounding
 
 
+def _product_bound(product: Callable[[Tensor], Tensor], err: Tensor, size: Tensor, terms: int,
+                   dtype: torch.dtype) -> Tensor:
+    """Bound on a weight gradient ``product(x_hat)`` (linear in its operand): the restore error carried through
+    ``product``, plus the rounding of ``terms``-long sums of magnitude ``product(size)``."""
+    return product(err) + _rounding(dtype, terms, product(size), product(torch.ones_like(size)))
+
+
 def _flushed(dtype: torch.dtype) -> float:
     """What a subnormal operand may lose in PyTorch's fp16/bf16 CPU kernels (oneDNN flushes them to zero)."""
     return torch.finfo(dtype).tiny if dtype in (torch.float16, torch.bfloat16) else 0.0
@@ -343,7 +350,7 @@ def _linear(draw) -> Case:
         def product(a: Tensor) -> Tensor:
             return a.t() @ g if transposed else g.t() @ a
 
-        return product(err) + _rounding(d.dtype, tokens, product(size), product(torch.ones_like(size)))
+        return _product_bound(product, err, size, tokens, d.dtype)
 
     # grad_x needs only W, grad_b only grad_y: exact. grad_W sees the 8-bit x.
     rules = {"x": EXACT, "weight": _lossy(bound=bound), "bias": EXACT}
@@ -567,7 +574,7 @@ def _conv(draw) -> Case:
 
         terms = g.numel() // c_out
         size = x.detach().double().abs() + err
-        return weight_grad(err) + _rounding(d.dtype, terms, weight_grad(size), weight_grad(torch.ones_like(size)))
+        return _product_bound(weight_grad, err, size, terms, d.dtype)
 
     # grad_x needs only W: PyTorch's own convolution_backward, but on x_hat's layout (contiguous), which may round
     # otherwise than PyTorch's channels-last kernel: to float rounding.
