@@ -13,8 +13,8 @@ the bytes kept under ``"int8"`` and ``"tempo"`` (``docs/models.md``).
 ``speed``: a full training step (forward, backward, AdamW step) of plain PyTorch and of each setup (a preset,
 per-layer activation checkpointing, both), timed interleaved in one process (plain, setup 1, setup 2, ...,
 plain, ...) after warm-up: per round the ratio of each setup's time to that round's plain time, reported as
-the median and the spread (min, max) over the rounds, with the activation bytes of each setup, so time and
-memory sit on one plane. Shared machines are noisy: only ratios measured this way are reported, never an
+the median and the spread (min, max) over the rounds, with the activation bytes of each setup and the peak
+of its forward and backward (:func:`peak_bytes`), so time and memory sit on one plane. Shared machines are noisy: only ratios measured this way are reported, never an
 absolute time on its own.
 
 ``ops``: per-op micro-benchmarks: pack and unpack of a 64 MiB fp32 tensor against ``Tensor.copy_`` of the same
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["environment", "held_bytes", "memory", "ops", "speed", "write_results", "zoo"]
+__all__ = ["environment", "held_bytes", "memory", "ops", "peak_bytes", "speed", "write_results", "zoo"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -143,7 +143,8 @@ def zoo(
 
 def held_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     """Bytes a training forward allocates on the CPU and still holds when it returns (what waits for the
-    backward, plus the small outputs), measured by ``torch.profiler``'s memory events; then the backward runs.
+    backward, gradients computed ahead included, plus the small outputs), measured by ``torch.profiler``'s
+    memory events; then the backward runs.
 
     Unlike :func:`slimact.profile` it needs no saved-tensor hooks, so it also measures compiled models, whose
     graphs the hooks cannot see into. On eager models the two agree (``benchmarks/integrations.py``).
@@ -156,6 +157,27 @@ def held_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     held = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage and e.cpu_parent is None)
     loss.backward()
     return held
+
+
+def peak_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
+    """Peak CPU bytes allocated during one training forward and backward, above what was allocated before
+    it: the running sum of the allocations and frees ``torch.profiler`` records, at its highest. Unlike
+    :func:`slimact.profile` it sees every temporary (the logits a model's head produces, a loss's chunks, the
+    parameter gradients the backward allocates), so it is the number a memory budget is about."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(**inputs).loss.backward()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    model.zero_grad(set_to_none=True)
+    return peak
 
 
 def _setups(model: torch.nn.Module, names: Iterable[str]) -> dict[str, torch.nn.Module]:
@@ -203,16 +225,19 @@ def speed(
         runs = _setups(base, names)
         times = _interleaved({key: _train_step(m, inputs, device) for key, m in runs.items()}, rounds, warmup)
         plain_bytes = slimact.profile(runs["plain"], inputs).activation_bytes
+        plain_peak = peak_bytes(runs["plain"], inputs)
         for key in names:
             ratios = [t / p for t, p in zip(times[key], times["plain"], strict=True)]
             kept = plain_bytes if key == "plain" else slimact.profile(runs[key], inputs).activation_bytes
+            peak = plain_peak if key == "plain" else peak_bytes(runs[key], inputs)
             yield {
                 "model": name, "layers": layers, "batch": batch, "tokens": seq, "setup": key,
                 "time_ratio_median": round(statistics.median(ratios), 4),
                 "time_ratio_min": round(min(ratios), 4), "time_ratio_max": round(max(ratios), 4),
                 "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1),
                 "rounds": rounds, "activation_mib": round(kept / 2**20, 2),
-                "memory_ratio": round(kept / plain_bytes, 4), **environment(device),
+                "memory_ratio": round(kept / plain_bytes, 4), "peak_mib": round(peak / 2**20, 2),
+                "peak_ratio": round(peak / plain_peak, 4), **environment(device),
             }
 
 

@@ -24,11 +24,13 @@ import torch
 from torch import Tensor, nn
 
 from slimact._kinds import kind_of
+from slimact.functional._saving import is_gradient
 
 __all__ = ["Report", "SavedTensor", "profile"]
 
 ROOT = "(model)"
 LOSS = "(loss)"
+_AHEAD = "+ gradients computed ahead"
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class SavedTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
+    #: A gradient computed ahead (see the module docstring), not an activation.
+    gradient: bool = False
 
 
 def _mib(n: float) -> str:
@@ -63,18 +67,28 @@ class Report:
 
     @property
     def activation_bytes(self) -> int:
-        """Total bytes autograd keeps for backward (unique storages, parameters and buffers excluded)."""
-        return sum(e.nbytes for e in self.entries)
+        """Total bytes autograd keeps for backward (unique storages, parameters and buffers excluded), not
+        counting gradients computed ahead (:attr:`gradient_bytes`)."""
+        return sum(e.nbytes for e in self._activations)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients computed in the forward and kept for the backward to hand on (module docstring)."""
+        return sum(e.nbytes for e in self.entries if e.gradient)
+
+    @property
+    def _activations(self) -> list[SavedTensor]:
+        return [e for e in self.entries if not e.gradient]
 
     @property
     def by_kind(self) -> dict[str, int]:
-        """Bytes per op kind: ``{"linear": ..., "attention": ..., "layernorm": ...}``."""
-        return _sum_by(self.entries, "kind")
+        """Activation bytes per op kind: ``{"linear": ..., "attention": ..., "layernorm": ...}``."""
+        return _sum_by(self._activations, "kind")
 
     @property
     def by_module(self) -> dict[str, int]:
-        """Bytes per qualified module name (the innermost module running when the tensor was saved)."""
-        return _sum_by(self.entries, "module")
+        """Activation bytes per qualified module name (the innermost module running when the tensor was saved)."""
+        return _sum_by(self._activations, "module")
 
     def _rows(self, by: str) -> dict[str, int]:
         if by not in ("kind", "module"):
@@ -85,7 +99,7 @@ class Report:
         """A readable table of bytes per kind (or per module), largest first; ``top`` limits the rows."""
         rows = sorted(self._rows(by).items(), key=lambda kv: (-kv[1], kv[0]))
         total = self.activation_bytes
-        width = max([len(by), *(len(k) for k, _ in rows)]) + 2
+        width = max([len(by), *(len(k) for k, _ in rows), len(_AHEAD) if self.gradient_bytes else 0]) + 2
         lines = [f"{by:<{width}}{'bytes kept':>14}{'share':>8}"]
         shown = rows if top is None else rows[:top]
         for name, n in shown:
@@ -94,6 +108,8 @@ class Report:
             rest = sum(n for _, n in rows[len(shown) :])
             lines.append(f"{f'({len(rows) - len(shown)} more)':<{width}}{_mib(rest):>14}{rest / max(total, 1):>8.1%}")
         lines.append(f"{'total':<{width}}{_mib(total):>14}{'100.0%':>8}")
+        if self.gradient_bytes:
+            lines.append(f"{_AHEAD:<{width}}{_mib(self.gradient_bytes):>14}")
         if self.cuda_peak_bytes is not None:
             lines.append(f"{'cuda peak':<{width}}{_mib(self.cuda_peak_bytes):>14}")
         return "\n".join(lines)
@@ -102,7 +118,8 @@ class Report:
         """This report (the baseline) against ``other`` (e.g. the converted model), row by row, with ratios."""
         mine, theirs = self._rows(by), other._rows(by)
         names = sorted(set(mine) | set(theirs), key=lambda k: (-max(mine.get(k, 0), theirs.get(k, 0)), k))
-        width = max([len(by), *(len(k) for k in names)]) + 2
+        ahead = self.gradient_bytes or other.gradient_bytes
+        width = max([len(by), *(len(k) for k in names), len(_AHEAD) if ahead else 0]) + 2
 
         def row(name: str, a: int, b: int) -> str:
             ratio = f"{b / a:>7.3f}x" if a else f"{'-':>8}"
@@ -111,6 +128,8 @@ class Report:
         lines = [f"{by:<{width}}{'baseline':>14}{'converted':>14}{'ratio':>9}"]
         lines += [row(k, mine.get(k, 0), theirs.get(k, 0)) for k in names]
         lines.append(row("total", self.activation_bytes, other.activation_bytes))
+        if ahead:
+            lines.append(row(_AHEAD, self.gradient_bytes, other.gradient_bytes))
         return "\n".join(lines)
 
 
@@ -225,7 +244,9 @@ def profile(
         seen.add(key)
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
-        entries.append(SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
+        entries.append(
+            SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), is_gradient(t))
+        )
         return t
 
     use_cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())

@@ -6,7 +6,6 @@ from torch import nn
 import slimact
 from slimact._metrics import cosine
 from slimact.functional.lm_loss import linear_cross_entropy
-from slimact.quant import QuantConfig
 
 
 def _data(n=300, c=24, v=130, ignored=(3, 7, 250)):
@@ -43,14 +42,68 @@ def test_custom_ignore_index_and_divisor():
     torch.testing.assert_close(out, ref)
 
 
-def test_8bit_hidden_gradients_close():
+def _saved(fn):
+    """Run ``fn`` and return the tensors autograd saved for its backward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["computed", "given-logits"])
+def test_keeps_only_the_gradients_it_computed_ahead(given):
+    from slimact.functional._saving import is_gradient
+
     h, w, b, t = _data()
-    ref = F.cross_entropy(F.linear(h, w, b), t)
+    logits = F.linear(h, w, b)
+    ref = F.cross_entropy(logits, t)
     g0 = torch.autograd.grad(ref, (h, w, b))
-    out = linear_cross_entropy(h, w, b, t, cfg=QuantConfig(groups=8))
-    g1 = torch.autograd.grad(out, (h, w, b))
-    torch.testing.assert_close(out, ref)  # the forward is exact
-    assert all(cosine(a, e) >= 0.999 for a, e in zip(g1, g0, strict=True))
+    out, saved = _saved(lambda: linear_cross_entropy(h, w, b, t, logits=logits if given else None))
+    # grad_h [300, 24], grad_W [130, 24], grad_b [130]: no logits, no copy of h.
+    assert sorted(tuple(x.shape) for x in saved) == [(130,), (130, 24), (300, 24)]
+    assert all(is_gradient(x) for x in saved)
+    torch.testing.assert_close(out, ref)
+    for a, e in zip(torch.autograd.grad(out, (h, w, b)), g0, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+def test_given_logits_are_what_the_loss_is_computed_from():
+    # The model's own head output is used as F.cross_entropy would use it (here bf16 logits, as autocast
+    # gives), not recomputed from h in another precision.
+    h, w, b, t = _data()
+    logits = F.linear(h, w, b).bfloat16()
+    ref = F.cross_entropy(logits.float(), t)
+    out = linear_cross_entropy(h, w, b, t, logits=logits)
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(ValueError, match="logits must be"):
+        linear_cross_entropy(h, w, b, t, logits=logits[:5])
+
+
+def test_backward_scales_and_can_run_twice():
+    # The gradients computed ahead are multiplied by the incoming gradient (a scaled loss: gradient
+    # accumulation, GradScaler), into new tensors: a second backward (retain_graph) sees them unchanged.
+    h, w, b, t = _data()
+    ref = torch.autograd.grad(F.cross_entropy(F.linear(h, w, b), t) * 0.25, (h, w, b))
+    out = linear_cross_entropy(h, w, b, t) * 0.25
+    first = torch.autograd.grad(out, (h, w, b), retain_graph=True)
+    second = torch.autograd.grad(out, (h, w, b))
+    for a, c, e in zip(first, second, ref, strict=True):
+        torch.testing.assert_close(a, e)
+        assert torch.equal(a, c)
+
+
+def test_frozen_head_keeps_no_weight_gradient():
+    h, w, b, t = _data()
+    w, b = w.detach(), b.detach()
+    ref = torch.autograd.grad(F.cross_entropy(F.linear(h, w, b), t), h)[0]
+    out, saved = _saved(lambda: linear_cross_entropy(h, w, b, t))
+    assert [tuple(x.shape) for x in saved] == [(300, 24)]
+    torch.testing.assert_close(torch.autograd.grad(out, h)[0], ref)
 
 
 class TinyLM(nn.Module):

@@ -51,7 +51,7 @@ def test_functional_calls_are_routed_and_keep_less(act, policy):
     assert torch.equal(y0, y1)
     for n in g0:
         if policy == "tempo":
-            # The in-place forms invert the output, with a derivative error <= 1e-5 in fp32 away from the
+            # The in-place forms invert the output, with a derivative error <= 2e-5 in fp32 away from the
             # minimum (docs/tempo.md); a weight gradient sums 128 rows of it: compare in norm.
             assert (g1[n] - g0[n]).norm() <= 1e-5 * g0[n].norm(), n
         else:

@@ -11,28 +11,40 @@ Math, per token ``i`` with hidden state ``h_i`` (``[C]``), logits ``z_i = W h_i 
 
 This is ``F.cross_entropy(h @ W^T + b, t, ignore_index=..., label_smoothing=...)``. Plain PyTorch keeps the
 ``[tokens, vocab]`` log-softmax output (and an fp32 copy of the logits under mixed precision): for GPT-2 at
-batch 4 x 512 that is 393 MiB in fp32. This Function runs over the tokens in chunks, keeps ``h`` (which the
-head's Linear keeps anyway: one storage, or one shared 8-bit pack under an 8-bit policy), the labels and
-``lse`` (4 bytes per token), and recomputes each chunk's logits in the backward. Exact up to float rounding
-when ``h`` is kept exact; with ``h`` at 8 bits, ``grad_W`` sees ``h_hat`` and ``grad_h``'s softmax sees
-``z(h_hat)``.
+batch 4 x 512 that is 393 MiB in fp32. This Function runs over the tokens in chunks and computes the
+gradients during the forward, as Liger-Kernel's fused linear cross-entropy does: per chunk the logits (given,
+when the model's head has computed them already, else ``h_chunk W^T + b``), ``lse``, the loss, ``dz`` and
+its products with ``W`` and ``h``. It keeps ``grad_h`` (``[tokens, C]`` in ``h``'s dtype), ``grad_W``
+(``[V, C]``, fp32 while accumulating, then ``W``'s dtype) and ``grad_b``; the backward multiplies them by the
+incoming gradient of the loss. Nothing of the logits and no copy of ``h`` is kept.
+
+Why ahead rather than recomputing the logits in the backward: the recomputation is one more
+``[tokens, C] x [C, V]`` product per step (a third more of the head's work; for GPT-2 with 4 layers the head
+is half of all the matmul work, so 19% of the step), whereas ``grad_W`` is a tensor autograd would allocate
+at the very start of the backward anyway (the loss is the last op of the forward), so holding it from the
+end of the forward does not raise the step's peak. ``slimact.profile`` reports these tensors as
+``gradient_bytes``, apart from activations. The one pattern where they cost memory is several forwards before
+one backward (each forward holds its own ``grad_W`` until then).
+
+Exact up to float rounding: the weight gradient is a sum of per-chunk products (fp32 accumulation), and the
+loss a float64 sum of per-chunk sums.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from slimact.functional._saving import load, save
-from slimact.quant import QuantConfig, pack
+from slimact.functional._saving import Gradient, load, save
 
 __all__ = ["linear_cross_entropy"]
 
-#: Logit elements materialised at once (per chunk of tokens), forward and backward.
-CHUNK_ELEMENTS = 1 << 22
+#: Logit elements materialised at once (per chunk of tokens): 64 MiB in fp32. Larger chunks make fewer, larger
+#: weight-gradient products (each chunk's reads and writes the whole ``[V, C]`` accumulator).
+CHUNK_ELEMENTS = 1 << 24
 
 
 def _chunks(n: int, vocab: int):
@@ -56,59 +68,59 @@ def _logsumexp(z: Tensor) -> Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_in, weight, bias, target, ignore_index, smoothing, divisor, cfg):
-        h = h_in.reshape(-1, h_in.shape[-1])  # [N, C]; h_in itself is what gets kept (and shared)
+    def forward(ctx, h_in, weight, bias, target, ignore_index, smoothing, divisor, logits):
+        h = h_in.reshape(-1, h_in.shape[-1])  # [N, C]
         n, vocab = h.shape[0], weight.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=h.device)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_b else None
+        w32 = weight.float() if need_h else None
         # The chunks' sums are added one after another: in float64, so that many chunks do not drift by a
         # rounding each (PyTorch sums all tokens' losses at once, pairwise).
         total = torch.zeros((), dtype=torch.float64, device=h.device)
         for a, b in _chunks(n, vocab):
-            z = _chunk_logits(h[a:b], weight, bias)  # [rows, V]
-            lse[a:b] = _logsumexp(z)
+            z = logits[a:b].float() if logits is not None else _chunk_logits(h[a:b], weight, bias)  # [rows, V]
+            lse = _logsumexp(z)
             t = target[a:b]
             keep = t != ignore_index
-            z_t = z.gather(1, t.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
-            loss = (1 - smoothing) * (lse[a:b] - z_t)
+            t_safe = t.clamp(0, vocab - 1).unsqueeze(1)
+            loss = (1 - smoothing) * (lse - z.gather(1, t_safe).squeeze(1))
             if smoothing:
-                loss = loss + smoothing * (lse[a:b] - z.mean(-1))
+                loss = loss + smoothing * (lse - z.mean(-1))
             total += torch.where(keep, loss, 0).sum()
-        ctx.ignore_index, ctx.smoothing, ctx.divisor = ignore_index, smoothing, divisor
-        ctx.has_bias = bias is not None
+            if not (need_h or need_w or need_b):
+                continue
+            dz = (z - lse[:, None]).exp_()  # softmax, [rows, V]
+            dz.scatter_add_(1, t_safe, torch.full((b - a, 1), smoothing - 1.0, device=dz.device))
+            if smoothing:
+                dz -= smoothing / vocab
+            dz *= torch.where(keep, 1.0 / divisor if divisor else math.inf, 0.0).unsqueeze(1)
+            if need_h:
+                grad_h[a:b] = (dz @ w32).to(h.dtype)
+            if need_w:
+                grad_w.addmm_(dz.t(), h[a:b].float())
+            if need_b:
+                grad_b += dz.sum(0)
         ctx.in_shape = h_in.shape
-        save(ctx, pack(h_in, cfg), weight, bias, target, lse)
+        save(
+            ctx,
+            *(Gradient(g) if g is not None else None for g in (
+                grad_h,
+                grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if grad_b is not None else None,
+            )),
+        )
         return (total / divisor).to(h.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        h_in, weight, bias, target, lse = load(ctx)
-        h = h_in.reshape(-1, h_in.shape[-1])
-        n, vocab = h.shape[0], weight.shape[0]
-        scale = grad_loss.float() / ctx.divisor
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_b and ctx.has_bias else None
-        for a, b in _chunks(n, vocab):
-            z = _chunk_logits(h[a:b], weight, bias)
-            dz = torch.exp(z - lse[a:b, None])  # softmax, [rows, V]
-            t = target[a:b]
-            keep = t != ctx.ignore_index
-            dz.scatter_add_(1, t.clamp(0, vocab - 1).unsqueeze(1),
-                            torch.full((b - a, 1), ctx.smoothing - 1.0, device=dz.device))
-            if ctx.smoothing:
-                dz -= ctx.smoothing / vocab
-            dz *= torch.where(keep, scale, 0).unsqueeze(1)
-            if need_h:
-                grad_h[a:b] = (dz @ weight.float()).to(h.dtype)
-            if need_w:
-                grad_w += dz.t() @ h[a:b].float()
-            if grad_b is not None:
-                grad_b += dz.sum(0)
-        grad_h = grad_h.reshape(ctx.in_shape) if grad_h is not None else None
-        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        grad_h, grad_w, grad_b = load(ctx)
+        grads = [None if g is None else (g * grad_loss).to(g.dtype) for g in (grad_h, grad_w, grad_b)]
+        if grads[0] is not None:
+            grads[0] = grads[0].reshape(ctx.in_shape)
+        return *grads, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -121,7 +133,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     divisor: float | Tensor | None = None,
-    cfg: QuantConfig | None = None,
+    logits: Tensor | None = None,
 ) -> Tensor:
     """``F.cross_entropy(F.linear(h, weight, bias), target, ...)`` without keeping ``[tokens, vocab]``.
 
@@ -130,11 +142,12 @@ def linear_cross_entropy(
             ``target``: ``[N]``.
         reduction: ``"mean"`` (over tokens not ignored) or ``"sum"``.
         divisor: divide the summed loss by this instead (Hugging Face's ``num_items_in_batch``).
-        cfg: compression of the kept ``h``; ``None`` keeps it exact. A running scale has no state here and
-            is treated as dynamic (usually ``h`` is already packed by the head's Linear and that pack is reused).
+        logits: ``[N, V]``, ``F.linear(h, weight, bias)`` if the caller has it already (the model's own head
+            output, rows in ``h``'s token order): the loss and gradients are computed from it, as
+            ``F.cross_entropy`` on it would, and the head's product is not done twice.
     """
-    if cfg is not None and cfg.scale == "running":
-        cfg = dataclasses.replace(cfg, scale="dynamic")
+    if logits is not None and logits.shape != (target.shape[0], weight.shape[0]):
+        raise ValueError(f"logits must be [tokens, vocab] = {[target.shape[0], weight.shape[0]]}, got {list(logits.shape)}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if divisor is None:
@@ -142,4 +155,6 @@ def linear_cross_entropy(
     divisor = float(divisor)
     if reduction == "mean" and divisor == 0:
         divisor = float("nan")  # as F.cross_entropy: the mean over no tokens
-    return _LinearCrossEntropy.apply(h, weight, bias, target, ignore_index, label_smoothing, divisor, cfg)
+    return _LinearCrossEntropy.apply(
+        h, weight, bias, target, ignore_index, label_smoothing, divisor, None if logits is None else logits.detach()
+    )

@@ -4,8 +4,8 @@ Models compute ``F.cross_entropy(head(h), labels)`` in code slimact does not own
 ``ForCausalLMLoss``, BERT's inline ``CrossEntropyLoss``). While a converted model runs its forward, the
 ``TorchFunctionMode`` of :mod:`slimact.nn.routing` watches for the output of its head (the output-embedding
 Linear) and for aliases of it that keep the token order (``float``, ``view``/``reshape``/``flatten``,
-``contiguous``); when ``F.cross_entropy`` gets one of those with plain arguments, it computes the loss from
-the head's input instead, without keeping the logits. Anything else (class weights, ``reduction="none"``, a
+``contiguous``); when ``F.cross_entropy`` gets one of those with plain arguments, it computes the loss and
+its gradients from those logits, the head's input and weight, keeping the gradients instead of the logits. Anything else (class weights, ``reduction="none"``, a
 logits tensor the head did not produce, ops that reorder tokens) runs exactly as written.
 """
 
@@ -32,9 +32,8 @@ class LossTracker:
     """Tracks the output of a model's head (and its aliases) during a forward, and computes
     ``F.cross_entropy`` on them from the head's input. Driven by :class:`slimact.nn.routing.Routing`."""
 
-    def __init__(self, head: nn.Linear, policy) -> None:
+    def __init__(self, head: nn.Linear) -> None:
         self.head = head
-        self.policy = policy  # how the kept hidden states are compressed (kind "lmloss")
         self._sources: dict[int, tuple[weakref.ref, Tensor]] = {}
         self.active = False
         self.handle = head.register_forward_hook(self._head_output)
@@ -80,7 +79,7 @@ class LossTracker:
             return None  # nothing will be kept (or float64, kept exact): the loss as written
         loss = linear_cross_entropy(
             h, head.weight, head.bias, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-            reduction=reduction, cfg=self.policy.quant_config("lmloss", h.dim()),
+            reduction=reduction, logits=logits,
         )
         # Autocast runs cross_entropy in fp32 (its fp32 op list): the loss is fp32 whatever the logits' dtype.
         return loss.float() if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)

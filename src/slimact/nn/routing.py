@@ -10,7 +10,8 @@ forward hook) sends those calls to slimact:
 * ``F.dropout`` -> :func:`slimact.functional.dropout` (the same draws; the mask kept as bits, exact);
 * ``F.relu``/``torch.relu`` -> a 1-bit mask (exact); ``F.gelu`` (both forms), ``F.silu`` -> the input kept
   with the policy's codes (or, lossless, the output and a branch mask) as their modules are;
-* ``F.cross_entropy`` on the head's logits -> the chunked LM loss (:mod:`slimact.nn.lm_loss`).
+* ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
+  (:mod:`slimact.nn.lm_loss`).
 
 Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``) is enabled by the
 policy and no ``include`` pattern restricts the policy to named modules (a call has no module name).
@@ -71,7 +72,7 @@ class Routing:
 
     def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None) -> None:
         self.policy = policy
-        self.loss = LossTracker(head, policy) if head is not None and self._on("lmloss") else None
+        self.loss = LossTracker(head) if head is not None and self._on("lmloss") else None
         routes = {
             F.dropout: ("dropout", self._dropout),
             F.relu: ("relu", self._relu),
