@@ -14,8 +14,8 @@ the bytes kept under ``"int8"`` and ``"tempo"`` (``docs/models.md``).
 per-layer activation checkpointing, both), timed interleaved in one process (plain, setup 1, setup 2, ...,
 plain, ...) after warm-up: per round the ratio of each setup's time to that round's plain time, reported as
 the median and the spread (min, max) over the rounds, with the activation bytes of each setup and the peak
-of its forward and backward (:func:`peak_bytes`), so time and memory sit on one plane. Shared machines are noisy: only ratios measured this way are reported, never an
-absolute time on its own.
+of its forward and backward (:func:`peak_bytes`), so time and memory sit on one plane. Shared machines are
+noisy: only ratios measured this way are reported, never an absolute time on its own.
 
 ``ops``: per-op micro-benchmarks: pack and unpack of a 64 MiB fp32 tensor against ``Tensor.copy_`` of the same
 tensor (bandwidth ratio), and each Function's forward + backward against its PyTorch counterpart.

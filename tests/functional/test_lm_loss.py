@@ -4,7 +4,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import slimact
-from slimact._metrics import cosine
 from slimact.functional.lm_loss import linear_cross_entropy
 
 

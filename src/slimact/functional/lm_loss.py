@@ -147,7 +147,8 @@ def linear_cross_entropy(
             ``F.cross_entropy`` on it would, and the head's product is not done twice.
     """
     if logits is not None and logits.shape != (target.shape[0], weight.shape[0]):
-        raise ValueError(f"logits must be [tokens, vocab] = {[target.shape[0], weight.shape[0]]}, got {list(logits.shape)}")
+        want = [target.shape[0], weight.shape[0]]
+        raise ValueError(f"logits must be [tokens, vocab] = {want}, got {list(logits.shape)}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if divisor is None:

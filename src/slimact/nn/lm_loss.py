@@ -5,8 +5,9 @@ Models compute ``F.cross_entropy(head(h), labels)`` in code slimact does not own
 ``TorchFunctionMode`` of :mod:`slimact.nn.routing` watches for the output of its head (the output-embedding
 Linear) and for aliases of it that keep the token order (``float``, ``view``/``reshape``/``flatten``,
 ``contiguous``); when ``F.cross_entropy`` gets one of those with plain arguments, it computes the loss and
-its gradients from those logits, the head's input and weight, keeping the gradients instead of the logits. Anything else (class weights, ``reduction="none"``, a
-logits tensor the head did not produce, ops that reorder tokens) runs exactly as written.
+its gradients from those logits, the head's input and weight, keeping the gradients instead of the logits.
+Anything else (class weights, ``reduction="none"``, a logits tensor the head did not produce, ops that
+reorder tokens) runs exactly as written.
 """
 
 from __future__ import annotations
