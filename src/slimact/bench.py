@@ -275,7 +275,7 @@ def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict
     """Rows of per-op micro-benchmarks (see the module docstring): ratios measured interleaved."""
     import statistics
 
-    from slimact.quant import QuantConfig, pack, unpack
+    from slimact.quant import QuantConfig, backend_for, pack, unpack
 
     x = torch.randn(mib * 2**20 // 4, device=device).reshape(-1, 1024)
     dst = torch.empty_like(x)
@@ -283,14 +283,18 @@ def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict
     packed = pack(x, cfg, share=False)
     times = _interleaved({
         "copy_": lambda: dst.copy_(x),
+        "clone": lambda: x.clone(),
         "pack": lambda: pack(x, cfg, share=False),
         "unpack": lambda: unpack(packed),
     }, rounds)
-    copy_time = statistics.median(times["copy_"])
-    for key in ("pack", "unpack"):
-        t = statistics.median(times[key])
-        yield {"op": f"{key} {mib} MiB fp32", "vs": "Tensor.copy_", "time_ratio_median": round(t / copy_time, 4),
-               "bandwidth_vs_copy": round(copy_time / t, 4), "rounds": rounds, **environment(device)}
+    # The unpack returns a new tensor: on CPU a fresh 64 MiB allocation is first touched page by page, which
+    # costs more than the copy itself unless huge pages are on (PyTorch's THP_MEM_ALLOC_ENABLE=1); clone()
+    # pays the same, so the unpack is also set against it.
+    env = {**environment(device), "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0")}
+    for key, base in (("pack", "copy_"), ("unpack", "copy_"), ("unpack", "clone")):
+        t, b = statistics.median(times[key]), statistics.median(times[base])
+        yield {"op": f"{key} {mib} MiB fp32", "vs": f"Tensor.{base}", "time_ratio_median": round(t / b, 4),
+               "bandwidth_vs_copy": round(b / t, 4), "rounds": rounds, "backend": backend_for(x), **env}
     yield from _function_rows(rounds, device)
 
 

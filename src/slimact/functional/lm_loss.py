@@ -57,13 +57,15 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(h, weight, bias).float()
 
 
-def _logsumexp(z: Tensor) -> Tensor:
-    """``log(sum(exp(z)))`` over the last dim as ``F.cross_entropy``'s log-softmax computes it: shifted by the
-    row's max, so a row holding +inf (or only -inf) gives NaN, as there. ``torch.logsumexp`` gives inf: the loss
-    was inf where PyTorch's is NaN, and gradient entries stayed finite where PyTorch's are NaN. Finite rows are
-    unchanged: ``torch.logsumexp`` computes ``log(sum(exp(z - max))) + max`` too."""
+def _exp_and_lse(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(exp(z - max), sum, lse)`` over the last dim: ``softmax = exp / sum`` and ``lse = log(sum) + max``, as
+    ``F.cross_entropy``'s log-softmax computes them (shifted by the row's max), so a row holding +inf (or only
+    -inf) gives NaN, as there. (``torch.logsumexp`` gives inf: the loss was inf where PyTorch's is NaN.) One
+    ``[rows, V]`` temporary, which becomes the gradient."""
     m = z.amax(-1, keepdim=True)
-    return ((z - m).exp().sum(-1, keepdim=True).log() + m).squeeze(-1)
+    e = (z - m).exp_()
+    total = e.sum(-1, keepdim=True)
+    return e, total, (total.log() + m).squeeze(-1)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -82,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float64, device=h.device)
         for a, b in _chunks(n, vocab):
             z = logits[a:b].float() if logits is not None else _chunk_logits(h[a:b], weight, bias)  # [rows, V]
-            lse = _logsumexp(z)
+            e, norm, lse = _exp_and_lse(z)
             t = target[a:b]
             keep = t != ignore_index
             t_safe = t.clamp(0, vocab - 1).unsqueeze(1)
@@ -92,11 +94,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += torch.where(keep, loss, 0).sum()
             if not (need_h or need_w or need_b):
                 continue
-            dz = (z - lse[:, None]).exp_()  # softmax, [rows, V]
-            dz.scatter_add_(1, t_safe, torch.full((b - a, 1), smoothing - 1.0, device=dz.device))
+            # dz = (softmax - (1 - eps) onehot - eps / V) * s, s = [kept] / divisor per token.
+            s = torch.where(keep, 1.0 / divisor if divisor else math.inf, 0.0).unsqueeze(1)  # [rows, 1]
+            dz = e.mul_(s / norm)  # [rows, V]
+            dz.scatter_add_(1, t_safe, (smoothing - 1.0) * s)
             if smoothing:
-                dz -= smoothing / vocab
-            dz *= torch.where(keep, 1.0 / divisor if divisor else math.inf, 0.0).unsqueeze(1)
+                dz -= (smoothing / vocab) * s
             if need_h:
                 grad_h[a:b] = (dz @ w32).to(h.dtype)
             if need_w:

@@ -2,9 +2,10 @@
 
 The steps shared by every backend live here: per-group range (this tensor's own), the NaN/inf check
 (one host sync; a non-finite tensor is kept uncompressed), the running-estimate update, the scale
-snapshot. Only the elementwise quantise/dequantise pass is dispatched: to the Triton kernels for CUDA
-tensors when Triton is installed, else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference``
-forces the reference everywhere.
+snapshot. The passes over the tensor (per-group range, quantise, dequantise) are dispatched: to the Triton
+kernels for CUDA tensors when Triton is installed (the range is the reference's reduction there), to
+``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`, bit-identical to the
+reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the reference everywhere.
 
 Nothing is stored twice: when two consumers pack the same tensor in one step (the query, key and value
 projections all reading one hidden state; a LayerNorm's output that the next Linear also keeps), the
@@ -36,14 +37,13 @@ from slimact.quant.reference import (
     PackMeta,
     QuantConfig,
     group_layout,
-    group_minmax,
     scale_params,
 )
 from slimact.quant.state import RunningRange
 
 __all__ = ["Backend", "backend_for", "pack", "register_derivation", "share_derived", "unpack"]
 
-Backend = Literal["reference", "triton"]
+Backend = Literal["reference", "triton", "inductor"]
 
 
 @functools.cache
@@ -55,7 +55,9 @@ def backend_for(x: Tensor) -> Backend:
     """The backend :func:`pack` uses for ``x`` unless told otherwise."""
     if os.environ.get("SLIMACT_BACKEND") == "reference":
         return "reference"
-    return "triton" if x.is_cuda and _triton_available() else "reference"
+    if x.is_cuda:
+        return "triton" if _triton_available() else "reference"
+    return "inductor" if x.device.type == "cpu" else "reference"
 
 
 def _kernels(backend: Backend):
@@ -63,6 +65,10 @@ def _kernels(backend: Backend):
         from slimact.quant import triton as kernels
 
         return kernels
+    if backend == "inductor":
+        from slimact.quant import inductor
+
+        return inductor
     return reference
 
 
@@ -126,7 +132,7 @@ def pack(
         cfg: bits, grouping, scale mode and rounding; ``None`` keeps ``x`` exact (lossless policies).
         state: running-estimate buffers, used when ``cfg.scale == "running"``.
         training: whether the running estimate may be updated.
-        backend: ``"reference"`` or ``"triton"``; default :func:`backend_for`.
+        backend: ``"reference"``, ``"triton"`` or ``"inductor"``; default :func:`backend_for`.
         share: reuse a pack of the same tensor (same storage view, unchanged since, at least ``cfg.bits``)
             while that tensor is alive (see :class:`_SharedPacks`).
     """
@@ -140,7 +146,8 @@ def pack(
         hit = _shared.get(x, cfg)
         if hit is not None:
             return hit
-    lo, hi = group_minmax(x, layout)
+    kernels = _kernels(backend or backend_for(x))
+    lo, hi = kernels.group_minmax(x, layout)
     # One host sync. NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
     if not bool(torch.isfinite(torch.cat([lo, hi - lo])).all()):
         return _raw(x)
@@ -150,7 +157,6 @@ def pack(
         lo, hi = state.update(lo, hi, cfg.decay, training)
     lo, step = scale_params(lo, hi, cfg.qmax)
     seed = reference.draw_seed() if cfg.stochastic else None
-    kernels = _kernels(backend or backend_for(x))
     codes = kernels.quantize(x, layout, lo, step, cfg.bits, seed)
     packed = Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
     if share:

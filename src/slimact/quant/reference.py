@@ -331,12 +331,15 @@ def quantize(x: Tensor, layout: GroupLayout, lo: Tensor, step: Tensor, bits: int
 
     ``seed=None`` rounds to nearest; otherwise stochastic rounding with :func:`hash_uniform` bits.
     """
-    v = (x.float() - _expand(lo, layout, x.dim())) / _expand(step, layout, x.dim())
+    # One fp32 temporary, updated in place: (x - lo) / step + (0.5 or u), clamped to [0, qmax]; there the cast
+    # to uint8 truncates, which is floor for values >= 0: clamp(floor(w), 0, qmax) == trunc(clamp(w, 0, qmax)).
+    v = torch.sub(x, _expand(lo, layout, x.dim()), out=torch.empty(x.shape, dtype=torch.float32, device=x.device))
+    v.div_(_expand(step, layout, x.dim()))
     if seed is None:
-        v = v + 0.5
+        v.add_(0.5)
     else:
-        v = v + hash_uniform(x.numel(), seed, x.device).view(x.shape)
-    codes = v.floor_().clamp_(0, (1 << bits) - 1).to(torch.uint8)
+        v.add_(hash_uniform(x.numel(), seed, x.device).view(x.shape))
+    codes = v.clamp_(0, (1 << bits) - 1).to(torch.uint8)
     return codes if bits == 8 else pack_bits(codes.reshape(-1), bits)
 
 
@@ -349,5 +352,5 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
         codes = unpack_bits(codes, meta.bits, numel)
     codes = codes.reshape(meta.shape)
     ndim = len(meta.shape)
-    out = _expand(lo, meta.layout, ndim) + codes.float() * _expand(step, meta.layout, ndim)
+    out = codes.float().mul_(_expand(step, meta.layout, ndim)).add_(_expand(lo, meta.layout, ndim))
     return out.to(meta.dtype)

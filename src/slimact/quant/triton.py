@@ -18,9 +18,9 @@ import triton.language as tl
 from torch import Tensor
 
 from slimact.quant.packing import packed_numel
-from slimact.quant.reference import GroupLayout, PackMeta, seed_key
+from slimact.quant.reference import GroupLayout, PackMeta, group_minmax, seed_key
 
-__all__ = ["dequantize", "quantize"]
+__all__ = ["dequantize", "group_minmax", "quantize"]
 
 _BLOCK = 1024
 

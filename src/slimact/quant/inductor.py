@@ -1,0 +1,130 @@
+"""CPU fast path: the reference's range, quantise and dequantise passes as ``torch.compile``d loops.
+
+Same math as :mod:`slimact.quant.reference`, over a 3-d view ``[outer, groups, run]`` of a contiguous
+tensor, where a group's elements lie in ``outer`` contiguous runs of ``run`` elements (channel groups of
+``[..., C]``: ``run = C / groups``; per head of ``[B, H, T, D]``: ``run = T * D``; the whole tensor:
+``[1, 1, numel]``). With ``lo``/``step`` as ``[groups, 1]`` each pass is one loop over memory that
+inductor vectorises: the range reads ``x`` once (min and max of each run together), the quantise reads it
+once more and writes one byte per element, the dequantise reads a byte and writes the restored element.
+Eager PyTorch spends five passes with fp32 temporaries on the quantise alone (the reference).
+
+Codes and restored values equal the reference's bit for bit: the same operations in the same order (IEEE
+division, no contraction into fused multiply-adds; tested on every dtype and layout).
+
+Taken for 8-bit round-to-nearest codes of contiguous CPU tensors of at least :data:`MIN_NUMEL` elements whose
+group count divides the grouped dim; everything else (smaller tensors, where a compiled call's fixed cost
+exceeds the eager passes; sub-byte codes; stochastic rounding; odd groupings; strided tensors; code running
+under ``torch.compile``, where inductor fuses the reference itself) goes to the reference. Each loop is
+compiled on first use for each dtype (a few seconds, then cached on disk by inductor); if compilation fails
+(no C++ compiler), a warning, and the reference from then on. ``SLIMACT_BACKEND=reference`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from slimact.quant import reference
+from slimact.quant.reference import GroupLayout, PackMeta
+
+__all__ = ["MIN_NUMEL", "dequantize", "group_minmax", "quantize"]
+
+#: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
+MIN_NUMEL = 1 << 18
+
+_failed: list[BaseException] = []
+
+
+def _runs(shape: torch.Size | tuple[int, ...], layout: GroupLayout) -> tuple[int, int, int] | None:
+    """``(outer, groups, run)`` of the 3-d view, or ``None`` when groups are not whole contiguous runs."""
+    total = 1
+    for s in shape:
+        total *= s
+    if layout.dim is None:
+        return 1, 1, total
+    if layout.size % layout.groups:
+        return None
+    run = layout.size // layout.groups * layout.inner
+    return total // (layout.groups * run), layout.groups, run
+
+
+def _applies(x: Tensor, layout: GroupLayout) -> tuple[int, int, int] | None:
+    if (
+        _failed or x.device.type != "cpu" or x.numel() < MIN_NUMEL or not x.is_contiguous()
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return _runs(x.shape, layout)
+
+
+def _minmax(x3: Tensor) -> tuple[Tensor, Tensor]:
+    return x3.amin(-1), x3.amax(-1)  # [outer, groups] each
+
+
+def _codes(x3: Tensor, lo: Tensor, step: Tensor) -> Tensor:
+    # reference.quantize, nearest rounding: clamp((x - lo) / step + 0.5, 0, 255) truncated to uint8.
+    return ((x3.float() - lo) / step + 0.5).clamp(0, 255).to(torch.uint8)
+
+
+def _restore(c3: Tensor, lo: Tensor, step: Tensor, dtype: torch.dtype) -> Tensor:
+    # reference.dequantize: code * step, then + lo, in fp32, then the original dtype.
+    return (c3.float() * step + lo).to(dtype)
+
+
+@functools.cache
+def _compiled(fn: Callable, dtype: torch.dtype) -> Callable:
+    # A copy of fn with its own code object per dtype: dynamo's cache (and its recompile limit) is per code
+    # object, and each dtype needs its own loops.
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(fresh, dynamic=True)
+
+
+def _run(fn: Callable, dtype: torch.dtype, *args) -> object | None:
+    try:
+        return _compiled(fn, dtype)(*args)
+    except Exception as e:  # noqa: BLE001 - any compiler failure: the reference is always right
+        _failed.append(e)
+        warnings.warn(
+            f"slimact: the compiled CPU pack is unavailable ({type(e).__name__}: {e}); using the reference",
+            RuntimeWarning, stacklevel=3,
+        )
+        return None
+
+
+def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
+    """:func:`slimact.quant.reference.group_minmax`, in one pass over ``x`` where it applies."""
+    runs = _applies(x, layout)
+    if runs is None:
+        return reference.group_minmax(x, layout)
+    if layout.dim is None:
+        lo, hi = torch.aminmax(x)  # one vectorised pass already
+        return lo.float().reshape(1), hi.float().reshape(1)
+    out = _run(_minmax, x.dtype, x.view(runs))
+    if out is None:
+        return reference.group_minmax(x, layout)
+    lo, hi = out
+    return lo.amin(0).float(), hi.amax(0).float()
+
+
+def quantize(x: Tensor, layout: GroupLayout, lo: Tensor, step: Tensor, bits: int, seed: int | None) -> Tensor:
+    """:func:`slimact.quant.reference.quantize`, in one pass where it applies (8 bits, nearest rounding)."""
+    runs = _applies(x, layout) if bits == 8 and seed is None else None
+    codes = None if runs is None else _run(_codes, x.dtype, x.view(runs), lo.view(-1, 1), step.view(-1, 1))
+    if codes is None:
+        return reference.quantize(x, layout, lo, step, bits, seed)
+    return codes.view(x.shape)
+
+
+def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tensor:
+    """:func:`slimact.quant.reference.dequantize`, in one pass where it applies (8-bit codes)."""
+    runs = _applies(codes, meta.layout) if meta.bits == 8 else None
+    if runs is not None and codes.numel() == runs[0] * runs[1] * runs[2]:
+        out = _run(_restore, meta.dtype, codes.view(runs), lo.view(-1, 1), step.view(-1, 1), meta.dtype)
+        if out is not None:
+            return out.view(meta.shape)
+    return reference.dequantize(codes, meta, lo, step)

@@ -1,0 +1,84 @@
+"""The compiled CPU pack (slimact.quant.inductor) against the reference: bit for bit, where it applies."""
+
+import pytest
+import torch
+
+from slimact.quant import QuantConfig, pack, unpack
+from slimact.quant import inductor
+from slimact.quant.core import backend_for
+from slimact.quant.reference import group_layout
+
+# [rows, 768] channel groups (8 divide 768), [B, H, T, D] per head, the whole tensor; each >= MIN_NUMEL.
+CASES = {
+    "channels": ((344, 768), QuantConfig(groups=8)),
+    "heads": ((2, 4, 256, 128), QuantConfig(group_dim=1, groups=0)),
+    "whole": ((300, 1000), QuantConfig(group_dim=None)),
+    "single-row": ((1, 300_000), QuantConfig(groups=4)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_pack_equals_the_reference_bit_for_bit(case, dtype):
+    shape, cfg = CASES[case]
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * torch.linspace(0.1, 5, shape[-1])).to(dtype)
+    x.view(-1)[::1000] = 0.0
+    assert x.numel() >= inductor.MIN_NUMEL and backend_for(x) == "inductor"
+    layout = group_layout(x.shape, cfg)
+    assert inductor._applies(x, layout) is not None  # the compiled loops are what runs
+    ref = pack(x, cfg, backend="reference", share=False)
+    fast = pack(x, cfg, backend="inductor", share=False)
+    for a, b in zip(ref.tensors, fast.tensors, strict=True):
+        assert torch.equal(a, b)
+    assert ref.meta == fast.meta
+    restored = unpack(fast, backend="inductor")
+    assert restored.dtype == dtype and torch.equal(restored, unpack(ref, backend="reference"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_reach_the_range_and_keep_the_tensor_raw(bad):
+    x = torch.randn(512, 768)
+    x[100, 5] = bad
+    packed = pack(x, QuantConfig(groups=8), backend="inductor", share=False)
+    assert packed.raw and torch.equal(torch.nan_to_num(packed.tensors[0]), torch.nan_to_num(x))
+
+
+@pytest.mark.parametrize(
+    "shape, cfg",
+    [
+        ((512, 768), QuantConfig(bits=4, groups=8)),  # sub-byte codes
+        ((512, 768), QuantConfig(groups=8, stochastic=True)),  # stochastic rounding
+        ((512, 770), QuantConfig(groups=8)),  # 8 groups do not divide 770
+        ((16, 16), QuantConfig(groups=8)),  # small
+    ],
+    ids=["4-bit", "stochastic", "uneven-groups", "small"],
+)
+def test_what_the_compiled_loops_do_not_take_goes_to_the_reference(shape, cfg):
+    from slimact.quant import reference
+    from slimact.quant.reference import PackMeta, scale_params
+
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    layout = group_layout(x.shape, cfg)
+    lo, hi = inductor.group_minmax(x, layout)
+    assert all(torch.equal(a, b) for a, b in zip((lo, hi), reference.group_minmax(x, layout), strict=True))
+    lo, step = scale_params(lo, hi, cfg.qmax)
+    seed = 1234 if cfg.stochastic else None
+    codes = inductor.quantize(x, layout, lo, step, cfg.bits, seed)
+    assert torch.equal(codes, reference.quantize(x, layout, lo, step, cfg.bits, seed))
+    meta = PackMeta(x.shape, x.dtype, cfg.bits, layout, False)
+    assert torch.equal(inductor.dequantize(codes, meta, lo, step), reference.dequantize(codes, meta, lo, step))
+
+
+def test_strided_tensors_go_to_the_reference():
+    x = torch.randn(768, 512).t()
+    assert inductor._applies(x, group_layout(x.shape, QuantConfig(groups=8))) is None
+    a = pack(x, QuantConfig(groups=8), backend="reference", share=False)
+    b = pack(x, QuantConfig(groups=8), backend="inductor", share=False)
+    assert all(torch.equal(t, u) for t, u in zip(a.tensors, b.tensors, strict=True))
+
+
+def test_reference_backend_can_be_forced(monkeypatch):
+    monkeypatch.setenv("SLIMACT_BACKEND", "reference")
+    assert backend_for(torch.randn(4)) == "reference"
