@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from slimact.quant import QuantConfig, pack, unpack
-from slimact.quant import inductor
+from slimact.quant import QuantConfig, inductor, pack, unpack
 from slimact.quant.core import backend_for
 from slimact.quant.reference import group_layout
 
