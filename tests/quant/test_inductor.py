@@ -81,3 +81,22 @@ def test_strided_tensors_go_to_the_reference():
 def test_reference_backend_can_be_forced(monkeypatch):
     monkeypatch.setenv("SLIMACT_BACKEND", "reference")
     assert backend_for(torch.randn(4)) == "reference"
+
+
+def test_a_converted_model_compiles_each_loop_once_not_at_every_step():
+    # The routing TorchFunctionMode is active while a converted model runs; traced by dynamo, its LM-loss
+    # tracker (which follows tensors by identity) made the compiled loops guard on the very tensor packed, and
+    # recompile at every call until the recompile limit.
+    import slimact
+    from slimact import zoo
+    from torch._dynamo.utils import counters
+
+    model = slimact.convert(zoo.build("gpt2", tiny=True).train())
+    inputs = zoo.example_inputs(model, 32, 128)  # [4096, 64] hidden states: MIN_NUMEL
+
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(4):
+        model(**inputs).loss.backward()
+    # Range, quantise and dequantise, each with at most two shape variants (channel groups and one whole-tensor
+    # or single-run view); with the bug, 8 recompiles of the quantise alone in the first step.
+    assert counters["stats"]["unique_graphs"] - graphs <= 6

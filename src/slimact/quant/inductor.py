@@ -85,8 +85,13 @@ def _compiled(fn: Callable, dtype: torch.dtype) -> Callable:
 
 
 def _run(fn: Callable, dtype: torch.dtype, *args) -> object | None:
+    # Detached: whether the caller's tensor requires grad must not be a guard (pack runs under no_grad). With
+    # torch-function handling off: dynamo would otherwise trace an active TorchFunctionMode (slimact's routing
+    # follows tensors by identity) and guard on this very tensor, recompiling at every call.
+    args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     try:
-        return _compiled(fn, dtype)(*args)
+        with torch._C.DisableTorchFunction():
+            return _compiled(fn, dtype)(*args)
     except Exception as e:
         _failed.append(e)
         warnings.warn(
