@@ -87,9 +87,10 @@ def test_a_converted_model_compiles_each_loop_once_not_at_every_step():
     # The routing TorchFunctionMode is active while a converted model runs; traced by dynamo, its LM-loss
     # tracker (which follows tensors by identity) made the compiled loops guard on the very tensor packed, and
     # recompile at every call until the recompile limit.
+    from torch._dynamo.utils import counters
+
     import slimact
     from slimact import zoo
-    from torch._dynamo.utils import counters
 
     model = slimact.convert(zoo.build("gpt2", tiny=True).train())
     inputs = zoo.example_inputs(model, 32, 128)  # [4096, 64] hidden states: MIN_NUMEL
