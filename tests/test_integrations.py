@@ -167,6 +167,49 @@ def test_torch_compile_of_a_converted_model(name):
     torch._dynamo.reset()
 
 
+def _graph_breaks(model, inputs) -> int:
+    torch._dynamo.reset()
+    breaks = torch._dynamo.explain(lambda **kw: model(**kw).loss)(**inputs).graph_break_count
+    torch._dynamo.reset()
+    return breaks
+
+
+@pytest.mark.parametrize(("name", "policy"), [("gpt2", "int8"), ("gpt2", "tempo"), ("llama", "int8"),
+                                              ("llama", "mesa")])
+def test_a_converted_model_compiles_with_no_more_graph_breaks_than_plain(name, policy):
+    # Plain GPT-2 has one break of its own (transformers); slimact adds none: no host syncs in the traced code
+    # (range checks become NaN-restoring groups, data-dependent layer choices take the safe branch), no RNG
+    # state or seed stream read (dropout in attention is PyTorch's, stochastic rounding draws from the graph),
+    # the in-place GELU's table is a constant of the graph.
+    model = zoo.build(name, tiny=True).train()
+    inputs = zoo.example_inputs(model, 2, 32)
+    plain = _graph_breaks(model, inputs)
+    slimact.convert(model, policy)
+    assert _graph_breaks(model, inputs) == plain
+
+
+def test_a_compiled_converted_model_propagates_non_finite_activations():
+    # Under compile a pack cannot fall back to an exact copy (that is a host sync): a group whose range is not
+    # finite is restored as NaN, so the gradient is NaN wherever eager slimact's (and PyTorch's) is, never a
+    # finite value made up from undefined codes.
+    torch.manual_seed(0)
+    model = slimact.convert(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)))
+    x = torch.randn(8, 16)
+    x[3, 5] = float("nan")
+
+    def grads(m):
+        m.zero_grad()
+        m(x).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager = grads(model)
+    compiled = grads(torch.compile(model))
+    assert torch.isnan(eager["0.weight"]).any() and torch.isnan(eager["2.weight"]).any()
+    for n, g in eager.items():
+        assert torch.isnan(compiled[n])[torch.isnan(g)].all(), n
+    torch._dynamo.reset()
+
+
 def test_hugging_face_trainer_trains_and_checkpoints_a_converted_model(tmp_path):
     pytest.importorskip("accelerate")
     from safetensors.torch import load_file

@@ -64,6 +64,8 @@ def _probabilities_wanted(kwargs: dict) -> bool:
     """
     if kwargs.get("output_attentions", False):
         return True
+    if torch.compiler.is_compiling():  # dynamo cannot read the context variable (a graph break): as SDPA, None
+        return False
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # another transformers version: the flag above is all there is

@@ -215,6 +215,16 @@ def _derivative_table(form: str, device: torch.device) -> tuple[Tensor, Tensor, 
     return values, values[1:] - values[:-1], offset, y_min
 
 
+def _table_for(form: str, device: torch.device) -> tuple[Tensor, Tensor, int, float]:
+    return _derivative_table(form, device)
+
+
+# Under torch.compile the (cached) table is a constant of the graph, not traced: its build reads floats off
+# tensors (graph breaks) and bisects for hundreds of passes. This is what torch.compiler.assume_constant_result
+# does; calling it would import dynamo (and Triton) with slimact. (A graph-break test guards the marking.)
+_table_for._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class _InplaceActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, form):
@@ -226,7 +236,7 @@ class _InplaceActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         y, right = load(ctx)
-        values, slopes, offset, y_min = _derivative_table(ctx.form, y.device)
+        values, slopes, offset, y_min = _table_for(ctx.form, y.device)
         # Fractional table position; NaN (a NaN or infinite y) is parked at 0 and restored below.
         pos = _key(y.float(), right, y_min).mul_(1 / _KEY_SPACING).add_(offset)
         pos = pos.nan_to_num_(0.0).clamp_(0, len(values) - 2)
@@ -250,7 +260,9 @@ class _ActivationFunction(torch.autograd.Function):
             kept = torch.where(torch.isfinite(x), x.clamp(-flat, flat), x)
             packed = pack(kept, cfg, state)
             save(ctx, packed)
-            if not bool((x.abs() > flat).any()):  # nothing clamped: the codes of x also give y = f(x)
+            # Nothing clamped: the codes of x also give y = f(x). (Under torch.compile packs are not shared, and
+            # this host sync would break the graph.)
+            if not torch.compiler.is_compiling() and not bool((x.abs() > flat).any()):
                 share_derived(y, packed, form)  # the next Linear keeps y through them, not a second copy
         return y
 

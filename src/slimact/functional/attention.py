@@ -133,7 +133,8 @@ def _dead_rows(mask: Tensor | None) -> Tensor | None:
     if mask is None:
         return None
     dead = ~mask.any(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)
-    return dead.unsqueeze(-1) if bool(dead.any()) else None  # [..., T, 1]
+    # Under torch.compile the mask is applied whether or not a row is dead (no host sync in the graph).
+    return dead.unsqueeze(-1) if torch.compiler.is_compiling() or bool(dead.any()) else None  # [..., T, 1]
 
 
 def _saved_mask(mask: Tensor | None):
@@ -356,7 +357,9 @@ def scaled_dot_product_attention(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
-    if not needs_grad and not mask_grad:
+    # Under torch.compile, attention with dropout is PyTorch's own: the mask replay reads the host RNG state,
+    # which dynamo cannot trace (a graph break), and inductor draws dropout from its own generator anyway.
+    if (not needs_grad and not mask_grad) or (dropout_p > 0 and torch.compiler.is_compiling()):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
@@ -377,6 +380,7 @@ def scaled_dot_product_attention(
     # NaN/inf takes the chunked path, whose output is NaN there, as the math path's. (On the CPU this check costs
     # a pass over each, no device sync; detached, so that it records no graph.)
     flash = dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad
-    if flash and all(bool(torch.isfinite(t.detach()).all()) for t in (query, key)):
+    # Under torch.compile the check would be a host sync in the graph: the flash kernel is taken as it is.
+    if flash and (torch.compiler.is_compiling() or all(bool(torch.isfinite(t.detach()).all()) for t in (query, key))):
         return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)

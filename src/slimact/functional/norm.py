@@ -89,7 +89,9 @@ class _NormFunction(torch.autograd.Function):
         if mean is not None and cfg is None:
             checks.append(_rows_recoverable(mean, rstd, x.dtype))
         checks = [c for c in checks if c is not None]
-        ctx.from_output = not checks or bool(torch.cat(checks).all())  # one host sync
+        # One host sync; under torch.compile (where it would break the graph) the input is kept whenever the
+        # choice depends on the data.
+        ctx.from_output = not checks or (not torch.compiler.is_compiling() and bool(torch.cat(checks).all()))
         if ctx.from_output:
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=-1, groups=0)
             save(ctx, pack(y, per_channel, state), None, rstd, weight, bias)

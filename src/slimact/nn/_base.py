@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from slimact.policy import Policy, resolve
@@ -39,11 +40,17 @@ class StepCounter:
         self.value = 0
 
     def __call__(self, module: nn.Module, args: object) -> None:
+        # Under torch.compile neither runs: the stream's key digests the RNG state on the host (a graph break),
+        # and a counter read by the graph would recompile it every step. Compiled stochastic rounding draws
+        # from the counter stream of :func:`slimact.quant.reference.draw_seed`.
+        if torch.compiler.is_compiling():
+            return
         self.value += 1
         begin_stream(self.value)
 
     def end(self, module: nn.Module, args: object, output: object) -> None:
-        end_stream()
+        if not torch.compiler.is_compiling():
+            end_stream()
 
 
 class SlimModule:

@@ -146,18 +146,35 @@ def pack(
         hit = _shared.get(x, cfg)
         if hit is not None:
             return hit
-    kernels = _kernels(backend or backend_for(x))
+    compiling = torch.compiler.is_compiling()
+    # While dynamo traces, the reference's ops: inductor fuses them into the model's graph.
+    kernels = reference if compiling else _kernels(backend or backend_for(x))
     lo, hi = kernels.group_minmax(x, layout)
-    # One host sync. NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
-    if not bool(torch.isfinite(torch.cat([lo, hi - lo])).all()):
+    # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
+    bad = ~torch.isfinite(lo) | ~torch.isfinite(hi - lo)  # [groups]
+    if compiling:
+        # No host sync while dynamo traces (it would break the graph): a group whose range is not finite is
+        # restored as NaN, whole, instead of the tensor being kept exact; the running estimate never sees it.
+        lo, hi = lo.masked_fill(bad, 0.0), hi.masked_fill(bad, 0.0)
+    elif bool(bad.any()):  # one host sync
         return _raw(x)
-    if cfg.scale == "running":
+    if cfg.scale == "running" and not compiling:
+        # (Under torch.compile the estimate is neither used nor moved: a module buffer assigned inside an
+        # autograd Function's traced forward is a side effect dynamo cannot keep. Each tensor's own range
+        # serves, as with scale="dynamic".)
         if state is None:
             raise ValueError("scale='running' needs a RunningRange state")
         lo, hi = state.update(lo, hi, cfg.decay, training)
     lo, step = scale_params(lo, hi, cfg.qmax)
-    seed = reference.draw_seed() if cfg.stochastic else None
-    codes = kernels.quantize(x, layout, lo, step, cfg.bits, seed)
+    if compiling:
+        step = step.masked_fill(bad, float("nan"))
+    if compiling and cfg.stochastic:
+        # The seed stream is host state dynamo cannot trace: the compiled graph's own RNG draws the noise.
+        noise = torch.rand(x.shape, dtype=torch.float32, device=x.device)
+        codes = reference.quantize(x, layout, lo, step, cfg.bits, None, noise)
+    else:
+        seed = reference.draw_seed() if cfg.stochastic else None
+        codes = kernels.quantize(x, layout, lo, step, cfg.bits, seed)
     packed = Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
     if share:
         _shared.put(x, packed)

@@ -326,16 +326,22 @@ def _expand(v: Tensor, layout: GroupLayout, ndim: int) -> Tensor:
     return v.reshape(layout.broadcast_shape(ndim))
 
 
-def quantize(x: Tensor, layout: GroupLayout, lo: Tensor, step: Tensor, bits: int, seed: int | None) -> Tensor:
+def quantize(
+    x: Tensor, layout: GroupLayout, lo: Tensor, step: Tensor, bits: int, seed: int | None, noise: Tensor | None = None
+) -> Tensor:
     """Codes of ``x`` for the given per-group ``lo``/``step``: uint8, bit-packed when ``bits < 8``.
 
-    ``seed=None`` rounds to nearest; otherwise stochastic rounding with :func:`hash_uniform` bits.
+    ``seed=None`` rounds to nearest; otherwise stochastic rounding with :func:`hash_uniform` bits. ``noise``
+    (uniform in [0, 1), ``x``'s shape) rounds stochastically with those bits instead (under ``torch.compile``,
+    where the seed stream cannot be traced).
     """
     # One fp32 temporary, updated in place: (x - lo) / step + (0.5 or u), clamped to [0, qmax]; there the cast
     # to uint8 truncates, which is floor for values >= 0: clamp(floor(w), 0, qmax) == trunc(clamp(w, 0, qmax)).
     v = torch.sub(x, _expand(lo, layout, x.dim()), out=torch.empty(x.shape, dtype=torch.float32, device=x.device))
     v.div_(_expand(step, layout, x.dim()))
-    if seed is None:
+    if noise is not None:
+        v.add_(noise)
+    elif seed is None:
         v.add_(0.5)
     else:
         v.add_(hash_uniform(x.numel(), seed, x.device).view(x.shape))
