@@ -1,7 +1,8 @@
 """Activation bytes of GPT-2 (4 layers, batch 4 x 256) with Hugging Face gradient checkpointing, slimact, and
 both; under bf16 autocast too (benchmarks/results/integrations.{csv,md}). And what torch.compile does to the
-saving: bytes held after the forward of the zoo's Llama (2 layers, batch 2 x 256), eager and compiled, plain
-and "int8", measured by torch.profiler's memory events (benchmarks/results/compile.{csv,md}).
+saving: bytes held after the forward of the zoo's Llama (2 layers, batch 2 x 256) and the peak of its forward
+and backward, eager and compiled, plain and "int8", measured by torch.profiler's memory events
+(benchmarks/results/compile.{csv,md}).
 
     python benchmarks/integrations.py
 """
@@ -46,22 +47,27 @@ def main() -> None:
 def compile_rows() -> None:
     import torch
 
-    from slimact.bench import held_bytes
+    from slimact.bench import held_bytes, peak_bytes
 
     base = build("llama", layers=2).train()
     inputs = example_inputs(base, 2, 256)
     rows = []
     for policy in ("plain", "int8"):
         model = copy.deepcopy(base) if policy == "plain" else slimact.convert(copy.deepcopy(base), policy)
-        eager_profile = slimact.profile(model, inputs).activation_bytes
-        eager = held_bytes(model, inputs)
+        report = slimact.profile(model, inputs)
+        measured = {
+            "eager (slimact.profile)": (report.activation_bytes, report.gradient_bytes, None),
+            "eager": (held_bytes(model, inputs), None, peak_bytes(model, inputs)),
+        }
         compiled = torch.compile(model)
         held_bytes(compiled, inputs)  # compiles
-        after = held_bytes(compiled, inputs)
-        for mode, n in (("eager (slimact.profile)", eager_profile), ("eager", eager), ("compiled", after)):
+        measured["compiled"] = (held_bytes(compiled, inputs), None, peak_bytes(compiled, inputs))
+        for mode, (held, ahead, peak) in measured.items():
             rows.append({"model": "llama (2 layers)", "batch": 2, "tokens": 256, "policy": policy, "mode": mode,
-                         "held_mib": round(n / 2**20, 2), **environment()})
-            print(policy, mode, rows[-1]["held_mib"], flush=True)
+                         "held_mib": round(held / 2**20, 2),
+                         "gradients_ahead_mib": "" if ahead is None else round(ahead / 2**20, 2),
+                         "peak_mib": "" if peak is None else round(peak / 2**20, 2), **environment()})
+            print(policy, mode, rows[-1]["held_mib"], rows[-1]["peak_mib"], flush=True)
         torch._dynamo.reset()
     print("wrote", write_results(rows, "compile"))
 

@@ -85,3 +85,23 @@ def test_peak_bytes_counts_temporaries_and_a_converted_gpt2_peaks_lower():
     converted = peak_bytes(model, inputs)
     assert report.gradient_bytes >= 50257 * 768 * 4
     assert report.activation_bytes + report.gradient_bytes <= converted < plain
+
+
+def test_gpu_script_is_valid_bash_and_its_commands_parse():
+    # benchmarks/gpu.sh runs on a CUDA machine only; here: its syntax, and every slimact command it runs is
+    # accepted by the command line as written.
+    import re
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from slimact.cli import build_parser
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text().replace("\\\n", " ")
+    commands = re.findall(r'-m slimact (bench [^\n]+)', text)
+    assert len(commands) == 2
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command.replace('"$OUT"', "out")))
+        assert args.device == "cuda"

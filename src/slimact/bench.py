@@ -101,6 +101,8 @@ def memory(
                     "plain_mib": round(plain.activation_bytes / 2**20, 2),
                     "converted_mib": round(converted.activation_bytes / 2**20, 2),
                     "ratio": round(converted.activation_bytes / plain.activation_bytes, 4),
+                    # The LM loss's gradients, computed in the forward (not activations; see slimact.profile).
+                    "gradients_ahead_mib": round(converted.gradient_bytes / 2**20, 2),
                     **({"cuda_peak_mib": round(converted.cuda_peak_bytes / 2**20, 2)}
                        if converted.cuda_peak_bytes is not None else {}),
                     **environment(device),
@@ -161,12 +163,21 @@ def held_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
 
 def peak_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     """Peak CPU bytes allocated during one training forward and backward, above what was allocated before
-    it: the running sum of the allocations and frees ``torch.profiler`` records, at its highest. Unlike
+    it: the running sum of the allocations and frees ``torch.profiler`` records, at its highest (on CUDA,
+    ``torch.cuda.max_memory_allocated``). Unlike
     :func:`slimact.profile` it sees every temporary (the logits a model's head produces, a loss's chunks, the
     parameter gradients the backward allocates), so it is the number a memory budget is about."""
     from torch.profiler import ProfilerActivity, profile
 
     model.zero_grad(set_to_none=True)
+    if any(p.is_cuda for p in model.parameters()):  # the allocator's own peak
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(**inputs).loss.backward()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        return torch.cuda.max_memory_allocated() - base
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model(**inputs).loss.backward()
     events = sorted(
@@ -210,9 +221,11 @@ def speed(
     warmup: int = 2,
     device: str = "cpu",
     tiny: bool = False,
+    dtype: str = "fp32",
 ) -> Iterator[dict[str, Any]]:
     """Rows per model and setup: the median and spread of (setup step time / plain step time) over
-    ``rounds`` interleaved rounds, and the activation bytes of each."""
+    ``rounds`` interleaved rounds, and the activation bytes of each; ``dtype`` ``"bf16"``/``"fp16"`` runs
+    the forwards under autocast."""
     import statistics
 
     import slimact
@@ -223,15 +236,17 @@ def speed(
         base = build(name, layers=layers, tiny=tiny).to(device)
         inputs = example_inputs(base, batch, seq)
         runs = _setups(base, names)
-        times = _interleaved({key: _train_step(m, inputs, device) for key, m in runs.items()}, rounds, warmup)
-        plain_bytes = slimact.profile(runs["plain"], inputs).activation_bytes
-        plain_peak = peak_bytes(runs["plain"], inputs)
+        times = _interleaved({key: _train_step(m, inputs, device, dtype) for key, m in runs.items()}, rounds, warmup)
+        with autocast(device, dtype):
+            plain_bytes = slimact.profile(runs["plain"], inputs).activation_bytes
+            plain_peak = peak_bytes(runs["plain"], inputs)
         for key in names:
             ratios = [t / p for t, p in zip(times[key], times["plain"], strict=True)]
-            kept = plain_bytes if key == "plain" else slimact.profile(runs[key], inputs).activation_bytes
-            peak = plain_peak if key == "plain" else peak_bytes(runs[key], inputs)
+            with autocast(device, dtype):
+                kept = plain_bytes if key == "plain" else slimact.profile(runs[key], inputs).activation_bytes
+                peak = plain_peak if key == "plain" else peak_bytes(runs[key], inputs)
             yield {
-                "model": name, "layers": layers, "batch": batch, "tokens": seq, "setup": key,
+                "model": name, "layers": layers, "batch": batch, "tokens": seq, "dtype": dtype, "setup": key,
                 "time_ratio_median": round(statistics.median(ratios), 4),
                 "time_ratio_min": round(min(ratios), 4), "time_ratio_max": round(max(ratios), 4),
                 "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1),
@@ -241,14 +256,16 @@ def speed(
             }
 
 
-def _train_step(model: torch.nn.Module, inputs: dict[str, Any], device: str) -> Any:
-    """A closure running one training step (forward, backward, AdamW step) of ``model``."""
+def _train_step(model: torch.nn.Module, inputs: dict[str, Any], device: str, dtype: str = "fp32") -> Any:
+    """A closure running one training step (forward under ``dtype``'s autocast, backward, AdamW step)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     cuda = torch.device(device).type == "cuda"
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        model(**inputs).loss.backward()
+        with autocast(device, dtype):
+            loss = model(**inputs).loss
+        loss.backward()
         opt.step()
         if cuda:
             torch.cuda.synchronize()
@@ -256,17 +273,22 @@ def _train_step(model: torch.nn.Module, inputs: dict[str, Any], device: str) -> 
     return step
 
 
-def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str = "cpu") -> dict[str, list[float]]:
     import time
 
+    cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             fn()
+            if cuda:
+                torch.cuda.synchronize()
             times[k].append(time.perf_counter() - start)
     return times
 
@@ -286,7 +308,7 @@ def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict
         "clone": lambda: x.clone(),
         "pack": lambda: pack(x, cfg, share=False),
         "unpack": lambda: unpack(packed),
-    }, rounds)
+    }, rounds, device=device)
     # The unpack returns a new tensor: on CPU a fresh 64 MiB allocation is first touched page by page, which
     # costs more than the copy itself unless huge pages are on (PyTorch's THP_MEM_ALLOC_ENABLE=1); clone()
     # pays the same, so the unpack is also set against it.
@@ -327,7 +349,7 @@ def _function_rows(rounds: int, device: str) -> Iterator[dict[str, Any]]:
         def run(fn):
             return lambda: fn().sum().backward()
 
-        times = _interleaved({"plain": run(plain), "slimact": run(slim)}, rounds)
+        times = _interleaved({"plain": run(plain), "slimact": run(slim)}, rounds, device=device)
         ratios = [a / b for a, b in zip(times["slimact"], times["plain"], strict=True)]
         yield {"op": f"{name} fwd+bwd", "vs": "PyTorch", "time_ratio_median": round(statistics.median(ratios), 4),
                "time_ratio_min": round(min(ratios), 4), "time_ratio_max": round(max(ratios), 4),

@@ -105,7 +105,7 @@ def _bench(args: argparse.Namespace) -> int:
         setups = args.policies if args.policies != ["int8", "tempo"] else ["tempo", "int8", "checkpoint",
                                                                           "checkpoint+int8"]
         for row in speed(args.models or ["gpt2", "llama"], setups, layers=args.layers, batch=args.batch or 4,
-                         seq=args.seq or 256, rounds=args.rounds, device=args.device):
+                         seq=args.seq or 256, rounds=args.rounds, device=args.device, dtype=args.dtypes[0]):
             print(f"{row['model']:>8} {row['setup']:>16}: time {row['time_ratio_median']:.3f}x "
                   f"[{row['time_ratio_min']:.3f}, {row['time_ratio_max']:.3f}]  memory {row['memory_ratio']:.3f}x",
                   flush=True)
@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--layers", type=int, default=4, help="--speed: layers of each model")
     b.add_argument("--rounds", type=int, default=7, help="--speed/--ops: interleaved rounds (median reported)")
     b.add_argument("--models", nargs="+", default=None, help="default: bert-base gpt2 llama vit-b16; --zoo: all")
-    b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
+    b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"],
+                   help="--memory: each; --speed: the first (autocast)")
     b.add_argument("--policies", nargs="+", default=["int8", "tempo"],
                    help="--memory: policies; --speed: setups (default tempo int8 checkpoint checkpoint+int8)")
     b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")

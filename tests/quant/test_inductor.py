@@ -10,6 +10,7 @@ from slimact.quant.reference import group_layout
 # [rows, 768] channel groups (8 divide 768), [B, H, T, D] per head, the whole tensor; each >= MIN_NUMEL.
 CASES = {
     "channels": ((344, 768), QuantConfig(groups=8)),
+    "per-channel": ((344, 768), QuantConfig(groups=0)),  # runs of one element: eager range, compiled codes
     "heads": ((2, 4, 256, 128), QuantConfig(group_dim=1, groups=0)),
     "whole": ((300, 1000), QuantConfig(group_dim=None)),
     "single-row": ((1, 300_000), QuantConfig(groups=4)),

@@ -1,4 +1,5 @@
-"""Triton kernels against the reference, bit for bit (on CPU through TRITON_INTERPRET=1, see conftest)."""
+"""Triton kernels against the reference, bit for bit: on a CUDA device when there is one (benchmarks/gpu.sh),
+else on CPU through TRITON_INTERPRET=1 (see conftest)."""
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ pytest.importorskip("triton")
 from slimact.quant import QuantConfig, pack, reference
 from slimact.quant import triton as kernels
 from slimact.quant.reference import PackMeta, group_layout, group_minmax, scale_params
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 CASES = [
     ((1,), QuantConfig(group_dim=None)),
@@ -25,7 +28,7 @@ CASES = [
 @pytest.mark.parametrize("seed", [None, 0, 12345, 2**31 - 2], ids=["nearest", "seed0", "seed12345", "seedmax"])
 @pytest.mark.parametrize("shape,cfg", CASES)
 def test_triton_equals_reference(shape, cfg, bits, seed, dtype):
-    x = (torch.randn(shape) * 4).to(dtype)
+    x = (torch.randn(shape) * 4).to(dtype).to(DEVICE)
     layout = group_layout(x.shape, cfg)
     lo, step = scale_params(*group_minmax(x, layout), (1 << bits) - 1)
     ref = reference.quantize(x, layout, lo, step, bits, seed)
@@ -36,7 +39,7 @@ def test_triton_equals_reference(shape, cfg, bits, seed, dtype):
 
 
 def test_pack_through_either_backend_gives_the_same_codes():
-    x = torch.randn(9, 6).t()  # non-contiguous
+    x = torch.randn(9, 6, device=DEVICE).t()  # non-contiguous
     cfg = QuantConfig(groups=2)
     ref, tri = pack(x, cfg, backend="reference", share=False), pack(x, cfg, backend="triton", share=False)
     for a, b in zip(ref.tensors, tri.tensors, strict=True):

@@ -109,6 +109,10 @@ def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
     if layout.dim is None:
         lo, hi = torch.aminmax(x)  # one vectorised pass already
         return lo.float().reshape(1), hi.float().reshape(1)
+    if runs[2] == 1:
+        # One element per run (a group per channel of [..., C]): the column reductions of eager PyTorch are
+        # faster than a loop over runs of one.
+        return reference.group_minmax(x, layout)
     out = _run(_minmax, x.dtype, x.view(runs))
     if out is None:
         return reference.group_minmax(x, layout)
