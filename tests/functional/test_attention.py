@@ -337,3 +337,20 @@ def test_a_fully_masked_row_of_an_additive_mask_gives_zero_and_finite_gradients(
         assert torch.isfinite(a).all()
         if dtype == torch.float32:  # fp16: PyTorch's math path rounds its intermediates to fp16, this one not
             torch.testing.assert_close(a, e)
+
+
+def test_probabilities_of_tied_keys_with_huge_scores_are_exact():
+    # fp16 inputs with outliers: scores of 1e8 in fp32, where exp(s - lse) with lse rounded to fp32's ulp of 8
+    # gave two tied keys 0.47 each instead of 0.5 (the output 3250 for 3440). The chunked path now takes
+    # exp(s - max) / sum, as torch.softmax does.
+    from slimact.functional import scaled_dot_product_attention
+
+    q = torch.full((1, 1, 1, 1), 1e4, dtype=torch.float16)
+    k = torch.ones(1, 1, 9, 1, dtype=torch.float16)
+    k[..., 3, 0] = k[..., 7, 0] = 1e4
+    v = torch.zeros(1, 1, 9, 1, dtype=torch.float16)
+    v[..., 7, 0] = 6880
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = scaled_dot_product_attention(q, k, v, scale=1.0)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0))
+    assert out.item() == 3440

@@ -128,6 +128,16 @@ def _logsumexp(scores: Tensor) -> Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
+def _probabilities(scores: Tensor) -> Tensor:
+    """Softmax over the last dim as ``torch.softmax`` computes it, ``exp(s - max) / sum``, with 0 for a row of
+    -inf only. Not ``exp(s - lse)``: ``lse`` rounded in fp32 next to scores of 1e8 (fp16 inputs with outliers)
+    was off by most of its ulp of 8, and two tied keys got 0.47 each instead of 0.5."""
+    m = scores.amax(-1, keepdim=True)
+    e = torch.exp(scores - m.masked_fill(torch.isneginf(m), 0.0))
+    total = e.sum(-1, keepdim=True)
+    return e / total.masked_fill(total == 0, 1.0)
+
+
 def _dead_rows(mask: Tensor | None) -> Tensor | None:
     """Query rows a mask allows nothing in (all False, or all -inf): PyTorch gives them 0, and 0 gradients."""
     if mask is None:
@@ -222,7 +232,7 @@ class _ChunkedAttention(torch.autograd.Function):
             rng = _rng_state(q.device)
             scores = _block_scores(qg, kt, add, is_causal, scale, (b, h, t, s), 0, t)
             lse = _logsumexp(scores)
-            probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+            probs = _probabilities(scores).to(v.dtype)
             dropped, _ = torch.native_dropout(probs, dropout_p, True)
             out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, -1)
         else:
@@ -232,7 +242,7 @@ class _ChunkedAttention(torch.autograd.Function):
                 t1 = min(t, t0 + CHUNK_ROWS)
                 scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
                 lse[:, :, t0:t1] = _logsumexp(scores)
-                pg = torch.exp(scores - lse[:, :, t0:t1, None]).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
+                pg = _probabilities(scores).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
                 out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, -1)
         dead = _dead_rows(mask)
         if dead is not None:
@@ -273,8 +283,7 @@ class _ChunkedAttention(torch.autograd.Function):
         for t0 in range(0, t, CHUNK_ROWS):
             t1 = min(t, t0 + CHUNK_ROWS)
             scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
-            lse_blk = lse[:, :, t0:t1] if lse is not None else _logsumexp(scores)
-            probs = torch.exp(scores - lse_blk[..., None]).reshape(b, h_kv, rep, t1 - t0, s)
+            probs = _probabilities(scores).reshape(b, h_kv, rep, t1 - t0, s)
             keep = None
             dropped = probs
             if keep_all is not None:
