@@ -115,23 +115,17 @@ def softmax_dropout_matmul(
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """``attn_mask`` as an additive float mask (bool ``True`` = attend; masked = -inf, as PyTorch converts it: the
     dtype's minimum let a masked key whose score is +inf, an inf in q or k, take the whole row, a finite and
-    wrong output where PyTorch's is NaN). A fully masked row is handled by :func:`_logsumexp` and the kernels."""
+    wrong output where PyTorch's is NaN). A fully masked row is handled by :func:`_probabilities` and the kernels."""
     if mask is None or mask.dtype != torch.bool:
         return mask if mask is None else mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
 
 
-def _logsumexp(scores: Tensor) -> Tensor:
-    """Per-row log-sum-exp, 0 for a row of -inf only (fully masked), so that its probabilities are 0, not NaN
-    (``exp(-inf - -inf)``), as PyTorch's CPU flash kernel has them."""
-    lse = torch.logsumexp(scores, -1)
-    return lse.masked_fill(torch.isneginf(lse), 0.0)
-
-
 def _probabilities(scores: Tensor) -> Tensor:
     """Softmax over the last dim as ``torch.softmax`` computes it, ``exp(s - max) / sum``, with 0 for a row of
-    -inf only. Not ``exp(s - lse)``: ``lse`` rounded in fp32 next to scores of 1e8 (fp16 inputs with outliers)
-    was off by most of its ulp of 8, and two tied keys got 0.47 each instead of 0.5."""
+    -inf only (fully masked), as PyTorch's CPU flash kernel has it. Not ``exp(s - lse)``: ``lse`` rounded in
+    fp32 next to scores of 1e8 (fp16 inputs with outliers) was off by most of its ulp of 8, and two tied keys
+    got 0.47 each instead of 0.5."""
     m = scores.amax(-1, keepdim=True)
     e = torch.exp(scores - m.masked_fill(torch.isneginf(m), 0.0))
     total = e.sum(-1, keepdim=True)
@@ -214,7 +208,7 @@ def _replayed_mask(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p:
 class _ChunkedAttention(torch.autograd.Function):
     """Flash-style attention in PyTorch ops, a block of query rows at a time, on any device.
 
-    Keeps q, k, v, out (packed) and the per-row log-sum-exp; with dropout, the RNG state it drew the mask
+    Keeps q, k, v (packed; the output too under a lossless policy); with dropout, the RNG state it drew the mask
     from, so the backward redraws the same mask: nothing of size [T, S] is ever kept.
     """
 
@@ -231,17 +225,14 @@ class _ChunkedAttention(torch.autograd.Function):
             # model); the backward replays it from the snapshot. Transient here, never kept.
             rng = _rng_state(q.device)
             scores = _block_scores(qg, kt, add, is_causal, scale, (b, h, t, s), 0, t)
-            lse = _logsumexp(scores)
             probs = _probabilities(scores).to(v.dtype)
             dropped, _ = torch.native_dropout(probs, dropout_p, True)
             out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, -1)
         else:
             out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype, device=q.device)
-            lse = torch.empty(b, h, t, dtype=torch.float32, device=q.device)
             for t0 in range(0, t, CHUNK_ROWS):
                 t1 = min(t, t0 + CHUNK_ROWS)
                 scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
-                lse[:, :, t0:t1] = _logsumexp(scores)
                 pg = _probabilities(scores).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
                 out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, -1)
         dead = _dead_rows(mask)
@@ -249,14 +240,14 @@ class _ChunkedAttention(torch.autograd.Function):
             out = out.masked_fill(dead, 0)
         ctx.args = (is_causal, scale, dropout_p, v.dtype)
         st = state or {}
-        exact = cfg_q is None  # lossless: keep the output and lse; 8-bit: recompute them from q, k, v
+        exact = cfg_q is None  # lossless: keep the output; 8-bit: recompute it from q, k, v
         save(ctx, pack(q, cfg_q, st.get("q")), pack(k, cfg_kv, st.get("k")), pack(v, cfg_kv, st.get("v")),
-             out if exact else None, lse if exact else None, _saved_mask(mask), dead, rng)
+             out if exact else None, _saved_mask(mask), dead, rng)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, mask, dead, rng = load(ctx)
+        q, k, v, out, mask, dead, rng = load(ctx)
         is_causal, scale, dropout_p, p_dtype = ctx.args
         if dead is not None:
             grad_out = grad_out.masked_fill(dead, 0)
