@@ -168,9 +168,8 @@ def pack(
     lo, step = scale_params(lo, hi, cfg.qmax)
     if compiling:
         step = step.masked_fill(bad, float("nan"))
-    if compiling and cfg.stochastic:
         # The seed stream is host state dynamo cannot trace: the compiled graph's own RNG draws the noise.
-        noise = torch.rand(x.shape, dtype=torch.float32, device=x.device)
+        noise = torch.rand(x.shape, dtype=torch.float32, device=x.device) if cfg.stochastic else None
         codes = reference.quantize(x, layout, lo, step, cfg.bits, None, noise)
     else:
         seed = reference.draw_seed() if cfg.stochastic else None
