@@ -139,14 +139,14 @@ def pack(
     if cfg is None or x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
         return _raw(x)
     layout = group_layout(x.shape, cfg)  # before the cache, so that a bad group count is refused every time
+    compiling = torch.compiler.is_compiling()
     # Dynamo does not trace the weakly keyed cache reliably (an internal KeyError, seen once in the suite):
     # compiled graphs keep their own packs.
-    share = share and not torch.compiler.is_compiling()
+    share = share and not compiling
     if share:
         hit = _shared.get(x, cfg)
         if hit is not None:
             return hit
-    compiling = torch.compiler.is_compiling()
     # While dynamo traces, the reference's ops: inductor fuses them into the model's graph.
     kernels = reference if compiling else _kernels(backend or backend_for(x))
     lo, hi = kernels.group_minmax(x, layout)

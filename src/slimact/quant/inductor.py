@@ -104,14 +104,9 @@ def _run(fn: Callable, dtype: torch.dtype, *args) -> object | None:
 def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
     """:func:`slimact.quant.reference.group_minmax`, in one pass over ``x`` where it applies."""
     runs = _applies(x, layout)
-    if runs is None:
-        return reference.group_minmax(x, layout)
-    if layout.dim is None:
-        lo, hi = torch.aminmax(x)  # one vectorised pass already
-        return lo.float().reshape(1), hi.float().reshape(1)
-    if runs[2] == 1:
-        # One element per run (a group per channel of [..., C]): the column reductions of eager PyTorch are
-        # faster than a loop over runs of one.
+    # The reference where it is one pass already (the whole tensor: torch.aminmax), and for runs of one
+    # element (a group per channel of [..., C]), whose eager column reductions beat a loop over runs of one.
+    if runs is None or layout.dim is None or runs[2] == 1:
         return reference.group_minmax(x, layout)
     out = _run(_minmax, x.dtype, x.view(runs))
     if out is None:
