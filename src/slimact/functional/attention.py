@@ -20,15 +20,16 @@ Math, with ``s`` the scores ``[B, H, T, S]`` (``q k^T * scale + mask``), ``m`` a
 
 Plain PyTorch keeps ``P`` (for the softmax backward), the dropout mask (a bool, or on CPU an fp32 noise
 tensor) and ``D`` (for the matmul backward): two full ``[B, H, T, S]`` tensors and a mask. This Function keeps
-``P`` once (exact, or 8-bit with one scale per head), the mask as bits, and ``v``, and recomputes ``D`` in the
-backward. No dropout in eval mode (``p`` is then 0), as PyTorch.
+``P`` once (exact, or 8-bit codes of ``sqrt(P)`` with one scale per head: :mod:`slimact.functional.softmax`),
+the mask as bits, and ``v``, and recomputes ``D`` in the backward.
+No dropout in eval mode (``p`` is then 0), as PyTorch.
 
 Grouped-query attention: ``v`` is ``[B, H_kv, S, D]`` with ``H = H_kv * n_rep``; the product runs on grouped
 views, so the ``n_rep``-times repeated ``v`` is never kept (nor built).
 
 The forward is PyTorch's own ops (``softmax`` in fp32 as Hugging Face computes it, ``native_dropout``, the same
 random draws as ``F.dropout``, ``matmul``). Error: exact when ``P`` and ``v`` are kept exact; at 8 bits each
-is within half a step per element (tests assert SQNR >= 30 dB).
+is within its documented error (tests assert SQNR >= 30 dB).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from torch import Tensor
 
 from slimact.functional._saving import Mask, load, save
+from slimact.functional.softmax import pack_probabilities
 from slimact.quant import QuantConfig, RunningRange, pack
 
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
@@ -63,7 +65,8 @@ class _SoftmaxDropoutMatmul(torch.autograd.Function):
         out = torch.matmul(pg, vg).reshape(*probs.shape[:-1], v.shape[-1])  # [B, H, T, D]
         ctx.scale = 1.0 / (1.0 - p) if 0 < p < 1 else (0.0 if p >= 1 else 1.0)
         ctx.dtype = scores.dtype
-        save(ctx, pack(probs, cfg_p, state_p), None if mask is None else Mask.of(mask), pack(v, cfg_v, state_v))
+        kept_mask = None if mask is None else Mask.of(mask)
+        save(ctx, pack_probabilities(probs, cfg_p, state_p), kept_mask, pack(v, cfg_v, state_v))
         return out
 
     @staticmethod

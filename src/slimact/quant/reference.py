@@ -184,8 +184,8 @@ def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
 def scale_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
     """fp32 ``(lo, step)`` per group from fp32 bounds.
 
-    The step is computed in fp64 so that neither ``hi - lo`` nor the division over/underflows; a group with
-    no positive range (or one so small that its fp32 step would be 0) gets ``step = 1`` and codes 0.
+    The step is computed in fp64 so that neither ``hi - lo`` nor the division over/underflows, and rounded up to
+    fp32 so that ``[lo, hi]`` stays inside the code range; a group with no positive range (or one so small that its fp32 step would be 0) gets ``step = 1`` and codes 0.
 
     Zero is a code: where a range straddles 0 (``lo < 0 < hi``) with 4 or more bits, ``lo`` becomes
     ``-z * step`` for an integer ``z``, so an exact 0 (a zeroed token, a padded row, a masked feature) is
@@ -208,6 +208,9 @@ def scale_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
         straddles = (lo64 < 0) & (hi64 > 0)
         step64 = torch.where(straddles, zero_step, step64)
     step = step64.float()
+    # Rounded up, never down: a step a hair short of range / qmax would clamp the top of the range, by up to qmax
+    # times the rounding; that is 255 subnormal spacings where fp32 steps are themselves subnormal (denormal data).
+    step = torch.where(step.double() < step64, torch.nextafter(step, torch.full_like(step, torch.inf)), step)
     ok = (rng > 0) & (step > 0)
     if qmax >= 15:
         # -z * step in fp32: the reference restores code z as lo + z * step = 0 exactly.
