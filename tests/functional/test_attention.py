@@ -354,3 +354,17 @@ def test_probabilities_of_tied_keys_with_huge_scores_are_exact():
     out = scaled_dot_product_attention(q, k, v, scale=1.0)
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0))
     assert out.item() == 3440
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_constant_keys_with_dropout_give_a_query_gradient_at_noise_level(dtype):
+    # Equal keys: every score is equal, and the query's gradient is zero in exact arithmetic. The chunked
+    # backward took rowsum(P * dP) as rowsum(dO * O) from the output rounded to the dtype: a residue of an ulp
+    # of O, which the keys multiplied into a q gradient of 1e-3 (PyTorch: 6e-8). From the fp32 rows: noise.
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 3, 4).to(dtype).requires_grad_()
+    k = torch.full((1, 2, 21, 4), 3.25, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 2, 21, 4).to(dtype).requires_grad_()
+    out = scaled_dot_product_attention(q, k, v, dropout_p=0.2)
+    out.backward(torch.randn(out.shape).to(dtype))
+    assert q.grad.float().norm() <= 1e-3 * v.grad.float().norm()

@@ -174,3 +174,26 @@ def test_non_finite_hidden_states_give_torchs_nan(bad, smoothing):
     for a, e in zip(g1, g0, strict=True):
         assert torch.equal(torch.isfinite(a), torch.isfinite(e))
         torch.testing.assert_close(a, e, equal_nan=True)
+
+
+def test_fp16_weight_gradient_summed_past_65504_before_the_upstream_scales_it_stays_finite():
+    # reduction="sum" over 150k tokens: grad_W reaches -75000 before the loss's gradient (0.5) halves it, which
+    # PyTorch applies first. Kept in fp16 as it was, it became -inf.
+    n = 150_000
+    h = torch.ones(n, 1, dtype=torch.float16)
+    target = torch.zeros(n, dtype=torch.long)
+    grads = []
+    for fused in (False, True):
+        w = torch.zeros(2, 1, dtype=torch.float16, requires_grad=True)
+        b = torch.zeros(2, dtype=torch.float16, requires_grad=True)
+        if fused:
+            loss = linear_cross_entropy(h, w, b, target, reduction="sum")
+        else:
+            loss = F.cross_entropy(F.linear(h, w, b), target, reduction="sum")
+        loss.backward(torch.tensor(0.5, dtype=torch.float16))
+        grads.append((w.grad, b.grad))
+    (w_plain, b_plain), (w_ours, b_ours) = grads
+    assert torch.isfinite(w_ours).all() and torch.isfinite(b_ours).all()
+    torch.testing.assert_close(w_ours, w_plain)
+    torch.testing.assert_close(b_ours, b_plain)
+    torch.testing.assert_close(w_ours, torch.tensor([[-37500.0], [37500.0]], dtype=torch.float16))

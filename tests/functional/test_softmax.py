@@ -1,8 +1,14 @@
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
+import slimact.functional as sf
 from _harness import FLOAT_DTYPES, check_against_plain, non_contiguous, saved_ratio
+from slimact._metrics import sqnr_db
+from slimact.functional.softmax import pack_probabilities
+from slimact.quant import QuantConfig, pack, unpack
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
@@ -14,3 +20,45 @@ def test_softmax_matches_torch(shape, dtype):
 
 def test_softmax_keeps_at_most_0_27x():
     assert saved_ratio(nn.Softmax(dim=-1), torch.randn(4, 4, 64, 64)) <= 0.27
+
+
+def _softmax_x_grad_sqnr(y: torch.Tensor, g: torch.Tensor, y_hat: torch.Tensor) -> float:
+    exact = torch._softmax_backward_data(g, y, -1, torch.float32)
+    return sqnr_db(exact, torch._softmax_backward_data(g, y_hat, -1, torch.float32))
+
+
+@pytest.mark.parametrize("keys", [512, 2048])
+def test_long_rows_keep_the_floor_with_one_scale_per_head(keys):
+    # A row's probabilities are ~1/keys while the head's scale is set by its largest one: linear codes of y gave
+    # every element the same error and fell below the floor with the row length; codes of sqrt(y) do not.
+    torch.manual_seed(0)
+    scores = torch.randn(1, 2, 256, keys, requires_grad=True)
+    g = torch.randn(1, 2, 256, keys)
+    cfg = QuantConfig(group_dim=1, groups=0)
+    y = sf.softmax(scores, -1, cfg)
+    y.backward(g)
+    exact = torch._softmax_backward_data(g, y.detach(), -1, torch.float32)
+    assert sqnr_db(exact, scores.grad) >= 30.0
+    # The counterfactual: Mesa's linear codes of y (no outliers kept apart either: the largest probabilities of a
+    # row can be 32x the others' mean, and kept exactly they take back a few dB)
+    linear = unpack(pack(y.detach(), dataclasses.replace(cfg, outliers=False), share=False))
+    assert _softmax_x_grad_sqnr(y.detach(), g, linear) < 30.0
+
+
+def test_the_probabilities_pack_is_the_next_matmuls():
+    # The softmax keeps codes of sqrt(y); the MatMul reading y (probs @ v) reuses that pack, restored as y.
+    torch.manual_seed(0)
+    cfg = QuantConfig(group_dim=1, groups=0)
+    y = sf.softmax(torch.randn(1, 2, 8, 8, requires_grad=True), -1, cfg)
+    packed = pack(y, cfg)
+    assert packed.meta.derive == "square"
+    restored = unpack(packed)
+    assert restored.dtype == y.dtype and sqnr_db(y.detach(), restored) >= 40.0
+    assert torch.equal(restored, unpack(pack_probabilities(y.detach(), cfg)))
+
+
+def test_non_finite_probabilities_are_kept_exactly():
+    y = torch.softmax(torch.tensor([[0.0, 1.0, float("nan")]]), -1)
+    packed = pack_probabilities(y, QuantConfig())
+    assert packed.meta.raw and packed.meta.derive is None
+    torch.testing.assert_close(unpack(packed), y, equal_nan=True, rtol=0, atol=0)

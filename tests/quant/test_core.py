@@ -7,6 +7,7 @@ import weakref
 import pytest
 import torch
 
+from slimact._metrics import sqnr_db
 from slimact.quant import QuantConfig, RunningRange, pack, unpack
 from slimact.quant.reference import _expand
 
@@ -33,7 +34,7 @@ def _non_contiguous(shape):
 
 
 def _step_and_slack(x, packed):
-    _, lo, step = packed.tensors
+    _, lo, step, *_ = packed.tensors
     meta = packed.meta
     step_e = _expand(step, meta.layout, x.dim())
     lo_e = _expand(lo, meta.layout, x.dim())
@@ -147,7 +148,8 @@ def test_stale_running_estimate_saturates_never_wraps():
 
 def test_running_estimate_ema_and_snapshot():
     module, state = _module_with_state()
-    cfg = QuantConfig(group_dim=None, scale="running", decay=0.9)
+    # (Without outliers: in [0, 1], 1 is more than 32 times the mean magnitude of the rest, and kept apart.)
+    cfg = QuantConfig(group_dim=None, scale="running", decay=0.9, outliers=False)
     p1 = pack(torch.tensor([0.0, 1.0]), cfg, state)  # initialises from the first tensor
     assert torch.allclose(module._x_lo, torch.tensor([0.0])) and torch.allclose(module._x_range, torch.tensor([1.0]))
     p2 = pack(torch.tensor([-1.0, 3.0]), cfg, state)
@@ -163,7 +165,7 @@ def test_running_estimate_ema_and_snapshot():
 def test_zero_range_groups_are_exact():
     x = torch.tensor([[2.5, 2.5, -1.0, 3.0], [2.5, 2.5, -1.0, 3.0]])  # groups of 2 channels: [2.5, 2.5] constant
     packed = pack(x, QuantConfig(groups=2))
-    _, _, step = packed.tensors
+    _, _, step, *_ = packed.tensors
     assert torch.isfinite(step).all() and (step > 0).all()
     x_hat = unpack(packed)
     assert torch.equal(x_hat[:, :2], x[:, :2])
@@ -206,7 +208,7 @@ def test_non_finite_input_is_kept_uncompressed(bad):
 
 def test_non_finite_input_does_not_touch_running_estimate():
     module, state = _module_with_state()
-    cfg = QuantConfig(group_dim=None, scale="running")
+    cfg = QuantConfig(group_dim=None, scale="running", outliers=False)  # (see the test above)
     pack(torch.tensor([0.0, 1.0]), cfg, state)
     assert pack(torch.tensor([0.0, float("nan")]), cfg, state).raw
     assert torch.equal(module._x_range, torch.tensor([1.0]))
@@ -335,3 +337,71 @@ def test_policy_configs_clamp_their_group_count():
         opt.step()
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def _heavy(shape, count, gen):
+    # normal data with `count` values at 1e4 times the median magnitude
+    x = torch.randn(shape, generator=gen)
+    where = torch.randperm(x.numel(), generator=gen)[:count]
+    x.view(-1)[where] = 1e4 * x.abs().median() * torch.sign(torch.randn(count, generator=gen))
+    return x, where
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", [QuantConfig(group_dim=None), QuantConfig(group_dim=-1, groups=8),
+                                 QuantConfig(group_dim=1, groups=0, stochastic=True)], ids=["whole", "groups", "heads"])
+def test_outliers_are_kept_apart_exactly_and_the_rest_keeps_its_own_step(cfg, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, where = _heavy((4, 8, 64, 64), 40, gen)
+    x = x.to(dtype)
+    packed = pack(x, cfg, share=False)
+    codes, lo, step, index, values = packed.tensors
+    assert torch.equal(values, x.view(-1)[index.long()])
+    assert sorted(index.tolist()) == sorted(where.tolist()) and index.dtype == torch.int32
+    x_hat = unpack(packed)
+    assert torch.equal(x_hat.view(-1)[where], x.view(-1)[where])
+    # The others within half (stochastic: one) of a step set by their own range, not the outliers'.
+    rest = torch.ones(x.numel(), dtype=torch.bool)
+    rest[where] = False
+    rest = rest.view(x.shape)
+    assert step.max() < 2 * 8 / 255  # normal values reach ~5: a range of ~10, not 2e4
+    bound, slack = _step_and_slack(x, packed)
+    assert ((x_hat.float() - x.float()).abs()[rest] <= (2 * bound + slack)[rest]).all()
+    # Bytes: the codes and scales plus 4 + 2..4 bytes per outlier.
+    assert packed.nbytes == codes.nbytes + lo.nbytes + step.nbytes + 40 * (4 + x.element_size())
+
+
+def test_outliers_keep_a_weight_gradient_above_the_floor_where_one_range_did_not():
+    # A Linear's weight gradient g^T x with x holding a few values at 1e4x: one range over them rounded every
+    # ordinary value to 0 (26 dB); kept apart, the gradient is at the codes' resolution.
+    gen = torch.Generator().manual_seed(0)
+    x, _ = _heavy((4096, 256), 10, gen)
+    g = torch.randn(4096, 64, generator=gen)
+    exact = g.t() @ x
+    sqnr = {}
+    for outliers in (False, True):
+        x_hat = unpack(pack(x, QuantConfig(group_dim=None, outliers=outliers), share=False))
+        sqnr[outliers] = sqnr_db(exact, g.t() @ x_hat)
+    assert sqnr[False] < 30 <= 40 <= sqnr[True], sqnr
+
+
+@pytest.mark.parametrize("dist", ["normal", "laplace", "uniform"])
+def test_ordinary_data_keeps_no_outliers(dist):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 22, generator=gen)
+    if dist == "laplace":
+        x = torch.distributions.Laplace(0.0, 1.0).sample((1 << 22,))
+    elif dist == "uniform":
+        x = torch.rand(1 << 22, generator=gen) + 3.0  # off-centre: the threshold is on |x|
+    assert len(pack(x, QuantConfig(group_dim=None), share=False).tensors) == 3
+
+
+def test_outliers_can_be_switched_off_and_a_running_estimate_tracks_the_rest():
+    gen = torch.Generator().manual_seed(0)
+    x, _ = _heavy((64, 32), 3, gen)
+    assert len(pack(x, QuantConfig(group_dim=None, outliers=False), share=False).tensors) == 3
+    module = torch.nn.Module()
+    state = RunningRange(module, "_x")
+    packed = pack(x, QuantConfig(group_dim=None, scale="running"), state, share=False)
+    assert len(packed.tensors) == 5
+    assert module._x_range.item() < 12  # the estimate of the ordinary values' range, not of the outliers'

@@ -58,8 +58,12 @@ def test_pack_unpack_bounds_hold_for_any_input(case):
     if packed.raw:
         assert x_hat is x
         return
-    _, lo, step = packed.tensors
+    _, lo, step, *outliers = packed.tensors
     assert torch.isfinite(step).all() and (step > 0).all()
+    if outliers:  # kept apart, exactly
+        index, values = outliers
+        assert torch.equal(x_hat.reshape(-1)[index.long()], x.reshape(-1)[index.long()])
+        assert torch.equal(values, x.reshape(-1)[index.long()])
     s = _expand(step, packed.meta.layout, x.dim())
     fi = torch.finfo(x.dtype)
     # Half a step (a whole one when stochastic), plus the fp32 arithmetic and the cast back to x.dtype.

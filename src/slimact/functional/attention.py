@@ -5,7 +5,8 @@ Fused path (:func:`scaled_dot_product_attention`): at 8 bits keeps ``q``, ``k``,
 the output and log-sum-exp from them in the backward (one more fused forward), so the backward is the exact
 gradient of the attention of the restored tensors (a kept 8-bit output would disagree with the probabilities
 rebuilt from 8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients); under a lossless policy keeps ``q``,
-``k``, ``v``, the output and the fp32 log-sum-exp exactly. Never a ``[T, S]`` tensor (a boolean mask, if given,
+``k``, ``v`` exactly, and for PyTorch's CPU flash kernel also the output and the fp32 log-sum-exp (the chunked
+path recomputes what it needs). Never a ``[T, S]`` tensor (a boolean mask, if given,
 as bits). A mask that needs a gradient (Swin's and T5's learned position biases) is kept as given (often one
 tensor shared by every layer) and gets its gradient, the scores' gradient summed over the dims it broadcasts
 along, from the chunked path.
@@ -211,8 +212,9 @@ def _replayed_mask(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p:
 class _ChunkedAttention(torch.autograd.Function):
     """Flash-style attention in PyTorch ops, a block of query rows at a time, on any device.
 
-    Keeps q, k, v (packed; the output too under a lossless policy); with dropout, the RNG state it drew the mask
-    from, so the backward redraws the same mask: nothing of size [T, S] is ever kept.
+    Keeps q, k, v (packed, or exact under a lossless policy) and, with dropout, the RNG state it drew the mask
+    from, so the backward redraws the same mask: nothing of size [T, S] is ever kept, nor the output (the
+    backward takes ``rowsum(P * dP)`` from the rows it recomputes).
     """
 
     @staticmethod
@@ -243,14 +245,13 @@ class _ChunkedAttention(torch.autograd.Function):
             out = out.masked_fill(dead, 0)
         ctx.args = (is_causal, scale, dropout_p, v.dtype)
         st = state or {}
-        exact = cfg_q is None  # lossless: keep the output; 8-bit: recompute it from q, k, v
         save(ctx, pack(q, cfg_q, st.get("q")), pack(k, cfg_kv, st.get("k")), pack(v, cfg_kv, st.get("v")),
-             out if exact else None, _saved_mask(mask), dead, rng)
+             _saved_mask(mask), dead, rng)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, mask, dead, rng = load(ctx)
+        q, k, v, mask, dead, rng = load(ctx)
         is_causal, scale, dropout_p, p_dtype = ctx.args
         if dead is not None:
             grad_out = grad_out.masked_fill(dead, 0)
@@ -262,8 +263,6 @@ class _ChunkedAttention(torch.autograd.Function):
         kf, vf = k.float(), v.float()
         kt, vg = kf.unsqueeze(2).transpose(-1, -2), vf.unsqueeze(2)
         g = grad_out.float()
-        # [B, H, T]: rowsum(dP * P) = rowsum(dO * O); from the kept output, or the block's own below
-        delta = (g * out.float()).sum(-1) if out is not None else None
         gq = torch.empty_like(qg)
         gk = torch.zeros(b, h_kv, rep, s, d, dtype=torch.float32, device=q.device)
         gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
@@ -284,15 +283,14 @@ class _ChunkedAttention(torch.autograd.Function):
                 keep = keep_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
                 dropped = probs * keep / (1 - dropout_p)
             gblk = gg[..., t0:t1, :]
-            if delta is None:  # the output these restored tensors give, for a self-consistent backward
-                d_blk = (gblk * dropped.matmul(vg)).sum(-1)  # [B, H_kv, rep, rows]
-            else:
-                d_blk = delta[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0)
             gv += dropped.transpose(-1, -2).matmul(gblk)
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
             if keep is not None:
                 dp = dp * keep / (1 - dropout_p)
-            ds = probs * (dp - d_blk.unsqueeze(-1))
+            # rowsum(P * dP) from the block's own fp32 rows (each block holds whole rows): so ds sums to zero over
+            # a row to fp32 rounding. (FlashAttention's rowsum(dO * O) from the output rounded to fp16 left a
+            # 1e-3 residue, which constant keys turned into a q gradient of 1e-3 where the exact one is 0.)
+            ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
             if gmask is not None:
                 gm = ds.reshape(b, h, t1 - t0, s)
                 dims = [i for i in range(3) if m4.shape[i] == 1 and gm.shape[i] != 1]

@@ -15,7 +15,8 @@ batch 4 x 512 that is 393 MiB in fp32. This Function runs over the tokens in chu
 gradients during the forward, as Liger-Kernel's fused linear cross-entropy does: per chunk the logits (given,
 when the model's head has computed them already, else ``h_chunk W^T + b``), ``lse``, the loss, ``dz`` and
 its products with ``W`` and ``h``. It keeps ``grad_h`` (``[tokens, C]`` in ``h``'s dtype), ``grad_W``
-(``[V, C]``, fp32 while accumulating, then ``W``'s dtype) and ``grad_b``; the backward multiplies them by the
+(``[V, C]``, fp32 while accumulating, then ``W``'s dtype, scaled by a power of two where fp16 would overflow)
+and ``grad_b``; the backward multiplies them by the
 incoming gradient of the loss. Nothing of the logits and no copy of ``h`` is kept.
 
 Why ahead rather than recomputing the logits in the backward: the recomputation is one more
@@ -55,6 +56,22 @@ def _chunks(n: int, vocab: int):
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(h, weight, bias).float()
+
+
+def _narrow(g: Tensor, dtype: torch.dtype) -> tuple[Tensor, float]:
+    """``(g / scale).to(dtype), scale``: a power of two (exact) where ``g`` would overflow ``dtype``, else 1.
+
+    An fp16 weight gradient summed over many tokens may exceed 65504 before the loss's own gradient scales it
+    down (``reduction="sum"`` over 200k tokens: 66000, times an upstream 0.66 in PyTorch's order); the backward
+    multiplies by ``grad_loss * scale``. One host sync, for fp16 only (and not while dynamo traces)."""
+    limit = torch.finfo(dtype).max
+    if dtype != torch.float16 or torch.compiler.is_compiling():
+        return g.to(dtype), 1.0
+    peak = g.abs().max().item() if g.numel() else 0.0
+    if not limit / 2 < peak < math.inf:
+        return g.to(dtype), 1.0
+    scale = 2.0 ** math.ceil(math.log2(2 * peak / limit))
+    return (g / scale).to(dtype), scale
 
 
 def _exp_and_lse(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,20 +124,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_b:
                 grad_b += dz.sum(0)
         ctx.in_shape = h_in.shape
-        save(
-            ctx,
-            *(Gradient(g) if g is not None else None for g in (
-                grad_h,
-                grad_w.to(weight.dtype) if grad_w is not None else None,
-                grad_b.to(bias.dtype) if grad_b is not None else None,
-            )),
-        )
+        grad_w, scale_w = _narrow(grad_w, weight.dtype) if grad_w is not None else (None, 1.0)
+        grad_b, scale_b = _narrow(grad_b, bias.dtype) if grad_b is not None else (None, 1.0)
+        ctx.scales = (1.0, scale_w, scale_b)
+        save(ctx, *(Gradient(g) if g is not None else None for g in (grad_h, grad_w, grad_b)))
         return (total / divisor).to(h.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w, grad_b = load(ctx)
-        grads = [None if g is None else (g * grad_loss).to(g.dtype) for g in (grad_h, grad_w, grad_b)]
+        grads = [None if g is None else (g * (grad_loss * s if s != 1.0 else grad_loss)).to(g.dtype)
+                 for g, s in zip((grad_h, grad_w, grad_b), ctx.scales, strict=True)]
         if grads[0] is not None:
             grads[0] = grads[0].reshape(ctx.in_shape)
         return *grads, None, None, None, None, None

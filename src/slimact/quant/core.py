@@ -152,12 +152,21 @@ def pack(
     lo, hi = kernels.group_minmax(x, layout)
     # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
     bad = ~torch.isfinite(lo) | ~torch.isfinite(hi - lo)  # [groups]
+    outliers: tuple[Tensor, ...] = ()
     if compiling:
         # No host sync while dynamo traces (it would break the graph): a group whose range is not finite is
         # restored as NaN, whole, instead of the tensor being kept exact; the running estimate never sees it.
+        # Nor outliers kept apart (their count is data-dependent).
         lo, hi = lo.masked_fill(bad, 0.0), hi.masked_fill(bad, 0.0)
-    elif bool(bad.any()):  # one host sync
-        return _raw(x)
+    else:
+        threshold = reference.outlier_threshold(x, layout) if cfg.outliers else None
+        heavy = torch.zeros((), dtype=torch.bool, device=x.device) if threshold is None else (
+            (torch.maximum(lo.abs(), hi.abs()) > threshold).any())
+        is_bad, is_heavy = torch.stack([bad.any(), heavy]).tolist()  # one host sync
+        if is_bad:
+            return _raw(x)
+        if is_heavy:
+            lo, hi, *outliers = reference.split_outliers(x, layout, threshold)
     if cfg.scale == "running" and not compiling:
         # (Under torch.compile the estimate is neither used nor moved: a module buffer assigned inside an
         # autograd Function's traced forward is a side effect dynamo cannot keep. Each tensor's own range
@@ -174,7 +183,7 @@ def pack(
     else:
         seed = reference.draw_seed() if cfg.stochastic else None
         codes = kernels.quantize(x, layout, lo, step, cfg.bits, seed)
-    packed = Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
+    packed = Packed((codes, lo, step, *outliers), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
     if share:
         _shared.put(x, packed)
     return packed
@@ -188,9 +197,10 @@ def unpack(packed: Packed, *, backend: Backend | None = None) -> Tensor:
         return _DERIVATIONS[meta.derive](unpack(Packed(packed.tensors, meta._replace(derive=None)), backend=backend))
     if meta.raw:
         return packed.tensors[0]
-    codes, lo, step = packed.tensors
+    codes, lo, step, *outliers = packed.tensors
     kernels = _kernels(backend or backend_for(codes))
-    return kernels.dequantize(codes, meta, lo, step)
+    out = kernels.dequantize(codes, meta, lo, step)
+    return reference.restore_outliers(out, *outliers) if outliers else out
 
 
 #: Elementwise functions a pack may stand behind (see :func:`share_derived`), by name.
