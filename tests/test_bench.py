@@ -53,8 +53,10 @@ def test_speed_rows_are_interleaved_ratios_with_memory():
                       warmup=1, tiny=True))
     assert [r["setup"] for r in rows] == ["plain", "tempo", "int8", "checkpoint+int8"]
     assert rows[0]["time_ratio_median"] == 1.0 and rows[0]["memory_ratio"] == 1.0
+    assert rows[0]["eval_ratio_median"] == 1.0
     for r in rows[1:]:
         assert r["time_ratio_min"] <= r["time_ratio_median"] <= r["time_ratio_max"]
+        assert r["eval_ratio_min"] <= r["eval_ratio_median"] <= r["eval_ratio_max"]
         assert 0 < r["memory_ratio"] < 1
 
 

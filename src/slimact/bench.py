@@ -224,8 +224,8 @@ def speed(
     dtype: str = "fp32",
 ) -> Iterator[dict[str, Any]]:
     """Rows per model and setup: the median and spread of (setup step time / plain step time) over
-    ``rounds`` interleaved rounds, and the activation bytes of each; ``dtype`` ``"bf16"``/``"fp16"`` runs
-    the forwards under autocast."""
+    ``rounds`` interleaved rounds, the same for an inference forward (eval mode, ``no_grad``: ``eval_ratio_*``),
+    and the activation bytes of each; ``dtype`` ``"bf16"``/``"fp16"`` runs the forwards under autocast."""
     import statistics
 
     import slimact
@@ -236,12 +236,17 @@ def speed(
         base = build(name, layers=layers, tiny=tiny).to(device)
         inputs = example_inputs(base, batch, seq)
         runs = _setups(base, names)
-        times = _interleaved({key: _train_step(m, inputs, device, dtype) for key, m in runs.items()}, rounds, warmup)
+        times = _interleaved({key: _train_step(m, inputs, device, dtype) for key, m in runs.items()}, rounds, warmup,
+                             device)
+        # Inference (eval mode, no_grad): a converted model must cost what the plain one does.
+        evals = _interleaved({key: _eval_forward(m, inputs, device, dtype) for key, m in runs.items()}, rounds,
+                             warmup, device)
         with autocast(device, dtype):
             plain_bytes = slimact.profile(runs["plain"], inputs).activation_bytes
             plain_peak = peak_bytes(runs["plain"], inputs)
         for key in names:
             ratios = [t / p for t, p in zip(times[key], times["plain"], strict=True)]
+            eval_ratios = [t / p for t, p in zip(evals[key], evals["plain"], strict=True)]
             with autocast(device, dtype):
                 kept = plain_bytes if key == "plain" else slimact.profile(runs[key], inputs).activation_bytes
                 peak = plain_peak if key == "plain" else peak_bytes(runs[key], inputs)
@@ -250,6 +255,8 @@ def speed(
                 "time_ratio_median": round(statistics.median(ratios), 4),
                 "time_ratio_min": round(min(ratios), 4), "time_ratio_max": round(max(ratios), 4),
                 "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1),
+                "eval_ratio_median": round(statistics.median(eval_ratios), 4),
+                "eval_ratio_min": round(min(eval_ratios), 4), "eval_ratio_max": round(max(eval_ratios), 4),
                 "rounds": rounds, "activation_mib": round(kept / 2**20, 2),
                 "memory_ratio": round(kept / plain_bytes, 4), "peak_mib": round(peak / 2**20, 2),
                 "peak_ratio": round(peak / plain_peak, 4), **environment(device),
@@ -271,6 +278,24 @@ def _train_step(model: torch.nn.Module, inputs: dict[str, Any], device: str, dty
             torch.cuda.synchronize()
 
     return step
+
+
+def _eval_forward(model: torch.nn.Module, inputs: dict[str, Any], device: str, dtype: str = "fp32") -> Any:
+    """A closure running one inference forward (eval mode, ``no_grad``), leaving the model's mode as found."""
+    cuda = torch.device(device).type == "cuda"
+
+    def forward() -> None:
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), autocast(device, dtype):
+                model(**inputs)
+        finally:
+            model.train(was)
+        if cuda:
+            torch.cuda.synchronize()
+
+    return forward
 
 
 def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str = "cpu") -> dict[str, list[float]]:

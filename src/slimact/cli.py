@@ -107,7 +107,8 @@ def _bench(args: argparse.Namespace) -> int:
         for row in speed(args.models or ["gpt2", "llama"], setups, layers=args.layers, batch=args.batch or 4,
                          seq=args.seq or 256, rounds=args.rounds, device=args.device, dtype=args.dtypes[0]):
             print(f"{row['model']:>8} {row['setup']:>16}: time {row['time_ratio_median']:.3f}x "
-                  f"[{row['time_ratio_min']:.3f}, {row['time_ratio_max']:.3f}]  memory {row['memory_ratio']:.3f}x",
+                  f"[{row['time_ratio_min']:.3f}, {row['time_ratio_max']:.3f}]  memory {row['memory_ratio']:.3f}x  "
+                  f"inference {row['eval_ratio_median']:.3f}x",
                   flush=True)
             rows.append(row)
     elif args.ops:

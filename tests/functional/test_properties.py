@@ -146,6 +146,9 @@ class Case:
     masked: bool = False
     terms: dict[str, int] = field(default_factory=dict)  # terms each gradient element sums (see _assert_rounding)
     patches: list = field(default_factory=list)  # context managers around slimact's call
+    # A forward computed otherwise (forward_equal=False): the size its rounding scales with, where that is not the
+    # result's (see _sdpa), and how many roundings of it
+    forward_size: Callable[[], Tensor] | None = None
 
     @property
     def broadcast(self) -> bool:
@@ -832,12 +835,30 @@ def _sdpa(draw) -> Case:
         with sdpa_kernel(SDPBackend.MATH):
             return plain(q, k, v)
 
+    def forward_size() -> Tensor:
+        # Each score is rounded relative to its terms' magnitude, |q| |k|^T scale (1e8 with heavy tails: an ulp
+        # of 8), and a score's error e_j moves the output by at most sum_j P_j |e_j - sum_i P_i e_i| |v_j|: so
+        # the output's rounding scales with max_j (|q| |k|^T scale)_j * (P |v|), P the probabilities (dropout's
+        # 1 / (1 - p) included), not with the output. float64.
+        q, k, v = (inputs[n].double() for n in "qkv")
+        k, v = (t.repeat_interleave(h // h_kv, dim=1) for t in (k, v))  # [B, H, S, D]
+        mag = (q.abs() @ k.abs().transpose(-1, -2)) * (kw["scale"] or 1 / math.sqrt(dd))
+        scores = (q @ k.transpose(-1, -2)) * (kw["scale"] or 1 / math.sqrt(dd))
+        mask = kw.get("attn_mask")
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.double()
+        if kw.get("is_causal"):
+            scores = scores.masked_fill(~torch.ones(t, s, dtype=torch.bool).tril(), -math.inf)
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)
+        return (probs @ v.abs()) * mag.amax(-1, keepdim=True).nan_to_num(0.0) / (1 - kw["dropout_p"])
+
     # The floor of tests/functional/test_attention.py: 25 dB for q, k, v (three 8-bit tensors meet in the scores).
     # Fused: PyTorch's CPU flash kernel or a chunked flash-style path, not the kernel F.scaled_dot_product_attention
     # picks: the forward is equal to float rounding only.
     rule = LOSSLESS if cfg is None else _lossy(("sqnr", 25.0))
     return d.case(plain, slim, inputs, dict.fromkeys(inputs, rule), forward_equal=False, zero_scale="v",
-                  kernel_nan=True, masked=mask != "none", gold=gold, terms={"q": s * dd, "k": t * h, "v": t * h})
+                  kernel_nan=True, masked=mask != "none", gold=gold, forward_size=forward_size,
+                  terms={"q": s * dd, "k": t * h, "v": t * h, "forward": dd})
 
 
 def _like(mask: Tensor | None, q: Tensor) -> Tensor | None:
@@ -1032,7 +1053,9 @@ def _check(case: Case) -> None:
         torch.testing.assert_close(ours.out, torchs.out, rtol=0, atol=0, equal_nan=True, msg="forward differs")
     else:
         both = _non_finite("forward", ours.out, torchs.out, gold.out, case)
-        _assert_rounding("forward", ours.out[both], torchs.out[both], gold.out[both])
+        size = None if case.forward_size is None else (lambda: case.forward_size()[both])
+        _assert_rounding("forward", ours.out[both], torchs.out[both], gold.out[both], size,
+                         case.terms.get("forward", 1))
     if case.check is not None:
         case.check()
     for name, rule in case.rules.items():
