@@ -36,6 +36,33 @@ def test_compiled_pack_equals_the_reference_bit_for_bit(case, dtype):
     assert restored.dtype == dtype and torch.equal(restored, unpack(ref, backend="reference"))
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_stats_and_outliers_equal_the_references(case):
+    # The range bit for bit; the magnitude (a sum, in another order) to float rounding; the outliers it decides,
+    # and so the whole pack, the same.
+    from slimact.quant import reference
+
+    shape, cfg = CASES[case]
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    x.view(-1)[::997] = 1e4
+    layout = group_layout(x.shape, cfg)
+    lo, hi, magnitude = inductor.group_stats(x, layout)
+    ref_lo, ref_hi, ref_magnitude = reference.group_stats(x, layout)
+    assert torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi)
+    # fp32 sums of up to 3e5 terms, in two orders: both to float rounding of the float64 sum
+    others = [d for d in range(x.dim()) if d != layout.dim] if layout.dim is not None else list(range(x.dim()))
+    per_index = x.double().abs().sum(others).reshape(-1)
+    exact = per_index if layout.dim is None else per_index.view(layout.groups, -1).sum(1)
+    torch.testing.assert_close(magnitude.double(), exact, rtol=1e-4, atol=0)
+    torch.testing.assert_close(ref_magnitude.double(), exact, rtol=1e-4, atol=0)
+    ref = pack(x, cfg, backend="reference", share=False)
+    fast = pack(x, cfg, backend="inductor", share=False)
+    assert len(fast.tensors) == 5
+    for a, b in zip(ref.tensors, fast.tensors, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_values_reach_the_range_and_keep_the_tensor_raw(bad):
     x = torch.randn(512, 768)

@@ -149,17 +149,21 @@ def pack(
             return hit
     # While dynamo traces, the reference's ops: inductor fuses them into the model's graph.
     kernels = reference if compiling else _kernels(backend or backend_for(x))
-    lo, hi = kernels.group_minmax(x, layout)
+    # (Outliers are not kept apart while dynamo traces: their count is data-dependent.)
+    magnitude = None
+    if cfg.outliers and not compiling:
+        lo, hi, magnitude = kernels.group_stats(x, layout)
+    else:
+        lo, hi = kernels.group_minmax(x, layout)
     # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
     bad = ~torch.isfinite(lo) | ~torch.isfinite(hi - lo)  # [groups]
     outliers: tuple[Tensor, ...] = ()
     if compiling:
         # No host sync while dynamo traces (it would break the graph): a group whose range is not finite is
         # restored as NaN, whole, instead of the tensor being kept exact; the running estimate never sees it.
-        # Nor outliers kept apart (their count is data-dependent).
         lo, hi = lo.masked_fill(bad, 0.0), hi.masked_fill(bad, 0.0)
     else:
-        threshold = reference.outlier_threshold(x, layout) if cfg.outliers else None
+        threshold = None if magnitude is None else reference.outlier_threshold(magnitude, layout, x.numel())
         heavy = torch.zeros((), dtype=torch.bool, device=x.device) if threshold is None else (
             (torch.maximum(lo.abs(), hi.abs()) > threshold).any())
         is_bad, is_heavy = torch.stack([bad.any(), heavy]).tolist()  # one host sync

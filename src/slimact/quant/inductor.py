@@ -32,7 +32,7 @@ from torch import Tensor
 from slimact.quant import reference
 from slimact.quant.reference import GroupLayout, PackMeta
 
-__all__ = ["MIN_NUMEL", "dequantize", "group_minmax", "quantize"]
+__all__ = ["MIN_NUMEL", "dequantize", "group_minmax", "group_stats", "quantize"]
 
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
 MIN_NUMEL = 1 << 18
@@ -64,6 +64,14 @@ def _applies(x: Tensor, layout: GroupLayout) -> tuple[int, int, int] | None:
 
 def _minmax(x3: Tensor) -> tuple[Tensor, Tensor]:
     return x3.amin(-1), x3.amax(-1)  # [outer, groups] each
+
+
+def _stats(x3: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return x3.amin(-1), x3.amax(-1), x3.abs().float().sum(-1)  # [outer, groups] each
+
+
+def _column_stats(x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return x2.amin(0), x2.amax(0), x2.abs().float().sum(0)  # [groups] each
 
 
 def _codes(x3: Tensor, lo: Tensor, step: Tensor) -> Tensor:
@@ -132,3 +140,22 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
         if out is not None:
             return out.view(meta.shape)
     return reference.dequantize(codes, meta, lo, step)
+
+
+def group_stats(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`slimact.quant.reference.group_stats` (range and magnitude) in one pass over ``x`` where it applies:
+    over runs, then over their ``outer`` count; a group per channel of ``[..., C]`` (runs of one element) as one
+    column reduction (eager column reductions cost 17x a copy there)."""
+    runs = _applies(x, layout)
+    out = None
+    if runs is not None:
+        outer, groups, run = runs
+        if run == 1:
+            out = _run(_column_stats, x.dtype, x.view(outer, groups))
+        else:
+            per_run = _run(_stats, x.dtype, x.view(runs))
+            out = None if per_run is None else (per_run[0].amin(0), per_run[1].amax(0), per_run[2].sum(0))
+    if out is None:
+        return reference.group_stats(x, layout)
+    lo, hi, magnitude = out
+    return lo.float(), hi.float(), magnitude

@@ -74,7 +74,9 @@ __all__ = [
     "draw_seed",
     "end_stream",
     "group_layout",
+    "group_magnitude",
     "group_minmax",
+    "group_stats",
     "hash_uniform",
     "outlier_threshold",
     "quantize",
@@ -203,23 +205,34 @@ def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
     return _group_reduce(lo.float(), layout, "amin"), _group_reduce(hi.float(), layout, "amax")
 
 
-def outlier_threshold(x: Tensor, layout: GroupLayout) -> Tensor:
-    """Per group, fp32 ``[groups]``: the magnitude beyond which an element is more than ``OUTLIER_RATIO`` (``K``)
-    times the mean magnitude of the group's other elements: ``|x| > K (S - |x|) / (n - 1)``, with ``S`` the sum of
-    the ``n`` magnitudes, is ``|x| > K S / (n - 1 + K)``. Leaving the element out of its own mean lets small
-    groups have outliers too (a group of two: 1e4 against 0.8). One pass over ``x``, no temporary."""
+def group_magnitude(x: Tensor, layout: GroupLayout) -> Tensor:
+    """Per-group sum of ``|x|``, fp32 ``[groups]`` (one pass, no temporary)."""
     if layout.dim is None:
-        sums, counts = torch.linalg.vector_norm(x, 1, dtype=torch.float32).reshape(1), float(x.numel())
+        return torch.linalg.vector_norm(x, 1, dtype=torch.float32).reshape(1)
+    others = tuple(d for d in range(x.dim()) if d != layout.dim)
+    per_index = torch.linalg.vector_norm(x, 1, dim=others, dtype=torch.float32) if others else x.abs().float()
+    return _group_reduce(per_index, layout, "sum")
+
+
+def group_stats(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`group_minmax` and :func:`group_magnitude` (what a pack that keeps outliers apart needs)."""
+    return (*group_minmax(x, layout), group_magnitude(x, layout))
+
+
+def outlier_threshold(magnitude: Tensor, layout: GroupLayout, numel: int) -> Tensor:
+    """Per group, fp32 ``[groups]``, from its :func:`group_magnitude` ``S`` over ``n`` elements: the magnitude
+    beyond which an element is more than ``OUTLIER_RATIO`` (``K``) times the mean magnitude of the group's other
+    elements: ``|x| > K (S - |x|) / (n - 1)``, that is ``|x| > K S / (n - 1 + K)``. Leaving the element out of
+    its own mean lets small groups have outliers too (a group of two: 1e4 against 0.8)."""
+    if layout.dim is None:
+        counts: Tensor | float = float(numel)
     else:
-        others = tuple(d for d in range(x.dim()) if d != layout.dim)
-        per_index = torch.linalg.vector_norm(x, 1, dim=others, dtype=torch.float32) if others else x.abs().float()
-        sums = _group_reduce(per_index, layout, "sum")
         # elements per group: the indices of dim in it, times the elements per index
-        indices = torch.bincount(layout.group_index(x.device), minlength=layout.groups) if (
+        indices = torch.bincount(layout.group_index(magnitude.device), minlength=layout.groups) if (
             layout.size % layout.groups) else torch.full((layout.groups,), layout.size // layout.groups,
-                                                         device=x.device)
-        counts = indices * (x.numel() // max(layout.size, 1))
-    return sums * OUTLIER_RATIO / (counts - 1 + OUTLIER_RATIO)
+                                                         device=magnitude.device)
+        counts = indices * (numel // max(layout.size, 1))
+    return magnitude * OUTLIER_RATIO / (counts - 1 + OUTLIER_RATIO)
 
 
 def split_outliers(x: Tensor, layout: GroupLayout, threshold: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -18,9 +18,9 @@ import triton.language as tl
 from torch import Tensor
 
 from slimact.quant.packing import packed_numel
-from slimact.quant.reference import GroupLayout, PackMeta, group_minmax, seed_key
+from slimact.quant.reference import GroupLayout, PackMeta, group_minmax, group_stats, seed_key
 
-__all__ = ["dequantize", "group_minmax", "quantize"]
+__all__ = ["dequantize", "group_minmax", "group_stats", "quantize"]
 
 _BLOCK = 1024
 
