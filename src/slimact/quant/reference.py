@@ -31,8 +31,8 @@ value rounded to 0 and a Linear's weight gradient fell to ~29 dB; apart, the res
 "Mean magnitude" is that of the group's other elements, so that small groups have outliers too. Normal data
 in large groups never has one (its largest is ~8x the mean magnitude at 1e8 elements); fewer than
 ``1 + (n - 1) / 32`` of a group's ``n`` elements can be outliers (``(4 + 4) / 32`` bytes per element at worst in
-large groups, 0.06-0.08 for 1% outliers). Deciding costs one reduction pass (the magnitudes' sum) and shares the
-pack's one host sync.
+large groups, 0.06-0.08 for 1% outliers). Deciding needs the groups' sums of magnitudes (:func:`group_stats`,
+taken in the range's own pass on the fast paths) and shares the pack's one host sync.
 
 Error bound per element, measured before the cast back to ``x.dtype``: at most ``step/2`` with nearest
 rounding, under ``step`` with stochastic rounding (which is unbiased); the cast adds at most half an ulp
