@@ -133,7 +133,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w, grad_b = load(ctx)
-        grads = [None if g is None else (g * (grad_loss * s if s != 1.0 else grad_loss)).to(g.dtype)
+        grads = [None if g is None else (g * (grad_loss * s)).to(g.dtype)
                  for g, s in zip((grad_h, grad_w, grad_b), ctx.scales, strict=True)]
         if grads[0] is not None:
             grads[0] = grads[0].reshape(ctx.in_shape)

@@ -163,13 +163,14 @@ def pack(
         # restored as NaN, whole, instead of the tensor being kept exact; the running estimate never sees it.
         lo, hi = lo.masked_fill(bad, 0.0), hi.masked_fill(bad, 0.0)
     else:
-        threshold = None if magnitude is None else reference.outlier_threshold(magnitude, layout, x.numel())
-        heavy = torch.zeros((), dtype=torch.bool, device=x.device) if threshold is None else (
-            (torch.maximum(lo.abs(), hi.abs()) > threshold).any())
-        is_bad, is_heavy = torch.stack([bad.any(), heavy]).tolist()  # one host sync
+        flags = [bad.any()]
+        if magnitude is not None:
+            threshold = reference.outlier_threshold(magnitude, layout, x.numel())
+            flags.append((torch.maximum(lo.abs(), hi.abs()) > threshold).any())
+        is_bad, *heavy = torch.stack(flags).tolist()  # one host sync
         if is_bad:
             return _raw(x)
-        if is_heavy:
+        if any(heavy):
             lo, hi, *outliers = reference.split_outliers(x, layout, threshold)
     if cfg.scale == "running" and not compiling:
         # (Under torch.compile the estimate is neither used nor moved: a module buffer assigned inside an

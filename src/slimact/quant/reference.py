@@ -228,9 +228,7 @@ def outlier_threshold(magnitude: Tensor, layout: GroupLayout, numel: int) -> Ten
         counts: Tensor | float = float(numel)
     else:
         # elements per group: the indices of dim in it, times the elements per index
-        indices = torch.bincount(layout.group_index(magnitude.device), minlength=layout.groups) if (
-            layout.size % layout.groups) else torch.full((layout.groups,), layout.size // layout.groups,
-                                                         device=magnitude.device)
+        indices = torch.bincount(layout.group_index(magnitude.device), minlength=layout.groups)
         counts = indices * (numel // max(layout.size, 1))
     return magnitude * OUTLIER_RATIO / (counts - 1 + OUTLIER_RATIO)
 
