@@ -166,8 +166,11 @@ def peak_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     it: the running sum of the allocations and frees ``torch.profiler`` records, at its highest (on CUDA,
     ``torch.cuda.max_memory_allocated``). Unlike
     :func:`slimact.profile` it sees every temporary (the logits a model's head produces, a loss's chunks, the
-    parameter gradients the backward allocates), so it is the number a memory budget is about."""
+    parameter gradients the backward allocates), so it is the number a memory budget is about. (Large unpacks go
+    through the allocator here, not onto huge pages, which the profiler would not see.)"""
     from torch.profiler import ProfilerActivity, profile
+
+    from slimact.quant import _hugepages
 
     model.zero_grad(set_to_none=True)
     if any(p.is_cuda for p in model.parameters()):  # the allocator's own peak
@@ -178,7 +181,7 @@ def peak_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
         torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
         return torch.cuda.max_memory_allocated() - base
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _hugepages.off(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model(**inputs).loss.backward()
     events = sorted(
         (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"

@@ -40,7 +40,7 @@ def test_long_rows_keep_the_floor_with_one_scale_per_head(keys):
     exact = torch._softmax_backward_data(g, y.detach(), -1, torch.float32)
     assert sqnr_db(exact, scores.grad) >= 30.0
     # The counterfactual: Mesa's linear codes of y (no outliers kept apart either: the largest probabilities of a
-    # row can be 32x the others' mean, and kept exactly they take back a few dB)
+    # row can be 64x the others' typical magnitude, and kept exactly they take back a few dB)
     linear = unpack(pack(y.detach(), dataclasses.replace(cfg, outliers=False), share=False))
     assert _softmax_x_grad_sqnr(y.detach(), g, linear) < 30.0
 

@@ -148,7 +148,7 @@ def test_stale_running_estimate_saturates_never_wraps():
 
 def test_running_estimate_ema_and_snapshot():
     module, state = _module_with_state()
-    # (Without outliers: in [0, 1], 1 is more than 32 times the mean magnitude of the rest, and kept apart.)
+    # (Without outliers: in [0, 1], 1 is more than 64 times the magnitude of the rest, and kept apart.)
     cfg = QuantConfig(group_dim=None, scale="running", decay=0.9, outliers=False)
     p1 = pack(torch.tensor([0.0, 1.0]), cfg, state)  # initialises from the first tensor
     assert torch.allclose(module._x_lo, torch.tensor([0.0])) and torch.allclose(module._x_range, torch.tensor([1.0]))
@@ -383,6 +383,39 @@ def test_outliers_keep_a_weight_gradient_above_the_floor_where_one_range_did_not
         x_hat = unpack(pack(x, QuantConfig(group_dim=None, outliers=outliers), share=False))
         sqnr[outliers] = sqnr_db(exact, g.t() @ x_hat)
     assert sqnr[False] < 30 <= 40 <= sqnr[True], sqnr
+
+
+def test_several_outliers_in_one_small_group_are_all_kept_apart():
+    # Three values at 1e4x among 37 (a column of per-channel groups): a plain mean magnitude, 8% outliers, hides
+    # them (each is under 32x the mean of the others); the typical magnitude (mean sqrt|x|)**2 does not.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 15, generator=gen)
+    rows = torch.tensor([4, 20, 33])
+    x[rows, 7] = 6500.0
+    others = x[:, 7].abs().sum() - 6500.0
+    assert 6500.0 < 32 * others / 36  # the plain mean's criterion, leave-one-out, would keep none of them
+    packed = pack(x, QuantConfig(group_dim=-1, groups=0), share=False)
+    _, _, step, index, values = packed.tensors
+    assert sorted(index.tolist()) == sorted((rows * 15 + 7).tolist()) and torch.equal(values, x[rows, 7])
+    assert step.max() < 8 / 255  # column 7's step is set by its ordinary values
+    x_hat = unpack(packed)
+    assert (x_hat - x).abs().max() < step.max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_outliers_never_cost_more_than_the_original(dtype):
+    # The worst case: k equal nonzero values among zeros. At most 1 + (n - 1) / sqrt(64) of n are kept apart, so
+    # codes plus outliers (4-byte index and value) stay under the original's bytes, for any k.
+    n = 4096
+    for k in (1, 64, 256, 512, 513, 600, 2048):
+        x = torch.zeros(n, dtype=dtype)
+        x[torch.randperm(n, generator=torch.Generator().manual_seed(k))[:k]] = 3.0
+        packed = pack(x, QuantConfig(group_dim=None), share=False)
+        kept = packed.tensors[3].numel() if len(packed.tensors) == 5 else 0
+        assert kept < 1 + (n - 1) / 8, k
+        assert kept == (k if k <= 512 else 0), k
+        assert packed.nbytes < x.nbytes, k
+        torch.testing.assert_close(unpack(packed), x, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dist", ["normal", "laplace", "uniform"])

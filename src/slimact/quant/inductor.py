@@ -5,7 +5,8 @@ tensor, where a group's elements lie in ``outer`` contiguous runs of ``run`` ele
 ``[..., C]``: ``run = C / groups``; per head of ``[B, H, T, D]``: ``run = T * D``; the whole tensor:
 ``[1, 1, numel]``). With ``lo``/``step`` as ``[groups, 1]`` each pass is one loop over memory that
 inductor vectorises: the range reads ``x`` once (min and max of each run together), the quantise reads it
-once more and writes one byte per element, the dequantise reads a byte and writes the restored element.
+once more and writes one byte per element, the dequantise reads a byte and writes the restored element (into a
+buffer on huge pages from 32 MiB: :mod:`slimact.quant._hugepages`).
 Eager PyTorch spends five passes with fp32 temporaries on the quantise alone (the reference).
 
 Codes and restored values equal the reference's bit for bit: the same operations in the same order (IEEE
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from slimact.quant import reference
+from slimact.quant import _hugepages, reference
 from slimact.quant.reference import GroupLayout, PackMeta
 
 __all__ = ["MIN_NUMEL", "dequantize", "group_minmax", "group_stats", "quantize"]
@@ -67,11 +68,11 @@ def _minmax(x3: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _stats(x3: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return x3.amin(-1), x3.amax(-1), x3.abs().float().sum(-1)  # [outer, groups] each
+    return x3.amin(-1), x3.amax(-1), x3.abs().float().sqrt().sum(-1)  # [outer, groups] each
 
 
 def _column_stats(x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return x2.amin(0), x2.amax(0), x2.abs().float().sum(0)  # [groups] each
+    return x2.amin(0), x2.amax(0), x2.abs().float().sqrt().sum(0)  # [groups] each
 
 
 def _codes(x3: Tensor, lo: Tensor, step: Tensor) -> Tensor:
@@ -82,6 +83,11 @@ def _codes(x3: Tensor, lo: Tensor, step: Tensor) -> Tensor:
 def _restore(c3: Tensor, lo: Tensor, step: Tensor, dtype: torch.dtype) -> Tensor:
     # reference.dequantize: code * step, then + lo, in fp32, then the original dtype.
     return (c3.float() * step + lo).to(dtype)
+
+
+def _restore_into(c3: Tensor, lo: Tensor, step: Tensor, out3: Tensor) -> Tensor:
+    # _restore, written by the same loop into a buffer the caller allocated (on huge pages).
+    return out3.copy_((c3.float() * step + lo).to(out3.dtype))
 
 
 @functools.cache
@@ -136,9 +142,14 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
     """:func:`slimact.quant.reference.dequantize`, in one pass where it applies (8-bit codes)."""
     runs = _applies(codes, meta.layout) if meta.bits == 8 else None
     if runs is not None and codes.numel() == runs[0] * runs[1] * runs[2]:
-        out = _run(_restore, meta.dtype, codes.view(runs), lo.view(-1, 1), step.view(-1, 1), meta.dtype)
-        if out is not None:
-            return out.view(meta.shape)
+        args = (codes.view(runs), lo.view(-1, 1), step.view(-1, 1))
+        out = _hugepages.empty(meta.shape, meta.dtype)
+        if out is None:
+            restored = _run(_restore, meta.dtype, *args, meta.dtype)
+        else:
+            restored = _run(_restore_into, meta.dtype, *args, out.view(runs))
+        if restored is not None:
+            return restored.view(meta.shape)
     return reference.dequantize(codes, meta, lo, step)
 
 

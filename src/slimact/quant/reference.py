@@ -23,16 +23,20 @@ The stochastic bits come from a counter-based hash of ``(seed, flat element inde
 reproducible under ``torch.manual_seed`` and dropout masks stay the plain model's, and the Triton kernel
 (:mod:`slimact.quant.triton`) reproduces the same codes bit for bit without storing any noise.
 
-Outliers (``QuantConfig.outliers``, on by default): an element more than ``OUTLIER_RATIO`` (32) times its
-group's mean magnitude is kept exactly, apart from the codes (its flat index and value), and left out of the
-group's range; the restore writes it back. One value in a hundred at 1e4 times the rest (LLMs' "massive
-activations" look like that) stretched an 8-bit step over ~80 times the typical value, so that every ordinary
-value rounded to 0 and a Linear's weight gradient fell to ~29 dB; apart, the rest keep their own fine step.
-"Mean magnitude" is that of the group's other elements, so that small groups have outliers too. Normal data
-in large groups never has one (its largest is ~8x the mean magnitude at 1e8 elements); fewer than
-``1 + (n - 1) / 32`` of a group's ``n`` elements can be outliers (``(4 + 4) / 32`` bytes per element at worst in
-large groups, 0.06-0.08 for 1% outliers). Deciding needs the groups' sums of magnitudes (:func:`group_stats`,
-taken in the range's own pass on the fast paths) and shares the pack's one host sync.
+Outliers (``QuantConfig.outliers``, on by default): an element more than ``OUTLIER_RATIO`` (64) times the
+typical magnitude of the other elements of its group is kept exactly, apart from the codes (its flat index and
+value), and left out of the group's range; the restore writes it back. One value in a hundred at 1e4 times the
+rest (LLMs' "massive activations" look like that) stretched an 8-bit step over ~80 times the typical value, so
+that every ordinary value rounded to 0 and a Linear's weight gradient fell to ~29 dB; apart, the rest keep their
+own fine step. "Typical magnitude" is the power mean of order 1/2, ``(mean sqrt|x|)**2``: a plain mean is
+dominated by the outliers themselves once they are more than ``1/K`` of a group (three at 1e4 in a group of 37
+hid each other, and a product of two such tensors lost its cosine floor), while a mean of square roots is
+dominated only past ``1/sqrt(K)``. It is that of the group's *other* elements, so that small groups have outliers
+too. Normal data never has one (its largest value is ~8.4x its typical magnitude at 1e8 elements; Laplace data
+~24x); fewer than ``1 + (n - 1) / sqrt(64)`` of a group's ``n`` elements can be outliers, so the codes and the
+outliers together stay under the original's bytes (at worst ``1 + 8/8`` bytes per element for fp32, ``1 + 6/8``
+for bf16 and fp16 in large groups; 0.06-0.08 for 1% outliers). Deciding needs the groups' sums of square roots
+(:func:`group_stats`, taken in the range's own pass on the fast paths) and shares the pack's one host sync.
 
 Error bound per element, measured before the cast back to ``x.dtype``: at most ``step/2`` with nearest
 rounding, under ``step`` with stochastic rounding (which is unbiased); the cast adds at most half an ulp
@@ -54,6 +58,7 @@ Defined edge cases:
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -87,9 +92,9 @@ __all__ = [
 ]
 
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: An element more than this many times its group's mean magnitude is an outlier (``QuantConfig.outliers``).
-#: Normal data has none: its largest value is ~8x its mean magnitude at 1e8 elements.
-OUTLIER_RATIO = 32.0
+#: An element more than this many times the typical magnitude ``(mean sqrt|x|)**2`` of its group's other elements
+#: is an outlier (``QuantConfig.outliers``). Normal data has none: its largest value is ~8.4x that at 1e8 elements.
+OUTLIER_RATIO = 64.0
 _MASK32 = 0xFFFFFFFF
 
 
@@ -106,7 +111,7 @@ class QuantConfig:
         scale: ``"dynamic"`` (this tensor's own range) or ``"running"`` (Mesa's EMA estimate).
         decay: EMA decay of the running estimate.
         stochastic: stochastic rounding (unbiased) instead of round-to-nearest.
-        outliers: keep elements beyond ``OUTLIER_RATIO`` times their group's mean magnitude exactly, apart
+        outliers: keep elements beyond ``OUTLIER_RATIO`` times their group's typical magnitude exactly, apart
             from the codes, and leave them out of the group's range (see the module docstring).
         clamp_groups: ``groups`` is an upper bound, clamped to the dim's size. What a :class:`slimact.Policy`
             builds: its one ``channel_groups`` setting serves layers of every width (8 groups on a 4-feature
@@ -206,11 +211,15 @@ def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
 
 
 def group_magnitude(x: Tensor, layout: GroupLayout) -> Tensor:
-    """Per-group sum of ``|x|``, fp32 ``[groups]`` (one pass, no temporary)."""
+    """Per-group sum of ``sqrt|x|``, fp32 ``[groups]`` (one pass, no temporary; summed in fp64, whose square
+    does not overflow for the largest fp32 values)."""
     if layout.dim is None:
-        return torch.linalg.vector_norm(x, 1, dtype=torch.float32).reshape(1)
+        return torch.linalg.vector_norm(x, 0.5, dtype=torch.float64).sqrt().float().reshape(1)
     others = tuple(d for d in range(x.dim()) if d != layout.dim)
-    per_index = torch.linalg.vector_norm(x, 1, dim=others, dtype=torch.float32) if others else x.abs().float()
+    if others:
+        per_index = torch.linalg.vector_norm(x, 0.5, dim=others, dtype=torch.float64).sqrt().float()
+    else:
+        per_index = x.abs().float().sqrt()
     return _group_reduce(per_index, layout, "sum")
 
 
@@ -220,17 +229,20 @@ def group_stats(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor, Tensor]
 
 
 def outlier_threshold(magnitude: Tensor, layout: GroupLayout, numel: int) -> Tensor:
-    """Per group, fp32 ``[groups]``, from its :func:`group_magnitude` ``S`` over ``n`` elements: the magnitude
-    beyond which an element is more than ``OUTLIER_RATIO`` (``K``) times the mean magnitude of the group's other
-    elements: ``|x| > K (S - |x|) / (n - 1)``, that is ``|x| > K S / (n - 1 + K)``. Leaving the element out of
-    its own mean lets small groups have outliers too (a group of two: 1e4 against 0.8)."""
+    """Per group, fp32 ``[groups]``, from its :func:`group_magnitude` ``Q`` (the sum of ``sqrt|x|``) over ``n``
+    elements: the magnitude beyond which an element is more than ``OUTLIER_RATIO`` (``K``) times the typical
+    magnitude ``(mean sqrt|x|)**2`` of the group's other elements. With ``r = sqrt|x|``:
+    ``r > sqrt(K) (Q - r) / (n - 1)``, that is ``r > sqrt(K) Q / (n - 1 + sqrt(K))``; squared, in fp64 (inf where
+    it passes fp32's largest value: then no element is beyond it). Leaving the element out of its own mean lets
+    small groups have outliers too (a group of two: 1e4 against 0.8)."""
     if layout.dim is None:
         counts: Tensor | float = float(numel)
     else:
         # elements per group: the indices of dim in it, times the elements per index
         indices = torch.bincount(layout.group_index(magnitude.device), minlength=layout.groups)
         counts = indices * (numel // max(layout.size, 1))
-    return magnitude * OUTLIER_RATIO / (counts - 1 + OUTLIER_RATIO)
+    root = math.sqrt(OUTLIER_RATIO)
+    return (magnitude.double() * root / (counts - 1 + root)).square().float()
 
 
 def split_outliers(x: Tensor, layout: GroupLayout, threshold: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -238,9 +250,9 @@ def split_outliers(x: Tensor, layout: GroupLayout, threshold: Tensor) -> tuple[T
     apart: ``(lo, hi, index, values)``, the per-group range of the other elements (fp32 ``[groups]``), the
     outliers' flat row-major indices (int32, int64 from 2**31 elements) and their values (``x.dtype``).
 
-    Fewer than ``1 + (n - 1) / OUTLIER_RATIO`` of a group's ``n`` elements can be outliers (one, in groups of up
-    to 33), so every group of two or more keeps elements to set its range, and the outliers of large groups cost
-    at most ``(4 + 4) / 32`` bytes per element (1% of them: 0.06-0.08).
+    Fewer than ``1 + (n - 1) / sqrt(OUTLIER_RATIO)`` of a group's ``n`` elements can be outliers (one, in groups
+    of up to 9), so every group of two or more keeps elements to set its range, and the outliers of large groups
+    cost at most ``(4 + 4) / 8`` bytes per element (1% of them: 0.06-0.08).
     """
     mask = x.abs() > _expand(threshold, layout, x.dim())
     index = mask.reshape(-1).nonzero().squeeze(1)  # row-major, the order x[mask] gathers in
