@@ -248,18 +248,14 @@ def speed(
             plain_bytes = slimact.profile(runs["plain"], inputs).activation_bytes
             plain_peak = peak_bytes(runs["plain"], inputs)
         for key in names:
-            ratios = [t / p for t, p in zip(times[key], times["plain"], strict=True)]
-            eval_ratios = [t / p for t, p in zip(evals[key], evals["plain"], strict=True)]
             with autocast(device, dtype):
                 kept = plain_bytes if key == "plain" else slimact.profile(runs[key], inputs).activation_bytes
                 peak = plain_peak if key == "plain" else peak_bytes(runs[key], inputs)
             yield {
                 "model": name, "layers": layers, "batch": batch, "tokens": seq, "dtype": dtype, "setup": key,
-                "time_ratio_median": round(statistics.median(ratios), 4),
-                "time_ratio_min": round(min(ratios), 4), "time_ratio_max": round(max(ratios), 4),
+                **_ratios(times[key], times["plain"]),
                 "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1),
-                "eval_ratio_median": round(statistics.median(eval_ratios), 4),
-                "eval_ratio_min": round(min(eval_ratios), 4), "eval_ratio_max": round(max(eval_ratios), 4),
+                **_ratios(evals[key], evals["plain"], "eval_ratio"),
                 "rounds": rounds, "activation_mib": round(kept / 2**20, 2),
                 "memory_ratio": round(kept / plain_bytes, 4), "peak_mib": round(peak / 2**20, 2),
                 "peak_ratio": round(peak / plain_peak, 4), **environment(device),
@@ -323,7 +319,6 @@ def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str 
 
 def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
     """Rows of per-op micro-benchmarks (see the module docstring): ratios measured interleaved."""
-    import statistics
 
     from slimact.quant import QuantConfig, backend_for, pack, unpack
 
@@ -342,15 +337,24 @@ def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict
     # pays the same, so the unpack is also set against it.
     env = {**environment(device), "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0")}
     for key, base in (("pack", "copy_"), ("unpack", "copy_"), ("unpack", "clone")):
-        t, b = statistics.median(times[key]), statistics.median(times[base])
-        yield {"op": f"{key} {mib} MiB fp32", "vs": f"Tensor.{base}", "time_ratio_median": round(t / b, 4),
-               "bandwidth_vs_copy": round(b / t, 4), "rounds": rounds, "backend": backend_for(x), **env}
+        ratios = _ratios(times[key], times[base])
+        yield {"op": f"{key} {mib} MiB fp32", "vs": f"Tensor.{base}", **ratios,
+               "bandwidth_vs_copy": round(1 / ratios["time_ratio_median"], 4), "rounds": rounds,
+               "backend": backend_for(x), **env}
     yield from _function_rows(rounds, device)
+
+
+def _ratios(times: list[float], base: list[float], name: str = "time_ratio") -> dict[str, float]:
+    """``<name>_median``, ``_min`` and ``_max`` of the per-round ratios of two interleaved timings."""
+    import statistics
+
+    ratios = [a / b for a, b in zip(times, base, strict=True)]
+    return {f"{name}_median": round(statistics.median(ratios), 4), f"{name}_min": round(min(ratios), 4),
+            f"{name}_max": round(max(ratios), 4)}
 
 
 def _function_rows(rounds: int, device: str) -> Iterator[dict[str, Any]]:
     """Each slimact Function's forward + backward against its PyTorch counterpart, at Transformer sizes."""
-    import statistics
 
     import torch.nn.functional as F
 
@@ -378,9 +382,7 @@ def _function_rows(rounds: int, device: str) -> Iterator[dict[str, Any]]:
             return lambda: fn().sum().backward()
 
         times = _interleaved({"plain": run(plain), "slimact": run(slim)}, rounds, device=device)
-        ratios = [a / b for a, b in zip(times["slimact"], times["plain"], strict=True)]
-        yield {"op": f"{name} fwd+bwd", "vs": "PyTorch", "time_ratio_median": round(statistics.median(ratios), 4),
-               "time_ratio_min": round(min(ratios), 4), "time_ratio_max": round(max(ratios), 4),
+        yield {"op": f"{name} fwd+bwd", "vs": "PyTorch", **_ratios(times["slimact"], times["plain"]),
                "rounds": rounds, **environment(device)}
 
 
