@@ -6,8 +6,15 @@ bits, which each program recomputes from ``fmix32(flat_index ^ seed_key)`` inste
 tensor. One program handles ``BLOCK`` output bytes, i.e. ``BLOCK * 8 // bits`` elements laid out as a
 ``[BLOCK, 8 // bits]`` tile, so sub-byte codes are packed in registers before the single store.
 
-Bytes moved per element: read ``x`` (2 or 4) and write ``bits/8`` to pack; the reverse to unpack. The
-per-group range is still a separate reduction (see ``core.pack``); fusing it is the GPU fast-path work.
+Bytes moved per element: read ``x`` (2 or 4) and write ``bits/8`` to pack; the reverse to unpack.
+
+The range pass, :func:`group_stats` (per group: min, max, the sum of ``sqrt|x|`` that decides outliers, and
+whether any value is NaN/inf), reads ``x`` once too, where the reference's reductions read it three times (a
+min, a max and an fp64 power sum). ``x`` is viewed as ``[outer, size, inner]`` around the grouped dim; each
+program reduces one tile to a partial per index of that dim, written to its own slot (no atomics), and the few
+partials are reduced by PyTorch in a fixed order, so the result is deterministic. Tiles run along the dim when
+it is the last one (``inner == 1``: channel groups, coalesced along channels), along ``inner`` otherwise (per
+head, the whole tensor).
 """
 
 from __future__ import annotations
@@ -17,12 +24,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from slimact.quant import reference
 from slimact.quant.packing import packed_numel
-from slimact.quant.reference import GroupLayout, PackMeta, group_minmax, group_stats, seed_key
+from slimact.quant.reference import GroupLayout, PackMeta, _group_reduce, seed_key
 
 __all__ = ["dequantize", "group_minmax", "group_stats", "quantize"]
 
 _BLOCK = 1024
+_TILE = 4096  # elements one range program reduces
+_GRID_MAX = (2**31 - 1, 65535, 65535)
 
 
 @triton.jit
@@ -91,6 +101,76 @@ def _dequantize_kernel(
         tl.store(out_ptr + idx, b.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
         tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stats_kernel(x_ptr, part_ptr, outer, size, inner, parts, OB: tl.constexpr, B: tl.constexpr,
+                  ALONG_SIZE: tl.constexpr):
+    # One [OB, B] tile of x viewed as [outer, size, inner] -> partial (min, max, sum sqrt|x|, non-finite count)
+    # per index of the grouped dim, at part[k, p, index] of a [4, parts, size] fp32 buffer.
+    o = (tl.program_id(1).to(tl.int64) * OB + tl.arange(0, OB))[:, None]  # [OB, 1]
+    b = (tl.program_id(0).to(tl.int64) * B + tl.arange(0, B))[None, :]  # [1, B]
+    if ALONG_SIZE:  # inner == 1: b is the index along dim
+        mask = (o < outer) & (b < size)
+        off = o * size + b
+    else:  # b runs along inner, for one index s of dim
+        s = tl.program_id(2).to(tl.int64)
+        mask = (o < outer) & (b < inner)
+        off = (o * size + s) * inner + b
+    x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
+    ok = mask & finite
+    lo = tl.where(ok, x, float("inf"))
+    hi = tl.where(ok, x, float("-inf"))
+    root = tl.where(ok, tl.sqrt(tl.abs(x)), 0.0)
+    bad = tl.where(mask & ~finite, 1.0, 0.0)
+    if ALONG_SIZE:
+        p = tl.program_id(1).to(tl.int64)
+        index = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)  # [B]
+        where = part_ptr + p * size + index
+        keep = index < size
+        tl.store(where, tl.min(lo, axis=0), mask=keep)
+        tl.store(where + parts * size, tl.max(hi, axis=0), mask=keep)
+        tl.store(where + 2 * parts * size, tl.sum(root, axis=0), mask=keep)
+        tl.store(where + 3 * parts * size, tl.sum(bad, axis=0), mask=keep)
+    else:
+        p = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+        where = part_ptr + p * size + s
+        tl.store(where, tl.min(tl.min(lo, axis=1), axis=0))
+        tl.store(where + parts * size, tl.max(tl.max(hi, axis=1), axis=0))
+        tl.store(where + 2 * parts * size, tl.sum(tl.sum(root, axis=1), axis=0))
+        tl.store(where + 3 * parts * size, tl.sum(tl.sum(bad, axis=1), axis=0))
+
+
+def group_stats(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`slimact.quant.reference.group_stats` in one read of ``x`` (see the module docstring): fp32
+    ``[groups]`` min, max and sum of ``sqrt|x|``; a group holding NaN or inf gets NaN for its min and max, which
+    the pack reads as "keep the tensor exact", as it reads the reference's."""
+    x = x.contiguous()
+    numel = x.numel()
+    size, inner = (1, numel) if layout.dim is None else (layout.size, layout.inner)
+    outer = numel // (size * inner)
+    along_size = inner == 1 and size > 1
+    width = size if along_size else inner
+    block = min(1024 if not along_size else 64, triton.next_power_of_2(width))
+    rows = max(1, _TILE // block)
+    grid = (triton.cdiv(width, block), triton.cdiv(outer, rows), 1 if along_size else size)
+    if any(g > limit for g, limit in zip(grid, _GRID_MAX, strict=True)):
+        return reference.group_stats(x, layout)
+    parts = grid[1] if along_size else grid[0] * grid[1]
+    part = torch.empty(4, parts, size, dtype=torch.float32, device=x.device)
+    _stats_kernel[grid](x, part, outer, size, inner, parts, OB=rows, B=block, ALONG_SIZE=along_size)
+    lo, hi, root, bad = part[0].amin(0), part[1].amax(0), part[2].sum(0), part[3].sum(0)  # [size] each
+    bad = _group_reduce(bad, layout, "sum") > 0
+    lo = _group_reduce(lo, layout, "amin").masked_fill(bad, float("nan"))
+    hi = _group_reduce(hi, layout, "amax").masked_fill(bad, float("nan"))
+    return lo, hi, _group_reduce(root, layout, "sum")
+
+
+def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
+    """:func:`slimact.quant.reference.group_minmax` from the same one-read pass (:func:`group_stats`)."""
+    lo, hi, _ = group_stats(x, layout)
+    return lo, hi
 
 
 def _grid(nbytes: int) -> tuple[int]:
