@@ -48,7 +48,8 @@ def test_pack_through_either_backend_gives_the_same_codes():
 
 # The range pass: along the channels (inner == 1, several row blocks, a group count that does not divide), along
 # inner (per head; a conv's channels), the whole tensor, and a trailing dim of one.
-STATS_CASES = CASES + [
+STATS_CASES = [
+    *CASES,
     ((130, 70), QuantConfig(groups=8)),
     ((3, 4, 40, 33), QuantConfig(group_dim=1, groups=0)),
     ((2, 6, 5, 7), QuantConfig(group_dim=1, groups=4)),
