@@ -17,8 +17,9 @@ the median and the spread (min, max) over the rounds, with the activation bytes 
 of its forward and backward (:func:`peak_bytes`), so time and memory sit on one plane. Shared machines are
 noisy: only ratios measured this way are reported, never an absolute time on its own.
 
-``ops``: per-op micro-benchmarks: pack and unpack of a 64 MiB fp32 tensor against ``Tensor.copy_`` of the same
-tensor (bandwidth ratio), and each Function's forward + backward against its PyTorch counterpart.
+``ops``: per-op micro-benchmarks: pack (of the tensor's own range, and under a running estimate) and unpack of a
+64 MiB fp32 tensor against ``Tensor.copy_`` of the same tensor (bandwidth ratio), and each Function's forward +
+backward against its PyTorch counterpart.
 """
 
 from __future__ import annotations
@@ -320,23 +321,28 @@ def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str 
 def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
     """Rows of per-op micro-benchmarks (see the module docstring): ratios measured interleaved."""
 
-    from slimact.quant import QuantConfig, backend_for, pack, unpack
+    from slimact.quant import QuantConfig, RunningRange, backend_for, pack, unpack
 
     x = torch.randn(mib * 2**20 // 4, device=device).reshape(-1, 1024)
     dst = torch.empty_like(x)
     cfg = QuantConfig(group_dim=-1, groups=8)
     packed = pack(x, cfg, share=False)
+    # Under a running estimate (initialised here by a first pack) the GPU pack reads x once, with no host sync.
+    running, state = QuantConfig(group_dim=-1, groups=8, scale="running"), RunningRange(torch.nn.Module(), "_x")
+    pack(x, running, state, share=False)
     times = _interleaved({
         "copy_": lambda: dst.copy_(x),
         "clone": lambda: x.clone(),
         "pack": lambda: pack(x, cfg, share=False),
+        "pack (running estimate)": lambda: pack(x, running, state, share=False),
         "unpack": lambda: unpack(packed),
     }, rounds, device=device)
     # The unpack returns a new tensor: on CPU a fresh 64 MiB allocation is first touched page by page, which
     # costs more than the copy itself unless huge pages are on (PyTorch's THP_MEM_ALLOC_ENABLE=1); clone()
     # pays the same, so the unpack is also set against it.
     env = {**environment(device), "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0")}
-    for key, base in (("pack", "copy_"), ("unpack", "copy_"), ("unpack", "clone")):
+    pairs = ("pack", "copy_"), ("pack (running estimate)", "copy_"), ("unpack", "copy_"), ("unpack", "clone")
+    for key, base in pairs:
         ratios = _ratios(times[key], times[base])
         yield {"op": f"{key} {mib} MiB fp32", "vs": f"Tensor.{base}", **ratios,
                "bandwidth_vs_copy": round(1 / ratios["time_ratio_median"], 4), "rounds": rounds,

@@ -152,9 +152,14 @@ def test_running_estimate_ema_and_snapshot():
     cfg = QuantConfig(group_dim=None, scale="running", decay=0.9, outliers=False)
     p1 = pack(torch.tensor([0.0, 1.0]), cfg, state)  # initialises from the first tensor
     assert torch.allclose(module._x_lo, torch.tensor([0.0])) and torch.allclose(module._x_range, torch.tensor([1.0]))
+    buffers = module._x_lo, module._x_range
     p2 = pack(torch.tensor([-1.0, 3.0]), cfg, state)
     assert torch.allclose(module._x_lo, torch.tensor([-0.1]))
     assert torch.allclose(module._x_range, torch.tensor([0.9 + 0.4]))
+    # Folded in place: the module's buffers keep their storage (what a captured CUDA graph updates).
+    assert module._x_lo is buffers[0] and module._x_range is buffers[1]
+    # p2 was packed with the estimate it found, [0, 1]: it saturates there; its range moves the next pack's.
+    torch.testing.assert_close(unpack(p2), torch.tensor([0.0, 1.0]))
     # p1 restores with the scale it was packed with, whatever the state is now.
     torch.testing.assert_close(unpack(p1), torch.tensor([0.0, 1.0]))
     assert p2.tensors[1] is not module._x_lo

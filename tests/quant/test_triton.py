@@ -1,12 +1,15 @@
 """Triton kernels against the reference, bit for bit: on a CUDA device when there is one (benchmarks/gpu.sh),
 else on CPU through TRITON_INTERPRET=1 (see conftest)."""
 
+import sys
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 pytest.importorskip("triton")
 
-from slimact.quant import QuantConfig, pack, reference
+from slimact.quant import QuantConfig, RunningRange, pack, reference, unpack
 from slimact.quant import triton as kernels
 from slimact.quant.reference import PackMeta, group_layout, group_minmax, scale_params
 
@@ -97,3 +100,98 @@ def test_outliers_decided_from_the_one_pass_stats_give_the_references_pack():
         assert len(tri.tensors) == 5
         for a, b in zip(ref.tensors, tri.tensors, strict=True):
             assert torch.equal(a, b)
+
+
+class _NoHostSync(TorchFunctionMode):
+    """Fails on any call from slimact's own code that reads tensor values back to the host (what makes a CUDA
+    stream wait, and what a CUDA graph cannot capture). Calls from elsewhere (the Triton interpreter's own
+    copies) pass."""
+
+    SYNCS = frozenset({
+        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+        torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero,
+        torch.bincount, torch.Tensor.bincount, torch.masked_select, torch.Tensor.masked_select, torch.unique,
+    })
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if func in self.SYNCS and caller.startswith("slimact"):
+            raise AssertionError(f"host sync: {getattr(func, '__name__', func)} called from {caller}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "bits,seed", [(8, None), (8, 12345), (4, None)], ids=["8-nearest", "8-stochastic", "4-nearest"]
+)
+@pytest.mark.parametrize("shape,cfg", STATS_CASES)
+def test_codes_for_an_estimate_and_the_tensors_own_range_come_from_one_read(shape, cfg, bits, seed, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 4).to(dtype).to(DEVICE)
+    layout = group_layout(x.shape, cfg)
+    # an estimate narrower than x's range: the codes beyond it saturate
+    lo, step = scale_params(*(t * 0.5 for t in group_minmax(x, layout)), (1 << bits) - 1)
+    codes, t_lo, t_hi, root = kernels.quantize_stats(x, layout, lo, step, bits, seed)
+    assert torch.equal(codes, reference.quantize(x, layout, lo, step, bits, seed))
+    ref_lo, ref_hi, ref_root = reference.group_stats(x, layout)
+    assert torch.equal(t_lo, ref_lo) and torch.equal(t_hi, ref_hi)
+    torch.testing.assert_close(root, ref_root, rtol=5000 * 2**-24, atol=0)
+
+
+def _estimated(x0: torch.Tensor, cfg: QuantConfig) -> tuple[torch.nn.Module, RunningRange]:
+    module = torch.nn.Module()
+    state = RunningRange(module, "_x")
+    pack(x0, cfg, state, backend="triton", share=False)  # the first tensor initialises the estimate
+    return module, state
+
+
+def test_a_running_pack_on_the_gpu_path_reads_nothing_back_and_folds_the_range_in_place():
+    gen = torch.Generator().manual_seed(0)
+    cfg = QuantConfig(groups=8, scale="running")
+    module, state = _estimated(torch.randn(64, 48, generator=gen).to(DEVICE), cfg)
+    buffers = module._x_lo, module._x_range
+    est_lo, est_hi = state.estimate(8)
+    x = torch.randn(64, 48, generator=gen) * 1.5
+    x[3, 5] = 1e4  # a heavy outlier in group 0
+    x = x.to(DEVICE)
+    with _NoHostSync():
+        packed = pack(x, cfg, state, backend="triton", share=False)
+    layout = group_layout(x.shape, cfg)
+    lo, step = scale_params(est_lo, est_hi, 255)
+    # packed with the estimate it found, the codes beyond it saturated
+    assert torch.equal(packed.tensors[1], lo) and torch.equal(packed.tensors[2], step)
+    assert torch.equal(packed.tensors[0], reference.quantize(x, layout, lo, step, 8, None))
+    # its own range folded in on the device, in place (a captured CUDA graph updates the module's own buffers),
+    # clipped to its outlier threshold: the outlier does not drag the estimate out to 1e4
+    assert module._x_lo is buffers[0] and module._x_range is buffers[1]
+    t_lo, t_hi, magnitude = reference.group_stats(x, layout)
+    limit = reference.outlier_threshold(magnitude, layout, x.numel())
+    t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
+    torch.testing.assert_close(module._x_lo, est_lo * 0.9 + t_lo * 0.1)
+    torch.testing.assert_close(module._x_range, (est_hi - est_lo) * 0.9 + (t_hi - t_lo) * 0.1)
+    assert module._x_range[0] < 100
+    # (The detector is not vacuous: the pack of a tensor's own range decides outliers on the host.)
+    with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+        pack(x, QuantConfig(groups=8), backend="triton", share=False)
+
+
+def test_a_running_pack_on_the_gpu_path_restores_a_non_finite_group_as_nan_and_keeps_its_estimate():
+    gen = torch.Generator().manual_seed(1)
+    cfg = QuantConfig(groups=8, scale="running", outliers=False)
+    module, state = _estimated(torch.randn(64, 48, generator=gen).to(DEVICE), cfg)
+    before = module._x_lo.clone(), module._x_range.clone()
+    x = torch.randn(64, 48, generator=gen).to(DEVICE)
+    x[10, 7] = float("nan")  # channel 7: group 1 (channels 6-11)
+    with _NoHostSync():
+        packed = pack(x, cfg, state, backend="triton", share=False)
+    out = unpack(packed)
+    group = torch.zeros(48, dtype=torch.bool)
+    group[6:12] = True
+    assert torch.isnan(out[:, group]).all() and torch.isfinite(out[:, ~group]).all()
+    assert torch.equal(module._x_lo[1], before[0][1]) and torch.equal(module._x_range[1], before[1][1])
+    assert not torch.equal(module._x_lo, before[0])  # the other groups moved
+    # In eval (training=False) nothing moves.
+    after = module._x_lo.clone()
+    with _NoHostSync():
+        pack(x * 3, cfg, state, training=False, backend="triton", share=False)
+    assert torch.equal(module._x_lo, after)

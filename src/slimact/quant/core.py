@@ -1,11 +1,13 @@
 """``pack`` / ``unpack``: the one entry point every slimact Function uses to keep a tensor small.
 
-The steps shared by every backend live here: per-group range (this tensor's own), the NaN/inf check
-(one host sync; a non-finite tensor is kept uncompressed), the running-estimate update, the scale
-snapshot. The passes over the tensor (per-group range, quantise, dequantise) are dispatched: to the Triton
-kernels for CUDA tensors when Triton is installed (the range is the reference's reduction there), to
-``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`, bit-identical to the
-reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the reference everywhere.
+The steps shared by every backend live here: per-group range (this tensor's own), the NaN/inf check and
+the outlier decision (one host sync; a non-finite tensor is kept uncompressed), the running-estimate update
+(a tensor is packed with the estimate it finds, then its range is folded in), the scale snapshot. The passes
+over the tensor (per-group range, quantise, dequantise) are dispatched: to the Triton kernels for CUDA tensors
+when Triton is installed, to ``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`,
+bit-identical to the reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the
+reference everywhere. Under a running estimate on the GPU the pack has no host sync at all
+(:func:`_pack_running`): one read of the tensor gives its codes and its range.
 
 Nothing is stored twice: when two consumers pack the same tensor in one step (the query, key and value
 projections all reading one hidden state; a LayerNorm's output that the next Linear also keeps), the
@@ -147,8 +149,18 @@ def pack(
         hit = _shared.get(x, cfg)
         if hit is not None:
             return hit
+    backend = backend or backend_for(x)
+    if cfg.scale == "running" and state is None:
+        raise ValueError("scale='running' needs a RunningRange state")
+    if cfg.scale == "running" and backend == "triton" and not compiling:
+        estimate = state.estimate(layout.groups)
+        if estimate is not None:
+            packed = _pack_running(x, cfg, layout, state, estimate, training)
+            if share:
+                _shared.put(x, packed)
+            return packed
     # While dynamo traces, the reference's ops: inductor fuses them into the model's graph.
-    kernels = reference if compiling else _kernels(backend or backend_for(x))
+    kernels = reference if compiling else _kernels(backend)
     # (Outliers are not kept apart while dynamo traces: their count is data-dependent.)
     magnitude = None
     if cfg.outliers and not compiling:
@@ -176,8 +188,6 @@ def pack(
         # (Under torch.compile the estimate is neither used nor moved: a module buffer assigned inside an
         # autograd Function's traced forward is a side effect dynamo cannot keep. Each tensor's own range
         # serves, as with scale="dynamic".)
-        if state is None:
-            raise ValueError("scale='running' needs a RunningRange state")
         lo, hi = state.update(lo, hi, cfg.decay, training)
     lo, step = scale_params(lo, hi, cfg.qmax)
     if compiling:
@@ -192,6 +202,35 @@ def pack(
     if share:
         _shared.put(x, packed)
     return packed
+
+
+def _pack_running(
+    x: Tensor, cfg: QuantConfig, layout: GroupLayout, state: RunningRange, estimate: tuple[Tensor, Tensor],
+    training: bool,
+) -> Packed:
+    """The pack under a running estimate on the GPU, with no host sync: one read of ``x`` gives its codes for
+    the estimate as it stands and its own per-group range (:func:`slimact.quant.triton.quantize_stats`), which is
+    folded into the estimate on the device. Nothing is decided on the host, so it runs ahead of the GPU and
+    can be captured in a CUDA graph. What the sync would have decided is decided per group instead:
+
+    * a group holding NaN/inf is restored as NaN, whole (its step is NaN), and leaves its estimate unchanged;
+    * values beyond the estimate saturate (outliers are not kept apart: their number is known only after the
+      pass); with ``cfg.outliers``, the range folded in is clipped to the outlier threshold of the tensor's own
+      typical magnitude, so heavy tails do not drag the estimate out to them.
+    """
+    lo, step = scale_params(*estimate, cfg.qmax)
+    seed = reference.draw_seed() if cfg.stochastic else None
+    from slimact.quant import triton as kernels
+
+    codes, t_lo, t_hi, magnitude = kernels.quantize_stats(x, layout, lo, step, cfg.bits, seed)
+    bad = ~torch.isfinite(t_lo) | ~torch.isfinite(t_hi - t_lo)  # [groups]
+    if training:
+        if cfg.outliers:
+            limit = reference.outlier_threshold(magnitude, layout, x.numel())
+            t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
+        state.fold(t_lo, t_hi, cfg.decay, skip=bad)
+    step = step.masked_fill(bad, float("nan"))
+    return Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
 
 
 @torch.no_grad()

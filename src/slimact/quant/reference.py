@@ -238,9 +238,12 @@ def outlier_threshold(magnitude: Tensor, layout: GroupLayout, numel: int) -> Ten
     if layout.dim is None:
         counts: Tensor | float = float(numel)
     else:
-        # elements per group: the indices of dim in it, times the elements per index
-        indices = torch.bincount(layout.group_index(magnitude.device), minlength=layout.groups)
-        counts = indices * (numel // max(layout.size, 1))
+        # Elements per group: the indices i of dim with i * groups // size == g, i.e. ceil(g size / groups) <= i <
+        # ceil((g + 1) size / groups), times the elements per index. Computed on the device (no bincount: on
+        # CUDA it reads its input's max back to the host).
+        g = torch.arange(layout.groups + 1, device=magnitude.device)
+        starts = (g * layout.size + layout.groups - 1) // layout.groups  # [groups + 1]
+        counts = (starts[1:] - starts[:-1]) * (numel // max(layout.size, 1))
     root = math.sqrt(OUTLIER_RATIO)
     return (magnitude.double() * root / (counts - 1 + root)).square().float()
 

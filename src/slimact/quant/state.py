@@ -7,13 +7,17 @@ checkpoints load both ways), named ``<prefix>_lo`` and ``<prefix>_range``, ``[gr
     range <- decay * range + (1 - decay) * (max(x_g) - min(x_g))
 
 initialised from the first tensor seen (or re-initialised when the group count changes), updated only
-when asked (training mode). :meth:`RunningRange.update` returns fresh tensors, never views of the buffers:
-the scale a tensor was packed with is snapshotted with it, so a second call of the same module that
-moves the estimate cannot change how the first call's codes are restored.
+when asked (training mode). A tensor is packed with the estimate as it finds it, and its own range is folded
+in afterwards: so the pack's codes need only the estimate, and on the GPU the range and the codes come from
+one read of the tensor (:func:`slimact.quant.triton.quantize_stats`). The fold is in place (the buffers keep
+their storage: a captured CUDA graph updates the very tensors the module holds). The estimate a tensor is
+packed with is a fresh copy, never a view of the buffers, snapshotted with the pack: a second call of the
+same module that moves the estimate cannot change how the first call's codes are restored.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["RunningRange"]
@@ -30,21 +34,52 @@ class RunningRange:
             if name not in module._buffers:
                 module.register_buffer(name, None, persistent=False)
 
-    def update(self, lo: Tensor, hi: Tensor, decay: float, training: bool = True) -> tuple[Tensor, Tensor]:
-        """Fold this tensor's per-group ``(lo, hi)`` into the estimate; return the estimate to pack with.
+    def _buffers(self, groups: int) -> tuple[Tensor, Tensor] | None:
+        lo, rng = self.module._buffers[self.lo_name], self.module._buffers[self.range_name]
+        if lo is None or rng is None or lo.shape != (groups,) or rng.shape != (groups,):
+            return None
+        if lo.dtype != torch.float32 or rng.dtype != torch.float32:  # after model.half(): back to fp32, once
+            lo, rng = self._set(lo, rng)
+        return lo, rng
 
-        When ``training`` is False the estimate is used as it is (initialised from ``lo, hi`` if empty).
-        """
-        old_lo, old_rng = self.module._buffers[self.lo_name], self.module._buffers[self.range_name]
+    def _set(self, lo: Tensor, rng: Tensor) -> tuple[Tensor, Tensor]:
+        lo, rng = lo.detach().float().clone(), rng.detach().float().clone()
+        self.module._buffers[self.lo_name] = lo
+        self.module._buffers[self.range_name] = rng
+        return lo, rng
+
+    def estimate(self, groups: int) -> tuple[Tensor, Tensor] | None:
+        """The estimate ``(lo, hi)``, fp32 ``[groups]``, fresh tensors; ``None`` before the first tensor of
+        ``groups`` groups has been seen."""
+        buffers = self._buffers(groups)
+        if buffers is None:
+            return None
+        lo, rng = buffers
+        return lo.clone(), lo + rng
+
+    def fold(self, lo: Tensor, hi: Tensor, decay: float, skip: Tensor | None = None) -> None:
+        """Fold a tensor's per-group ``(lo, hi)`` into the estimate, in place; groups where ``skip`` is True
+        (a range that is not finite) keep theirs. Initialises the estimate when there is none."""
+        buffers = self._buffers(lo.numel())
         lo, rng = lo.detach().float(), (hi - lo).detach().float()
-        if old_lo is None or old_rng is None or old_lo.shape != lo.shape:
-            new_lo, new_rng = lo.clone(), rng.clone()
-        elif training:
-            new_lo = old_lo * decay + lo * (1.0 - decay)
-            new_rng = old_rng * decay + rng * (1.0 - decay)
-        else:
-            new_lo, new_rng = old_lo, old_rng
-        if training or old_lo is None:
-            self.module._buffers[self.lo_name] = new_lo
-            self.module._buffers[self.range_name] = new_rng
-        return new_lo.clone(), new_lo + new_rng
+        if buffers is None:
+            self._set(lo, rng)
+            return
+        old_lo, old_rng = buffers
+        new_lo = old_lo * decay + lo * (1.0 - decay)
+        new_rng = old_rng * decay + rng * (1.0 - decay)
+        if skip is not None:
+            new_lo, new_rng = torch.where(skip, old_lo, new_lo), torch.where(skip, old_rng, new_rng)
+        old_lo.copy_(new_lo)
+        old_rng.copy_(new_rng)
+
+    def update(self, lo: Tensor, hi: Tensor, decay: float, training: bool = True) -> tuple[Tensor, Tensor]:
+        """The estimate to pack a tensor of per-group range ``(lo, hi)`` with: the one it finds (initialised from
+        ``(lo, hi)`` when there is none yet); when ``training``, ``(lo, hi)`` is then folded in (:meth:`fold`)."""
+        found = self.estimate(lo.numel())
+        if found is None:
+            self.fold(lo, hi, decay)
+            return lo.detach().float().clone(), hi.detach().float().clone()
+        if training:
+            self.fold(lo, hi, decay)
+        return found

@@ -15,6 +15,10 @@ program reduces one tile to a partial per index of that dim, written to its own 
 partials are reduced by PyTorch in a fixed order, so the result is deterministic. Tiles run along the dim when
 it is the last one (``inner == 1``: channel groups, coalesced along channels), along ``inner`` otherwise (per
 head, the whole tensor).
+
+:func:`quantize_stats` is that pass with the 8-bit codes written from the same read, for a given ``lo``/``step``
+(a running estimate's): the pack under a running estimate reads ``x`` once and never waits for the host
+(:func:`slimact.quant.core._pack_running`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from slimact.quant import reference
 from slimact.quant.packing import packed_numel
 from slimact.quant.reference import GroupLayout, PackMeta, _group_reduce, seed_key
 
-__all__ = ["dequantize", "group_minmax", "group_stats", "quantize"]
+__all__ = ["dequantize", "group_minmax", "group_stats", "quantize", "quantize_stats"]
 
 _BLOCK = 1024
 _TILE = 4096  # elements one range program reduces
@@ -50,6 +54,19 @@ def _group_of(idx, inner, size, groups):
 
 
 @triton.jit
+def _code(x, lo, step, idx, key, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    # The reference's code of x (fp32) at flat index idx: clamp(floor((x - lo) / step + u), 0, qmax), u = 1/2 or
+    # the hashed uniform of the index.
+    v = (x - lo) / step
+    if STOCHASTIC:
+        h = _fmix32(((idx & 0xFFFFFFFF) ^ key).to(tl.uint32))
+        v = v + (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    else:
+        v = v + 0.5
+    return tl.minimum(tl.maximum(tl.floor(v), 0.0), QMAX).to(tl.uint32)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, lo_ptr, step_ptr, numel, nbytes, inner, size, groups, key,
     BITS: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
@@ -64,14 +81,7 @@ def _quantize_kernel(
     g = _group_of(idx, inner, size, groups)
     lo = tl.load(lo_ptr + g, mask=mask, other=0.0)
     step = tl.load(step_ptr + g, mask=mask, other=1.0)
-    v = (x - lo) / step
-    if STOCHASTIC:
-        h = _fmix32(((idx & 0xFFFFFFFF) ^ key).to(tl.uint32))
-        v = v + (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
-    else:
-        v = v + 0.5
-    code = tl.minimum(tl.maximum(tl.floor(v), 0.0), QMAX).to(tl.uint32)
-    code = tl.where(mask, code, 0)
+    code = tl.where(mask, _code(x, lo, step, idx, key, QMAX, STOCHASTIC), 0)
     packed = tl.sum(code << (lane * BITS)[None, :], axis=1)
     tl.store(codes_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
 
@@ -104,20 +114,30 @@ def _dequantize_kernel(
 
 
 @triton.jit
-def _stats_kernel(x_ptr, part_ptr, outer, size, inner, parts, OB: tl.constexpr, B: tl.constexpr,
-                  ALONG_SIZE: tl.constexpr):
+def _stats_kernel(x_ptr, part_ptr, codes_ptr, lo_ptr, step_ptr, outer, size, inner, parts, groups, key,
+                  OB: tl.constexpr, B: tl.constexpr, ALONG_SIZE: tl.constexpr, QUANTIZE: tl.constexpr,
+                  STOCHASTIC: tl.constexpr):
     # One [OB, B] tile of x viewed as [outer, size, inner] -> partial (min, max, sum sqrt|x|, non-finite count)
-    # per index of the grouped dim, at part[k, p, index] of a [4, parts, size] fp32 buffer.
+    # per index of the grouped dim, at part[k, p, index] of a [4, parts, size] fp32 buffer. With QUANTIZE, the
+    # tile's 8-bit codes for the given per-group lo/step too, from the same read.
     o = (tl.program_id(1).to(tl.int64) * OB + tl.arange(0, OB))[:, None]  # [OB, 1]
     b = (tl.program_id(0).to(tl.int64) * B + tl.arange(0, B))[None, :]  # [1, B]
     if ALONG_SIZE:  # inner == 1: b is the index along dim
         mask = (o < outer) & (b < size)
         off = o * size + b
+        dim_index = b  # [1, B]
     else:  # b runs along inner, for one index s of dim
         s = tl.program_id(2).to(tl.int64)
         mask = (o < outer) & (b < inner)
         off = (o * size + s) * inner + b
+        dim_index = s
     x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    if QUANTIZE:
+        g = dim_index * groups // size
+        lo_g = tl.load(lo_ptr + g, mask=dim_index < size, other=0.0)
+        step_g = tl.load(step_ptr + g, mask=dim_index < size, other=1.0)
+        code = _code(x, lo_g, step_g, off, key, 255, STOCHASTIC)
+        tl.store(codes_ptr + off, code.to(tl.uint8), mask=mask)
     finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
     ok = mask & finite
     lo = tl.where(ok, x, float("inf"))
@@ -142,10 +162,11 @@ def _stats_kernel(x_ptr, part_ptr, outer, size, inner, parts, OB: tl.constexpr, 
         tl.store(where + 3 * parts * size, tl.sum(tl.sum(bad, axis=1), axis=0))
 
 
-def group_stats(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`slimact.quant.reference.group_stats` in one read of ``x`` (see the module docstring): fp32
-    ``[groups]`` min, max and sum of ``sqrt|x|``; a group holding NaN or inf gets NaN for its min and max, which
-    the pack reads as "keep the tensor exact", as it reads the reference's."""
+def _stats(
+    x: Tensor, layout: GroupLayout, quantize_with: tuple[Tensor, Tensor, int | None] | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    """One read of ``x``: per-group (min, max, sum of ``sqrt|x|``), and the 8-bit codes for ``(lo, step, seed)``
+    when ``quantize_with`` is given (else ``None``). ``None`` where the grid would exceed the launch limits."""
     x = x.contiguous()
     numel = x.numel()
     size, inner = (1, numel) if layout.dim is None else (layout.size, layout.inner)
@@ -156,15 +177,48 @@ def group_stats(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor, Tensor]
     rows = max(1, _TILE // block)
     grid = (triton.cdiv(width, block), triton.cdiv(outer, rows), 1 if along_size else size)
     if any(g > limit for g, limit in zip(grid, _GRID_MAX, strict=True)):
-        return reference.group_stats(x, layout)
+        return None
     parts = grid[1] if along_size else grid[0] * grid[1]
     part = torch.empty(4, parts, size, dtype=torch.float32, device=x.device)
-    _stats_kernel[grid](x, part, outer, size, inner, parts, OB=rows, B=block, ALONG_SIZE=along_size)
+    codes = lo_q = step_q = None
+    seed = None
+    if quantize_with is not None:
+        lo_q, step_q, seed = quantize_with
+        codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    _stats_kernel[grid](
+        x, part, codes, lo_q, step_q, outer, size, inner, parts, layout.groups,
+        seed_key(seed) if seed is not None else 0,
+        OB=rows, B=block, ALONG_SIZE=along_size, QUANTIZE=codes is not None, STOCHASTIC=seed is not None,
+    )
     lo, hi, root, bad = part[0].amin(0), part[1].amax(0), part[2].sum(0), part[3].sum(0)  # [size] each
     bad = _group_reduce(bad, layout, "sum") > 0
     lo = _group_reduce(lo, layout, "amin").masked_fill(bad, float("nan"))
     hi = _group_reduce(hi, layout, "amax").masked_fill(bad, float("nan"))
-    return lo, hi, _group_reduce(root, layout, "sum")
+    return lo, hi, _group_reduce(root, layout, "sum"), codes
+
+
+def group_stats(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`slimact.quant.reference.group_stats` in one read of ``x`` (see the module docstring): fp32
+    ``[groups]`` min, max and sum of ``sqrt|x|``; a group holding NaN or inf gets NaN for its min and max, which
+    the pack reads as "keep the tensor exact", as it reads the reference's."""
+    stats = _stats(x, layout)
+    if stats is None:
+        return reference.group_stats(x, layout)
+    return stats[:3]
+
+
+def quantize_stats(
+    x: Tensor, layout: GroupLayout, lo: Tensor, step: Tensor, bits: int, seed: int | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`quantize` and :func:`group_stats` of ``x`` at once: ``(codes, min, max, sum sqrt|x|)``. The codes
+    are for the given ``lo``/``step`` (a running estimate's), the statistics are ``x``'s own, to fold into that
+    estimate afterwards. 8-bit codes come from the same read of ``x`` as the statistics; 4- and 2-bit codes,
+    packed across tile rows, from a second read."""
+    stats = _stats(x, layout, (lo, step, seed)) if bits == 8 else None
+    if stats is None:
+        return (quantize(x, layout, lo, step, bits, seed), *group_stats(x, layout))
+    t_lo, t_hi, root, codes = stats
+    return codes, t_lo, t_hi, root
 
 
 def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
