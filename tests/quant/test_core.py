@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slimact._metrics import sqnr_db
-from slimact.quant import QuantConfig, RunningRange, pack, unpack
+from slimact.quant import QuantConfig, RunningRange, pack, reference, unpack
 from slimact.quant.reference import _expand
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -443,3 +443,62 @@ def test_outliers_can_be_switched_off_and_a_running_estimate_tracks_the_rest():
     packed = pack(x, QuantConfig(group_dim=None, scale="running"), state, share=False)
     assert len(packed.tensors) == 5
     assert module._x_range.item() < 12  # the estimate of the ordinary values' range, not of the outliers'
+
+
+def _many_items(gen):
+    """A mix for pack_many: outliers, stochastic rounding, NaN, an int tensor, a lossless slot, a running estimate."""
+    heavy, _ = _heavy((32, 40), 5, gen)
+    nan = torch.randn(16, 24, generator=gen)
+    nan[3, 4] = float("nan")
+    module = torch.nn.Module()
+    state = RunningRange(module, "_x")
+    running = QuantConfig(groups=4, scale="running", stochastic=True)
+    pack(torch.randn(8, 20, generator=gen), running, state, share=False)  # an estimate to pack with
+    return [
+        (heavy, QuantConfig(groups=8), None),
+        (torch.randn(2, 3, 7, 5, generator=gen).to(torch.bfloat16), QuantConfig(group_dim=1, groups=0,
+                                                                                stochastic=True), None),
+        (nan, QuantConfig(groups=2), None),
+        (torch.arange(6), QuantConfig(), None),
+        (torch.randn(9, generator=gen), None, None),
+        (torch.randn(8, 20, generator=gen) * 3, running, state),
+        (torch.randn(50, generator=gen), QuantConfig(group_dim=None, bits=4, stochastic=True), None),
+    ], module
+
+
+@pytest.mark.parametrize("backend", ["reference", "inductor"])
+def test_pack_many_gives_each_pack_as_pack_does_with_one_host_sync(backend):
+    from _host import HostReads
+    from slimact.quant import pack_many
+
+    def run(packs):
+        # Each run in a forward's seed stream of its own, as in a converted model: the same seeds for both.
+        reference.begin_stream(7)
+        try:
+            items, module = _many_items(torch.Generator().manual_seed(0))
+            with HostReads() as reads:
+                return packs(items), module, reads.count
+        finally:
+            reference.end_stream()
+
+    alone, module, reads = run(lambda items: [pack(*item, backend=backend, share=False) for item in items])
+    alone_estimate = module._x_lo.clone(), module._x_range.clone()
+    # one decision per tensor quantised on the host's word (five), and the gather of the outliers (their count)
+    assert reads == 6
+    together, module, reads = run(lambda items: pack_many(items, backend=backend, share=False))
+    assert reads == 2
+    for a, b in zip(alone, together, strict=True):
+        assert a.meta == b.meta and len(a.tensors) == len(b.tensors)
+        for s, t in zip(a.tensors, b.tensors, strict=True):
+            torch.testing.assert_close(s, t, rtol=0, atol=0, equal_nan=True)
+    assert together[2].raw and len(together[0].tensors) == 5  # NaN kept exact; outliers kept apart
+    assert torch.equal(module._x_lo, alone_estimate[0]) and torch.equal(module._x_range, alone_estimate[1])
+
+
+def test_pack_many_packs_a_tensor_given_twice_once():
+    from slimact.quant import pack_many
+
+    x = torch.randn(12, 16)
+    cfg = QuantConfig(groups=4)
+    a, b, c = pack_many([(x, cfg, None), (x, cfg, None), (x, QuantConfig(groups=2), None)], share=False)
+    assert a is b and c is not a

@@ -1,11 +1,10 @@
 """Triton kernels against the reference, bit for bit: on a CUDA device when there is one (benchmarks/gpu.sh),
 else on CPU through TRITON_INTERPRET=1 (see conftest)."""
 
-import sys
-
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+
+from _host import HostReads
 
 pytest.importorskip("triton")
 
@@ -102,24 +101,6 @@ def test_outliers_decided_from_the_one_pass_stats_give_the_references_pack():
             assert torch.equal(a, b)
 
 
-class _NoHostSync(TorchFunctionMode):
-    """Fails on any call from slimact's own code that reads tensor values back to the host (what makes a CUDA
-    stream wait, and what a CUDA graph cannot capture). Calls from elsewhere (the Triton interpreter's own
-    copies) pass."""
-
-    SYNCS = frozenset({
-        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
-        torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero,
-        torch.bincount, torch.Tensor.bincount, torch.masked_select, torch.Tensor.masked_select, torch.unique,
-    })
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if func in self.SYNCS and caller.startswith("slimact"):
-            raise AssertionError(f"host sync: {getattr(func, '__name__', func)} called from {caller}")
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "bits,seed", [(8, None), (8, 12345), (4, None)], ids=["8-nearest", "8-stochastic", "4-nearest"]
@@ -154,7 +135,7 @@ def test_a_running_pack_on_the_gpu_path_reads_nothing_back_and_folds_the_range_i
     x = torch.randn(64, 48, generator=gen) * 1.5
     x[3, 5] = 1e4  # a heavy outlier in group 0
     x = x.to(DEVICE)
-    with _NoHostSync():
+    with HostReads(fail=True):
         packed = pack(x, cfg, state, backend="triton", share=False)
     layout = group_layout(x.shape, cfg)
     lo, step = scale_params(est_lo, est_hi, 255)
@@ -171,7 +152,7 @@ def test_a_running_pack_on_the_gpu_path_reads_nothing_back_and_folds_the_range_i
     torch.testing.assert_close(module._x_range, (est_hi - est_lo) * 0.9 + (t_hi - t_lo) * 0.1)
     assert module._x_range[0] < 100
     # (The detector is not vacuous: the pack of a tensor's own range decides outliers on the host.)
-    with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+    with pytest.raises(AssertionError, match="host sync"), HostReads(fail=True):
         pack(x, QuantConfig(groups=8), backend="triton", share=False)
 
 
@@ -182,7 +163,7 @@ def test_a_running_pack_on_the_gpu_path_restores_a_non_finite_group_as_nan_and_k
     before = module._x_lo.clone(), module._x_range.clone()
     x = torch.randn(64, 48, generator=gen).to(DEVICE)
     x[10, 7] = float("nan")  # channel 7: group 1 (channels 6-11)
-    with _NoHostSync():
+    with HostReads(fail=True):
         packed = pack(x, cfg, state, backend="triton", share=False)
     out = unpack(packed)
     group = torch.zeros(48, dtype=torch.bool)
@@ -192,6 +173,32 @@ def test_a_running_pack_on_the_gpu_path_restores_a_non_finite_group_as_nan_and_k
     assert not torch.equal(module._x_lo, before[0])  # the other groups moved
     # In eval (training=False) nothing moves.
     after = module._x_lo.clone()
-    with _NoHostSync():
+    with HostReads(fail=True):
         pack(x * 3, cfg, state, training=False, backend="triton", share=False)
     assert torch.equal(module._x_lo, after)
+
+
+def test_attentions_q_k_v_pack_together_with_one_host_sync_and_none_under_running_estimates():
+    from slimact.quant import pack_many
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 8, 40, 16, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 2, 40, 16, generator=gen).to(DEVICE) for _ in range(2))  # grouped-query heads
+    per_head = QuantConfig(group_dim=1, groups=0)
+    with HostReads() as reads:
+        alone = [pack(t, per_head, backend="triton", share=False) for t in (q, k, v)]
+    assert reads.count == 3
+    with HostReads() as reads:
+        together = pack_many([(t, per_head, None) for t in (q, k, v)], backend="triton", share=False)
+    assert reads.count == 1
+    for a, b in zip(alone, together, strict=True):
+        for s, t in zip(a.tensors, b.tensors, strict=True):
+            assert torch.equal(s, t)
+    running = QuantConfig(group_dim=1, groups=0, scale="running")
+    module = torch.nn.Module()
+    states = [RunningRange(module, f"_{name}") for name in "qkv"]
+    pack_many([(t, running, st) for t, st in zip((q, k, v), states, strict=True)], backend="triton", share=False)
+    with HostReads(fail=True):
+        packs = pack_many([(t * 1.1, running, st) for t, st in zip((q, k, v), states, strict=True)],
+                          backend="triton", share=False)
+    assert all(len(p.tensors) == 3 and not p.raw for p in packs)

@@ -42,9 +42,16 @@ from torch import Tensor
 
 from slimact.functional._saving import Mask, load, save
 from slimact.functional.softmax import pack_probabilities
-from slimact.quant import QuantConfig, RunningRange, pack
+from slimact.quant import Packed, QuantConfig, RunningRange, pack, pack_many
 
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
+
+
+def _pack_qkv(q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, cfg_kv: QuantConfig | None,
+              state: dict[str, RunningRange] | None) -> list[Packed]:
+    """``q``, ``k`` and ``v`` packed together: one host sync for the three, not one each (:func:`pack_many`)."""
+    st = state or {}
+    return pack_many([(q, cfg_q, st.get("q")), (k, cfg_kv, st.get("k")), (v, cfg_kv, st.get("v"))])
 
 
 def _grouped(probs: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -170,9 +177,8 @@ class _FlashAttentionCPU(torch.autograd.Function):
         if dead is not None:
             out = out.masked_fill(dead, 0)
         ctx.is_causal, ctx.scale, ctx.dtype = is_causal, scale, q.dtype
-        st = state or {}
         exact = cfg_q is None  # lossless: keep the output and lse; 8-bit: recompute them from q, k, v
-        save(ctx, pack(q, cfg_q, st.get("q")), pack(k, cfg_kv, st.get("k")), pack(v, cfg_kv, st.get("v")),
+        save(ctx, *_pack_qkv(q, k, v, cfg_q, cfg_kv, state),
              out if exact else None, lse if exact else None, _saved_mask(mask), dead)
         return out
 
@@ -244,9 +250,7 @@ class _ChunkedAttention(torch.autograd.Function):
         if dead is not None:
             out = out.masked_fill(dead, 0)
         ctx.args = (is_causal, scale, dropout_p, v.dtype)
-        st = state or {}
-        save(ctx, pack(q, cfg_q, st.get("q")), pack(k, cfg_kv, st.get("k")), pack(v, cfg_kv, st.get("v")),
-             _saved_mask(mask), dead, rng)
+        save(ctx, *_pack_qkv(q, k, v, cfg_q, cfg_kv, state), _saved_mask(mask), dead, rng)
         return out
 
     @staticmethod

@@ -7,7 +7,8 @@ over the tensor (per-group range, quantise, dequantise) are dispatched: to the T
 when Triton is installed, to ``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`,
 bit-identical to the reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the
 reference everywhere. Under a running estimate on the GPU the pack has no host sync at all
-(:func:`_pack_running`): one read of the tensor gives its codes and its range.
+(:func:`_pack_running`): one read of the tensor gives its codes and its range. :func:`pack_many` packs several
+tensors with one host sync for all (attention's ``q``, ``k``, ``v``).
 
 Nothing is stored twice: when two consumers pack the same tensor in one step (the query, key and value
 projections all reading one hidden state; a LayerNorm's output that the next Linear also keeps), the
@@ -25,7 +26,7 @@ import functools
 import importlib.util
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -43,7 +44,7 @@ from slimact.quant.reference import (
 )
 from slimact.quant.state import RunningRange
 
-__all__ = ["Backend", "backend_for", "pack", "register_derivation", "share_derived", "unpack"]
+__all__ = ["Backend", "backend_for", "pack", "pack_many", "register_derivation", "share_derived", "unpack"]
 
 Backend = Literal["reference", "triton", "inductor"]
 
@@ -138,70 +139,149 @@ def pack(
         share: reuse a pack of the same tensor (same storage view, unchanged since, at least ``cfg.bits``)
             while that tensor is alive (see :class:`_SharedPacks`).
     """
-    if cfg is None or x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
-        return _raw(x)
-    layout = group_layout(x.shape, cfg)  # before the cache, so that a bad group count is refused every time
+    return pack_many([(x, cfg, state)], training=training, backend=backend, share=share)[0]
+
+
+@torch.no_grad()
+def pack_many(
+    items: Sequence[tuple[Tensor, QuantConfig | None, RunningRange | None]],
+    *,
+    training: bool = True,
+    backend: Backend | None = None,
+    share: bool = True,
+) -> list[Packed]:
+    """:func:`pack` of several tensors at once (attention's ``q``, ``k`` and ``v``): the same packs, the same
+    stochastic-rounding seeds in the same order, with one host sync for all of them instead of one each (on
+    a GPU each sync drains the stream) and their scales computed in one go. A tensor given twice (``k is v``)
+    is packed once. Arguments as :func:`pack`, per item ``(x, cfg, state)``."""
     compiling = torch.compiler.is_compiling()
     # Dynamo does not trace the weakly keyed cache reliably (an internal KeyError, seen once in the suite):
     # compiled graphs keep their own packs.
     share = share and not compiling
-    if share:
-        hit = _shared.get(x, cfg)
-        if hit is not None:
-            return hit
-    backend = backend or backend_for(x)
-    if cfg.scale == "running" and state is None:
-        raise ValueError("scale='running' needs a RunningRange state")
-    if cfg.scale == "running" and backend == "triton" and not compiling:
-        estimate = state.estimate(layout.groups)
-        if estimate is not None:
-            packed = _pack_running(x, cfg, layout, state, estimate, training)
-            if share:
-                _shared.put(x, packed)
-            return packed
-    # While dynamo traces, the reference's ops: inductor fuses them into the model's graph.
-    kernels = reference if compiling else _kernels(backend)
-    # (Outliers are not kept apart while dynamo traces: their count is data-dependent.)
-    magnitude = None
-    if cfg.outliers and not compiling:
-        lo, hi, magnitude = kernels.group_stats(x, layout)
-    else:
-        lo, hi = kernels.group_minmax(x, layout)
-    # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
-    bad = ~torch.isfinite(lo) | ~torch.isfinite(hi - lo)  # [groups]
-    outliers: tuple[Tensor, ...] = ()
-    if compiling:
-        # No host sync while dynamo traces (it would break the graph): a group whose range is not finite is
-        # restored as NaN, whole, instead of the tensor being kept exact; the running estimate never sees it.
-        lo, hi = lo.masked_fill(bad, 0.0), hi.masked_fill(bad, 0.0)
-    else:
-        flags = [bad.any()]
-        if magnitude is not None:
-            threshold = reference.outlier_threshold(magnitude, layout, x.numel())
-            flags.append((torch.maximum(lo.abs(), hi.abs()) > threshold).any())
-        is_bad, *heavy = torch.stack(flags).tolist()  # one host sync
-        if is_bad:
-            return _raw(x)
-        if any(heavy):
-            lo, hi, *outliers = reference.split_outliers(x, layout, threshold)
-    if cfg.scale == "running" and not compiling:
-        # (Under torch.compile the estimate is neither used nor moved: a module buffer assigned inside an
-        # autograd Function's traced forward is a side effect dynamo cannot keep. Each tensor's own range
-        # serves, as with scale="dynamic".)
-        lo, hi = state.update(lo, hi, cfg.decay, training)
-    lo, step = scale_params(lo, hi, cfg.qmax)
-    if compiling:
-        step = step.masked_fill(bad, float("nan"))
-        # The seed stream is host state dynamo cannot trace: the compiled graph's own RNG draws the noise.
-        noise = torch.rand(x.shape, dtype=torch.float32, device=x.device) if cfg.stochastic else None
-        codes = reference.quantize(x, layout, lo, step, cfg.bits, None, noise)
-    else:
+    out: list[Packed | None] = [None] * len(items)
+    jobs: list[_Job] = []
+    batch: dict[tuple, _Job] = {}  # the same tensor twice in this call
+    for i, (x, cfg, state) in enumerate(items):
+        if cfg is None or x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
+            out[i] = _raw(x)
+            continue
+        layout = group_layout(x.shape, cfg)  # before the cache, so that a bad group count is refused every time
+        if cfg.scale == "running" and state is None:
+            raise ValueError("scale='running' needs a RunningRange state")
+        if share:
+            hit = _shared.get(x, cfg)
+            if hit is not None:
+                out[i] = hit
+                continue
+        if compiling:
+            out[i] = _pack_traced(x, cfg, layout)
+            continue
+        key = (_SharedPacks._key(x), x._version, cfg)
+        if key in batch:
+            batch[key].aliases.append(i)
+            continue
+        chosen = backend or backend_for(x)
+        estimate = state.estimate(layout.groups) if cfg.scale == "running" and chosen == "triton" else None
+        job = _Job(i, x, cfg, layout, state, _kernels(chosen), estimate)
+        batch[key] = job
+        jobs.append(job)
+    _decide([job for job in jobs if job.estimate is None], training)
+    for job in jobs:  # in the items' order, so that the seeds are drawn as by one pack() each
+        if job.estimate is not None:
+            packed = _pack_running(job.x, job.cfg, job.layout, job.state, job.estimate, training)
+        elif job.raw:
+            packed = _raw(job.x)
+        else:
+            packed = job.finish()
+        for i in (job.index, *job.aliases):
+            out[i] = packed
+        if share:
+            _shared.put(job.x, packed)
+    return out  # type: ignore[return-value]
+
+
+class _Job:
+    """One tensor's way through :func:`pack_many`'s eager path (range, host decisions, running estimate,
+    scale, codes)."""
+
+    def __init__(self, index: int, x: Tensor, cfg: QuantConfig, layout: GroupLayout, state: RunningRange | None,
+                 kernels, estimate: tuple[Tensor, Tensor] | None) -> None:
+        self.index, self.x, self.cfg, self.layout, self.state = index, x, cfg, layout, state
+        self.kernels, self.estimate = kernels, estimate
+        self.aliases: list[int] = []
+        self.raw = False
+        self.outliers: tuple[Tensor, ...] = ()
+        self.lo = self.hi = self.step = self.threshold = None
+
+    def finish(self) -> Packed:
+        x, cfg = self.x, self.cfg
         seed = reference.draw_seed() if cfg.stochastic else None
-        codes = kernels.quantize(x, layout, lo, step, cfg.bits, seed)
-    packed = Packed((codes, lo, step, *outliers), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
-    if share:
-        _shared.put(x, packed)
-    return packed
+        codes = self.kernels.quantize(x, self.layout, self.lo, self.step, cfg.bits, seed)
+        meta = PackMeta(x.shape, x.dtype, cfg.bits, self.layout, False)
+        return Packed((codes, self.lo, self.step, *self.outliers), meta)
+
+
+def _decide(jobs: list[_Job], training: bool) -> None:
+    """Range, NaN/inf and outlier decisions (one host sync for all the jobs), running estimates, and scales."""
+    if not jobs:
+        return
+    flags: list[Tensor] = []  # per job: "not finite", then "has outliers" where outliers are on
+    for job in jobs:
+        x, layout = job.x, job.layout
+        if job.cfg.outliers:
+            job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
+            job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
+        else:
+            job.lo, job.hi = job.kernels.group_minmax(x, layout)
+        # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
+        flags.append((~torch.isfinite(job.lo) | ~torch.isfinite(job.hi - job.lo)).any())
+        if job.threshold is not None:
+            flags.append((torch.maximum(job.lo.abs(), job.hi.abs()) > job.threshold).any())
+    if len({f.device for f in flags}) == 1:
+        decisions = iter(torch.stack(flags).tolist())  # the one host sync
+    else:
+        decisions = iter([f.item() for f in flags])
+    scaled: list[_Job] = []
+    for job in jobs:
+        is_bad = next(decisions)
+        heavy = next(decisions) if job.threshold is not None else False
+        if is_bad:
+            job.raw = True
+            continue
+        if heavy:
+            job.lo, job.hi, *job.outliers = reference.split_outliers(job.x, job.layout, job.threshold)
+        if job.cfg.scale == "running":
+            job.lo, job.hi = job.state.update(job.lo, job.hi, job.cfg.decay, training)
+        scaled.append(job)
+    _scale(scaled)
+
+
+def _scale(jobs: list[_Job]) -> None:
+    """Every job's ``(lo, step)`` from its ``(lo, hi)``: one :func:`scale_params` per code width and device."""
+    by: dict[tuple, list[_Job]] = {}
+    for job in jobs:
+        by.setdefault((job.cfg.qmax, job.lo.device), []).append(job)
+    for (qmax, _), group in by.items():
+        sizes = [job.lo.numel() for job in group]
+        lo, step = scale_params(torch.cat([job.lo for job in group]), torch.cat([job.hi for job in group]), qmax)
+        for job, lo_j, step_j in zip(group, lo.split(sizes), step.split(sizes), strict=True):
+            job.lo, job.step = lo_j, step_j
+
+
+def _pack_traced(x: Tensor, cfg: QuantConfig, layout: GroupLayout) -> Packed:
+    """The pack while dynamo traces: the reference's ops, which inductor fuses into the model's graph. No host
+    sync (it would break the graph): a group whose range is not finite is restored as NaN, whole, instead of
+    the tensor being kept exact; outliers are not kept apart (their count is data-dependent); running
+    estimates are neither used nor moved (a module buffer assigned inside an autograd Function's traced
+    forward is a side effect dynamo cannot keep: each tensor's own range serves, as with ``"dynamic"``)."""
+    lo, hi = reference.group_minmax(x, layout)
+    bad = ~torch.isfinite(lo) | ~torch.isfinite(hi - lo)  # [groups]
+    lo, step = scale_params(lo.masked_fill(bad, 0.0), hi.masked_fill(bad, 0.0), cfg.qmax)
+    step = step.masked_fill(bad, float("nan"))
+    # The seed stream is host state dynamo cannot trace: the compiled graph's own RNG draws the noise.
+    noise = torch.rand(x.shape, dtype=torch.float32, device=x.device) if cfg.stochastic else None
+    codes = reference.quantize(x, layout, lo, step, cfg.bits, None, noise)
+    return Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
 
 
 def _pack_running(
