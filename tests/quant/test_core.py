@@ -502,3 +502,68 @@ def test_pack_many_packs_a_tensor_given_twice_once():
     cfg = QuantConfig(groups=4)
     a, b, c = pack_many([(x, cfg, None), (x, cfg, None), (x, QuantConfig(groups=2), None)], share=False)
     assert a is b and c is not a
+
+
+def test_a_clipped_range_saturates_beyond_the_clip_and_still_sees_nan():
+    x = torch.linspace(-3, 3, 601)
+    x[::50] *= 100  # beyond the clip
+    cfg = QuantConfig(group_dim=None, clip=4.0, outliers=False)
+    packed = pack(x, cfg, share=False)
+    assert packed.meta.clipped
+    x_hat = unpack(packed)
+    step = packed.tensors[2].item()
+    inside = x.abs() <= 4
+    assert (x_hat[inside] - x[inside]).abs().max() <= step / 2 + 1e-6
+    # Beyond: an end code, whose value lies beyond the clip by at most the code range's slack (zero being a code,
+    # the range grows by up to 0.8%: about two steps here)
+    slack = 255 * step - 8
+    torch.testing.assert_close(x_hat[~inside], x[~inside].clamp(-4, 4), rtol=0, atol=slack + 1e-6)
+    assert step <= 8 / 255 * 1.01  # the scale is the clip's, not the far values'
+    # Nothing beyond: an ordinary pack, shared with the next consumer of x.
+    small = torch.randn(64, 8)
+    p = pack(small, QuantConfig(clip=50.0))
+    assert not p.meta.clipped and pack(small, QuantConfig()) is p
+    # A clipped pack is not: it does not stand for x.
+    assert not pack(x, QuantConfig(group_dim=None)).meta.clipped
+    # NaN/inf are still seen: x is kept exact.
+    x[7] = float("inf")
+    assert pack(x, cfg, share=False).raw
+    with pytest.raises(ValueError, match="clip must be positive"):
+        QuantConfig(clip=0.0)
+
+
+def _twice_plus(x, y):
+    return (x.float() * 2 + y.float()).to(y.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unpack_map_restores_inside_the_consumers_loop(dtype, monkeypatch):
+    from slimact.quant import inductor, unpack_map
+
+    fused = []
+    original = inductor.dequantize_map
+    monkeypatch.setattr(inductor, "dequantize_map", lambda *a: fused.append(r := original(*a)) or r)
+    gen = torch.Generator().manual_seed(0)
+    cfg = QuantConfig(groups=8)
+    for shape, expect_fused in (((512, 1024), True), ((16, 24), False)):  # below inductor.MIN_NUMEL: eager
+        fused.clear()
+        x = torch.randn(shape, generator=gen).to(dtype)
+        y = torch.randn(shape, generator=gen).to(dtype)
+        packed = pack(x, cfg, share=False)
+        out = unpack_map(packed, _twice_plus, y)
+        assert (bool(fused) and fused[0] is not None) == expect_fused
+        # The same math in one loop. Inductor keeps the restored x in fp32 rather than rounding it to fp16/bf16
+        # first, so the two differ by at most that rounding (half an ulp of x, doubled by the consumer) and one
+        # rounding of the result.
+        x_hat = unpack(packed)
+        ref = _twice_plus(x_hat, y)
+        eps = torch.finfo(dtype).eps
+        bound = eps * (x_hat.float().abs() + ref.float().abs())
+        assert ((out.float() - ref.float()).abs() <= bound).all()
+    # A strided argument: the eager path.
+    fused.clear()
+    x = torch.randn(1024, 512, generator=gen).to(dtype)
+    y = torch.randn(512, 1024, generator=gen).to(dtype).t()
+    packed = pack(x, cfg, share=False)
+    assert torch.equal(unpack_map(packed, _twice_plus, y), _twice_plus(unpack(packed), y))
+    assert fused == [None]

@@ -76,13 +76,16 @@ def save(ctx: Any, *items: Packed | Mask | Gradient | Tensor | None) -> None:
     ctx.slimact_layout = layout
 
 
-def load(ctx: Any) -> list[Any]:
+def load(ctx: Any, restore: bool = True) -> list[Any]:
+    """The items :func:`save` kept, in order; with ``restore=False`` packed ones stay :class:`Packed` (for a
+    backward that restores them inside its own loop: :func:`slimact.quant.unpack_map`)."""
     saved = ctx.saved_tensors
     out: list[Any] = []
     i = 0
     for kind, n, meta in ctx.slimact_layout:
         if kind == "packed":
-            out.append(unpack(Packed(tuple(saved[i : i + n]), meta)))
+            packed = Packed(tuple(saved[i : i + n]), meta)
+            out.append(unpack(packed) if restore else packed)
         elif kind == "mask":
             out.append(unpack_mask(saved[i], meta))
         else:

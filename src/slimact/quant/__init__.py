@@ -5,7 +5,7 @@
 demand) the GPU path.
 """
 
-from slimact.quant.core import backend_for, pack, pack_many, unpack
+from slimact.quant.core import backend_for, pack, pack_many, unpack, unpack_map
 from slimact.quant.packing import pack_bits, pack_mask, unpack_bits, unpack_mask
 from slimact.quant.reference import Packed, QuantConfig
 from slimact.quant.state import RunningRange
@@ -21,5 +21,6 @@ __all__ = [
     "pack_mask",
     "unpack",
     "unpack_bits",
+    "unpack_map",
     "unpack_mask",
 ]

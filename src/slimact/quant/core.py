@@ -44,7 +44,9 @@ from slimact.quant.reference import (
 )
 from slimact.quant.state import RunningRange
 
-__all__ = ["Backend", "backend_for", "pack", "pack_many", "register_derivation", "share_derived", "unpack"]
+__all__ = [
+    "Backend", "backend_for", "pack", "pack_many", "register_derivation", "share_derived", "unpack", "unpack_map",
+]
 
 Backend = Literal["reference", "triton", "inductor"]
 
@@ -195,7 +197,7 @@ def pack_many(
             packed = job.finish()
         for i in (job.index, *job.aliases):
             out[i] = packed
-        if share:
+        if share and not packed.meta.clipped:
             _shared.put(job.x, packed)
     return out  # type: ignore[return-value]
 
@@ -212,13 +214,19 @@ class _Job:
         self.raw = False
         self.outliers: tuple[Tensor, ...] = ()
         self.lo = self.hi = self.step = self.threshold = None
+        self.clipped = False
 
     def finish(self) -> Packed:
         x, cfg = self.x, self.cfg
         seed = reference.draw_seed() if cfg.stochastic else None
         codes = self.kernels.quantize(x, self.layout, self.lo, self.step, cfg.bits, seed)
-        meta = PackMeta(x.shape, x.dtype, cfg.bits, self.layout, False)
+        meta = PackMeta(x.shape, x.dtype, cfg.bits, self.layout, False, clipped=self.clipped)
         return Packed((codes, self.lo, self.step, *self.outliers), meta)
+
+
+def _clip(lo: Tensor, hi: Tensor, clip: float) -> tuple[Tensor, Tensor]:
+    # A range clipped to [-clip, clip] (QuantConfig.clip); NaN stays NaN.
+    return lo.clamp(-clip, clip), hi.clamp(-clip, clip)
 
 
 def _decide(jobs: list[_Job], training: bool) -> None:
@@ -235,6 +243,10 @@ def _decide(jobs: list[_Job], training: bool) -> None:
             job.lo, job.hi = job.kernels.group_minmax(x, layout)
         # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
         flags.append((~torch.isfinite(job.lo) | ~torch.isfinite(job.hi - job.lo)).any())
+        clip = job.cfg.clip
+        if clip is not None:
+            flags.append(((job.lo < -clip) | (job.hi > clip)).any())
+            job.lo, job.hi = _clip(job.lo, job.hi, clip)
         if job.threshold is not None:
             flags.append((torch.maximum(job.lo.abs(), job.hi.abs()) > job.threshold).any())
     if len({f.device for f in flags}) == 1:
@@ -244,12 +256,15 @@ def _decide(jobs: list[_Job], training: bool) -> None:
     scaled: list[_Job] = []
     for job in jobs:
         is_bad = next(decisions)
+        job.clipped = next(decisions) if job.cfg.clip is not None else False
         heavy = next(decisions) if job.threshold is not None else False
         if is_bad:
             job.raw = True
             continue
         if heavy:
             job.lo, job.hi, *job.outliers = reference.split_outliers(job.x, job.layout, job.threshold)
+            if job.cfg.clip is not None:
+                job.lo, job.hi = _clip(job.lo, job.hi, job.cfg.clip)
         if job.cfg.scale == "running":
             job.lo, job.hi = job.state.update(job.lo, job.hi, job.cfg.decay, training)
         scaled.append(job)
@@ -276,12 +291,15 @@ def _pack_traced(x: Tensor, cfg: QuantConfig, layout: GroupLayout) -> Packed:
     forward is a side effect dynamo cannot keep: each tensor's own range serves, as with ``"dynamic"``)."""
     lo, hi = reference.group_minmax(x, layout)
     bad = ~torch.isfinite(lo) | ~torch.isfinite(hi - lo)  # [groups]
+    if cfg.clip is not None:
+        lo, hi = _clip(lo, hi, cfg.clip)
     lo, step = scale_params(lo.masked_fill(bad, 0.0), hi.masked_fill(bad, 0.0), cfg.qmax)
     step = step.masked_fill(bad, float("nan"))
     # The seed stream is host state dynamo cannot trace: the compiled graph's own RNG draws the noise.
     noise = torch.rand(x.shape, dtype=torch.float32, device=x.device) if cfg.stochastic else None
     codes = reference.quantize(x, layout, lo, step, cfg.bits, None, noise)
-    return Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
+    meta = PackMeta(x.shape, x.dtype, cfg.bits, layout, False, clipped=cfg.clip is not None)
+    return Packed((codes, lo, step), meta)
 
 
 def _pack_running(
@@ -305,12 +323,15 @@ def _pack_running(
     codes, t_lo, t_hi, magnitude = kernels.quantize_stats(x, layout, lo, step, cfg.bits, seed)
     bad = ~torch.isfinite(t_lo) | ~torch.isfinite(t_hi - t_lo)  # [groups]
     if training:
+        if cfg.clip is not None:
+            t_lo, t_hi = _clip(t_lo, t_hi, cfg.clip)
         if cfg.outliers:
             limit = reference.outlier_threshold(magnitude, layout, x.numel())
             t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
         state.fold(t_lo, t_hi, cfg.decay, skip=bad)
     step = step.masked_fill(bad, float("nan"))
-    return Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False))
+    # (Whether anything lay beyond the clip is not known without a sync: assumed.)
+    return Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False, clipped=cfg.clip is not None))
 
 
 @torch.no_grad()
@@ -327,6 +348,26 @@ def unpack(packed: Packed, *, backend: Backend | None = None) -> Tensor:
     return reference.restore_outliers(out, *outliers) if outliers else out
 
 
+@torch.no_grad()
+def unpack_map(packed: Packed, fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
+    """``fn(unpack(packed), *args)`` for an elementwise ``fn`` (an activation's backward: ``grad * y'(x)``),
+    with the restore fused into ``fn``'s loop where it can be: one compiled loop reads the codes and ``args``
+    and writes ``fn``'s result, and the restored tensor is never written to memory
+    (:func:`slimact.quant.inductor.dequantize_map`: ``torch.compile``, so C++ loops on CPU and a Triton kernel
+    on CUDA). ``fn`` must be a hashable, module-level callable (one compiled loop per ``fn`` and dtype) and
+    ``args`` tensors of the packed tensor's shape. Elsewhere (small, strided, sub-byte, raw, derived or
+    outlier-carrying packs): ``fn(unpack(packed), *args)``."""
+    meta = packed.meta
+    fusable = not meta.raw and meta.derive is None and len(packed.tensors) == 3  # (no outliers to put back)
+    if fusable and backend_for(packed.tensors[0]) != "reference":
+        from slimact.quant import inductor
+
+        out = inductor.dequantize_map(*packed.tensors, meta, fn, args)
+        if out is not None:
+            return out
+    return fn(unpack(packed), *args)
+
+
 #: Elementwise functions a pack may stand behind (see :func:`share_derived`), by name.
 _DERIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {}
 
@@ -341,6 +382,6 @@ def share_derived(y: Tensor, packed: Packed, derive: str) -> None:
     ``derive(x_hat)``. A GELU keeps its 8-bit input; the next Linear needs the GELU's output for its weight
     gradient and gets it from the same codes, so the ``[tokens, 4 x hidden]`` tensor is kept once, not twice.
     The error is the input's, carried through ``derive``: ``|y - y_hat| <= max|derive'| * step / 2``."""
-    if packed.meta.raw or derive not in _DERIVATIONS or y.shape != packed.meta.shape:
+    if packed.meta.raw or packed.meta.clipped or derive not in _DERIVATIONS or y.shape != packed.meta.shape:
         return
     _shared.put(y, Packed(packed.tensors, packed.meta._replace(derive=derive, dtype=y.dtype)))

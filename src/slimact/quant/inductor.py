@@ -8,6 +8,8 @@ inductor vectorises: the range reads ``x`` once (min and max of each run togethe
 once more and writes one byte per element, the dequantise reads a byte and writes the restored element (into a
 buffer on huge pages from 32 MiB: :mod:`slimact.quant._hugepages`).
 Eager PyTorch spends five passes with fp32 temporaries on the quantise alone (the reference).
+:func:`dequantize_map` restores inside a consumer's own loop (``fn(restored, *args)``, for
+:func:`slimact.quant.unpack_map`), on CPU and on CUDA alike.
 
 Codes and restored values equal the reference's bit for bit: the same operations in the same order (IEEE
 division, no contraction into fused multiply-adds; tested on every dtype and layout).
@@ -33,7 +35,7 @@ from torch import Tensor
 from slimact.quant import _hugepages, reference
 from slimact.quant.reference import GroupLayout, PackMeta
 
-__all__ = ["MIN_NUMEL", "dequantize", "group_minmax", "group_stats", "quantize"]
+__all__ = ["MIN_NUMEL", "dequantize", "dequantize_map", "group_minmax", "group_stats", "quantize"]
 
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
 MIN_NUMEL = 1 << 18
@@ -91,21 +93,25 @@ def _restore_into(c3: Tensor, lo: Tensor, step: Tensor, out3: Tensor) -> Tensor:
 
 
 @functools.cache
-def _compiled(fn: Callable, dtype: torch.dtype) -> Callable:
-    # A copy of fn with its own code object per dtype: dynamo's cache (and its recompile limit) is per code
-    # object, and each dtype needs its own loops.
+def _compiled(fn: Callable, key: object) -> Callable:
+    # A copy of fn with its own code object per key (a dtype; a consumer and a dtype): dynamo's cache (and its
+    # recompile limit) is per code object, and each dtype needs its own loops.
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return torch.compile(fresh, dynamic=True)
 
 
 def _run(fn: Callable, dtype: torch.dtype, *args) -> object | None:
+    return _call(_compiled(fn, dtype), args)
+
+
+def _call(compiled: Callable, args: tuple) -> object | None:
     # Detached: whether the caller's tensor requires grad must not be a guard (pack runs under no_grad). With
     # torch-function handling off: dynamo would otherwise trace an active TorchFunctionMode (slimact's routing
     # follows tensors by identity) and guard on this very tensor, recompiling at every call.
     args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     try:
         with torch._C.DisableTorchFunction():
-            return _compiled(fn, dtype)(*args)
+            return compiled(*args)
     except Exception as e:
         _failed.append(e)
         warnings.warn(
@@ -151,6 +157,28 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
         if restored is not None:
             return restored.view(meta.shape)
     return reference.dequantize(codes, meta, lo, step)
+
+
+def _restore_map(fn: Callable, dtype: torch.dtype, c3: Tensor, lo: Tensor, step: Tensor, *args: Tensor) -> Tensor:
+    # fn(_restore(...), *args) in one loop: the restored values live in registers only.
+    return fn((c3.float() * step + lo).to(dtype), *args)
+
+
+def dequantize_map(codes: Tensor, lo: Tensor, step: Tensor, meta: PackMeta, fn: Callable,
+                   args: tuple[Tensor, ...]) -> Tensor | None:
+    """``fn(dequantize(codes), *args)`` as one compiled loop (:func:`slimact.quant.unpack_map`), on CPU and on
+    CUDA (where inductor writes a Triton kernel): 8-bit codes of at least :data:`MIN_NUMEL` elements in whole
+    contiguous runs, ``args`` contiguous and of the packed shape. ``None`` where it does not apply."""
+    runs = _runs(meta.shape, meta.layout) if meta.bits == 8 else None
+    if (
+        runs is None or _failed or codes.device.type not in ("cpu", "cuda") or codes.numel() < MIN_NUMEL
+        or codes.numel() != runs[0] * runs[1] * runs[2] or torch.compiler.is_compiling()
+        or any(a.shape != meta.shape or not a.is_contiguous() or a.device != codes.device for a in args)
+    ):
+        return None
+    out = _call(_compiled(_restore_map, (fn, meta.dtype)),
+                (fn, meta.dtype, codes.view(runs), lo.view(-1, 1), step.view(-1, 1), *(a.view(runs) for a in args)))
+    return None if out is None else out.view(meta.shape)
 
 
 def group_stats(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor, Tensor]:

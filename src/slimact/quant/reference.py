@@ -117,6 +117,9 @@ class QuantConfig:
             builds: its one ``channel_groups`` setting serves layers of every width (8 groups on a 4-feature
             Linear give 4). An explicit config asking for more groups than channels is more likely a mistake
             (a wrong ``group_dim``), so by default it is refused rather than silently changed.
+        clip: values beyond ``+-clip`` may be restored as ``+-clip`` (the input of an activation whose derivative
+            is constant out there): the range is clipped to it and what lies beyond saturates, so large values
+            cost no resolution. NaN/inf are still seen (the tensor is kept exact). ``None``: no clipping.
     """
 
     bits: int = 8
@@ -127,6 +130,7 @@ class QuantConfig:
     stochastic: bool = False
     outliers: bool = True
     clamp_groups: bool = False
+    clip: float | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4, 2):
@@ -137,6 +141,8 @@ class QuantConfig:
             raise ValueError(f"scale must be 'dynamic' or 'running', got {self.scale!r}")
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip must be positive, got {self.clip}")
 
     @property
     def qmax(self) -> int:
@@ -396,6 +402,9 @@ class PackMeta(NamedTuple):
     #: A registered function the restored tensor is passed through (:func:`slimact.quant.core.share_derived`):
     #: the pack of ``x`` standing for ``f(x)``.
     derive: str | None = None
+    #: Whether values beyond ``QuantConfig.clip`` were (or, where no host sync decided it, may have been)
+    #: restored as the clip: then the pack does not stand for the tensor itself (no sharing).
+    clipped: bool = False
 
 
 class Packed(NamedTuple):
