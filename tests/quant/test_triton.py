@@ -202,3 +202,17 @@ def test_attentions_q_k_v_pack_together_with_one_host_sync_and_none_under_runnin
         packs = pack_many([(t * 1.1, running, st) for t, st in zip((q, k, v), states, strict=True)],
                           backend="triton", share=False)
     assert all(len(p.tensors) == 3 and not p.raw for p in packs)
+
+
+def _grad_times_two(x, g):
+    return (g.float() * x.float() * 2).to(g.dtype)
+
+
+def test_unpack_map_on_the_device_equals_the_eager_consumer():
+    # On CUDA (benchmarks/gpu.sh) the loop is a Triton kernel inductor writes; here, its C++ twin.
+    from slimact.quant import unpack_map
+
+    gen = torch.Generator().manual_seed(4)
+    x, g = (torch.randn(512, 1024, generator=gen).to(DEVICE) for _ in range(2))
+    packed = pack(x, QuantConfig(groups=8), share=False)
+    torch.testing.assert_close(unpack_map(packed, _grad_times_two, g), _grad_times_two(unpack(packed), g))
