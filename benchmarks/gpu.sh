@@ -10,6 +10,8 @@
 #    forward + backward against PyTorch's (slimact bench --ops).
 # 3. A bf16 training step of GPT-2 (12 layers) at batch 8 x 1024, plain against "int8", "tempo" and per-layer
 #    checkpointing, interleaved (slimact bench --speed), with activation bytes and the step's peak.
+# 4. The same model at one memory budget (slimact bench --throughput): each setup at the largest batch measured
+#    to fit 24 GiB (slimact fit), samples per second against plain's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -x .venv/bin/python ]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python}; fi
@@ -21,3 +23,5 @@ timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/quant/test_triton.py 2>
 timeout 90 "$PY" -m slimact bench --ops --device cuda --out "$OUT" --name ops
 timeout 240 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
     --dtypes bf16 --rounds 7 --policies tempo int8 checkpoint --out "$OUT" --name speed
+timeout 150 "$PY" -m slimact bench --throughput --device cuda --models gpt2 --layers 12 --seq 1024 --dtypes bf16 \
+    --budget 24GiB --max-batch 64 --rounds 5 --policies int8 tempo --out "$OUT" --name throughput

@@ -104,7 +104,22 @@ def test_gpu_script_is_valid_bash_and_its_commands_parse():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text().replace("\\\n", " ")
     commands = re.findall(r'-m slimact (bench [^\n]+)', text)
-    assert len(commands) == 2
+    assert len(commands) == 3
     for command in commands:
         args = build_parser().parse_args(shlex.split(command.replace('"$OUT"', "out")))
         assert args.device == "cuda"
+
+
+def test_throughput_rows_time_each_setup_at_the_batch_measured_to_fit_the_budget():
+    from slimact.bench import throughput
+
+    rows = list(throughput(["gpt2"], "24MiB", ("int8",), layers=None, seq=64, rounds=2, warmup=1, max_batch=30,
+                           tiny=True))
+    assert [r["setup"] for r in rows] == ["plain", "int8"]
+    plain, int8 = rows
+    for r in rows:
+        assert 0 < r["batch"] == min(r["fit_batch"], 30)
+        assert r["fit_measured_mib"] <= r["budget_mib"]  # measured (slimact.fit), not only predicted
+        assert r["samples_per_s_ratio_min"] <= r["samples_per_s_ratio_median"] <= r["samples_per_s_ratio_max"]
+    assert plain["samples_per_s_ratio_median"] == 1.0
+    assert int8["fit_batch"] > plain["fit_batch"]  # the memory won, spent on the batch

@@ -17,6 +17,12 @@ the median and the spread (min, max) over the rounds, with the activation bytes 
 of its forward and backward (:func:`peak_bytes`), so time and memory sit on one plane. Shared machines are
 noisy: only ratios measured this way are reported, never an absolute time on its own.
 
+``throughput``: samples per second at one memory budget. :func:`slimact.fit` gives each setup (plain, each
+policy) its largest batch under the budget, measured (weights, optimizer state and the step's
+:func:`peak_bytes`, which sees every temporary); the steps at those batches are timed interleaved and each
+round's samples-per-second ratio against plain is reported. This is where the
+memory is spent: Tempo's +16% on BERT-Large came from the larger batch the memory bought, not a faster step.
+
 ``ops``: per-op micro-benchmarks: pack (of the tensor's own range, and under a running estimate) and unpack of a
 64 MiB fp32 tensor against ``Tensor.copy_`` of the same tensor (bandwidth ratio), and each Function's forward +
 backward against its PyTorch counterpart.
@@ -35,7 +41,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["environment", "held_bytes", "memory", "ops", "peak_bytes", "speed", "write_results", "zoo"]
+from slimact.profile import peak_bytes
+
+__all__ = ["environment", "held_bytes", "memory", "ops", "peak_bytes", "speed", "throughput", "write_results", "zoo"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -162,39 +170,6 @@ def held_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     return held
 
 
-def peak_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
-    """Peak CPU bytes allocated during one training forward and backward, above what was allocated before
-    it: the running sum of the allocations and frees ``torch.profiler`` records, at its highest (on CUDA,
-    ``torch.cuda.max_memory_allocated``). Unlike
-    :func:`slimact.profile` it sees every temporary (the logits a model's head produces, a loss's chunks, the
-    parameter gradients the backward allocates), so it is the number a memory budget is about. (Large unpacks go
-    through the allocator here, not onto huge pages, which the profiler would not see.)"""
-    from torch.profiler import ProfilerActivity, profile
-
-    from slimact.quant import _hugepages
-
-    model.zero_grad(set_to_none=True)
-    if any(p.is_cuda for p in model.parameters()):  # the allocator's own peak
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        model(**inputs).loss.backward()
-        torch.cuda.synchronize()
-        model.zero_grad(set_to_none=True)
-        return torch.cuda.max_memory_allocated() - base
-    with _hugepages.off(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(**inputs).loss.backward()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    model.zero_grad(set_to_none=True)
-    return peak
-
-
 def _setups(model: torch.nn.Module, names: Iterable[str]) -> dict[str, torch.nn.Module]:
     """Copies of ``model`` per setup name: ``"plain"``, a policy, ``"checkpoint"`` (Hugging Face gradient
     checkpointing of every layer), or ``"checkpoint+<policy>"``."""
@@ -261,6 +236,61 @@ def speed(
                 "memory_ratio": round(kept / plain_bytes, 4), "peak_mib": round(peak / 2**20, 2),
                 "peak_ratio": round(peak / plain_peak, 4), **environment(device),
             }
+
+
+def throughput(
+    models: Iterable[str],
+    budget: int | str,
+    policies: Iterable[str] = ("int8", "tempo"),
+    *,
+    layers: int | None = 4,
+    seq: int = 256,
+    rounds: int = 5,
+    warmup: int = 1,
+    max_batch: int | None = None,
+    device: str = "cpu",
+    tiny: bool = False,
+    dtype: str = "fp32",
+) -> Iterator[dict[str, Any]]:
+    """Rows per model and setup (``"plain"`` first): the largest batch measured to fit ``budget``
+    (:func:`slimact.fit`; timed at most at ``max_batch``), the memory measured there, and the median and spread
+    of (samples per second) / (plain's samples per second) over ``rounds`` interleaved rounds."""
+    import copy
+    import statistics
+
+    import slimact
+    from slimact.fit import fit, parse_bytes
+    from slimact.zoo import build, example_inputs
+
+    budget = parse_bytes(budget)
+    names = ["plain", *policies]
+    for name in models:
+        base = build(name, layers=layers, tiny=tiny).to(device).train()
+        with autocast(device, dtype):
+            report = fit(base, lambda b, m=base: example_inputs(m, b, seq), budget, policies=tuple(names))
+        chosen: dict[str, tuple[torch.nn.Module, int, int | None]] = {}
+        for row in report.rows:
+            model = copy.deepcopy(base)
+            if row.policy != "plain":
+                slimact.convert(model, row.policy)
+            chosen[row.policy] = (model, min(row.max_batch, max_batch or row.max_batch), row.measured_peak)
+        runnable = {k: v for k, v in chosen.items() if v[1] > 0}
+        steps = {k: _train_step(m, example_inputs(base, b, seq), device, dtype) for k, (m, b, _) in runnable.items()}
+        times = _interleaved(steps, rounds, warmup, device) if "plain" in steps else {}
+        fits = {r.policy: r for r in report.rows}
+        for key in names:
+            model, batch, used = chosen[key]
+            row = {"model": name, "layers": layers, "tokens": seq, "dtype": dtype, "setup": key,
+                   "budget_mib": round(budget / 2**20, 1), "fit_batch": fits[key].max_batch, "batch": batch,
+                   "fit_measured_mib": None if used is None else round((report.static + used) / 2**20, 1)}
+            if key in times:
+                # per round: (batch / t) / (plain's batch / plain's t)
+                rates = [batch / t for t in times[key]]
+                plain_rates = [chosen["plain"][1] / t for t in times["plain"]]
+                row |= {**_ratios(rates, plain_rates, "samples_per_s_ratio"),
+                        "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1)}
+            yield {**row, "rounds": rounds, **environment(device)}
+        del chosen, steps  # the copies and their optimizer state, before the next model
 
 
 def _train_step(model: torch.nn.Module, inputs: dict[str, Any], device: str, dtype: str = "fp32") -> Any:

@@ -96,7 +96,7 @@ def _fit(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import transformers
 
-    from slimact.bench import memory, ops, speed, write_results, zoo
+    from slimact.bench import memory, ops, speed, throughput, write_results, zoo
     from slimact.zoo import MODELS
 
     transformers.logging.set_verbosity_error()
@@ -110,6 +110,17 @@ def _bench(args: argparse.Namespace) -> int:
                   f"[{row['time_ratio_min']:.3f}, {row['time_ratio_max']:.3f}]  memory {row['memory_ratio']:.3f}x  "
                   f"inference {row['eval_ratio_median']:.3f}x",
                   flush=True)
+            rows.append(row)
+    elif args.throughput:
+        if args.budget is None:
+            raise SystemExit("slimact bench --throughput needs --budget (e.g. 24GiB)")
+        for row in throughput(args.models or ["gpt2"], args.budget, args.policies, layers=args.layers,
+                              seq=args.seq or 256, rounds=args.rounds, max_batch=args.max_batch,
+                              device=args.device, dtype=args.dtypes[0]):
+            ratio = row.get("samples_per_s_ratio_median")
+            print(f"{row['model']:>8} {row['setup']:>8}: batch {row['batch']:>4} (fit {row['fit_batch']}), "
+                  f"{row['fit_measured_mib'] or 0:.0f} MiB of {row['budget_mib']:.0f}, "
+                  f"samples/s {'-' if ratio is None else f'{ratio:.3f}x'}", flush=True)
             rows.append(row)
     elif args.ops:
         for row in ops(rounds=args.rounds, device=args.device):
@@ -128,7 +139,8 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"{row['model']:>10} {row['dtype']:>5} {row['policy']:>6}: {row['plain_mib']:>10.2f} MiB -> "
                   f"{row['converted_mib']:>9.2f} MiB  {row['ratio']:.3f}x", flush=True)
             rows.append(row)
-    default = "speed" if args.speed else "ops" if args.ops else "zoo" if args.zoo else "memory"
+    default = ("speed" if args.speed else "throughput" if args.throughput else "ops" if args.ops
+               else "zoo" if args.zoo else "memory")
     print(f"wrote {write_results(rows, args.name or default, args.out)}")
     return 0
 
@@ -182,14 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="per model family: what is converted, coverage, bytes under int8 and tempo (2 layers)")
     what.add_argument("--speed", action="store_true",
                       help="training-step time vs plain, interleaved (setups: presets, checkpoint, checkpoint+int8)")
+    what.add_argument("--throughput", action="store_true",
+                      help="samples per second at one memory budget (--budget): each setup at the batch that fits")
     what.add_argument("--ops", action="store_true", help="per-op micro-benchmarks: pack/unpack, each Function")
-    b.add_argument("--layers", type=int, default=4, help="--speed: layers of each model")
-    b.add_argument("--rounds", type=int, default=7, help="--speed/--ops: interleaved rounds (median reported)")
+    b.add_argument("--layers", type=int, default=4, help="--speed, --throughput: layers of each model")
+    b.add_argument("--budget", default=None, help="--throughput: the memory budget, e.g. 24GiB")
+    b.add_argument("--max-batch", type=int, default=None, help="--throughput: the largest batch to time")
+    b.add_argument("--rounds", type=int, default=7,
+                   help="--speed/--throughput/--ops: interleaved rounds (median reported)")
     b.add_argument("--models", nargs="+", default=None, help="default: bert-base gpt2 llama vit-b16; --zoo: all")
     b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"],
                    help="--memory: each; --speed: the first (autocast)")
     b.add_argument("--policies", nargs="+", default=["int8", "tempo"],
-                   help="--memory: policies; --speed: setups (default tempo int8 checkpoint checkpoint+int8)")
+                   help="--memory, --throughput: policies; --speed: setups (default tempo int8 checkpoint "
+                        "checkpoint+int8)")
     b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")
     b.add_argument("--batch", type=int, default=None, help="default 4 (--memory), 2 (--zoo)")
     b.add_argument("--seq", type=int, default=None, help="default 512 (--memory), 128 (--zoo)")

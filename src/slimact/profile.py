@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from slimact._kinds import kind_of
 from slimact.functional._saving import is_gradient
 
-__all__ = ["Report", "SavedTensor", "profile"]
+__all__ = ["Report", "SavedTensor", "peak_bytes", "profile"]
 
 ROOT = "(model)"
 LOSS = "(loss)"
@@ -269,3 +269,42 @@ def profile(
             loss.backward()
         peak = torch.cuda.max_memory_allocated() - base if use_cuda else None
     return Report(entries, peak)
+
+
+def peak_bytes(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], Tensor] | None = None) -> int:
+    """Peak bytes allocated during one training forward and backward of ``model`` (inputs and loss as
+    :func:`profile` takes them), above what was allocated before it: on CPU the running sum of the allocations
+    and frees ``torch.profiler`` records, at its highest; on CUDA ``torch.cuda.max_memory_allocated``. Unlike
+    :func:`profile` it sees every temporary (the logits a model's head produces, a loss's chunks, the
+    parameter gradients the backward allocates), so it is the number a memory budget is about. (Large unpacks go
+    through the allocator here, not onto huge pages, which the profiler would not see.) The model is left as
+    found, as by :func:`profile`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from slimact.quant import _hugepages
+
+    def step() -> None:
+        model.train()
+        loss = (loss_fn or _default_loss)(_call(model, inputs))
+        if loss.requires_grad:
+            loss.backward()
+
+    with _restoring(model):
+        if any(p.is_cuda for p in model.parameters()):  # the allocator's own peak
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base
+        with _hugepages.off(), torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak

@@ -370,8 +370,10 @@ def _linear(draw) -> Case:
 
         return _product_bound(product, err, size, tokens, d.dtype)
 
-    # grad_x needs only W, grad_b only grad_y: exact. grad_W sees the 8-bit x.
-    rules = {"x": EXACT, "weight": _lossy(bound=bound), "bias": EXACT}
+    # grad_x needs only W, grad_b only grad_y: from exact tensors. grad_x to float rounding, not bit for bit:
+    # PyTorch picks the product's order from x's strides (mm_mat1_backward computes a column-major x's gradient
+    # as (W^T grad_y^T)^T), and slimact does not keep x. grad_W sees the 8-bit x.
+    rules = {"x": LOSSLESS, "weight": _lossy(bound=bound), "bias": EXACT}
     return d.case(plain, slim, inputs, rules, scale_free=PRODUCT, heavy_ok=True)
 
 
