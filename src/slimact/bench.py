@@ -11,9 +11,10 @@ in fp32 and under bf16/fp16 autocast. It is the README's headline table.
 the bytes kept under ``"int8"`` and ``"tempo"`` (``docs/models.md``).
 
 ``speed``: a full training step (forward, backward, AdamW step) of plain PyTorch and of each setup (a preset,
-per-layer activation checkpointing, both), timed interleaved in one process (plain, setup 1, setup 2, ...,
-plain, ...) after warm-up: per round the ratio of each setup's time to that round's plain time, reported as
-the median and the spread (min, max) over the rounds, with the activation bytes of each setup and the peak
+per-layer activation checkpointing, both), timed interleaved in one process (plain, setup 1, setup 2, ...;
+setup 1, setup 2, ..., plain; ...: each round starts one later) after warm-up: per round the ratio of each
+setup's time to that round's plain time, reported as the median and the spread (min, max) over the rounds,
+with the activation bytes of each setup and the peak
 of its forward and backward (:func:`peak_bytes`), so time and memory sit on one plane. Shared machines are
 noisy: only ratios measured this way are reported, never an absolute time on its own.
 
@@ -336,8 +337,12 @@ def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str 
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
+    keys = list(fns)
+    for r in range(rounds):
+        # Each round starts one setup later (plain, A, B; A, B, plain; ...): no setup always runs right after
+        # the same one (whose frees and cache state it would inherit).
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            fn = fns[k]
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
