@@ -216,3 +216,29 @@ def test_unpack_map_on_the_device_equals_the_eager_consumer():
     x, g = (torch.randn(512, 1024, generator=gen).to(DEVICE) for _ in range(2))
     packed = pack(x, QuantConfig(groups=8), share=False)
     torch.testing.assert_close(unpack_map(packed, _grad_times_two, g), _grad_times_two(unpack(packed), g))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device (benchmarks/gpu.sh runs this); what "
+                    "they need of the pack, no host read and state updated in place, is asserted above on any device")
+def test_a_running_pack_captured_in_a_cuda_graph_replays_as_the_eager_pack():
+    gen = torch.Generator().manual_seed(5)
+    cfg = QuantConfig(groups=8, scale="running")
+    _module, state = _estimated(torch.randn(64, 48, generator=gen).to(DEVICE), cfg)
+    static_x = torch.randn(64, 48, generator=gen).to(DEVICE)
+    side = torch.cuda.Stream()  # warm-up (kernel compilation) off the capturing stream, as capture requires
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pack(static_x, cfg, state, backend="triton", share=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = pack(static_x, cfg, state, backend="triton", share=False)
+    layout = group_layout(static_x.shape, cfg)
+    for scale in (1.0, 2.0, 0.5):
+        lo, step = scale_params(*state.estimate(8), 255)  # the estimate this replay packs with
+        static_x.copy_(torch.randn(64, 48, generator=gen).to(DEVICE) * scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured.tensors[1], lo) and torch.equal(captured.tensors[2], step)
+        assert torch.equal(captured.tensors[0], reference.quantize(static_x, layout, lo, step, 8, None))
+    assert not torch.equal(state.estimate(8)[0], lo)  # each replay folded its tensor's range in
