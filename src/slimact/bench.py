@@ -419,8 +419,12 @@ def _function_rows(rounds: int, device: str) -> Iterator[dict[str, Any]]:
                                                            cfg=pol.quant_config("attention", 4))),
     }
     for name, (plain, slim) in cases.items():
-        def run(fn):
-            return lambda: fn().sum().backward()
+        # A dense upstream gradient, as a model's next layer hands back (sum().backward() would give an expanded
+        # one, which no real backward sees and which sends contiguity-checking fast paths elsewhere).
+        grad = torch.randn_like(plain().detach())
+
+        def run(fn, grad=grad):
+            return lambda: fn().backward(grad)
 
         times = _interleaved({"plain": run(plain), "slimact": run(slim)}, rounds, device=device)
         yield {"op": f"{name} fwd+bwd", "vs": "PyTorch", **_ratios(times["slimact"], times["plain"]),

@@ -230,3 +230,37 @@ def test_8bit_backward_restores_x_inside_its_own_loop(form, monkeypatch):
     # what the eager backward computes from the same codes, to fp32 rounding of the derivative's own ops
     x_hat = unpack(pack(x.detach(), QuantConfig(groups=8, clip=FLAT[form]), share=False))
     torch.testing.assert_close(grad, g * derivative(form, x_hat), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("form", "dtype"), [*((f, torch.float32) for f in ("gelu", "gelu_tanh", "quick_gelu", "silu")),
+                                             ("gelu_tanh", torch.bfloat16)])
+def test_inplace_backward_as_one_compiled_loop_equals_the_eager_passes(form, dtype, monkeypatch):
+    import sys
+
+    from slimact.functional.activation import MINIMUM, activation
+    from slimact.quant import inductor
+
+    module = sys.modules["slimact.functional.activation"]
+    calls = []
+    original = inductor.fused
+    monkeypatch.setattr(inductor, "fused", lambda *a: calls.append(r := original(*a)) or r)
+    gen = torch.Generator().manual_seed(1)
+    # The real line, the minimum's neighbourhood and a normal sample: above the compiled loop's size threshold.
+    x = torch.cat([torch.linspace(-10, 10, 200001), MINIMUM[form] + torch.linspace(-0.02, 0.02, 10001),
+                   torch.randn(100000, generator=gen) * 3]).to(dtype).requires_grad_(True)
+    assert x.numel() >= inductor.MIN_NUMEL
+    g = torch.randn(x.shape, generator=gen).to(dtype)
+    (grad,) = torch.autograd.grad(activation(x, form, None, fn=KERNELS[form]), x, g)
+    assert len(calls) == 1 and calls[0] is not None  # the compiled loop ran
+    (one,) = torch.autograd.grad(activation(x, form, None, fn=KERNELS[form]).sum(), x)
+    radius, away, everywhere = INPLACE_ERROR_BOUNDS[dtype]
+    err = (one.double() - derivative(form, x.detach().double())).abs()
+    assert err[(x.detach().double() - MINIMUM[form]).abs() >= radius].max() <= away  # the stated bound holds
+    assert err.max() <= everywhere
+    monkeypatch.setattr(module, "_loop_shape", lambda *t: False)
+    (eager,) = torch.autograd.grad(activation(x, form, None, fn=KERNELS[form]), x, g)
+    # The same fp32 operations, but a vectorised sqrt and log may round the table key an ulp differently, which
+    # moves the interpolated y' by up to slope / spacing * ulp (~6e-7): a thirtieth of the fp32 bound; then one
+    # rounding of the product to the dtype.
+    torch.testing.assert_close(grad.float(), eager.float(), rtol=torch.finfo(dtype).eps,
+                               atol=1e-6 * g.abs().max().item())

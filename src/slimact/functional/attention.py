@@ -42,7 +42,7 @@ from torch import Tensor
 
 from slimact.functional._saving import Mask, load, save
 from slimact.functional.softmax import pack_probabilities
-from slimact.quant import Packed, QuantConfig, RunningRange, pack, pack_many
+from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
@@ -143,6 +143,35 @@ def _probabilities(scores: Tensor) -> Tensor:
     return e / total.masked_fill(total == 0, 1.0)
 
 
+def _rows_backward_eager(scores: Tensor, dp: Tensor, noise: Tensor | None) -> tuple[Tensor, Tensor]:
+    # The probabilities again, the dropout's factor on them and on their gradient, then the softmax backward.
+    # rowsum(P * dP) from the block's own fp32 rows (each block holds whole rows): so ds sums to zero over a row
+    # to fp32 rounding. (FlashAttention's rowsum(dO * O) from the output rounded to fp16 left a 1e-3 residue,
+    # which constant keys turned into a q gradient of 1e-3 where the exact one is 0.)
+    probs = _probabilities(scores)
+    dropped = probs if noise is None else probs * noise
+    dp = dp if noise is None else dp * noise
+    return dropped, probs * (dp - (probs * dp).sum(-1, keepdim=True))
+
+
+def _rows_backward(scores: Tensor, dp: Tensor, noise: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(D, dS)`` of a block of whole rows from its fp32 scores, the gradient of its dropped probabilities
+    ``dp`` and the dropout's factor: ``P = softmax(scores)``, ``D = P * noise``,
+    ``dS = P * (dp * noise - rowsum(P * dp * noise))``."""
+    return _fused_rows(_rows_backward_eager, scores, dp, noise)
+
+
+def _fused_rows(fn, scores: Tensor, *args: Tensor | None):
+    """``fn(scores, *args)``, a row-wise computation over ``[..., rows, S]`` blocks, as compiled loops where the
+    block is large (:func:`slimact.quant.inductor.fused`: one loop per row pass instead of one eager pass per
+    op, about 15 for the backward's rows), else eagerly: the same math."""
+    if scores.numel() >= inductor.MIN_NUMEL and scores.device.type in ("cpu", "cuda"):
+        out = inductor.fused(fn, (fn.__name__, scores.dtype, *(a is None for a in args)), scores, *args)
+        if out is not None:
+            return out
+    return fn(scores, *args)
+
+
 def _dead_rows(mask: Tensor | None) -> Tensor | None:
     """Query rows a mask allows nothing in (all False, or all -inf): PyTorch gives them 0, and 0 gradients."""
     if mask is None:
@@ -204,15 +233,21 @@ def _rng_state(device: torch.device) -> Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def _replayed_mask(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p: float, device) -> Tensor:
-    """The dropout mask ``native_dropout`` drew from RNG ``state``: drawn again on a forked generator."""
+def _replayed_noise(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p: float, device) -> Tensor:
+    """The dropout ``native_dropout`` drew (on a tensor of ``dtype``) from RNG ``state``, drawn again on a forked
+    generator, as the fp32 factor it multiplied by: ``mask * scale``, ``scale = 1 / (1 - p)`` (0 for ``p = 1``).
+    In fp32 that is the draw's own output for an input of ones, and ``x * noise`` is bit for bit
+    ``(x * mask) * scale`` (``x * mask`` is exact); for a half-precision draw, the mask converted."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         if device.type == "cuda":
             torch.cuda.set_rng_state(state, device)
         else:
             torch.set_rng_state(state)
-        return torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)[1]
+        out, mask = torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)
+    if dtype == torch.float32:
+        return out
+    return mask.to(torch.float32) * (0.0 if p >= 1 else 1.0 / (1.0 - p))
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -236,7 +271,7 @@ class _ChunkedAttention(torch.autograd.Function):
             # model); the backward replays it from the snapshot. Transient here, never kept.
             rng = _rng_state(q.device)
             scores = _block_scores(qg, kt, add, is_causal, scale, (b, h, t, s), 0, t)
-            probs = _probabilities(scores).to(v.dtype)
+            probs = _fused_rows(_probabilities, scores).to(v.dtype)
             dropped, _ = torch.native_dropout(probs, dropout_p, True)
             out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, -1)
         else:
@@ -244,7 +279,7 @@ class _ChunkedAttention(torch.autograd.Function):
             for t0 in range(0, t, CHUNK_ROWS):
                 t1 = min(t, t0 + CHUNK_ROWS)
                 scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
-                pg = _probabilities(scores).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
+                pg = _fused_rows(_probabilities, scores).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
                 out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, -1)
         dead = _dead_rows(mask)
         if dead is not None:
@@ -271,7 +306,8 @@ class _ChunkedAttention(torch.autograd.Function):
         gk = torch.zeros(b, h_kv, rep, s, d, dtype=torch.float32, device=q.device)
         gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
         gg = g.reshape(b, h_kv, rep, t, -1)
-        keep_all = _replayed_mask(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
+        # [B, H, T, S], fp32 (the rows are recomputed in fp32), drawn as the forward drew it (in p_dtype)
+        noise_all = _replayed_noise(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
         # A learned additive mask (Swin's and T5's position biases): its gradient is the scores' gradient,
         # summed over the dims it broadcasts along. [B|1, H|1, T|1, S]
         need_mask_grad = ctx.needs_input_grad[3]
@@ -280,21 +316,12 @@ class _ChunkedAttention(torch.autograd.Function):
         for t0 in range(0, t, CHUNK_ROWS):
             t1 = min(t, t0 + CHUNK_ROWS)
             scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
-            probs = _probabilities(scores).reshape(b, h_kv, rep, t1 - t0, s)
-            keep = None
-            dropped = probs
-            if keep_all is not None:
-                keep = keep_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
-                dropped = probs * keep / (1 - dropout_p)
+            scores = scores.reshape(b, h_kv, rep, t1 - t0, s)
             gblk = gg[..., t0:t1, :]
-            gv += dropped.transpose(-1, -2).matmul(gblk)
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
-            if keep is not None:
-                dp = dp * keep / (1 - dropout_p)
-            # rowsum(P * dP) from the block's own fp32 rows (each block holds whole rows): so ds sums to zero over
-            # a row to fp32 rounding. (FlashAttention's rowsum(dO * O) from the output rounded to fp16 left a
-            # 1e-3 residue, which constant keys turned into a q gradient of 1e-3 where the exact one is 0.)
-            ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
+            noise = None if noise_all is None else noise_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
+            dropped, ds = _rows_backward(scores, dp, noise)
+            gv += dropped.transpose(-1, -2).matmul(gblk)
             if gmask is not None:
                 gm = ds.reshape(b, h, t1 - t0, s)
                 dims = [i for i in range(3) if m4.shape[i] == 1 and gm.shape[i] != 1]

@@ -17,6 +17,7 @@ half a step, and the tests assert gradient cosine >= 0.99 with the exact block.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -24,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimact.functional._saving import load, save
-from slimact.functional.activation import derivative
-from slimact.quant import QuantConfig, RunningRange, pack
+from slimact.functional.activation import derivative, reference
+from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
 __all__ = ["gated_mlp"]
 
@@ -42,20 +43,44 @@ class _GatedMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         g, u, weight = load(ctx)
         need_g, need_u, need_w, need_b = ctx.needs_input_grad[:4]
-        a = ctx.act(g)
         out = grad_y.shape[-1]
         grad_h = grad_y.matmul(weight.to(grad_y.dtype))  # [..., I]
-        grad_g = grad_u = grad_w = grad_b = None
-        if need_u:
-            grad_u = grad_h * a
-        if need_g:
-            grad_g = (grad_h.float() * u.float() * derivative(ctx.form, g.float())).to(g.dtype)
+        grad_g, grad_u, h = _elementwise_backward(ctx.act, ctx.form, g, u, grad_h)
+        grad_w = grad_b = None
         if need_w:
-            h = a * u
             grad_w = grad_y.reshape(-1, out).t().matmul(h.reshape(-1, h.shape[-1]).to(grad_y.dtype))
         if ctx.has_bias and need_b:
             grad_b = grad_y.reshape(-1, out).sum(0)
-        return grad_g, grad_u, grad_w, grad_b, None, None, None, None, None
+        return grad_g if need_g else None, grad_u if need_u else None, grad_w, grad_b, None, None, None, None, None
+
+
+def _elementwise_backward_eager(act: Callable[[Tensor], Tensor], form: str, g: Tensor, u: Tensor,
+                                grad_h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # grad_g = grad_h * u * act'(g) (fp32), grad_u = grad_h * act(g), h = act(g) * u: [..., I] each
+    a = act(g)
+    grad_g = (grad_h.float() * u.float() * derivative(form, g.float())).to(g.dtype)
+    return grad_g, grad_h * a, a * u
+
+
+def _elementwise_backward(act: Callable[[Tensor], Tensor], form: str, g: Tensor, u: Tensor,
+                          grad_h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_g, grad_u, h)``: one compiled loop where the tensors are large and alike (:func:`slimact.quant.
+    inductor.fused`; about 12 eager passes otherwise), else eagerly with the model's own activation. The loop
+    computes the activation by its form's formula (one compiled loop per form, not per model's module), which
+    may round differently from the module's own code: ``h`` and ``grad_u`` to float rounding."""
+    if (
+        g.numel() >= inductor.MIN_NUMEL and g.device.type in ("cpu", "cuda")
+        and all(t.shape == g.shape and t.is_contiguous() for t in (g, u, grad_h))
+    ):
+        key = ("gated-mlp", form, g.dtype, u.dtype, grad_h.dtype)
+        result = inductor.fused(_elementwise_backward_eager, key, _FORMULAS[form], form, g, u, grad_h)
+        if result is not None:
+            return result
+    return _elementwise_backward_eager(act, form, g, u, grad_h)
+
+
+#: The activation of each form by its formula, one callable per form (what the compiled loops trace).
+_FORMULAS = {form: functools.partial(reference, form) for form in ("gelu", "gelu_tanh", "quick_gelu", "silu")}
 
 
 def gated_mlp(
@@ -79,7 +104,6 @@ def gated_mlp(
         state_g, state_u: running estimates of ``g`` and ``u``, for ``scale="running"``.
     """
     if act is None:
-        from slimact.functional.activation import reference
 
         def act(t: Tensor) -> Tensor:
             return reference(form, t)

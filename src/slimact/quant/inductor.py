@@ -35,7 +35,7 @@ from torch import Tensor
 from slimact.quant import _hugepages, reference
 from slimact.quant.reference import GroupLayout, PackMeta
 
-__all__ = ["MIN_NUMEL", "dequantize", "dequantize_map", "group_minmax", "group_stats", "quantize"]
+__all__ = ["MIN_NUMEL", "dequantize", "dequantize_map", "fused", "group_minmax", "group_stats", "quantize"]
 
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
 MIN_NUMEL = 1 << 18
@@ -119,6 +119,16 @@ def _call(compiled: Callable, args: tuple) -> object | None:
             RuntimeWarning, stacklevel=3,
         )
         return None
+
+
+def fused(fn: Callable, key: object, *args: object) -> object | None:
+    """``fn(*args)`` compiled into as few loops as inductor makes of it (C++ on CPU, Triton on CUDA), for a
+    Function's own elementwise passes (the in-place activations' mask and backward). ``key`` names the compiled
+    copy (one per dtype, say); ``None`` where compiling is off, failed, or code already runs under
+    ``torch.compile`` (inductor fuses the eager code there itself): the caller then runs ``fn`` eagerly."""
+    if _failed or torch.compiler.is_compiling():
+        return None
+    return _call(_compiled(fn, key), args)
 
 
 def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
