@@ -169,3 +169,29 @@ def test_rows_whose_mean_dwarfs_their_spread_keep_the_input_when_lossless(dtype)
     _, approx = _step(converted_copy(norm, "tempo").train(), (x,), seed=1)
     for name in exact:
         assert cosine(exact[name], approx[name]) >= 0.9999, name
+
+
+@pytest.mark.parametrize("centered", [True, False], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["lossless", "int8"])
+def test_backward_as_compiled_loops_equals_the_eager_passes(centered, quantized, monkeypatch):
+    from slimact.functional import norm
+    from slimact.policy import Policy
+    from slimact.quant import inductor
+
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(512, 768, generator=gen) * 2 + 0.5).requires_grad_()  # above MIN_NUMEL
+    w = (torch.rand(768, generator=gen) + 0.5).requires_grad_()
+    b = (torch.randn(768, generator=gen) * 0.1).requires_grad_() if centered else None
+    up = torch.randn(512, 768, generator=gen)
+    cfg = Policy().quant_config("layernorm", 2) if quantized else None
+    params = (x, w) if b is None else (x, w, b)
+    calls = []
+    original = inductor.fused
+    monkeypatch.setattr(inductor, "fused", lambda *a: calls.append(r := original(*a)) or r)
+    fused = torch.autograd.grad(norm(x, w, b, 1e-5, cfg, centered=centered), params, up)
+    assert len(calls) == 1 and calls[0] is not None  # the compiled loops ran
+    monkeypatch.setattr(inductor, "fused", lambda *a: None)
+    eager = torch.autograd.grad(norm(x, w, b, 1e-5, cfg, centered=centered), params, up)
+    # The same fp32 formulas; row means and column sums in another order: float rounding, normwise.
+    for a, e in zip(fused, eager, strict=True):
+        assert (a - e).norm() <= 1e-6 * e.norm()

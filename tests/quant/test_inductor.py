@@ -133,3 +133,22 @@ def test_a_converted_model_compiles_each_loop_once_not_at_every_step():
     # 8 recompiles of the quantise alone in the first step, and more at every step.
     assert first <= 8
     assert counters["stats"]["unique_graphs"] - graphs == first
+
+
+def test_a_strided_tensor_is_packed_through_the_compiled_loops_from_a_contiguous_copy(monkeypatch):
+    # Attention's q, k, v: [B, T, H, D] memory seen as [B, H, T, D], one scale per head.
+    torch.manual_seed(1)
+    x = torch.randn(2, 256, 4, 128).transpose(1, 2)
+    x[0, 1, 7, 3] = 300.0  # an outlier, kept apart at its logical index
+    cfg = QuantConfig(group_dim=1, groups=0)
+    assert not x.is_contiguous() and x.numel() >= inductor.MIN_NUMEL
+    ran = []
+    original = inductor.quantize
+    monkeypatch.setattr(inductor, "quantize", lambda data, *a: ran.append(data.is_contiguous()) or original(data, *a))
+    fast = pack(x, cfg, backend="inductor", share=False)
+    assert ran == [True]  # the compiled loop got the contiguous copy
+    ref = pack(x, cfg, backend="reference", share=False)
+    assert len(ref.tensors) == len(fast.tensors) > 3  # the outlier went apart in both
+    for a, b in zip(ref.tensors, fast.tensors, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(unpack(fast), unpack(ref))

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from slimact.functional._saving import load, save
-from slimact.quant import QuantConfig, RunningRange, pack
+from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
 __all__ = ["norm", "output_recoverable"]
 
@@ -103,27 +103,39 @@ class _NormFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         kept, mean, rstd, weight, bias = load(ctx)
         need = ctx.needs_input_grad  # x, weight, bias, ...
-        g = grad_y.float()
-        w = None if weight is None else weight.float() + ctx.offset
-        if ctx.from_output:
-            xn = kept.float() if bias is None else kept.float() - bias.float()
-            if w is not None:
-                xn = xn / w
-        else:
-            xn = (kept.float() - mean) * rstd if ctx.centered else kept.float() * rstd
-        gw = g if w is None else g * w
-        grad_x = grad_w = grad_b = None
-        if need[0]:
-            inner = gw - xn * (gw * xn).mean(-1, keepdim=True)
-            if ctx.centered:
-                inner = inner - gw.mean(-1, keepdim=True)
-            grad_x = (rstd * inner).to(grad_y.dtype)
-        rows = g.reshape(-1, g.shape[-1])
-        if weight is not None and need[1]:
-            grad_w = (rows * xn.reshape(rows.shape)).sum(0).to(weight.dtype)
-        if bias is not None and need[2]:
-            grad_b = rows.sum(0).to(bias.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output)
+        grads = None
+        if kept.numel() >= inductor.MIN_NUMEL and kept.device.type in ("cpu", "cuda"):
+            key = ("norm", ctx.centered, ctx.offset, ctx.from_output, mean is None, weight is None, bias is None,
+                   kept.dtype, grad_y.dtype)
+            grads = inductor.fused(_backward, key, *args)
+        grad_x, grad_w, grad_b = grads if grads is not None else _backward(*args)
+        return (grad_x if need[0] else None, grad_w if weight is not None and need[1] else None,
+                grad_b if bias is not None and need[2] else None, None, None, None, None, None, None)
+
+
+def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
+              grad_y: Tensor, centered: bool, offset: float, from_output: bool):
+    """``(grad_x, grad_w, grad_b)`` from what the forward kept (the module docstring's formulas, in fp32); one
+    compiled loop per row pass where the tensor is large (:func:`slimact.quant.inductor.fused`: about 12 eager
+    passes otherwise)."""
+    g = grad_y.float()
+    w = None if weight is None else weight.float() + offset
+    if from_output:
+        xn = kept.float() if bias is None else kept.float() - bias.float()
+        if w is not None:
+            xn = xn / w
+    else:
+        xn = (kept.float() - mean) * rstd if centered else kept.float() * rstd
+    gw = g if w is None else g * w
+    inner = gw - xn * (gw * xn).mean(-1, keepdim=True)
+    if centered:
+        inner = inner - gw.mean(-1, keepdim=True)
+    grad_x = (rstd * inner).to(grad_y.dtype)
+    rows = g.reshape(-1, g.shape[-1])
+    grad_w = None if weight is None else (rows * xn.reshape(rows.shape)).sum(0).to(weight.dtype)
+    grad_b = None if bias is None else rows.sum(0).to(bias.dtype)
+    return grad_x, grad_w, grad_b
 
 
 def norm(

@@ -210,6 +210,12 @@ class _Job:
                  kernels, estimate: tuple[Tensor, Tensor] | None) -> None:
         self.index, self.x, self.cfg, self.layout, self.state = index, x, cfg, layout, state
         self.kernels, self.estimate = kernels, estimate
+        # What the kernels read: a strided tensor the compiled CPU loops take as a contiguous copy (one pass at
+        # copy bandwidth, transient), where the reference would take several passes and an fp64 reduction
+        # (attention's q, k, v are [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes.
+        self.data = x
+        if kernels.__name__.endswith(".inductor") and not x.is_contiguous() and x.numel() >= kernels.MIN_NUMEL:
+            self.data = x.contiguous()
         self.aliases: list[int] = []
         self.raw = False
         self.outliers: tuple[Tensor, ...] = ()
@@ -219,7 +225,7 @@ class _Job:
     def finish(self) -> Packed:
         x, cfg = self.x, self.cfg
         seed = reference.draw_seed() if cfg.stochastic else None
-        codes = self.kernels.quantize(x, self.layout, self.lo, self.step, cfg.bits, seed)
+        codes = self.kernels.quantize(self.data, self.layout, self.lo, self.step, cfg.bits, seed)
         meta = PackMeta(x.shape, x.dtype, cfg.bits, self.layout, False, clipped=self.clipped)
         return Packed((codes, self.lo, self.step, *self.outliers), meta)
 
@@ -235,7 +241,7 @@ def _decide(jobs: list[_Job], training: bool) -> None:
         return
     flags: list[Tensor] = []  # per job: "not finite", then "has outliers" where outliers are on
     for job in jobs:
-        x, layout = job.x, job.layout
+        x, layout = job.data, job.layout
         if job.cfg.outliers:
             job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
             job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
@@ -262,7 +268,7 @@ def _decide(jobs: list[_Job], training: bool) -> None:
             job.raw = True
             continue
         if heavy:
-            job.lo, job.hi, *job.outliers = reference.split_outliers(job.x, job.layout, job.threshold)
+            job.lo, job.hi, *job.outliers = reference.split_outliers(job.data, job.layout, job.threshold)
             if job.cfg.clip is not None:
                 job.lo, job.hi = _clip(job.lo, job.hi, job.cfg.clip)
         if job.cfg.scale == "running":
