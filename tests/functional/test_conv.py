@@ -40,3 +40,25 @@ def test_frozen_conv_weight_keeps_nothing():
 def test_unsupported_padding_modes_are_reported():
     model = slimact.convert(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect")))
     assert "reflect" in slimact.summary(model).skipped["0"]
+
+
+def test_bf16_weight_gradient_on_the_cpu_is_the_same_at_every_call():
+    # PyTorch's bf16 CPU convolution backward (torch 2.13) reads uninitialised memory on this shape: its weight
+    # gradient depends on what was freed before the call. slimact's backward runs in fp32 there.
+    from slimact.functional import conv
+    from slimact.policy import Policy
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 3, 4, 5, 2, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(2, 3, 1, 2, 2, generator=gen).bfloat16().requires_grad_()
+    cfg = Policy().quant_config("conv", 5)
+    args = ((1, 2, 3), (0, 0, 1), (1, 1, 1), 1, cfg)
+    grads = []
+    for fill in (float("nan"), 1e38, 0.0):
+        junk = torch.full((1 << 16,), fill, dtype=torch.bfloat16)
+        del junk
+        y = conv(x, w, None, *args)
+        grads.append(torch.autograd.grad(y, (x, w), torch.ones_like(y)))
+    for gx, gw in grads[1:]:
+        assert torch.equal(gx, grads[0][0]) and torch.equal(gw, grads[0][1])
+    assert all(torch.isfinite(g).all() for g in grads[0])

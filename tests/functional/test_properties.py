@@ -572,6 +572,12 @@ def _dropout(draw) -> Case:
 
 def _conv(draw) -> Case:
     d = Draws.of(draw)
+    if d.dtype == torch.bfloat16:
+        # No bf16 reference: PyTorch's bf16 CPU convolution (torch 2.13) reads uninitialised memory, forward and
+        # backward, in any layout: the same call on the same inputs differs with what was freed before it (the
+        # weight gradient by up to 1e38 on ~2% of small shapes, the forward on ~0.3%). slimact's forward is that
+        # kernel; its backward runs in fp32 on the CPU (tests/functional/test_conv.py::test_bf16_weight_gradient_*).
+        reject()
     nd = draw(st.integers(1, 3))
     groups = draw(st.sampled_from([1, 2, 3]))
     c_in, c_out = groups * draw(st.integers(1, 3)), groups * draw(st.integers(1, 3))
@@ -584,9 +590,7 @@ def _conv(draw) -> Case:
     # A quarter of the work of other ops: the float64 (gold, bound) and fp16 convolutions are PyTorch's slow paths
     free = _sizes(draw, nd + 1, work=max(1, WORK // (4 * c_in * c_out * math.prod(kernel))))
     batch, spatial = free[0], [max(1, r) + f - 1 for r, f in zip(reach, free[1:], strict=True)]
-    # Not bf16 channels-last: PyTorch's own CPU backward there (torch 2.13) reads uninitialised memory, and its
-    # gradient (and so slimact's, which calls it) picks up NaN from whatever was freed before (~5% of shapes).
-    layouts = [*LAYOUTS, "channels_last"] if nd >= 2 and d.dtype != torch.bfloat16 else LAYOUTS
+    layouts = [*LAYOUTS, "channels_last"] if nd >= 2 else LAYOUTS
     x = d.tensor(draw, [batch, c_in, *spatial], layouts)
     w_shape = (c_out, c_in // groups, *kernel)
     inputs = {"x": x, "weight": _weight(w_shape, d.dtype, d.gen, c_in * math.prod(kernel))}
@@ -978,6 +982,11 @@ def _judge(name: str, approx: Tensor, exact: Tensor, gold: Tensor, rule: Rule, c
     """
     if rule.bound is not None:
         allowed = rule.bound(torchs.upstream, torchs.out)[where]
+        if exact.dtype in (torch.float16, torch.bfloat16):
+            # PyTorch's own half-precision kernels round partial sums in the dtype (its fp16 LayerNorm weight
+            # gradient over heavy tails: 2 ulps from the float64 one, where slimact's fp32 sum is within half an
+            # ulp): the bound is on the distance from the exact value, so PyTorch's own distance from it is added.
+            allowed = allowed + (exact.double() - gold).abs()
         excess = (approx.double() - exact.double()).abs() - allowed
         assert (excess <= 0).all(), f"{name}: error beyond the bound by {excess.max():.3g}"
     if rule.kind == "exact":
