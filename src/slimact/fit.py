@@ -1,7 +1,7 @@
 """``slimact fit``: the largest batch that fits a memory budget, plainly and under each policy.
 
 Training memory = static bytes (weights and optimizer state: counted from the parameters) + the peak of one
-forward and backward (:func:`slimact.profile.peak_bytes`: everything allocated at the step's highest point,
+forward and backward (:func:`slimact.bench.peak_bytes`: everything allocated at the step's highest point,
 the parameter gradients, the bytes kept for the backward and the temporaries alive then), which is affine in
 the batch size: ``p(b) = fixed + per_sample * b``. Both coefficients come from measured steps at two batch
 sizes; a third checks the affine model (the report says when it does not hold). The largest batch is then

@@ -394,3 +394,18 @@ def test_rows_as_compiled_loops_equal_the_eager_passes(monkeypatch):
     # The same fp32 math; the compiled row sums and exp round differently: float rounding of sums over a row.
     for a, b in zip(fused, eager, strict=True):
         assert (a - b).norm() <= 1e-6 * b.norm()
+
+
+@pytest.mark.parametrize("bad", ["query", "key", "value"])
+def test_a_non_finite_query_key_or_value_keeps_all_three_exact(bad):
+    # Which scores are NaN depends on the exact values of all three (-inf * 0 is NaN, -inf times a restored
+    # 1e-40 is not): where one must be kept exact, the others are too, and the gradient's NaN are PyTorch's.
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    {"query": q, "key": k, "value": v}[bad][0, 1, 2, 3] = float("-inf")
+    report = slimact.profile(_Call(scaled_dot_product_attention, cfg=PER_HEAD),
+                             tuple(t.requires_grad_() for t in (q, k, v)))
+    exact = [e for e in report.entries if e.shape == tuple(q.shape) and e.dtype == torch.float32]
+    assert len(exact) == 3 and all(e.dtype != torch.uint8 for e in report.entries)
+    clean = [torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3)]
+    assert torch.uint8 in {e.dtype for e in slimact.profile(_Call(scaled_dot_product_attention, cfg=PER_HEAD),
+                                                             tuple(clean)).entries}

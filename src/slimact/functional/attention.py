@@ -49,9 +49,14 @@ __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
 def _pack_qkv(q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, cfg_kv: QuantConfig | None,
               state: dict[str, RunningRange] | None) -> list[Packed]:
-    """``q``, ``k`` and ``v`` packed together: one host sync for the three, not one each (:func:`pack_many`)."""
+    """``q``, ``k`` and ``v`` packed together: one host sync for the three, not one each (:func:`pack_many`).
+    Where one holds NaN/inf (and so is kept exact), all three are: which scores are NaN depends on the others'
+    exact values too (``-inf * 0`` is NaN, ``-inf`` times a restored ``1e-40`` is not)."""
     st = state or {}
-    return pack_many([(q, cfg_q, st.get("q")), (k, cfg_kv, st.get("k")), (v, cfg_kv, st.get("v"))])
+    packs = pack_many([(q, cfg_q, st.get("q")), (k, cfg_kv, st.get("k")), (v, cfg_kv, st.get("v"))])
+    if any(p.meta.raw for p in packs) and not all(p.meta.raw for p in packs):
+        return pack_many([(t, None, None) for t in (q, k, v)])
+    return packs
 
 
 def _grouped(probs: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
