@@ -269,29 +269,29 @@ def throughput(
         base = build(name, layers=layers, tiny=tiny).to(device).train()
         with autocast(device, dtype):
             report = fit(base, lambda b, m=base: example_inputs(m, b, seq), budget, policies=tuple(names))
-        chosen: dict[str, tuple[torch.nn.Module, int, int | None]] = {}
-        for row in report.rows:
-            model = copy.deepcopy(base)
-            if row.policy != "plain":
-                slimact.convert(model, row.policy)
-            chosen[row.policy] = (model, min(row.max_batch, max_batch or row.max_batch), row.measured_peak)
-        runnable = {k: v for k, v in chosen.items() if v[1] > 0}
-        steps = {k: _train_step(m, example_inputs(base, b, seq), device, dtype) for k, (m, b, _) in runnable.items()}
-        times = _interleaved(steps, rounds, warmup, device) if "plain" in steps else {}
         fits = {r.policy: r for r in report.rows}
+        batches = {k: min(r.max_batch, max_batch or r.max_batch) for k, r in fits.items()}
+        steps = {}
+        for key, batch in batches.items():
+            if batch > 0:
+                model = copy.deepcopy(base)
+                if key != "plain":
+                    slimact.convert(model, key)
+                steps[key] = _train_step(model, example_inputs(base, batch, seq), device, dtype)
+        times = _interleaved(steps, rounds, warmup, device) if "plain" in steps else {}
         for key in names:
-            model, batch, used = chosen[key]
+            batch, used = batches[key], fits[key].measured_peak
             row = {"model": name, "layers": layers, "tokens": seq, "dtype": dtype, "setup": key,
                    "budget_mib": round(budget / 2**20, 1), "fit_batch": fits[key].max_batch, "batch": batch,
                    "fit_measured_mib": None if used is None else round((report.static + used) / 2**20, 1)}
             if key in times:
                 # per round: (batch / t) / (plain's batch / plain's t)
                 rates = [batch / t for t in times[key]]
-                plain_rates = [chosen["plain"][1] / t for t in times["plain"]]
+                plain_rates = [batches["plain"] / t for t in times["plain"]]
                 row |= {**_ratios(rates, plain_rates, "samples_per_s_ratio"),
                         "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1)}
             yield {**row, "rounds": rounds, **environment(device)}
-        del chosen, steps  # the copies and their optimizer state, before the next model
+        del steps  # the copies and their optimizer state, before the next model
 
 
 def _train_step(model: torch.nn.Module, inputs: dict[str, Any], device: str, dtype: str = "fp32") -> Any:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["AUTO_ORDER", "FitReport", "FitRow", "fit", "parse_bytes"]
@@ -92,8 +93,6 @@ class FitReport:
 
 def _free_bytes(model: nn.Module) -> int:
     """Memory the device of ``model`` has free now: the CUDA allocator's view, or the host's ``MemAvailable``."""
-    import torch
-
     param = next(model.parameters(), None)
     if param is not None and param.is_cuda:
         return torch.cuda.mem_get_info(param.device)[0] + torch.cuda.memory_reserved(param.device) \
@@ -107,8 +106,6 @@ def _free_bytes(model: nn.Module) -> int:
 
 def _measure(peak_at: Callable[[int], int], batch: int) -> float:
     """The peak of a step at ``batch``, or infinity where the device runs out of memory."""
-    import torch
-
     try:
         return peak_at(batch)
     except torch.OutOfMemoryError:

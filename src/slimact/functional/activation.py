@@ -254,10 +254,8 @@ def _inplace_gradient(y: Tensor, right: Tensor, grad_y: Tensor, values: Tensor, 
 def _loop_shape(*tensors: Tensor) -> bool:
     """Whether the compiled loop takes these tensors (one shape, contiguous, large enough to repay a call)."""
     t = tensors[0]
-    return (
-        t.device.type in ("cpu", "cuda") and t.numel() >= inductor.MIN_NUMEL
-        and all(u.shape == t.shape and u.is_contiguous() and u.device == t.device for u in tensors)
-    )
+    return inductor.pays_off(t) and all(u.shape == t.shape and u.is_contiguous() and u.device == t.device
+                                        for u in tensors)
 
 
 class _InplaceActivationFunction(torch.autograd.Function):

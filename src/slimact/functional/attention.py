@@ -148,8 +148,10 @@ def _probabilities(scores: Tensor) -> Tensor:
     return e / total.masked_fill(total == 0, 1.0)
 
 
-def _rows_backward_eager(scores: Tensor, dp: Tensor, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    # The probabilities again, the dropout's factor on them and on their gradient, then the softmax backward.
+def _rows_backward(scores: Tensor, dp: Tensor, noise: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(D, dS)`` of a block of whole rows from its fp32 scores, the gradient of its dropped probabilities
+    ``dp`` and the dropout's factor: ``P = softmax(scores)``, ``D = P * noise``,
+    ``dS = P * (dp * noise - rowsum(P * dp * noise))`` (run through :func:`_fused_rows`)."""
     # rowsum(P * dP) from the block's own fp32 rows (each block holds whole rows): so ds sums to zero over a row
     # to fp32 rounding. (FlashAttention's rowsum(dO * O) from the output rounded to fp16 left a 1e-3 residue,
     # which constant keys turned into a q gradient of 1e-3 where the exact one is 0.)
@@ -159,18 +161,11 @@ def _rows_backward_eager(scores: Tensor, dp: Tensor, noise: Tensor | None) -> tu
     return dropped, probs * (dp - (probs * dp).sum(-1, keepdim=True))
 
 
-def _rows_backward(scores: Tensor, dp: Tensor, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(D, dS)`` of a block of whole rows from its fp32 scores, the gradient of its dropped probabilities
-    ``dp`` and the dropout's factor: ``P = softmax(scores)``, ``D = P * noise``,
-    ``dS = P * (dp * noise - rowsum(P * dp * noise))``."""
-    return _fused_rows(_rows_backward_eager, scores, dp, noise)
-
-
 def _fused_rows(fn, scores: Tensor, *args: Tensor | None):
     """``fn(scores, *args)``, a row-wise computation over ``[..., rows, S]`` blocks, as compiled loops where the
     block is large (:func:`slimact.quant.inductor.fused`: one loop per row pass instead of one eager pass per
     op, about 15 for the backward's rows), else eagerly: the same math."""
-    if scores.numel() >= inductor.MIN_NUMEL and scores.device.type in ("cpu", "cuda"):
+    if inductor.pays_off(scores):
         out = inductor.fused(fn, (fn.__name__, scores.dtype, *(a is None for a in args)), scores, *args)
         if out is not None:
             return out
@@ -325,7 +320,7 @@ class _ChunkedAttention(torch.autograd.Function):
             gblk = gg[..., t0:t1, :]
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
             noise = None if noise_all is None else noise_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
-            dropped, ds = _rows_backward(scores, dp, noise)
+            dropped, ds = _fused_rows(_rows_backward, scores, dp, noise)
             gv += dropped.transpose(-1, -2).matmul(gblk)
             if gmask is not None:
                 gm = ds.reshape(b, h, t1 - t0, s)

@@ -68,10 +68,7 @@ def _elementwise_backward(act: Callable[[Tensor], Tensor], form: str, g: Tensor,
     inductor.fused`; about 12 eager passes otherwise), else eagerly with the model's own activation. The loop
     computes the activation by its form's formula (one compiled loop per form, not per model's module), which
     may round differently from the module's own code: ``h`` and ``grad_u`` to float rounding."""
-    if (
-        g.numel() >= inductor.MIN_NUMEL and g.device.type in ("cpu", "cuda")
-        and all(t.shape == g.shape and t.is_contiguous() for t in (g, u, grad_h))
-    ):
+    if inductor.pays_off(g) and all(t.shape == g.shape and t.is_contiguous() for t in (g, u, grad_h)):
         key = ("gated-mlp", form, g.dtype, u.dtype, grad_h.dtype)
         result = inductor.fused(_elementwise_backward_eager, key, _FORMULAS[form], form, g, u, grad_h)
         if result is not None:

@@ -105,7 +105,7 @@ class _NormFunction(torch.autograd.Function):
         need = ctx.needs_input_grad  # x, weight, bias, ...
         args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output)
         grads = None
-        if kept.numel() >= inductor.MIN_NUMEL and kept.device.type in ("cpu", "cuda"):
+        if inductor.pays_off(kept):
             key = ("norm", ctx.centered, ctx.offset, ctx.from_output, mean is None, weight is None, bias is None,
                    kept.dtype, grad_y.dtype)
             grads = inductor.fused(_backward, key, *args)

@@ -184,7 +184,7 @@ def pack_many(
             continue
         chosen = backend or backend_for(x)
         estimate = state.estimate(layout.groups) if cfg.scale == "running" and chosen == "triton" else None
-        job = _Job(i, x, cfg, layout, state, _kernels(chosen), estimate)
+        job = _Job(i, x, cfg, layout, state, chosen, estimate)
         batch[key] = job
         jobs.append(job)
     _decide([job for job in jobs if job.estimate is None], training)
@@ -207,14 +207,14 @@ class _Job:
     scale, codes)."""
 
     def __init__(self, index: int, x: Tensor, cfg: QuantConfig, layout: GroupLayout, state: RunningRange | None,
-                 kernels, estimate: tuple[Tensor, Tensor] | None) -> None:
+                 backend: Backend, estimate: tuple[Tensor, Tensor] | None) -> None:
         self.index, self.x, self.cfg, self.layout, self.state = index, x, cfg, layout, state
-        self.kernels, self.estimate = kernels, estimate
+        self.kernels, self.estimate = _kernels(backend), estimate
         # What the kernels read: a strided tensor the compiled CPU loops take as a contiguous copy (one pass at
         # copy bandwidth, transient), where the reference would take several passes and an fp64 reduction
         # (attention's q, k, v are [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes.
         self.data = x
-        if kernels.__name__.endswith(".inductor") and not x.is_contiguous() and x.numel() >= kernels.MIN_NUMEL:
+        if backend == "inductor" and not x.is_contiguous() and x.numel() >= self.kernels.MIN_NUMEL:
             self.data = x.contiguous()
         self.aliases: list[int] = []
         self.raw = False

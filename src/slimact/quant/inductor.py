@@ -35,7 +35,9 @@ from torch import Tensor
 from slimact.quant import _hugepages, reference
 from slimact.quant.reference import GroupLayout, PackMeta
 
-__all__ = ["MIN_NUMEL", "dequantize", "dequantize_map", "fused", "group_minmax", "group_stats", "quantize"]
+__all__ = [
+    "MIN_NUMEL", "dequantize", "dequantize_map", "fused", "group_minmax", "group_stats", "pays_off", "quantize",
+]
 
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
 MIN_NUMEL = 1 << 18
@@ -121,6 +123,12 @@ def _call(compiled: Callable, args: tuple) -> object | None:
         return None
 
 
+def pays_off(t: Tensor) -> bool:
+    """Whether a compiled loop over ``t`` repays its call: :data:`MIN_NUMEL` elements or more, on CPU or CUDA
+    (below, a compiled call's fixed cost exceeds the eager passes)."""
+    return t.numel() >= MIN_NUMEL and t.device.type in ("cpu", "cuda")
+
+
 def fused(fn: Callable, key: object, *args: object) -> object | None:
     """``fn(*args)`` compiled into as few loops as inductor makes of it (C++ on CPU, Triton on CUDA), for a
     Function's own elementwise passes (the in-place activations' mask and backward). ``key`` names the compiled
@@ -181,8 +189,8 @@ def dequantize_map(codes: Tensor, lo: Tensor, step: Tensor, meta: PackMeta, fn: 
     contiguous runs, ``args`` contiguous and of the packed shape. ``None`` where it does not apply."""
     runs = _runs(meta.shape, meta.layout) if meta.bits == 8 else None
     if (
-        runs is None or _failed or codes.device.type not in ("cpu", "cuda") or codes.numel() < MIN_NUMEL
-        or codes.numel() != runs[0] * runs[1] * runs[2] or torch.compiler.is_compiling()
+        runs is None or _failed or not pays_off(codes) or codes.numel() != runs[0] * runs[1] * runs[2]
+        or torch.compiler.is_compiling()
         or any(a.shape != meta.shape or not a.is_contiguous() or a.device != codes.device for a in args)
     ):
         return None
