@@ -265,3 +265,50 @@ def test_summary_coverage_flags_attention_that_never_reached_slimact():
     assert "did not run through" in report.skipped["model.layers.0.self_attn"]
     assert report.coverage < full.coverage
     assert "model.layers.0.self_attn" in report.uncovered
+
+
+def test_two_models_sharing_one_config_restore_it_when_the_last_reverts():
+    """Item 5 of issue 18: the second convert recorded "slimact" (set by the first) as the original."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    a, b = transformers.GPT2LMHeadModel(cfg), transformers.GPT2LMHeadModel(cfg)
+    original = cfg._attn_implementation
+    slimact.convert(a)
+    slimact.convert(b)
+    assert cfg._attn_implementation == "slimact"
+    slimact.revert(a)
+    assert cfg._attn_implementation == "slimact", "b is still converted"
+    ids = torch.randint(0, 96, (2, 16))
+    reverted = copy.deepcopy(a).train()
+    plain = transformers.GPT2LMHeadModel(copy.deepcopy(cfg)).train()
+    plain.config._attn_implementation = original
+    plain.load_state_dict(reverted.state_dict())
+    torch.manual_seed(0)
+    out0 = plain(input_ids=ids, labels=ids).loss
+    torch.manual_seed(0)
+    out1 = reverted(input_ids=ids, labels=ids).loss  # a, reverted, runs SDPA as the plain model does
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    slimact.revert(b)
+    assert cfg._attn_implementation == original
+    slimact.convert(a)
+    slimact.convert(a, "tempo")  # re-converting one model does not count it twice
+    slimact.revert(a)
+    assert cfg._attn_implementation == original
+
+
+def test_parametrisation_added_after_convert_survives_revert():
+    """Item 6 of issue 18: weight_norm on a converted Linear, then revert, lost the parametrised class."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    slimact.convert(model, "int8")
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    x = torch.randn(3, 8)
+    slimact.revert(model)
+    assert not any(isinstance(m, SlimModule) for m in model.modules())
+    assert torch.nn.utils.parametrize.is_parametrized(model[0], "weight")
+    plain = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    torch.nn.utils.parametrizations.weight_norm(plain[0])
+    plain.load_state_dict(model.state_dict(), strict=True)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    torch.nn.utils.parametrize.remove_parametrizations(model[0], "weight")
+    assert type(model[0]) is nn.Linear

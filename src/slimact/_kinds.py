@@ -1,52 +1,136 @@
-"""The op kind of a module, by what it computes: shared by ``convert``, ``summary`` and ``profile``.
+"""What a module computes, decided once: the recogniser ``convert``, ``summary`` and ``profile`` share.
 
-Activation modules are recognised by evaluating them on a probe vector and comparing with the known forms
-(:data:`slimact.functional.activation.FORMS`), so a model's own class (Hugging Face's
-``NewGELUActivation``, ``GELUTanh``, ``QuickGELUActivation``, a user's ``Swish``) is found by its math,
-not its name.
+:func:`recognise` runs one ordered table of rules (:data:`_RULES`) over a module and returns a
+:class:`Recognised`: its op kind (``"linear"``, ``"layernorm"``, ``"attention"``, ... or ``"other"``), which
+slimact replacement computes it (``None`` for a kind slimact only reports), that replacement's settings
+(an activation's form, a norm's eps), why a known kind is left alone, and the children the replacement
+computes itself. ``kind_of`` is its ``kind``; ``convert`` maps ``replace`` to a class.
+
+Two rules keep the recognition honest:
+
+* **A subclass whose forward is its own is not its base class.** A torch layer is replaced only when its
+  class runs the torch base class's own ``forward`` (a parametrised or renamed subclass does); one that
+  overrides ``forward`` (timm's ``LayerNorm2d`` permutes NCHW inside it, ``BatchNormAct2d`` applies an
+  activation after it, ``SyncBatchNorm`` reduces across ranks) is left alone with the reason, unless its
+  math is checked on a probe, as norms, activations and gated MLPs are.
+* **Recognised by what it computes.** Norms, activations and gated MLPs of model-specific classes
+  (Hugging Face's ``LlamaRMSNorm``, ``NewGELUActivation``, ``LlamaMLP``, a user's ``Swish``) are run on a
+  probe on their own device and in their own parameters' dtype and compared with the known forms, within
+  that dtype's rounding. A probe that cannot run on a plain ``[..., C]`` tensor (a ``TypeError`` or
+  ``RuntimeError``-like failure of the module's own forward) means "not this form"; anything else is a bug
+  and propagates.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["activation_form", "is_hf_conv1d", "kind_of", "norm_form"]
+__all__ = [
+    "GATED_MLP_PARTS",
+    "Recognised",
+    "activation_form",
+    "forward_names",
+    "gated_mlp_form",
+    "gated_mlp_parts",
+    "is_hf_conv1d",
+    "kind_of",
+    "norm_form",
+    "recognise",
+    "uses_attention_interface",
+]
 
-_BY_TYPE: tuple[tuple[type[nn.Module], str], ...] = (
-    (nn.Linear, "linear"),
-    (nn.Bilinear, "linear"),
-    (nn.modules.conv._ConvNd, "conv"),
-    (nn.LayerNorm, "layernorm"),
-    (nn.RMSNorm, "rmsnorm"),
-    (nn.GroupNorm, "norm"),
-    (nn.modules.batchnorm._BatchNorm, "batchnorm"),
-    (nn.MultiheadAttention, "attention"),
-    (nn.Softmax, "softmax"),
-    (nn.modules.dropout._DropoutNd, "dropout"),
-    (nn.Embedding, "embedding"),
-    (nn.EmbeddingBag, "embedding"),
-    (nn.modules.loss._Loss, "loss"),
-)
+
+@dataclass(frozen=True)
+class Recognised:
+    """What :func:`recognise` found. ``replace`` names the slimact replacement (``None``: report only)."""
+
+    kind: str
+    replace: str | None = None
+    extra: dict = field(default_factory=dict)
+    reason: str | None = None
+    #: Children (attribute names) that the replacement computes itself (a gated MLP's down projection).
+    parts: tuple[str, ...] = ()
+
+
+#: Failures of a module's own forward on a probe that mean "not this form" (wrong rank, arguments, dtype).
+_PROBE_ERRORS = (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError)
+
+#: Hugging Face's names for a gated MLP's parts: separate gate and up (Llama, Mistral, Qwen2, Gemma) or one
+#: fused ``gate_up_proj`` (Phi-3); the down projection; the activation module.
+GATED_MLP_PARTS = {"gate": "gate_proj", "up": "up_proj", "gate_up": "gate_up_proj", "down": "down_proj",
+                   "act": ("act_fn", "activation_fn")}
 
 _FORM_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "silu": "silu", "relu": "relu"}
 _ACTIVATION_NAME = re.compile(r"gelu|silu|swish|relu|act", re.IGNORECASE)
 _PROBE = torch.linspace(-8.0, 8.0, 321)
-_forms: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[nn.Module, Recognised] = weakref.WeakKeyDictionary()
+
+
+def _cls(module: nn.Module) -> type[nn.Module]:
+    """The module's own class (the original one if slimact converted it)."""
+    return module.__dict__.get("_slimact_orig_cls") or type(module)
+
+
+def _torch_base(cls: type) -> type | None:
+    """The nearest class of ``torch.nn`` itself in ``cls``'s hierarchy."""
+    return next((c for c in cls.__mro__ if c.__module__.startswith("torch.nn.modules.")), None)
+
+
+def _own_forward(cls: type) -> str | None:
+    """Why ``cls`` cannot be taken for its torch base class: it defines a forward of its own."""
+    base = _torch_base(cls)
+    if base is None or cls.forward is base.forward:
+        return None
+    owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
+    return (f"{cls.__name__} subclasses nn.{base.__name__} with its own forward ({owner.__qualname__}.forward): "
+            f"slimact's {base.__name__} would not compute what it does")
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative agreement that counts as "the same form" for a probe computed in ``dtype``."""
+    return max(1e-4, 4 * torch.finfo(dtype).eps)
+
+
+def _params_of(module: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Device and floating dtype of the module's own parameters (CPU fp32 for a parameter-free module)."""
+    p = next((p for p in module.parameters() if p.is_floating_point()), None)
+    return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2 family): a Linear with its weight stored ``[in, out]``."""
-    return any(
-        c.__name__ == "Conv1D" and c.__module__.startswith("transformers.") for c in type(module).__mro__
-    )
+    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers.") for c in _cls(module).__mro__)
+
+
+def forward_names(module: nn.Module) -> tuple[str, ...]:
+    """The global and attribute names the module's own ``forward`` mentions (decorators unwrapped)."""
+    forward = getattr(_cls(module), "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code.co_names if code is not None else ()
+
+
+def uses_attention_interface(module: nn.Module) -> bool:
+    """Whether the module's forward calls transformers' ``AttentionInterface`` (``ALL_ATTENTION_FUNCTIONS``).
+
+    Only such a module computes its attention with the function the config selects: others (Falcon's, which
+    tests ``config._attn_implementation == "sdpa"`` and else writes its own scores) would change what they
+    compute if the setting changed under them.
+    """
+    return "ALL_ATTENTION_FUNCTIONS" in forward_names(module)
+
+
+# ---------------------------------------------------------------------------------------------- activations
 
 
 def _looks_like_activation(module: nn.Module) -> bool:
-    cls = getattr(module, "_slimact_orig_cls", type(module))
+    cls = _cls(module)
     if next(module.children(), None) is not None or next(module.parameters(), None) is not None:
         return False
     if next(module.buffers(), None) is not None and not any(n.startswith("_slimact_") for n in module._buffers):
@@ -57,112 +141,282 @@ def _looks_like_activation(module: nn.Module) -> bool:
     )
 
 
+def _probe_activation(module: nn.Module) -> str | None:
+    from slimact.functional.activation import FORMS, reference
+
+    if not _looks_like_activation(module):
+        return None
+    try:
+        with torch.no_grad():
+            y = _cls(module).forward(module, _PROBE.clone())
+    except _PROBE_ERRORS:  # cannot run on a plain vector: not a pointwise activation
+        return None
+    if not isinstance(y, Tensor) or y.shape != _PROBE.shape:
+        return None
+    y = y.double()
+    return next((form for form in FORMS
+                 if torch.allclose(y, reference(form, _PROBE.double()), rtol=1e-5, atol=2e-6)), None)
+
+
 def activation_form(module: nn.Module) -> str | None:
     """``"gelu"``, ``"gelu_tanh"``, ``"quick_gelu"``, ``"silu"`` or ``"relu"`` if ``module`` computes that
     activation (to fp32 rounding on [-8, 8]), else ``None``."""
-    if module in _forms:
-        return _forms[module]
-    from slimact.functional.activation import FORMS, reference
-
-    form = None
-    if _looks_like_activation(module):
-        cls = getattr(module, "_slimact_orig_cls", type(module))
-        try:
-            with torch.no_grad():
-                y = cls.forward(module, _PROBE.clone()).double()
-        except Exception:  # a module that cannot run on a plain vector is not a pointwise activation
-            y = None
-        if y is not None and y.shape == _PROBE.shape:
-            for candidate in FORMS:
-                ref = reference(candidate, _PROBE.double())
-                if torch.allclose(y, ref, rtol=1e-5, atol=2e-6):
-                    form = candidate
-                    break
-    _forms[module] = form
-    return form
+    found = recognise(module)
+    return found.extra.get("form") if found.replace == "activation" else None
 
 
-_norm_forms: weakref.WeakKeyDictionary[nn.Module, dict | None] = weakref.WeakKeyDictionary()
+# ---------------------------------------------------------------------------------------------------- norms
 
 
-def _probe_norm(module: nn.Module, cls: type, weight: torch.Tensor, eps: float) -> dict | None:
+def _norm_eps(module: nn.Module) -> float | None:
+    eps = next((getattr(module, a) for a in ("eps", "variance_epsilon", "epsilon") if hasattr(module, a)), None)
+    return eps if isinstance(eps, float) else None
+
+
+def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
+    """The norm's form if its own forward computes a last-dim LayerNorm or RMSNorm (Gemma's ``1 + w``) of
+    ``[2, 3, C]`` and ``[2, 2, 2, C]`` probes (a forward that permutes 4-d inputs fails the second)."""
+    cls, dtype = _cls(module), weight.dtype
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, weight.numel(), generator=gen) * 3 + 1
-    y = None
-    for dtype in (torch.float32, weight.dtype):  # fp32 first; a module that insists on its own dtype next
+    tol = _tolerance(dtype)
+    w = weight.detach().float()
+    bias = getattr(module, "bias", None)
+    b = bias.detach().float() if isinstance(bias, Tensor) else 0.0
+    found = None
+    for shape in ((2, 3), (2, 2, 2)):
+        x = (torch.randn(*shape, weight.numel(), generator=gen) * 3 + 1).to(device=weight.device, dtype=dtype)
         try:
             with torch.no_grad():
-                y = cls.forward(module, x.to(dtype)).float()
-            break
-        except Exception:  # not a plain [..., C] -> [..., C] norm in this dtype
-            continue
-    if y is None:
-        return None
-    x = x.to(dtype).float()
-    tol = max(1e-3, 4 * torch.finfo(dtype).eps)
-    xf, w = x.float(), weight.detach().float()
-    bias = getattr(module, "bias", None)
-    b = bias.detach().float() if isinstance(bias, torch.Tensor) else 0.0
-    rms = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    var, mean = torch.var_mean(xf, -1, unbiased=False, keepdim=True)
-    centered = (xf - mean) * torch.rsqrt(var + eps)
-    candidates = [(centered, True, 0.0), (rms, False, 0.0), (rms, False, 1.0)]
-    for xn, is_centered, offset in candidates:
-        if y.shape == xn.shape and torch.allclose(y, xn * (w + offset) + b, rtol=tol, atol=tol / 10):
-            return {"centered": is_centered, "offset": offset, "eps": eps}
-    return None
+                y = cls.forward(module, x)
+        except _PROBE_ERRORS:  # not a plain [..., C] -> [..., C] norm
+            return None
+        if not isinstance(y, Tensor) or y.shape != x.shape:
+            return None
+        xf, y = x.float(), y.float()
+        rms = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        var, mean = torch.var_mean(xf, -1, unbiased=False, keepdim=True)
+        centered = (xf - mean) * torch.rsqrt(var + eps)
+        candidates = [(centered, True, 0.0), (rms, False, 0.0), (rms, False, 1.0)]
+        match = next(({"centered": c, "offset": o, "eps": eps} for xn, c, o in candidates
+                      if torch.allclose(y, xn * (w + o) + b, rtol=tol, atol=tol / 10)), None)
+        if match is None or (found is not None and match != found):
+            return None
+        found = match
+    return found
 
 
 def norm_form(module: nn.Module) -> dict | None:
     """``{"centered", "offset", "eps"}`` if ``module`` is a LayerNorm (centered) or an RMSNorm (Gemma's
     ``1 + weight``: ``offset=1``) over its last dim, by what it computes; else ``None``."""
-    if module in _norm_forms:
-        return _norm_forms[module]
-    cls = getattr(module, "_slimact_orig_cls", type(module))
+    found = recognise(module)
+    return found.extra if found.replace == "norm" else None
+
+
+# ------------------------------------------------------------------------------------------------ gated MLP
+
+
+def gated_mlp_parts(module: nn.Module) -> tuple[nn.Linear | None, nn.Module | None, nn.Module | None,
+                                                   nn.Module | None, nn.Module | None]:
+    """``(gate_up, gate, up, down, act)`` of a gated MLP's layout (:data:`GATED_MLP_PARTS`)."""
+    get = lambda key: getattr(module, GATED_MLP_PARTS[key], None)  # noqa: E731
+    gate_up = get("gate_up")
+    act = next((a for n in GATED_MLP_PARTS["act"] if isinstance(a := getattr(module, n, None), nn.Module)), None)
+    return (gate_up if isinstance(gate_up, nn.Linear) else None), get("gate"), get("up"), get("down"), act
+
+
+def _act_name(module: nn.Module) -> str | None:
+    return next((n for n in GATED_MLP_PARTS["act"] if isinstance(getattr(module, n, None), nn.Module)), None)
+
+
+def _probe_gated_mlp(module: nn.Module) -> str | None:
+    """The activation form if ``module`` computes ``down(act(gate(x)) * up(x))`` on a probe, else ``None``."""
+    from slimact.nn._base import SlimModule
+
+    gate_up, gate, up, down, act = gated_mlp_parts(module)
+    projections = (gate_up,) if gate_up is not None else (gate, up)
+    if not all(isinstance(p, nn.Linear) for p in (*projections, down)) or act is None:
+        return None
+    if type(down) is not nn.Linear and not isinstance(down, SlimModule):
+        return None  # an adapter or quantised layer in the down projection: leave the block as written
+    form = activation_form(act)
+    if form in (None, "relu"):
+        return None
+    first = projections[0]
+    x = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        try:
+            y = _cls(module).forward(module, x)
+        except _PROBE_ERRORS:  # needs more than one tensor argument: not this kind of block
+            return None
+        if gate_up is None:
+            g, u = (nn.functional.linear(x, p.weight, p.bias) for p in projections)
+        else:
+            g, u = nn.functional.linear(x, gate_up.weight, gate_up.bias).chunk(2, dim=-1)
+        expected = nn.functional.linear(act(g) * u, down.weight, down.bias)
+    if not isinstance(y, Tensor) or y.shape != expected.shape:
+        return None
+    tol = _tolerance(x.dtype)
+    scale = expected.float().abs().max().item()
+    return form if torch.allclose(y.float(), expected.float(), rtol=tol, atol=tol * scale) else None
+
+
+# ---------------------------------------------------------------------------------------------------- rules
+
+
+def gated_mlp_form(module: nn.Module) -> str | None:
+    """The activation form if ``module`` is a gated MLP slimact can fuse, else ``None``."""
+    found = recognise(module)
+    return found.extra.get("form") if found.replace == "mlp" else None
+
+
+def _rule_gated_mlp(module, cls):
+    form = _probe_gated_mlp(module)
+    if form is None:
+        return None
+    return Recognised("mlp", "mlp", {"form": form}, parts=(GATED_MLP_PARTS["down"], _act_name(module)))
+
+
+def _rule_typed(base: type[nn.Module], kind: str, replace: str, unsupported: Callable | None = None):
+    """A torch layer class: replaced when its forward is the torch class's own."""
+
+    def rule(module, cls):
+        if not isinstance(module, base):
+            return None
+        reason = _own_forward(cls) or (unsupported(module) if unsupported is not None else None)
+        return Recognised(kind, None if reason else replace, reason=reason,
+                          parts=("out_proj",) if replace == "mha" else ())
+
+    return rule
+
+
+def _conv_unsupported(module: nn.Module) -> str | None:
+    if getattr(module, "transposed", False):
+        return "transposed convolutions are not supported yet"
+    if module.padding_mode != "zeros":
+        return f"padding_mode {module.padding_mode!r} is not supported yet"
+    if isinstance(module.padding, str) and module.padding != "valid":
+        return f"padding={module.padding!r} is not supported yet"
+    return None
+
+
+def _batch_norm_unsupported(module: nn.Module) -> str | None:
+    if isinstance(module, nn.SyncBatchNorm):
+        return "SyncBatchNorm reduces its statistics across ranks: not supported yet"
+    return None
+
+
+def _rule_hf_conv1d(module, cls):
+    return Recognised("linear", "conv1d") if is_hf_conv1d(module) else None
+
+
+def _rule_norm(module, cls):
+    typed = isinstance(module, (nn.LayerNorm, nn.RMSNorm))
+    kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
+    if typed and _own_forward(cls) is None:
+        if len(module.normalized_shape) != 1:
+            return Recognised(kind, reason="normalised over more than the last dim: not supported yet")
+        return Recognised(kind, "norm", {"centered": isinstance(module, nn.LayerNorm), "offset": 0.0,
+                                         "eps": module.eps})
+    named = "Norm" in cls.__name__
+    if not (typed or named) or next(module.children(), None) is not None:
+        return None
+    weight, eps = getattr(module, "weight", None), _norm_eps(module)
     form = None
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-        if len(module.normalized_shape) == 1:
-            form = {"centered": isinstance(module, nn.LayerNorm), "offset": 0.0, "eps": module.eps}
-    elif "Norm" in cls.__name__ and next(module.children(), None) is None:
-        weight = getattr(module, "weight", None)
-        eps = next((getattr(module, a) for a in ("eps", "variance_epsilon", "epsilon") if hasattr(module, a)), None)
-        if isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(eps, float):
-            form = _probe_norm(module, cls, weight, eps)
-    _norm_forms[module] = form
-    return form
+    if isinstance(weight, nn.Parameter) and weight.dim() == 1 and eps is not None:
+        form = _probe_norm(module, weight, eps)
+    if form is not None:
+        return Recognised("layernorm" if form["centered"] else "rmsnorm", "norm", form)
+    if typed:
+        return Recognised(kind, reason=_own_forward(cls) + " (its probe is not a last-dim norm)")
+    return None
+
+
+def _rule_exact(base: type[nn.Module], kind: str, replace: str):
+    """A module of exactly ``base`` (a subclass may compute anything: left alone)."""
+
+    def rule(module, cls):
+        if not isinstance(module, base):
+            return None
+        if cls is base:
+            return Recognised(kind, replace)
+        return Recognised(kind, reason=f"{cls.__name__} subclasses nn.{base.__name__}: left as written")
+
+    return rule
+
+
+def _rule_matmul(module, cls):
+    from slimact.nn.matmul import MatMulBase
+
+    return Recognised("matmul", "matmul") if isinstance(module, MatMulBase) else None
+
+
+def _rule_activation(module, cls):
+    form = _probe_activation(module)
+    if form is not None:
+        return Recognised(_FORM_KIND[form], "activation", {"form": form})
+    return Recognised("activation") if _looks_like_activation(module) else None
+
+
+#: Kinds slimact reports but has no replacement for (first match wins).
+_REPORTED: tuple[tuple[type[nn.Module], str], ...] = (
+    (nn.Linear, "linear"),
+    (nn.Bilinear, "linear"),
+    (nn.modules.conv._ConvNd, "conv"),
+    (nn.LayerNorm, "layernorm"),
+    (nn.RMSNorm, "rmsnorm"),
+    (nn.GroupNorm, "norm"),
+    (nn.modules.batchnorm._BatchNorm, "batchnorm"),
+    (nn.Softmax, "softmax"),
+    (nn.modules.dropout._DropoutNd, "dropout"),
+    (nn.Embedding, "embedding"),
+    (nn.EmbeddingBag, "embedding"),
+    (nn.modules.loss._Loss, "loss"),
+)
+
+
+def _rule_reported(module, cls):
+    kind = next((k for base, k in _REPORTED if isinstance(module, base)), None)
+    if kind is not None:
+        return Recognised(kind)
+    name = cls.__name__
+    if "Attention" in name:
+        return Recognised("attention")
+    if name.endswith("LayerNorm"):
+        return Recognised("layernorm")
+    if name.endswith("RMSNorm"):
+        return Recognised("rmsnorm")
+    return None
+
+
+#: The recogniser, in order: the first rule that answers decides.
+_RULES: tuple[Callable[[nn.Module, type], Recognised | None], ...] = (
+    _rule_gated_mlp,
+    _rule_typed(nn.MultiheadAttention, "attention", "mha"),
+    _rule_hf_conv1d,
+    _rule_typed(nn.Linear, "linear", "linear"),
+    _rule_typed(nn.modules.conv._ConvNd, "conv", "conv", _conv_unsupported),
+    _rule_typed(nn.modules.batchnorm._BatchNorm, "batchnorm", "batchnorm", _batch_norm_unsupported),
+    _rule_norm,
+    _rule_typed(nn.Softmax, "softmax", "softmax"),
+    _rule_matmul,
+    _rule_exact(nn.Dropout, "dropout", "dropout"),
+    _rule_activation,
+    _rule_reported,
+)
+
+
+def recognise(module: nn.Module) -> Recognised:
+    """What ``module`` computes and which slimact replacement (if any) computes the same (cached per module)."""
+    found = _cache.get(module)
+    if found is None:
+        cls = _cls(module)
+        found = next((r for rule in _RULES if (r := rule(module, cls)) is not None), Recognised("other"))
+        _cache[module] = found
+    return found
 
 
 def kind_of(module: nn.Module) -> str:
     """``"linear"``, ``"layernorm"``, ``"gelu"``, ``"attention"``, ... or ``"other"``."""
-    kind = getattr(module, "_slimact_kind", None)
-    if kind is not None:
-        return kind
-    form = norm_form(module)
-    if form is not None:
-        return "layernorm" if form["centered"] else "rmsnorm"
-    if all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) or all(
-        isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj")
-    ):  # a gated MLP: separate gate and up projections, or fused (Phi-3)
-        return "mlp"
-    for cls, kind in _BY_TYPE:
-        if isinstance(module, cls):
-            return kind
-    if is_hf_conv1d(module):
-        return "linear"
-    from slimact.nn.matmul import MatMulBase
-
-    if isinstance(module, MatMulBase):
-        return "matmul"
-    name = type(module).__name__
-    if "Attention" in name:
-        return "attention"
-    if name.endswith("LayerNorm"):
-        return "layernorm"
-    if name.endswith("RMSNorm"):
-        return "rmsnorm"
-    form = activation_form(module)
-    if form is not None:
-        return _FORM_KIND[form]
-    if _looks_like_activation(module):
-        return "activation"
-    return "other"
+    kind = module.__dict__.get("_slimact_kind")
+    return kind if kind is not None else recognise(module).kind

@@ -12,10 +12,18 @@
 
 ``convert`` registers it as ``"slimact"`` (with SDPA-style masks: ``None`` for plain causal attention, a
 boolean mask otherwise), selects it on the model's config and tags the model's attention modules; ``revert``
-restores the original setting. An untagged module runs plain PyTorch attention.
+restores the original setting. An untagged module (excluded by the policy, or in a model already reverted
+while another model on the same configuration is still converted) and every module in eval mode runs
+transformers' own SDPA attention, as a plain model does by default. Arguments that the fused path does not
+implement (``softcap``, attention sinks ``s_aux``/``sinks``) send the call to the model's own eager attention,
+exact and uncompressed: never a silently different attention.
 """
 
 from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +36,10 @@ from slimact.policy import Policy
 from slimact.quant import RunningRange
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
-__all__ = ["NAME", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register"]
+__all__ = [
+    "NAME", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register", "release_configs",
+    "switch_configs",
+]
 
 NAME = "slimact"
 POLICY_ATTR = "_slimact_attention"
@@ -74,6 +85,93 @@ def _probabilities_wanted(kwargs: dict) -> bool:
     return bool(collected) and "attentions" in collected
 
 
+#: Keyword arguments of transformers' attention calls that change what attention computes and that the fused
+#: path does not implement: such a call runs the model's own eager attention.
+_EAGER_ONLY = ("softcap", "s_aux", "sinks")
+
+
+def _additive_mask(mask: Tensor | None, is_causal: bool, query: Tensor, key: Tensor) -> Tensor | None:
+    """An SDPA-style mask (``None`` for causal or none, boolean, or additive) as the additive mask eager
+    attention adds to its scores."""
+    if mask is None and is_causal:
+        t, s = query.shape[2], key.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=query.device).tril()[None, None]
+    return None if mask is None else _additive(mask, query.dtype)
+
+
+def _model_eager(module: nn.Module, query, key, value, mask, scaling, p, is_causal, kwargs):
+    """The module's own modeling file's ``eager_attention_forward`` (exact, nothing compressed)."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        used = [k for k in _EAGER_ONLY if kwargs.get(k) is not None]
+        raise NotImplementedError(
+            f"slimact's attention does not implement {used} and {type(module).__module__} has no "
+            "eager_attention_forward to run instead: exclude this module from conversion "
+            "(filter_fn, or a policy with attention off)"
+        )
+    return eager(module, query, key, value, _additive_mask(mask, is_causal, query, key), scaling=scaling,
+                 dropout=p, **kwargs)
+
+
+class _Switch(NamedTuple):
+    ref: weakref.ref
+    original: Any
+    users: weakref.WeakSet
+
+
+#: Configuration objects switched to ``"slimact"``: id -> (the object, its setting before any model switched
+#: it, the converted models using it). Two models may share one configuration: the last to revert restores it.
+_SWITCHED: dict[int, _Switch] = {}
+
+
+def _setting(config: Any) -> Any:
+    return config.__dict__.get("_attn_implementation_internal", getattr(config, "_attn_implementation", None))
+
+
+def _set(config: Any, value: Any) -> None:
+    # The internal field, not the property: the property also overwrites every sub-configuration.
+    if "_attn_implementation_internal" in config.__dict__:
+        config.__dict__["_attn_implementation_internal"] = value
+    else:
+        config._attn_implementation = value
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _SWITCHED.get(key)
+    if entry is not None and entry.ref is ref:
+        del _SWITCHED[key]
+
+
+def switch_configs(model: nn.Module, configs: list[Any]) -> list[tuple[Any, Any]]:
+    """Select ``"slimact"`` on each of ``configs`` for ``model``; returns ``[(config, original)]`` for
+    :func:`release_configs`."""
+    records = []
+    for config in {id(c): c for c in configs}.values():
+        key = id(config)
+        entry = _SWITCHED.get(key)
+        if entry is None or entry.ref() is not config:
+            ref = weakref.ref(config, lambda r, key=key: _forget(key, r))
+            entry = _SWITCHED[key] = _Switch(ref, _setting(config), weakref.WeakSet())
+        entry.users.add(model)
+        _set(config, NAME)
+        records.append((config, entry.original))
+    return records
+
+
+def release_configs(model: nn.Module, records: list[tuple[Any, Any]]) -> None:
+    """Undo :func:`switch_configs` for ``model``: a configuration no other converted model uses gets its
+    original setting back (a copy of a converted model, unknown here, restores the one it recorded)."""
+    for config, original in records:
+        entry = _SWITCHED.get(id(config))
+        if entry is not None and entry.ref() is config:
+            entry.users.discard(model)
+            if len(entry.users):
+                continue
+            del _SWITCHED[id(config)]
+            original = entry.original
+        _set(config, original)
+
+
 def attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -94,6 +192,15 @@ def attention_forward(
             policy = None  # eval mode (or float64): PyTorch's own attention, nothing packed
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
+    if any(kwargs.get(k) is not None for k in _EAGER_ONLY):
+        causal = bool(query.shape[2] > 1 and attention_mask is None
+                      and (is_causal if is_causal is not None else getattr(module, "is_causal", True)))
+        return _model_eager(module, query, key, value, attention_mask, scaling, p, causal, kwargs)
+    if policy is None and not _probabilities_wanted(kwargs):  # as a plain model with SDPA attention computes it
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=p, scaling=scaling,
+                                      is_causal=is_causal, position_bias=position_bias, **kwargs)
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[..., : key.shape[-2]]
     # As transformers' SDPA integration: causal only when no mask stands for it and there is more than one query.
@@ -108,13 +215,11 @@ def attention_forward(
         out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy or _EXACT, is_causal)
         return out.transpose(1, 2).contiguous(), probs
     state = None
-    if policy is not None and policy.settings("attention").scale == "running":
+    if policy.settings("attention").scale == "running":
         state = {n: RunningRange(module, f"_slimact_{n}") for n in ("q", "k", "v", "o")}
-    cfg = policy.quant_config("attention", 4) if policy is not None else None
-    attend = scaled_dot_product_attention if policy is not None else nn.functional.scaled_dot_product_attention
-    extra = {"cfg": cfg, "state": state} if policy is not None else {}
-    out = attend(query, key, value, attn_mask=attention_mask, dropout_p=p, is_causal=is_causal, scale=scaling,
-                 enable_gqa=key.shape[1] != query.shape[1], **extra)
+    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=p, is_causal=is_causal,
+                                       scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
+                                       cfg=policy.quant_config("attention", 4), state=state)
     return out.transpose(1, 2).contiguous(), None
 
 

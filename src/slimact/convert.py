@@ -18,16 +18,16 @@ import torch
 from torch import nn
 
 from slimact import attention
-from slimact._kinds import activation_form, is_hf_conv1d, kind_of, norm_form
+from slimact._kinds import Recognised, forward_names, kind_of, recognise, uses_attention_interface
 from slimact.nn._base import SlimModule, StepCounter, attach, clear_state, detach
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import mha_class
 from slimact.nn.batch_norm import batch_norm_class
-from slimact.nn.conv import conv_class, conv_unsupported
+from slimact.nn.conv import conv_class
 from slimact.nn.dropout import dropout_class
 from slimact.nn.linear import conv1d_class, linear_class
-from slimact.nn.matmul import MatMul, MatMulBase
-from slimact.nn.mlp import gated_mlp_class, gated_mlp_form
+from slimact.nn.matmul import MatMul
+from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import norm_class
 from slimact.nn.routing import FUNCTIONAL_NAME, Routing
 from slimact.nn.softmax import softmax_class
@@ -45,39 +45,30 @@ _ROUTE_ATTR = "_slimact_root_routing"
 _ATTN_ATTR = "_slimact_root_attn"
 
 
-def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None, dict]:
-    """``(slimact class, None, extra)`` for a convertible module, ``(None, reason, {})`` for a known kind
-    slimact cannot convert, ``(None, None, {})`` for anything else."""
-    cls = module._slimact_orig_cls if isinstance(module, SlimModule) else type(module)
-    mlp = gated_mlp_form(module)
-    if mlp is not None:
-        return gated_mlp_class(cls), None, {"form": mlp}
-    if isinstance(module, nn.MultiheadAttention):
-        return mha_class(cls), None, {}
-    if is_hf_conv1d(module):
-        return conv1d_class(cls), None, {}
-    if isinstance(module, nn.Linear):
-        return linear_class(cls), None, {}
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        reason = conv_unsupported(module)
-        return (None, reason, {}) if reason else (conv_class(cls), None, {})
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return batch_norm_class(cls), None, {}
-    form = norm_form(module)
-    if form is not None:
-        return norm_class(cls), None, form
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-        return None, "normalised over more than the last dim: not supported yet", {}
-    if isinstance(module, nn.Softmax):
-        return softmax_class(cls), None, {}
-    if isinstance(module, MatMulBase):
-        return MatMul, None, {}
-    if type(module) is nn.Dropout or (isinstance(module, SlimModule) and cls is nn.Dropout):
-        return dropout_class(cls), None, {}
-    act = activation_form(module)
-    if act is not None:
-        return activation_class(cls), None, {"form": act}
-    return None, None, {}
+#: The slimact class for each replacement the recogniser names (:func:`slimact._kinds.recognise`).
+_FACTORIES: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] = {
+    "mlp": gated_mlp_class,
+    "mha": mha_class,
+    "conv1d": conv1d_class,
+    "linear": linear_class,
+    "conv": conv_class,
+    "batchnorm": batch_norm_class,
+    "norm": norm_class,
+    "softmax": softmax_class,
+    "matmul": lambda cls: MatMul,
+    "dropout": dropout_class,
+    "activation": activation_class,
+}
+
+
+def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None, Recognised]:
+    """``(slimact class, None, found)`` for a convertible module, ``(None, reason, found)`` for a known kind
+    slimact leaves alone, ``(None, None, found)`` for anything else."""
+    found = recognise(module)
+    if found.replace is None:
+        return None, found.reason, found
+    cls = module.__dict__.get("_slimact_orig_cls") or type(module)
+    return _FACTORIES[found.replace](cls), None, found
 
 
 def _leave_alone(pol: Policy, kind: str, name: str, module: nn.Module, filter_fn: FilterFn | None,
@@ -127,7 +118,7 @@ def convert(
     seen: dict[str, int] = {}
     fused: set[str] = set()  # modules a converted parent computes itself
     for name, module in model.named_modules():
-        slim_cls, unsupported, extra = _replacement(module)
+        slim_cls, unsupported, found = _replacement(module)
         if name in fused:
             detach(module)
             skipped[name] = "computed by its parent (a fused gated MLP or attention module)"
@@ -136,16 +127,15 @@ def convert(
             if unsupported is not None:
                 skipped[name] = unsupported
             continue
-        kind = kind_of(module)
+        kind = found.kind
         index = seen[kind] = seen.get(kind, -1) + 1
         reason = _leave_alone(pol, kind, name, module, filter_fn, index)
         if reason is not None:
             detach(module)
             skipped[name] = reason
             continue
-        attach(module, slim_cls, pol, kind, steps, **extra)
-        parts = {"mlp": ("down_proj", "act_fn", "activation_fn"), "attention": ("out_proj",)}.get(kind, ())
-        fused.update(f"{name}.{part}" if name else part for part in parts)
+        attach(module, slim_cls, pol, kind, steps, **found.extra)
+        fused.update(f"{name}.{part}" if name else part for part in found.parts)
     _route_calls(model, pol, skipped)
     _route_attention(model, pol, skipped, filter_fn)
     if _HOOK_ATTR not in model.__dict__:
@@ -174,34 +164,60 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None
         routing.remove()
 
 
+def _configs_below(config: Any) -> list[Any]:
+    """``config`` and its sub-configurations, recursively (a vision tower's, a text model's)."""
+    found, todo = [], [config]
+    while todo:
+        c = todo.pop()
+        if c is None or any(c is f for f in found) or not hasattr(c, "_attn_implementation"):
+            continue
+        found.append(c)
+        todo += [getattr(c, key, None) for key in getattr(c, "sub_configs", {}) or {}]
+    return found
+
+
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
     """Select slimact's attention function on a Hugging Face model and tag its attention modules.
 
-    Every configuration object the attention modules read is switched (T5 gives its encoder and decoder
-    copies of the model's), and each one's original setting is kept for ``revert``.
+    A module is tagged only if its forward calls transformers' ``AttentionInterface``; a configuration is
+    switched only if no attention module reading it branches on the setting in its own code (Falcon's tests
+    ``== "sdpa"`` and otherwise computes scores with an eager mask: switching it would change its forward).
+    Each configuration object is switched on its own (sub-configurations too, without the property's
+    recursion), shared ones are counted (two models on one config: the last ``revert`` restores it).
     """
     _untag_attention(model)
+    attention.release_configs(model, model.__dict__.pop(_ATTN_ATTR, ()))
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return
-    modules = [(name, m) for name, m in model.named_modules()
-               if kind_of(m) == "attention" and hasattr(getattr(m, "config", None), "_attn_implementation")]
-    if _ATTN_ATTR not in model.__dict__:
-        configs = {id(c): c for c in (config, *(m.config for _, m in modules))}
-        model.__dict__[_ATTN_ATTR] = [(c, c._attn_implementation) for c in configs.values()]
-    originals = model.__dict__[_ATTN_ATTR]
-    tagged = 0
-    for name, module in modules:
+    candidates, branching = [], set()
+    for name, m in model.named_modules():
+        cfg = getattr(m, "config", None)
+        if kind_of(m) != "attention" or not hasattr(cfg, "_attn_implementation"):
+            continue
+        if uses_attention_interface(m):
+            candidates.append((name, m))
+        elif "_attn_implementation" in forward_names(m):
+            branching.add(id(cfg))
+            skipped.setdefault(name, f"{type(m).__name__} chooses its attention from config._attn_implementation in "
+                                     "its own code (not through transformers' AttentionInterface): left as written")
+    tagged = []
+    for name, module in candidates:
         reason = _leave_alone(pol, "attention", name, module, filter_fn)
+        if reason is None and id(module.config) in branching:
+            reason = ("its configuration is also read by an attention module that branches on "
+                      "config._attn_implementation: left as written")
         if reason is not None:
             skipped[name] = reason
             continue
+        tagged.append(module)
+    if not tagged:
+        return
+    for module in tagged:
         module.__dict__[attention.POLICY_ATTR] = pol
-        tagged += 1
-    if tagged:
-        attention.register()
-    for c, original in originals:
-        c._attn_implementation = attention.NAME if tagged else original
+    attention.register()
+    configs = [c for root in (config, *(m.config for m in tagged)) for c in _configs_below(root)]
+    model.__dict__[_ATTN_ATTR] = attention.switch_configs(model, [c for c in configs if id(c) not in branching])
 
 
 def revert(model: nn.Module) -> nn.Module:
@@ -215,8 +231,7 @@ def revert(model: nn.Module) -> nn.Module:
     routing = model.__dict__.pop(_ROUTE_ATTR, None)
     if routing is not None:
         routing.remove()
-    for config, original in model.__dict__.pop(_ATTN_ATTR, ()):
-        config._attn_implementation = original
+    attention.release_configs(model, model.__dict__.pop(_ATTN_ATTR, ()))
     _untag_attention(model)
     model.__dict__.pop(_POLICY_ATTR, None)
     model.__dict__.pop(_SKIPPED_ATTR, None)

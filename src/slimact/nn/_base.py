@@ -157,12 +157,28 @@ def attach(
     return module
 
 
+def _unslimmed_class(cls: type[nn.Module], orig: type[nn.Module]) -> type[nn.Module]:
+    """The class a converted module returns to: ``orig``, or, where a class was derived from the slimact
+    class after ``convert`` (``torch.nn.utils.parametrize`` makes ``Parametrized<Class>`` with the
+    parametrised tensors as properties), the same derived class rebuilt on ``orig``."""
+    slim = next(c for c in cls.__mro__ if c.__module__.startswith("slimact.") and issubclass(c, SlimModule))
+    if cls is slim:
+        return orig
+    if cls.__bases__ != (slim,):
+        raise RuntimeError(
+            f"cannot revert {cls.__qualname__}: it derives from slimact's {slim.__qualname__} through "
+            f"{[b.__qualname__ for b in cls.__bases__]}, which slimact cannot rebuild on {orig.__qualname__}"
+        )
+    body = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    return type(cls.__name__, (orig,), body)
+
+
 def detach(module: nn.Module) -> nn.Module:
     """Undo :func:`attach`: the original class again, slimact's attributes and buffers gone."""
     if not isinstance(module, SlimModule):
         return module
     clear_state(module)
-    module.__class__ = module._slimact_orig_cls
+    module.__class__ = _unslimmed_class(type(module), module._slimact_orig_cls)
     for name in [n for n in module.__dict__ if n.startswith("_slimact_") and not n.startswith("_slimact_root")]:
         del module.__dict__[name]
     return module

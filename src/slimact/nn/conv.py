@@ -7,18 +7,7 @@ from torch import Tensor, nn
 from slimact.functional.conv import conv
 from slimact.nn._base import SlimModule, slim_class, standalone
 
-__all__ = ["Conv2d", "conv_class", "conv_unsupported"]
-
-
-def conv_unsupported(module: nn.Module) -> str | None:
-    """Why a convolution module cannot be converted, or ``None``."""
-    if getattr(module, "transposed", False):
-        return "transposed convolutions are not supported yet"
-    if module.padding_mode != "zeros":
-        return f"padding_mode {module.padding_mode!r} is not supported yet"
-    if isinstance(module.padding, str) and module.padding != "valid":
-        return f"padding={module.padding!r} is not supported yet"
-    return None
+__all__ = ["Conv2d", "conv_class"]
 
 
 class _ConvMixin(SlimModule):

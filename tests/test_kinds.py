@@ -1,0 +1,205 @@
+"""The recogniser (``slimact._kinds``): one table, subclasses with their own forward left alone, probes run in
+the module's own dtype, attention routed only where the model calls transformers' AttentionInterface."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _harness import assert_gradients_close, loss_grads, tiny_hf
+from torch import nn
+
+import slimact
+from slimact._kinds import gated_mlp_form, kind_of, norm_form, recognise
+from slimact.nn import SlimModule
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's ``LayerNorm2d``: a LayerNorm over the channels of an NCHW tensor, permuting inside forward."""
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d``: a BatchNorm whose forward also applies an activation."""
+
+    def __init__(self, c):
+        super().__init__(c)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.act(super().forward(x))
+
+
+class ScaledLinear(nn.Linear):
+    """A Linear subclass whose forward is its own (a bitsandbytes/timm-style layer)."""
+
+    def forward(self, x):
+        return 2.0 * F.linear(x, self.weight, self.bias)
+
+
+class LastDimLayerNorm(nn.LayerNorm):
+    """A LayerNorm subclass with its own forward that still computes a last-dim LayerNorm (HF-style)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.ln = LayerNorm2d(8)
+        self.bn = BatchNormAct2d(8)
+        self.fc = ScaledLinear(8, 4)
+
+    def forward(self, x):
+        return self.fc(self.bn(self.ln(self.conv(x))).mean((2, 3)))
+
+
+def _grads(model, x, seed=0):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_subclasses_with_their_own_forward_are_left_alone_with_the_reason(policy):
+    torch.manual_seed(0)
+    plain = _ConvNet().train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    skipped = slimact.summary(slim).skipped
+    for name, cls in (("ln", "LayerNorm2d"), ("bn", "BatchNormAct2d"), ("fc", "ScaledLinear")):
+        assert not isinstance(getattr(slim, name), SlimModule), name
+        assert cls in skipped[name] and "its own forward" in skipped[name]
+    assert isinstance(slim.bn.act, SlimModule) and isinstance(slim.conv, SlimModule) == (policy == "int8")
+    x = torch.randn(2, 3, 6, 6)
+    out0, g0 = _grads(plain, x)
+    out1, g1 = _grads(slim, x)
+    assert torch.equal(out0, out1), "the forward changed"
+    if policy == "tempo":
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], msg=n)
+    else:
+        assert_gradients_close(g0, g1)
+
+
+def test_subclass_whose_own_forward_is_a_last_dim_norm_is_recognised_by_its_probe():
+    assert norm_form(LastDimLayerNorm(16)) == {"centered": True, "offset": 0.0, "eps": 1e-5}
+    assert norm_form(LayerNorm2d(16)) is None
+    assert recognise(LayerNorm2d(16)).replace is None
+
+
+def test_sync_batch_norm_is_left_alone():
+    found = recognise(nn.SyncBatchNorm(8))
+    assert found.kind == "batchnorm" and found.replace is None and "across ranks" in found.reason
+
+
+def test_dropout_subclass_is_left_alone():
+    class MyDropout(nn.Dropout):
+        pass
+
+    assert recognise(MyDropout(0.1)).replace is None
+    assert recognise(nn.Dropout(0.1)).replace == "dropout"
+
+
+def test_parametrised_linear_is_still_a_linear():
+    lin = torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+    assert recognise(lin).replace == "linear"
+
+
+def test_one_table_serves_kind_of_and_convert():
+    """kind_of and convert read the same recognition: every module convert replaces has the kind it reports."""
+    model, _ = tiny_hf("llama")
+    kinds = {name: kind_of(m) for name, m in model.named_modules()}
+    slimact.convert(model, "int8")
+    for name, m in model.named_modules():
+        if isinstance(m, SlimModule):
+            assert m._slimact_kind == kinds[name], name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["llama", "gemma", "t5"])
+def test_norms_and_gated_mlps_recognised_in_low_precision_weights(family, dtype):
+    """Probes run in the module's own dtype (and on its device): a model cast to bf16/fp16 before convert
+    has every norm and gated MLP recognised, as in fp32."""
+    transformers = pytest.importorskip("transformers")
+    if family == "llama":
+        model, _ = tiny_hf("llama")
+    elif family == "gemma":
+        cfg = transformers.GemmaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64)
+        model = transformers.GemmaForCausalLM(cfg)
+    else:
+        cfg = transformers.T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                    feed_forward_proj="gated-gelu")
+        model = transformers.T5ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # trained-looking weights, not the all-ones / all-zeros initialisation
+            p.add_(torch.randn_like(p) * 0.1)
+    fp32 = {n: (norm_form(m), gated_mlp_form(m)) for n, m in model.named_modules()}
+    norms = [n for n, (f, _) in fp32.items() if f is not None]
+    mlps = [n for n, (_, f) in fp32.items() if f is not None]
+    assert norms and (mlps or family == "t5")
+    low = copy.deepcopy(model).to(dtype)
+    found = {n: (norm_form(m), gated_mlp_form(m)) for n, m in low.named_modules()}
+    assert found == fp32
+
+
+def _falcon():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_kv_heads=2, new_decoder_architecture=True, bias=False,
+                                    attention_dropout=0.0, hidden_dropout=0.0)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    return transformers.FalconForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_falcon_attention_that_branches_on_the_setting_keeps_its_semantics(policy):
+    """Falcon tests ``config._attn_implementation == "sdpa"`` and otherwise computes scores with an eager mask:
+    selecting slimact's attention on its config gave it SDPA-style masks (no causal mask at all) and wrong
+    gradients even under "tempo" (cosine 0.50). Its configuration is now left as it is."""
+    torch.manual_seed(0)
+    plain, inputs = _falcon()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert slim.config._attn_implementation == plain.config._attn_implementation
+    loss0, g0 = loss_grads(plain.train(), inputs)
+    loss1, g1 = loss_grads(slim.train(), inputs)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    if policy == "tempo":
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+    else:
+        assert_gradients_close(g0, g1)
+
+
+def test_softcap_attention_runs_the_models_own_eager_attention():
+    """Gemma 2's attention logit softcapping is not implemented by the fused path: such calls run the
+    model's eager attention (exact), never an attention without the softcap."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64, attn_logit_softcapping=0.5,
+                                    attn_implementation="eager", sliding_window=16)
+    torch.manual_seed(0)
+    plain = transformers.Gemma2ForCausalLM(cfg)
+    with torch.no_grad():  # scores well beyond the cap, where tanh saturates
+        for layer in plain.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    loss0, g0 = loss_grads(plain.train(), inputs)
+    loss1, g1 = loss_grads(slim.train(), inputs)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
