@@ -171,7 +171,8 @@ def test_falcon_attention_that_branches_on_the_setting_keeps_its_semantics(polic
     torch.manual_seed(0)
     plain, inputs = _falcon()
     slim = slimact.convert(copy.deepcopy(plain), policy)
-    assert slim.config._attn_implementation == plain.config._attn_implementation
+    assert slim.config._attn_implementation == plain.config._attn_implementation == "sdpa"
+    assert slimact.summary(slim).converted["attention"] == 2  # its F.scaled_dot_product_attention is routed
     loss0, g0 = loss_grads(plain.train(), inputs)
     loss1, g1 = loss_grads(slim.train(), inputs)
     torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)

@@ -8,6 +8,7 @@ unchanged, ``isinstance`` checks keep working, and ``revert`` restores the origi
 from __future__ import annotations
 
 import copy
+import fnmatch
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -80,6 +81,13 @@ def _leave_alone(pol: Policy, kind: str, name: str, module: nn.Module, filter_fn
     return reason
 
 
+def _excluded(pol: Policy, name: str, module: nn.Module, filter_fn: FilterFn | None) -> bool:
+    """Whether the user excluded ``module`` by name (a policy ``exclude`` pattern) or by ``filter_fn``: the calls
+    in its code are then not routed either."""
+    by_name = any(fnmatch.fnmatchcase(name, p) for p in pol.exclude)
+    return by_name or (filter_fn is not None and not filter_fn(module, name))
+
+
 def _untag_attention(model: nn.Module) -> None:
     """Drop the attention tags and the running estimates they gathered from every module of ``model``."""
     for module in model.modules():
@@ -136,7 +144,7 @@ def convert(
             continue
         attach(module, slim_cls, pol, kind, steps, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
-    _route_calls(model, pol, skipped)
+    _route_calls(model, pol, skipped, filter_fn)
     _route_attention(model, pol, skipped, filter_fn)
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
@@ -146,7 +154,7 @@ def convert(
     return model
 
 
-def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None:
+def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
     """Route the LM loss and functional dropout/activations in model code through slimact
     (:mod:`slimact.nn.routing`), as far as the policy wants them."""
     old = model.__dict__.pop(_ROUTE_ATTR, None)
@@ -157,7 +165,8 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None
     head = head if isinstance(head, nn.Linear) else None
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
         skipped["(loss)"] = reason
-    routing = Routing(model, pol, head)
+    excluded = [m for name, m in model.named_modules() if name and _excluded(pol, name, m, filter_fn)]
+    routing = Routing(model, pol, head, excluded)
     if routing.handlers:
         model.__dict__[_ROUTE_ATTR] = routing
     else:
@@ -288,11 +297,16 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
     skipped = dict(model.__dict__.get(_SKIPPED_ATTR, {}))
     modules: dict[str, str] = {}
+    routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
+    sdpa_routed = routing is not None and "attention" in routing.kinds
     for name, module in model.named_modules():
         if isinstance(module, SlimModule):
             modules[name] = kind_of(module)
         elif attention.POLICY_ATTR in module.__dict__:
             modules[name] = "attention"
+        elif sdpa_routed and kind_of(module) == "attention" and "scaled_dot_product_attention" in forward_names(module):
+            modules[name] = "attention"  # its own code calls F.scaled_dot_product_attention, which is routed
+            skipped.pop(name, None)
         elif name and name not in skipped and kind_of(module) == "attention" and not any(
             attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
             for sub in module.modules()
@@ -306,7 +320,6 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):
                 continue  # parameterless glue (identity, flatten...) keeps nothing worth reporting
             skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
-    routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
     if routing is not None and routing.loss is not None:
         modules["(loss)"] = "lmloss"
     result = Summary(

@@ -83,3 +83,54 @@ def test_nothing_is_routed_in_eval_under_no_grad_when_off_or_after_revert():
     assert torch.equal(slim(x), plain.eval()(x))
     slimact.revert(slim)
     assert slimact.profile(slim.train(), x).activation_bytes == plain_bytes
+
+
+class _SdpaAttention(nn.Module):
+    """Attention written in model code around F.scaled_dot_product_attention (timm's, Falcon's)."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)  # [B, H, T, D]
+        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
+
+
+def _sdpa_grads(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_sdpa_in_model_code_is_routed_through_slimact_attention(policy):
+    from _harness import assert_gradients_close
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(_SdpaAttention(), _SdpaAttention()).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    x = torch.randn(2, 32, 64)
+    out0, g0 = _sdpa_grads(plain, x)
+    out1, g1 = _sdpa_grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-6)  # the CPU flash kernel on the same q, k, v
+    if policy == "tempo":
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+    else:
+        assert_gradients_close(g0, g1)
+        attn = slimact.profile(slim, x).by_kind.get("attention", 0)
+        assert attn and attn < 0.3 * slimact.profile(plain, x).by_kind["attention"]
+    assert "attention" in slimact.summary(slim).functional
+
+
+def test_sdpa_in_an_excluded_module_runs_as_written():
+    plain = nn.Sequential(_SdpaAttention(), _SdpaAttention()).train()
+    x = torch.randn(2, 32, 64)
+    slim = slimact.convert(copy.deepcopy(plain), "int8", filter_fn=lambda m, name: not name.startswith("1"))
+    by_module = slimact.profile(slim, x).by_module
+    plain_by_module = slimact.profile(plain, x).by_module
+    assert by_module["1"] == plain_by_module["1"]  # attention kept as PyTorch keeps it
+    assert by_module["0"] < 0.3 * plain_by_module["0"]

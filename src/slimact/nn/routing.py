@@ -11,7 +11,13 @@ forward hook) sends those calls to slimact:
 * ``F.relu``/``torch.relu`` -> a 1-bit mask (exact); ``F.gelu`` (both forms), ``F.silu`` -> the input kept
   with the policy's codes (or, lossless, the output and a branch mask) as their modules are;
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
-  (:mod:`slimact.nn.lm_loss`).
+  (:mod:`slimact.nn.lm_loss`);
+* ``F.scaled_dot_product_attention`` on ``[B, H, T, D]`` tensors (Falcon's attention, timm's, any model that
+  calls it itself) -> :func:`slimact.functional.scaled_dot_product_attention`, keeping q, k, v 8-bit per head
+  (exact under a lossless policy) and no ``[T, S]`` tensor.
+
+Calls made inside a module that the policy's ``exclude`` patterns or ``convert``'s ``filter_fn`` leave alone
+run as written (a pre-hook and a forward hook on each such module count how deep the forward is inside one).
 
 Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``) is enabled by the
 policy and no ``include`` pattern restricts the policy to named modules (a call has no module name).
@@ -32,6 +38,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from slimact.functional.activation import activation
+from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
 from slimact.nn.lm_loss import LossTracker
 from slimact.policy import Policy
@@ -57,7 +64,7 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         routing = self.routing
         handler = routing.handlers.get(func)
-        if handler is not None and args:
+        if handler is not None and args and not routing.excluded_depth:
             out = handler(*args, **kwargs)
             if out is not None:
                 return out
@@ -70,8 +77,10 @@ class _Mode(TorchFunctionMode):
 class Routing:
     """Installed on a converted model by ``convert``; ``remove()`` uninstalls it."""
 
-    def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None) -> None:
+    def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None,
+                 excluded: list[nn.Module] = ()) -> None:
         self.policy = policy
+        self.excluded_depth = 0
         self.loss = LossTracker(head) if head is not None and self._on("lmloss") else None
         routes = {
             F.dropout: ("dropout", self._dropout),
@@ -79,6 +88,7 @@ class Routing:
             torch.relu: ("relu", self._relu),
             F.gelu: ("gelu", self._gelu),
             F.silu: ("silu", self._silu),
+            F.scaled_dot_product_attention: ("attention", self._sdpa),
         }
         self.handlers = {func: fn for func, (kind, fn) in routes.items() if self._on(kind)}
         self.kinds = sorted({kind for kind, _ in routes.values() if self._on(kind)})
@@ -89,6 +99,9 @@ class Routing:
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._exit, always_call=True),
         ]
+        for module in excluded if self.handlers else ():
+            self.handles += [module.register_forward_pre_hook(self._enter_excluded),
+                             module.register_forward_hook(self._exit_excluded, always_call=True)]
 
     def _on(self, kind: str) -> bool:
         return self.policy.skip_reason(kind, FUNCTIONAL_NAME) is None and not self.policy.include
@@ -117,6 +130,21 @@ class Routing:
         if inplace or not _wants_grad(x):
             return None
         return activation(x, "silu", self._cfg("silu", x), fn=F.silu)
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if not any(_wants_grad(t) for t in (query, key, value)) or not all(
+            isinstance(t, Tensor) and t.dim() == 4 and t.dtype in COMPRESSIBLE_DTYPES for t in (query, key, value)
+        ):
+            return None
+        return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            cfg=self._cfg("attention", query))
+
+    def _enter_excluded(self, module, args):
+        self.excluded_depth += 1
+
+    def _exit_excluded(self, module, args, output):
+        self.excluded_depth -= 1
 
     def _enter(self, module, args):
         if torch.compiler.is_compiling():
