@@ -204,3 +204,48 @@ def test_softcap_attention_runs_the_models_own_eager_attention():
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+class _ScaledHead(nn.Linear):
+    """Dory's LM head: a Linear subclass whose forward scales the logits by a learned parameter."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return super().forward(x) * self.logit_scale
+
+
+def test_lm_head_with_its_own_forward_keeps_its_loss_and_gradients():
+    """The LM-loss route recomputes the loss from the head's input and weight: only for a plain Linear head."""
+    plain, inputs = tiny_hf("gpt2")
+    plain.lm_head = _ScaledHead(64, 96)
+    plain.lm_head.weight = plain.transformer.wte.weight
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    loss0, g0 = loss_grads(plain.train(), inputs)
+    loss1, g1 = loss_grads(slim.train(), inputs)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    assert "lm_head.logit_scale" in g1
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_attention_of_a_model_without_sdpa_support_is_left_alone():
+    """GPT-OSS declares ``_supports_sdpa = False`` (attention sinks in its eager attention): routing it to an
+    SDPA-style attention changed its forward (h4's sweep)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    plain = transformers.GptOssForCausalLM(cfg)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    loss0, g0 = loss_grads(plain.train(), inputs)
+    loss1, g1 = loss_grads(slim.train(), inputs)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)

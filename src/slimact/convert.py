@@ -162,7 +162,9 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
         old.remove()
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    head = head if isinstance(head, nn.Linear) else None
+    # Only a head that computes a plain Linear: the loss is recomputed from its input and weight (a subclass
+    # whose forward scales or caps the logits would lose that, and its parameters' gradients).
+    head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
         skipped["(loss)"] = reason
     excluded = [m for name, m in model.named_modules() if name and _excluded(pol, name, m, filter_fn)]
@@ -200,6 +202,8 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
     if config is None or not hasattr(config, "_attn_implementation"):
         return
     candidates, branching = [], set()
+    eager_only = tuple(f"{name}." if name else "" for name, m in model.named_modules()
+                       if getattr(m, "_supports_sdpa", None) is False)
     for name, m in model.named_modules():
         cfg = getattr(m, "config", None)
         if kind_of(m) != "attention" or not hasattr(cfg, "_attn_implementation"):
@@ -213,6 +217,9 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
     tagged = []
     for name, module in candidates:
         reason = _leave_alone(pol, "attention", name, module, filter_fn)
+        if reason is None and (name + ".").startswith(eager_only):
+            reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
+                      "scaled dot-product attention): left as written")
         if reason is None and id(module.config) in branching:
             reason = ("its configuration is also read by an attention module that branches on "
                       "config._attn_implementation: left as written")
