@@ -19,7 +19,7 @@ OUT=${1:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
     | tee "$OUT/device.txt"
-timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/quant/test_triton.py 2>&1 | tail -5 | tee "$OUT/triton_tests.txt"
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/quant/test_triton.py tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert 2>&1 | tail -5 | tee "$OUT/triton_tests.txt"
 timeout 60 "$PY" -m slimact bench --ops --device cuda --out "$OUT" --name ops
 timeout 210 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
     --dtypes bf16 --rounds 7 --policies tempo int8 checkpoint --out "$OUT" --name speed

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _harness import assert_gradients_close, loss_grads, tiny_hf
 from torch import nn
 
 import slimact
+from _harness import assert_gradients_close, loss_grads, tiny_hf
 from slimact._kinds import gated_mlp_form, kind_of, norm_form, recognise
 from slimact.nn import SlimModule
 
@@ -249,3 +249,12 @@ def test_attention_of_a_model_without_sdpa_support_is_left_alone():
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu.sh runs it)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probes_recognise_a_model_moved_to_cuda_before_convert(dtype):
+    model, _ = tiny_hf("llama")
+    on_cpu = {n: recognise(m) for n, m in model.named_modules()}
+    moved = copy.deepcopy(model).to("cuda", dtype)
+    assert {n: recognise(m) for n, m in moved.named_modules()} == on_cpu
