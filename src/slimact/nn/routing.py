@@ -11,9 +11,12 @@ forward hook) sends those calls to slimact:
 * ``F.relu``/``torch.relu`` -> a 1-bit mask (exact); ``F.gelu`` (both forms), ``F.silu`` -> the input kept
   with the policy's codes (or, lossless, the output and a branch mask) as their modules are;
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
-  (:mod:`slimact.nn.lm_loss`).
+  (:mod:`slimact.nn.lm_loss`);
+* ``F.layer_norm``/``torch.layer_norm``, ``F.rms_norm``/``torch.rms_norm`` over the last dim (OLMo's weightless
+  LayerNorm, any norm class ``convert`` does not recognise) -> :func:`slimact.functional.norm`, its output
+  kept (kinds ``layernorm``, ``rmsnorm``); not inside a norm module ``convert`` recognised but left alone.
 
-Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``) is enabled by the
+Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``, ...) is enabled by the
 policy and no ``include`` pattern restricts the policy to named modules (a call has no module name).
 Functional calls have no module to hold a running estimate, so they use each tensor's own range under
 ``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
@@ -25,14 +28,18 @@ only, not those made inside another torch function (the attention dropout inside
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from slimact._kinds import norm_form
 from slimact.functional.activation import activation
 from slimact.functional.dropout import dropout
+from slimact.functional.norm import norm, rms_default_eps
+from slimact.nn._base import SlimModule
 from slimact.nn.lm_loss import LossTracker
 from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
@@ -41,6 +48,10 @@ __all__ = ["FUNCTIONAL_NAME", "Routing"]
 
 #: The name policies see for calls in model code (for ``exclude`` patterns and ``summary``).
 FUNCTIONAL_NAME = "(functional)"
+
+# The arguments after the input of F.layer_norm/torch.layer_norm (centered) and F.rms_norm/torch.rms_norm, in order.
+_NORM_ARGS = {True: ("normalized_shape", "weight", "bias", "eps"), False: ("normalized_shape", "weight", "eps")}
+_LAYER_NORM_EPS = 1e-5  # F.layer_norm's default
 
 
 def _wants_grad(x: object) -> bool:
@@ -79,6 +90,7 @@ class Routing:
             torch.relu: ("relu", self._relu),
             F.gelu: ("gelu", self._gelu),
             F.silu: ("silu", self._silu),
+            **self._norm_routes(),
         }
         self.handlers = {func: fn for func, (kind, fn) in routes.items() if self._on(kind)}
         self.kinds = sorted({kind for kind, _ in routes.values() if self._on(kind)})
@@ -89,6 +101,8 @@ class Routing:
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._exit, always_call=True),
         ]
+        if any(kind in self.kinds for kind in ("layernorm", "rmsnorm")):
+            self.handles += self._hold_norms_left_alone(model)
 
     def _on(self, kind: str) -> bool:
         return self.policy.skip_reason(kind, FUNCTIONAL_NAME) is None and not self.policy.include
@@ -117,6 +131,57 @@ class Routing:
         if inplace or not _wants_grad(x):
             return None
         return activation(x, "silu", self._cfg("silu", x), fn=F.silu)
+
+    # Functional norms: F.layer_norm / torch.layer_norm ("layernorm"), F.rms_norm / torch.rms_norm ("rmsnorm"),
+    # as a model's own norm class calls them (OLMo's weightless LayerNorm, a user's norm module).
+
+    def _norm_routes(self) -> dict:
+        self._norms_held = 0  # > 0 while a norm module convert left alone runs (its calls stay as written)
+        routes = {}
+        for centered, kind, funcs in ((True, "layernorm", (F.layer_norm, torch.layer_norm)),
+                                      (False, "rmsnorm", (F.rms_norm, torch.rms_norm))):
+            for func in funcs:
+                routes[func] = (kind, functools.partial(self._norm, func, centered, kind))
+        return routes
+
+    def _norm(self, func, centered, kind, x, *args, **kwargs):
+        """``func(x, *args, **kwargs)`` through :func:`slimact.functional.norm` (its forward is this very call),
+        or ``None`` to run it as written: inside a norm module ``convert`` left alone, or when nothing would be
+        saved, or in a dtype slimact does not pack, or over more than the last dim."""
+        names = _NORM_ARGS[centered]
+        # Fewer positional arguments than names (defaults), or more (torch.layer_norm's cudnn_enable).
+        bound = {**dict(zip(names, args, strict=False)), **{k: v for k, v in kwargs.items() if k in names}}
+        shape, weight, bias = bound.get("normalized_shape"), bound.get("weight"), bound.get("bias")
+        params = [t for t in (weight, bias) if t is not None]
+        if (self._norms_held or not isinstance(x, Tensor) or x.dtype not in COMPRESSIBLE_DTYPES
+                or not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params))):
+            return None
+        channels = (x.shape[-1],) if x.dim() else None
+        if tuple([shape] if isinstance(shape, int) else shape) != channels or any(
+            not isinstance(t, Tensor) or tuple(t.shape) != channels for t in params
+        ):
+            return None
+        eps = bound.get("eps", _LAYER_NORM_EPS if centered else None)
+        eps = rms_default_eps(x.dtype) if eps is None else float(eps)
+        return norm(x, weight, bias, eps, self._cfg(kind, x), centered=centered,
+                    fn=lambda t: func(t, *args, **kwargs))
+
+    def _hold_norms_left_alone(self, model: nn.Module) -> list:
+        """Hooks that stop routing the norm calls made inside a norm module ``convert`` recognised but left alone
+        (an ``exclude`` pattern, ``filter_fn``): the user asked for that module to stay as it is. (A converted
+        one calls its kernel inside slimact's Function, where grad mode is off: never routed twice.)"""
+        def hold(module, args):
+            self._norms_held += 1
+
+        def release(module, args, output):
+            self._norms_held -= 1
+
+        handles = []
+        for module in model.modules():
+            if not isinstance(module, SlimModule) and norm_form(module) is not None:
+                handles += [module.register_forward_pre_hook(hold),
+                            module.register_forward_hook(release, always_call=True)]
+        return handles
 
     def _enter(self, module, args):
         if torch.compiler.is_compiling():
