@@ -98,6 +98,7 @@ class _FunctionalNorm(nn.Module):
             "layer_norm": lambda: F.layer_norm(h, c, w, b, 1e-6),
             "layer_norm_no_weight": lambda: F.layer_norm(h, c, None, None),
             "layer_norm_bias_only": lambda: F.layer_norm(h, c, bias=b),
+            "layer_norm_weight_plus_one": lambda: F.layer_norm(h, c, w + 1.0, b),  # VideoPrism: a computed weight
             "torch.layer_norm": lambda: torch.layer_norm(h, c, w, b, 1e-5),
             "rms_norm": lambda: F.rms_norm(h, c, w, 1e-6),
             "rms_norm_no_weight": lambda: F.rms_norm(h, c),
@@ -106,8 +107,8 @@ class _FunctionalNorm(nn.Module):
         return self.fc2(out)
 
 
-FORMS = ["layer_norm", "layer_norm_no_weight", "layer_norm_bias_only", "torch.layer_norm", "rms_norm",
-         "rms_norm_no_weight", "torch.rms_norm"]
+FORMS = ["layer_norm", "layer_norm_no_weight", "layer_norm_bias_only", "layer_norm_weight_plus_one",
+         "torch.layer_norm", "rms_norm", "rms_norm_no_weight", "torch.rms_norm"]
 
 
 def _step(model, x, dtype=torch.float32):
