@@ -141,9 +141,10 @@ def test_functional_norms_in_model_code_are_routed(form, policy):
     # Plain charges the call (model code) at least its input, 4 bytes per element, and a 4-byte rstd per row
     # (a LayerNorm its mean too, an RMSNorm with a weight the normalised input too); routed, the call keeps
     # its output (shared with fc2, which then keeps nothing) and a 4-byte rstd: exactly under "tempo", 8-bit
-    # with one scale and offset per channel under "int8".
+    # with one scale and offset per channel under "int8"; a computed weight (not a parameter) is kept too.
     assert before >= rows * 48 * 4 + rows * 4
     kept = rows * 48 * 4 if policy == "tempo" else rows * 48 + 48 * 2 * 4
+    kept += 48 * 4 if form == "layer_norm_weight_plus_one" else 0
     assert after["(model)"] == kept + rows * 4, (after, before)
     assert after.get("fc2", 0) == 0
 
