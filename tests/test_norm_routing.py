@@ -252,3 +252,45 @@ def test_calls_that_would_save_nothing_or_are_unsupported_run_as_written(case):
         kept.append(shapes)
     assert torch.equal(outputs[0], outputs[1])
     assert kept[0] == kept[1]  # what PyTorch's own kernel keeps, nothing of slimact's
+
+
+class _Checkpointed(nn.Module):
+    """A block of functional calls (a norm, dropout) recomputed by torch.utils.checkpoint in the backward."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.fc1, self.block, self.fc2 = nn.Linear(32, 48), _FunctionalNorm("layer_norm_no_weight"), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.fc2(F.dropout(h, 0.25, self.training))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_layers_route_alike_in_the_forward_and_the_recompute(reentrant):
+    # The recompute runs in the backward, outside the model's forward: unless its layer enters the mode too,
+    # the routed forward and the plain recompute keep different tensors (non-reentrant: CheckpointError).
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
+    plain = _Checkpointed(reentrant)
+    torch.manual_seed(3)
+    y0, g0 = _step(plain, x)
+    torch.manual_seed(3)
+    y1, g1 = _step(slimact.convert(copy.deepcopy(plain), "tempo"), x)
+    assert torch.equal(y0, y1)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], msg=name)
+
+
+def test_olmo_with_gradient_checkpointing():
+    plain, inputs = _olmo()
+    _, g0 = _hf_step(plain, inputs)
+    for policy in ("tempo", "int8"):
+        slim = slimact.convert(copy.deepcopy(plain), policy)
+        slim.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _, g1 = _hf_step(slim, inputs)
+        for name in g0:
+            if policy == "tempo":
+                torch.testing.assert_close(g1[name], g0[name], msg=name)
+            else:
+                assert cosine(g0[name], g1[name]) >= 0.99, name

@@ -103,6 +103,8 @@ class Routing:
         ]
         if any(kind in self.kinds for kind in ("layernorm", "rmsnorm")):
             self.handles += self._hold_norms_left_alone(model)
+        self._layer: nn.Module | None = None
+        self.handles += self._enter_in_layers(model)
 
     def _on(self, kind: str) -> bool:
         return self.policy.skip_reason(kind, FUNCTIONAL_NAME) is None and not self.policy.include
@@ -183,6 +185,32 @@ class Routing:
                             module.register_forward_hook(release, always_call=True)]
         return handles
 
+    # Layers recomputed by activation checkpointing (torch.utils.checkpoint on a module, Hugging Face's
+    # gradient_checkpointing): the recompute runs the layer again in the backward, outside the model's forward
+    # and so outside the mode, where its calls would keep other tensors than the forward's routed ones
+    # (CheckpointError: "a different number of tensors was saved"). A submodule that runs in training with
+    # grad on while the mode is off enters it for its own call, so both passes route alike. (The loss route
+    # stays off there: the head's output is tracked only from the model's own forward.)
+
+    def _enter_in_layers(self, model: nn.Module) -> list:
+        handles = []
+        for module in model.modules():
+            if module is not model:
+                handles += [module.register_forward_pre_hook(self._enter_layer),
+                            module.register_forward_hook(self._exit_layer, always_call=True)]
+        return handles
+
+    def _enter_layer(self, module, args):
+        if (self._mode is None and self.handlers and module.training and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            self._mode, self._layer = _Mode(self), module
+            self._mode.__enter__()
+
+    def _exit_layer(self, module, args, output):
+        if self._layer is module and self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode, self._layer = None, None
+
     def _enter(self, module, args):
         if torch.compiler.is_compiling():
             return  # dynamo does not trace a mode entered in a hook: compiled models run the calls as written
@@ -195,7 +223,7 @@ class Routing:
     def _exit(self, module, args, output):
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
-            self._mode = None
+            self._mode, self._layer = None, None
         if self.loss is not None:
             self.loss.active = False
             self.loss.clear()
@@ -207,4 +235,4 @@ class Routing:
             self.loss.remove()
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
-            self._mode = None
+            self._mode, self._layer = None, None
