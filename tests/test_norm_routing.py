@@ -287,7 +287,7 @@ def test_olmo_with_gradient_checkpointing():
     _, g0 = _hf_step(plain, inputs)
     for policy in ("tempo", "int8"):
         slim = slimact.convert(copy.deepcopy(plain), policy)
-        slim.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        slim.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         _, g1 = _hf_step(slim, inputs)
         for name in g0:
             if policy == "tempo":
