@@ -20,7 +20,9 @@ Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lml
 policy and no ``include`` pattern restricts the policy to named modules (a call has no module name).
 Functional calls have no module to hold a running estimate, so they use each tensor's own range under
 ``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
-run as written; the forward result is PyTorch's own in every case. A mode sees the calls of Python code
+run as written; the forward result is PyTorch's own in every case. A layer that activation checkpointing
+recomputes in the backward (outside the model's forward) enters the mode for its own call: it routes as it did
+in the forward. A mode sees the calls of Python code
 only, not those made inside another torch function (the attention dropout inside
 ``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
 """
