@@ -59,7 +59,7 @@ class _ConvNet(nn.Module):
         self.fc = ScaledLinear(8, 4)
 
     def forward(self, x):
-        return self.fc(self.bn(self.ln(self.conv(x))).mean((2, 3)))
+        return self.fc(self.ln(self.bn(self.conv(x))).mean((2, 3)))
 
 
 def _grads(model, x, seed=0):

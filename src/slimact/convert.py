@@ -167,7 +167,8 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
         skipped["(loss)"] = reason
-    excluded = [m for name, m in model.named_modules() if name and _excluded(pol, name, m, filter_fn)]
+    excluded = [m for name, m in model.named_modules() if name and (
+        _excluded(pol, name, m, filter_fn) or (name in skipped and recognise(m).replace is not None))]
     routing = Routing(model, pol, head, excluded)
     if routing.handlers:
         model.__dict__[_ROUTE_ATTR] = routing

@@ -195,3 +195,19 @@ def test_backward_as_compiled_loops_equals_the_eager_passes(centered, quantized,
     # The same fp32 formulas; row means and column sums in another order: float rounding, normwise.
     for a, e in zip(fused, eager, strict=True):
         assert (a - e).norm() <= 1e-6 * e.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rms_norm_without_eps_uses_the_kernels_eps_in_half_precision(dtype):
+    # nn.RMSNorm(eps=None) adds the eps of the dtype its kernel computes in (fp32), not the input's: bf16's
+    # 2^-7 dwarfs the mean square of rows of size 1e-2 (rstd off by ~40%, gradients with it: seen 312 off on
+    # a gradient of 346 before the fix). A wrong rstd scales whole rows, so compare normwise, not by cosine.
+    from _harness import _step, converted_copy
+
+    norm = _affine(nn.RMSNorm(64), dtype)
+    x = (torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 1e-2).to(dtype)
+    _, exact = _step(norm.train(), (x,), seed=1)
+    _, approx = _step(converted_copy(norm, "tempo").train(), (x,), seed=1)
+    for name in exact:
+        e, a = exact[name].float(), approx[name].float()
+        assert (a - e).norm() <= 1e-2 * e.norm(), name  # a couple of roundings of 2^-8 (bf16) at most

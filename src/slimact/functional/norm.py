@@ -38,7 +38,13 @@ from torch import Tensor
 from slimact.functional._saving import load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
-__all__ = ["norm", "output_recoverable"]
+__all__ = ["norm", "output_recoverable", "rms_default_eps"]
+
+
+def rms_default_eps(dtype: torch.dtype) -> float:
+    """The ``eps`` PyTorch's RMSNorm kernel adds when given none: that of the dtype it computes in (fp32 for
+    half-precision inputs, not the input's own: bf16's 2^-7 would dwarf the mean square of a small row)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
 
 
 def output_recoverable(weight: Tensor | None, bias: Tensor | None, dtype: torch.dtype, exact: bool) -> bool:

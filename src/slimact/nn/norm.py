@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from slimact._kinds import norm_form
-from slimact.functional.norm import norm
+from slimact.functional.norm import norm, rms_default_eps
 from slimact.nn._base import SlimModule, slim_class, standalone
 
 __all__ = ["LayerNorm", "RMSNorm", "norm_class"]
@@ -26,7 +25,7 @@ class _NormMixin(SlimModule):
         if not self._slimact_active(x):
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
-        eps = self._slimact_eps if self._slimact_eps is not None else torch.finfo(x.dtype).eps
+        eps = self._slimact_eps if self._slimact_eps is not None else rms_default_eps(x.dtype)
         return norm(
             x, getattr(self, "weight", None), getattr(self, "bias", None), eps, self._slimact_cfg(x),
             self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,

@@ -12,18 +12,24 @@ forward hook) sends those calls to slimact:
   with the policy's codes (or, lossless, the output and a branch mask) as their modules are;
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
   (:mod:`slimact.nn.lm_loss`);
+* ``F.layer_norm``/``torch.layer_norm``, ``F.rms_norm``/``torch.rms_norm`` over the last dim (OLMo's weightless
+  LayerNorm, any norm class ``convert`` does not recognise) -> :func:`slimact.functional.norm`, its output
+  kept (kinds ``layernorm``, ``rmsnorm``).
 * ``F.scaled_dot_product_attention`` on ``[B, H, T, D]`` tensors (Falcon's attention, timm's, any model that
   calls it itself) -> :func:`slimact.functional.scaled_dot_product_attention`, keeping q, k, v 8-bit per head
   (exact under a lossless policy) and no ``[T, S]`` tensor.
 
-Calls made inside a module that the policy's ``exclude`` patterns or ``convert``'s ``filter_fn`` leave alone
-run as written (a pre-hook and a forward hook on each such module count how deep the forward is inside one).
+Calls made inside a module the user left alone (the policy's ``exclude`` patterns, ``convert``'s ``filter_fn``)
+or inside a module ``convert`` would replace but the policy leaves alone (an excluded index, a norm kept as
+written) run as written: a pre-hook and a forward hook on each such module count how deep the forward is in one.
 
-Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``) is enabled by the
+Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``, ...) is enabled by the
 policy and no ``include`` pattern restricts the policy to named modules (a call has no module name).
 Functional calls have no module to hold a running estimate, so they use each tensor's own range under
 ``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
-run as written; the forward result is PyTorch's own in every case. A mode sees the calls of Python code
+run as written; the forward result is PyTorch's own in every case. A layer that activation checkpointing
+recomputes in the backward (outside the model's forward) enters the mode for its own call: it routes as it did
+in the forward. A mode sees the calls of Python code
 only, not those made inside another torch function (the attention dropout inside
 ``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
 """
@@ -31,6 +37,7 @@ only, not those made inside another torch function (the attention dropout inside
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from slimact.functional.activation import activation
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
+from slimact.functional.norm import norm, rms_default_eps
 from slimact.nn.lm_loss import LossTracker
 from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
@@ -48,6 +56,10 @@ __all__ = ["FUNCTIONAL_NAME", "Routing"]
 
 #: The name policies see for calls in model code (for ``exclude`` patterns and ``summary``).
 FUNCTIONAL_NAME = "(functional)"
+
+# The arguments after the input of F.layer_norm/torch.layer_norm (centered) and F.rms_norm/torch.rms_norm, in order.
+_NORM_ARGS = {True: ("normalized_shape", "weight", "bias", "eps"), False: ("normalized_shape", "weight", "eps")}
+_LAYER_NORM_EPS = 1e-5  # F.layer_norm's default
 
 
 def _wants_grad(x: object) -> bool:
@@ -89,6 +101,7 @@ class Routing:
             F.gelu: ("gelu", self._gelu),
             F.silu: ("silu", self._silu),
             F.scaled_dot_product_attention: ("attention", self._sdpa),
+            **self._norm_routes(),
         }
         self.handlers = {func: fn for func, (kind, fn) in routes.items() if self._on(kind)}
         self.kinds = sorted({kind for kind, _ in routes.values() if self._on(kind)})
@@ -102,6 +115,8 @@ class Routing:
         for module in excluded if self.handlers else ():
             self.handles += [module.register_forward_pre_hook(self._enter_excluded),
                              module.register_forward_hook(self._exit_excluded, always_call=True)]
+        self._layer: nn.Module | None = None
+        self.handles += self._enter_in_layers(model)
 
     def _on(self, kind: str) -> bool:
         return self.policy.skip_reason(kind, FUNCTIONAL_NAME) is None and not self.policy.include
@@ -146,6 +161,65 @@ class Routing:
     def _exit_excluded(self, module, args, output):
         self.excluded_depth -= 1
 
+    # Functional norms: F.layer_norm / torch.layer_norm ("layernorm"), F.rms_norm / torch.rms_norm ("rmsnorm"),
+    # as a model's own norm class calls them (OLMo's weightless LayerNorm, a user's norm module).
+
+    def _norm_routes(self) -> dict:
+        routes = {}
+        for centered, kind, funcs in ((True, "layernorm", (F.layer_norm, torch.layer_norm)),
+                                      (False, "rmsnorm", (F.rms_norm, torch.rms_norm))):
+            for func in funcs:
+                routes[func] = (kind, functools.partial(self._norm, func, centered, kind))
+        return routes
+
+    def _norm(self, func, centered, kind, x, *args, **kwargs):
+        """``func(x, *args, **kwargs)`` through :func:`slimact.functional.norm` (its forward is this very call),
+        or ``None`` to run it as written: when nothing would be saved, in a dtype slimact does not pack, or over
+        more than the last dim."""
+        names = _NORM_ARGS[centered]
+        # Fewer positional arguments than names (defaults), or more (torch.layer_norm's cudnn_enable).
+        bound = {**dict(zip(names, args, strict=False)), **{k: v for k, v in kwargs.items() if k in names}}
+        shape, weight, bias = bound.get("normalized_shape"), bound.get("weight"), bound.get("bias")
+        params = [t for t in (weight, bias) if t is not None]
+        if (not isinstance(x, Tensor) or x.dtype not in COMPRESSIBLE_DTYPES
+                or not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params))):
+            return None
+        channels = (x.shape[-1],) if x.dim() else None
+        if tuple([shape] if isinstance(shape, int) else shape) != channels or any(
+            not isinstance(t, Tensor) or tuple(t.shape) != channels for t in params
+        ):
+            return None
+        eps = bound.get("eps", _LAYER_NORM_EPS if centered else None)
+        eps = rms_default_eps(x.dtype) if eps is None else float(eps)
+        return norm(x, weight, bias, eps, self._cfg(kind, x), centered=centered,
+                    fn=lambda t: func(t, *args, **kwargs))
+
+    # Layers recomputed by activation checkpointing (torch.utils.checkpoint on a module, Hugging Face's
+    # gradient_checkpointing): the recompute runs the layer again in the backward, outside the model's forward
+    # and so outside the mode, where its calls would keep other tensors than the forward's routed ones
+    # (CheckpointError: "a different number of tensors was saved"). A submodule that runs in training with
+    # grad on while the mode is off enters it for its own call, so both passes route alike. (The loss route
+    # stays off there: the head's output is tracked only from the model's own forward.)
+
+    def _enter_in_layers(self, model: nn.Module) -> list:
+        handles = []
+        for module in model.modules():
+            if module is not model:
+                handles += [module.register_forward_pre_hook(self._enter_layer),
+                            module.register_forward_hook(self._exit_layer, always_call=True)]
+        return handles
+
+    def _enter_layer(self, module, args):
+        if (self._mode is None and self.handlers and module.training and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            self._mode, self._layer = _Mode(self), module
+            self._mode.__enter__()
+
+    def _exit_layer(self, module, args, output):
+        if self._layer is module and self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode, self._layer = None, None
+
     def _enter(self, module, args):
         if torch.compiler.is_compiling():
             return  # dynamo does not trace a mode entered in a hook: compiled models run the calls as written
@@ -158,7 +232,7 @@ class Routing:
     def _exit(self, module, args, output):
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
-            self._mode = None
+            self._mode, self._layer = None, None
         if self.loss is not None:
             self.loss.active = False
             self.loss.clear()
@@ -170,4 +244,4 @@ class Routing:
             self.loss.remove()
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
-            self._mode = None
+            self._mode, self._layer = None, None
