@@ -258,3 +258,32 @@ def test_probes_recognise_a_model_moved_to_cuda_before_convert(dtype):
     on_cpu = {n: recognise(m) for n, m in model.named_modules()}
     moved = copy.deepcopy(model).to("cuda", dtype)
     assert {n: recognise(m) for n, m in moved.named_modules()} == on_cpu
+
+
+class _UnweightedRMSNorm(nn.Module):
+    """A weightless RMSNorm written by hand (NanoChat's, Llama 4's QK norm, DeepSeek V4's unweighted norm)."""
+
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_weightless_hand_written_norm_is_recognised(policy):
+    assert norm_form(_UnweightedRMSNorm()) == {"centered": False, "offset": 0.0, "eps": 1e-6}
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 32), _UnweightedRMSNorm(), nn.Linear(32, 8)).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert isinstance(slim[1], SlimModule)
+    x = torch.randn(4, 16, 32)
+    out0, g0 = _grads(plain, x)
+    out1, g1 = _grads(slim, x)
+    assert torch.equal(out0, out1)
+    if policy == "tempo":
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], msg=n)
+    else:
+        assert_gradients_close(g0, g1)

@@ -325,6 +325,9 @@ def _rule_norm(module, cls):
     form = None
     if isinstance(weight, nn.Parameter) and weight.dim() == 1 and eps is not None:
         form = _probe_norm(module, weight, eps)
+    elif weight is None and eps is not None and next(module.parameters(), None) is None:
+        # A weightless norm written by hand (x * rsqrt(mean(x^2) + eps)): probed at a width of its own choosing.
+        form = _probe_norm(module, torch.ones(48), eps)
     if form is not None:
         return Recognised("layernorm" if form["centered"] else "rmsnorm", "norm", form)
     if typed:
