@@ -51,7 +51,11 @@ def test_from_toml_and_json(tmp_path):
 
 @pytest.mark.parametrize(
     "text,match",
-    [("bitz = 8\n", "unknown key 'bitz'"), ('bits = "8"\n', "bits must be an int, one of 8, 4, 2, got '8'"), ("bits = \n", "p.toml")],
+    [
+        ("bitz = 8\n", "unknown key 'bitz'"),
+        ('bits = "8"\n', "bits must be an int, one of 8, 4, 2, got '8'"),
+        ("bits = \n", "p.toml"),
+    ],
 )
 def test_file_errors_name_file_and_key(tmp_path, text, match):
     f = tmp_path / "p.toml"
