@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from slimact.quant.reference import QuantConfig
 
 if sys.version_info >= (3, 11):
@@ -184,7 +186,10 @@ class KindSettings:
     quantize: bool | None = None
 
     def __post_init__(self) -> None:
-        _set_checked(self, "KindSettings")
+        # Under torch.compile the only ones made are a checked policy's effective settings (``_settings``,
+        # which dynamo traces into): checking them there would break the graph at every layer.
+        if not torch.compiler.is_compiling():
+            _set_checked(self, "KindSettings")
 
     @classmethod
     def of(cls, value: KindSettings | Mapping[str, Any], where: str) -> KindSettings:
