@@ -1,5 +1,6 @@
 import copy
 import dataclasses
+import re
 
 import pytest
 
@@ -50,7 +51,11 @@ def test_from_toml_and_json(tmp_path):
 
 @pytest.mark.parametrize(
     "text,match",
-    [("bitz = 8\n", "unknown key 'bitz'"), ('bits = "8"\n', "key 'bits' must be int"), ("bits = \n", "p.toml")],
+    [
+        ("bitz = 8\n", "unknown key 'bitz'"),
+        ('bits = "8"\n', "bits must be an int, one of 8, 4, 2, got '8'"),
+        ("bits = \n", "p.toml"),
+    ],
 )
 def test_file_errors_name_file_and_key(tmp_path, text, match):
     f = tmp_path / "p.toml"
@@ -163,8 +168,8 @@ def test_per_kind_toml_round_trip(tmp_path):
     [
         ("[per_kind.gelux]\nbits = 4\n", "unknown layer kind 'gelux'", 1),
         ("[per_kind.gelu]\nbits = 4\nbitz = 4\n", "per_kind.gelu: unknown key 'bitz'", 3),
-        ('bits = 8\n[per_kind.gelu]\nbits = "4"\n', "per_kind.gelu: key 'bits' must be int", 3),
-        ("bits = 8\n\n[per_kind.gelu]\nbits = 5\n", "per_kind.gelu: bits must be 8, 4 or 2", 4),
+        ('bits = 8\n[per_kind.gelu]\nbits = "4"\n', "per_kind.gelu: bits must be an int", 3),
+        ("bits = 8\n\n[per_kind.gelu]\nbits = 5\n", "per_kind.gelu: bits must be an int, one of 8, 4, 2, got 5", 4),
         ('[per_kind.attention]\nscale = "runing"\n', "scale must be 'dynamic' or 'running'", 2),
         ("per_kind = 3\n", "per_kind must be a table", 1),
     ],
@@ -175,3 +180,92 @@ def test_per_kind_file_errors_name_file_line_and_key(tmp_path, text, match, line
     with pytest.raises(PolicyError, match=match) as e:
         Policy.from_file(f)
     assert str(e.value).startswith(f"{f}:{line}: "), str(e.value)
+
+
+# Every field, a value of the wrong type and (where the type has values outside the field's range) one out of
+# range: each is refused at construction, naming the field and the value.
+_BAD_POLICY_FIELDS = [
+    ("name", 3), ("bits", "8"), ("bits", True), ("bits", 8.0), ("bits", 3), ("bits", 16), ("scale", 1),
+    ("scale", "ema"), ("ema_decay", "0.9"), ("ema_decay", True), ("ema_decay", 1.0), ("ema_decay", -0.1),
+    ("ema_decay", float("nan")), ("ema_decay", float("inf")), ("stochastic", "yes"), ("stochastic", 1),
+    ("stochastic", None), ("channel_groups", True), ("channel_groups", 2.0), ("channel_groups", "2"),
+    ("channel_groups", 0), ("channel_groups", -1), ("head_groups", True), ("head_groups", 1.5), ("head_groups", -1),
+    ("quantize", "no"), ("quantize", 0), ("kinds", "linear"), ("kinds", ("linear", 3)), ("kinds", ("linear", "warp")),
+    ("include", "x"), ("include", (1,)), ("exclude", "x"), ("exclude", [None]), ("exclude_index", "gelu:1"),
+    ("exclude_index", (1,)), ("exclude_index", ("gelu",)), ("exclude_index", ("warp:1",)),
+    ("exclude_index", ("gelu:-1",)),
+]
+
+
+@pytest.mark.parametrize("field,value", _BAD_POLICY_FIELDS, ids=[f"{f}={v!r}" for f, v in _BAD_POLICY_FIELDS])
+def test_every_policy_field_is_checked_at_construction(field, value):
+    with pytest.raises(PolicyError, match=rf"^Policy: {field} must be .*, got {re.escape(repr(value))}$"):
+        Policy(**{field: value})
+    with pytest.raises(PolicyError, match=rf"^Policy: {field} must be "):
+        slimact.PRESETS["mesa"].replace(**{field: value})
+
+
+_BAD_KIND_FIELDS = [
+    ("bits", "4"), ("bits", True), ("bits", 5), ("scale", 3), ("scale", "ema"), ("ema_decay", "x"),
+    ("ema_decay", 1.5), ("stochastic", 1), ("stochastic", "yes"), ("groups", True), ("groups", 2.5), ("groups", -1),
+    ("quantize", "no"), ("quantize", 1),
+]
+
+
+@pytest.mark.parametrize("field,value", _BAD_KIND_FIELDS, ids=[f"{f}={v!r}" for f, v in _BAD_KIND_FIELDS])
+def test_every_kind_settings_field_is_checked_as_object_and_as_table(field, value):
+    shown = re.escape(repr(value))
+    with pytest.raises(PolicyError, match=rf"^KindSettings: {field} must be .*, got {shown}$"):
+        slimact.KindSettings(**{field: value})
+    with pytest.raises(PolicyError, match=rf"^Policy: per_kind\.gelu: {field} must be .*, got {shown}$"):
+        Policy(per_kind={"gelu": {field: value}})
+
+
+@pytest.mark.parametrize(
+    "per_kind,match",
+    [
+        (3, "per_kind must be a table of layer kinds"),
+        ("gelu", "per_kind must be a table of layer kinds"),
+        ([("gelu",)], "per_kind must be a table of layer kinds"),
+        ({"warp": {}}, "per_kind: unknown layer kind 'warp'"),
+        ({3: {}}, "per_kind: unknown layer kind 3"),
+        ({"gelu": {"bitz": 4}}, "per_kind.gelu: unknown key 'bitz'"),
+        ({"gelu": 4}, "per_kind.gelu must be KindSettings or a table"),
+        ([("gelu", {}), ("gelu", {"bits": 4})], "layer kind 'gelu' given twice"),
+    ],
+)
+def test_per_kind_table_is_checked(per_kind, match):
+    with pytest.raises(PolicyError, match=match):
+        Policy(per_kind=per_kind)
+
+
+def test_checked_fields_are_stored_normalised():
+    p = Policy(ema_decay=0, kinds=["linear", "gelu"], include={"a*"}, per_kind={"gelu": {"ema_decay": 1 // 2}})
+    assert p.ema_decay == 0.0 and isinstance(p.ema_decay, float)
+    assert (p.kinds, p.include) == (("linear", "gelu"), ("a*",))
+    assert p.settings("gelu").ema_decay == 0.0 and isinstance(p.settings("gelu").ema_decay, float)
+    assert hash(p) == hash(Policy(ema_decay=0.0, kinds=("linear", "gelu"), include=("a*",),
+                                  per_kind=(("gelu", slimact.KindSettings(ema_decay=0.0)),)))
+
+
+# The constructions the repository itself makes (src and tests): all still valid.
+_VALID = [
+    {}, {"name": "exact", "quantize": False}, {"exclude": ("*.fc2",)}, {"kinds": ("linear",)},
+    {"bits": 4, "channel_groups": 3, "head_groups": 2, "stochastic": True},
+    {"per_kind": {"attention": {"bits": 4, "groups": 2}, "gelu": {"quantize": False},
+                  "linear": slimact.KindSettings(scale="running", stochastic=True)}},
+    {"per_kind": {"linear": {"quantize": False}}}, {"per_kind": {"gelu": {"bits": 4}}},
+    {"name": "mixed", "per_kind": {"attention": {"bits": 4}, "gelu": {"quantize": False, "groups": 3}}},
+    {"kinds": tuple(k for k in slimact.policy.KINDS if k not in ("dropout", "gelu", "linear"))},
+    {"bits": 2, "scale": "running", "ema_decay": 0.0, "head_groups": 0, "exclude_index": ("gelu:1", "linear:0")},
+]
+
+
+@pytest.mark.parametrize("kwargs", _VALID)
+def test_existing_constructions_and_presets_stay_valid(kwargs, tmp_path):
+    p = Policy(**kwargs)
+    assert Policy.from_file(p.to_file(tmp_path / "p.toml")) == p
+    for name, preset in slimact.PRESETS.items():
+        assert preset.replace(**kwargs) == Policy(**{**dataclasses.asdict(preset), "per_kind": preset.per_kind,
+                                                      **kwargs})
+        assert Policy.from_file(preset.to_file(tmp_path / f"{name}.toml")) == preset

@@ -20,12 +20,17 @@ import dataclasses
 import fnmatch
 import functools
 import json
+import numbers
 import os
 import re
 import sys
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import torch
 
 from slimact.quant.reference import QuantConfig
 
@@ -54,12 +59,123 @@ class PolicyError(ValueError):
     """A policy (or policy file) that cannot be used as written."""
 
 
+
+# Field checks, one table per class: (type, predicate, what the message says is expected). ``_checked`` applies
+# them to the constructors' arguments and to the policy files' values alike (one code path, one message form:
+# ``<where>: <field> must be <expected>, got <value>``, which ``_with_line`` finds the file line of).
+_Check = tuple[type, Callable[[Any], bool], str]
+_BITS = (8, 4, 2)
+_SCALES = ("dynamic", "running")
+
+
+def _every(ok: Callable[[str], bool]) -> Callable[[tuple[str, ...]], bool]:
+    return lambda values: all(ok(v) for v in values)
+
+
+def _is_kind(value: str) -> bool:
+    return value in KINDS
+
+
+def _is_kind_index(entry: str) -> bool:
+    return re.fullmatch(r"[a-z]+:\d+", entry) is not None and entry.split(":")[0] in KINDS
+
+
+_COMMON: dict[str, _Check] = {
+    "bits": (int, lambda v: v in _BITS, f"an int, one of {', '.join(map(str, _BITS))}"),
+    "scale": (str, lambda v: v in _SCALES, " or ".join(map(repr, _SCALES))),
+    # 0 is allowed: the estimate is then the previous tensor's range; 1 would never move.
+    "ema_decay": (float, lambda v: 0.0 <= v < 1.0, "a float in [0, 1)"),
+    "stochastic": (bool, bool.__instancecheck__, "a bool"),
+    "quantize": (bool, bool.__instancecheck__, "a bool"),
+}
+_POLICY_FIELDS: dict[str, _Check] = {
+    "name": (str, str.__instancecheck__, "a string"),
+    **_COMMON,
+    "channel_groups": (int, lambda v: v >= 1, "an int >= 1"),
+    "head_groups": (int, lambda v: v >= 0, "an int >= 0 (0 = one per head)"),
+    "kinds": (tuple, _every(_is_kind), f"a sequence of layer kinds ({', '.join(KINDS)})"),
+    "include": (tuple, _every(str.__instancecheck__), "a sequence of fnmatch patterns (strings)"),
+    "exclude": (tuple, _every(str.__instancecheck__), "a sequence of fnmatch patterns (strings)"),
+    "exclude_index": (tuple, _every(_is_kind_index), "a sequence of 'kind:index' strings with a known kind"),
+}
+_KIND_FIELDS: dict[str, _Check] = {
+    **_COMMON, "groups": (int, lambda v: v >= 0, "an int >= 0 (0 = one per channel or head)"),
+}
+
+
+def _normalised(kind: type, value: Any) -> tuple[bool, Any]:
+    """``(fits, value)``: whether ``value`` is of ``kind`` (a bool is no int, an int is a float, a sequence
+    of strings is a tuple of them), and the value as stored."""
+    if kind is bool:
+        return isinstance(value, bool), value
+    if kind is int:
+        fits = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return fits, int(value) if fits else value
+    if kind is float:
+        fits = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return fits, float(value) if fits else value
+    if kind is tuple:
+        fits = isinstance(value, (Sequence, AbstractSet)) and not isinstance(value, (str, bytes))
+        return fits and all(isinstance(v, str) for v in value), tuple(value) if fits else value
+    return isinstance(value, kind), value
+
+
+def _checked(fields: dict[str, _Check], values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``values`` (field name -> value) checked against ``fields`` and normalised; ``None`` passes where the
+    fields are optional (:class:`KindSettings`'). ``per_kind`` is checked as a table of kinds."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key == "per_kind" and fields is _POLICY_FIELDS:
+            out[key] = _checked_per_kind(value, where)
+            continue
+        if key not in fields:
+            raise PolicyError(f"{where}: unknown key {key!r}; known: {', '.join(fields)}")
+        if value is None and fields is _KIND_FIELDS:
+            out[key] = None
+            continue
+        kind, ok, expected = fields[key]
+        fits, value = _normalised(kind, value)
+        if not fits or not ok(value):
+            raise PolicyError(f"{where}: {key} must be {expected}, got {values[key]!r}")
+        out[key] = value
+    return out
+
+
+def _checked_per_kind(value: Any, where: str) -> tuple[tuple[str, KindSettings], ...]:
+    """``per_kind`` (a mapping, or pairs, of layer kinds to :class:`KindSettings` or tables) as sorted pairs."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, str) and all(
+        isinstance(item, tuple) and len(item) == 2 for item in value
+    ):
+        items = list(value)
+    else:
+        raise PolicyError(f"{where}: per_kind must be a table of layer kinds (kind -> settings), got {value!r}")
+    out: dict[str, KindSettings] = {}
+    for kind, settings in items:
+        if kind not in KINDS:
+            raise PolicyError(f"{where}: per_kind: unknown layer kind {kind!r}; known: {list(KINDS)}")
+        if kind in out:
+            raise PolicyError(f"{where}: per_kind: layer kind {kind!r} given twice")
+        out[kind] = KindSettings.of(settings, f"{where}: per_kind.{kind}")
+    return tuple(sorted(out.items()))
+
+
+def _set_checked(obj: Policy | KindSettings, where: str) -> None:
+    """Check every field of a (frozen) ``obj`` as constructed, and store the normalised values."""
+    fields = _POLICY_FIELDS if isinstance(obj, Policy) else _KIND_FIELDS
+    names = [*fields, "per_kind"] if fields is _POLICY_FIELDS else list(fields)
+    for key, value in _checked(fields, {n: getattr(obj, n) for n in names}, where).items():
+        object.__setattr__(obj, key, value)
+
+
 @dataclass(frozen=True)
 class KindSettings:
     """Settings of one layer kind that override the policy's own (``None``: the policy's value).
 
     ``groups`` is the number of scale groups of that kind's tensors: channel groups, or head groups for the
-    ``[B, H, T, D]`` tensors of attention (0 = one per channel or head).
+    ``[B, H, T, D]`` tensors of attention (0 = one per channel or head). Every field is checked as
+    :class:`Policy`'s are (:class:`PolicyError` naming the field, the value and what it must be).
     """
 
     bits: int | None = None
@@ -69,25 +185,21 @@ class KindSettings:
     groups: int | None = None
     quantize: bool | None = None
 
+    def __post_init__(self) -> None:
+        # Under torch.compile the only ones made are a checked policy's effective settings (``_settings``,
+        # which dynamo traces into): checking them there would break the graph at every layer.
+        if not torch.compiler.is_compiling():
+            _set_checked(self, "KindSettings")
+
     @classmethod
-    def of(cls, value: KindSettings | dict[str, Any], where: str) -> KindSettings:
+    def of(cls, value: KindSettings | Mapping[str, Any], where: str) -> KindSettings:
+        """``value`` itself, or the settings a table of them (a dict, as in a policy file) gives; errors start
+        with ``where``."""
         if isinstance(value, KindSettings):
             return value
-        if not isinstance(value, dict):
-            raise PolicyError(f"{where}: per-kind settings are a table of {_KIND_KEYS}, got {value!r}")
-        for key, v in value.items():
-            if key not in _KIND_KEYS:
-                raise PolicyError(f"{where}: unknown key {key!r}; known: {', '.join(_KIND_KEYS)}")
-            expected = _KIND_TYPES[key]
-            if expected is float and isinstance(v, int) and not isinstance(v, bool):
-                value = {**value, key: float(v)}
-            elif not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
-                raise PolicyError(f"{where}: key {key!r} must be {expected.__name__}, got {v!r}")
-        return cls(**value)
-
-
-_KIND_TYPES = {"bits": int, "scale": str, "ema_decay": float, "stochastic": bool, "groups": int, "quantize": bool}
-_KIND_KEYS = tuple(_KIND_TYPES)
+        if not isinstance(value, Mapping):
+            raise PolicyError(f"{where} must be KindSettings or a table of {', '.join(_KIND_FIELDS)}, got {value!r}")
+        return cls(**_checked(_KIND_FIELDS, value, where))
 
 
 @dataclass(frozen=True)
@@ -128,37 +240,7 @@ class Policy:
     per_kind: tuple[tuple[str, KindSettings], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        items = self.per_kind.items() if isinstance(self.per_kind, dict) else self.per_kind
-        try:
-            per_kind = tuple(sorted((k, KindSettings.of(v, f"per_kind.{k}")) for k, v in items))
-        except (TypeError, ValueError) as e:
-            raise PolicyError(f"Policy.per_kind: {e}") from None
-        object.__setattr__(self, "per_kind", per_kind)
-        unknown = sorted({k for k, _ in per_kind} - set(KINDS))
-        if unknown:
-            raise PolicyError(f"per_kind: unknown layer kind(s) {unknown}; known: {list(KINDS)}")
-        for name in ("kinds", "include", "exclude", "exclude_index"):
-            value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-                raise PolicyError(f"Policy.{name} must be a sequence of strings, got {value!r}")
-            object.__setattr__(self, name, tuple(value))
-        unknown = sorted(set(self.kinds) - set(KINDS))
-        if unknown:
-            raise PolicyError(f"unknown layer kind(s) {unknown}; known: {list(KINDS)}")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise PolicyError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
-        if self.channel_groups < 1:
-            raise PolicyError(f"channel_groups must be >= 1, got {self.channel_groups}")
-        if self.head_groups < 0:
-            raise PolicyError(f"head_groups must be >= 0 (0 = one per head), got {self.head_groups}")
-        for entry in self.exclude_index:
-            if not re.fullmatch(r"[a-z]+:\d+", entry) or entry.split(":")[0] not in KINDS:
-                raise PolicyError(f"exclude_index entries are 'kind:index' with a known kind, got {entry!r}")
-        for kind in ("linear", *(k for k, _ in per_kind)):
-            try:
-                _quant_config(self, kind, 2)
-            except ValueError as e:
-                raise PolicyError(f"per_kind.{kind}: {e}" if kind != "linear" else str(e)) from None
+        _set_checked(self, "Policy")
 
     def settings(self, kind: str) -> KindSettings:
         """The effective settings of ``kind``: its ``per_kind`` entry over the policy's own values."""
@@ -230,35 +312,21 @@ class Policy:
     @classmethod
     def _from_mapping(cls, data: dict[str, Any], source: str) -> Policy:
         data = dict(data)
-        base = resolve(data.pop("preset", "int8"))
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        if "per_kind" in data:
-            table = data["per_kind"]
-            if not isinstance(table, dict):
-                raise PolicyError(f"{source}: per_kind must be a table of kinds, got {table!r}")
-            for kind, value in table.items():
-                if kind not in KINDS:
-                    raise PolicyError(f"{source}: per_kind: unknown layer kind {kind!r}; known: {list(KINDS)}")
-                try:
-                    KindSettings.of(value, f"per_kind.{kind}")
-                except PolicyError as e:
-                    raise PolicyError(f"{source}: {e}") from None
-            data["per_kind"] = tuple(table.items())
-        for key, value in data.items():
-            if key not in fields:
-                raise PolicyError(f"{source}: unknown key {key!r}; known: preset, {', '.join(fields)}")
-            expected = type(getattr(base, key))
-            if expected is tuple and isinstance(value, list):
-                data[key] = value = tuple(value)
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                data[key] = value = float(value)
-            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                raise PolicyError(f"{source}: key {key!r} must be {expected.__name__}, got {value!r}")
+        preset = data.pop("preset", "int8")
+        if preset not in PRESETS:
+            raise PolicyError(f"{source}: preset must be one of {', '.join(map(repr, PRESETS))}, got {preset!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = next((key for key in data if key not in known), None)
+        if unknown is not None:
+            raise PolicyError(f"{source}: unknown key {unknown!r}; known: preset, {', '.join(known)}")
         data.setdefault("name", Path(source).stem)
-        try:
-            return base.replace(**data)
-        except PolicyError as e:
-            raise PolicyError(f"{source}: {e}") from None
+        return _replace_checked(PRESETS[preset], data, source)
+
+
+def _replace_checked(base: Policy, changes: dict[str, Any], source: str) -> Policy:
+    """``base`` with ``changes`` read from ``source``: checked as the constructor checks them, errors naming
+    ``source``."""
+    return base.replace(**_checked(_POLICY_FIELDS, changes, source))
 
 
 def _with_line(message: str, source: str, text: str) -> str:
@@ -414,12 +482,9 @@ def _from_mesa_text(text: str, source: str) -> Policy:
         except (ValueError, KeyError):
             raise PolicyError(f"{source}:{no}: bad value for {head!r}: {value!r}") from None
     close_block()
-    try:
-        return base.replace(
-            name=Path(source).stem, kinds=tuple(kinds), exclude_index=tuple(excluded), per_kind=settings
-        )
-    except PolicyError as e:
-        raise PolicyError(f"{source}: {e}") from None
+    return _replace_checked(
+        base, {"name": Path(source).stem, "kinds": kinds, "exclude_index": excluded, "per_kind": settings}, source
+    )
 
 
 PRESETS: dict[str, Policy] = {

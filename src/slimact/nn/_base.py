@@ -34,7 +34,10 @@ _CLASS_CACHE: dict[tuple[type, type], type] = {}
 
 class StepCounter:
     """Counts forward passes of a converted model (a forward pre-hook on the model) and brackets each with
-    its stochastic-rounding seed stream (:func:`slimact.quant.reference.begin_stream`)."""
+    its stochastic-rounding seed stream (:func:`slimact.quant.reference.begin_stream`, which the count keys).
+
+    One per converted model; ``value`` is saved and restored by :func:`slimact.state_dict` /
+    :func:`slimact.load_state_dict`, so a resumed run draws the seeds the uninterrupted one would."""
 
     def __init__(self) -> None:
         self.value = 0

@@ -90,6 +90,13 @@ class _SharedPacks:
     everything; with a weakly held pack the two made different choices and saved differently shaped tensors,
     which checkpointing rejects. The pack costs at most a quarter of the (larger) tensor it was made from,
     only while that tensor is alive anyway.
+
+    An entry made in a converted model's forward (its seed stream, :func:`slimact.quant.reference.current_stream`)
+    serves only that forward: a batch fed to two models, or to one model at two steps, is packed afresh by each,
+    with that model's running estimate and that step's seeds (a global cache handed one model's codes to the
+    next, so a run's losses depended on what ran before it in the process, or in another thread). Outside
+    any forward (a checkpointed block recomputed in the backward, a slimact module used on its own) every live
+    entry serves, so a recomputation shares what its forward shared.
     """
 
     def __init__(self) -> None:
@@ -103,17 +110,18 @@ class _SharedPacks:
         entry = self._entries.get(self._key(x))
         if entry is None:
             return None
-        source, version, packed = entry
+        source, version, packed, stream = entry
         if source() is None or version != x._version or packed.meta.bits < cfg.bits:
             return None
-        return packed
+        scope = reference.current_stream()
+        return packed if scope is None or stream is scope else None
 
     def put(self, x: Tensor, packed: Packed) -> None:
         key = self._key(x)
         entries = self._entries
         # The entry dies with its source tensor (whose storage address may then be reused).
         source = weakref.ref(x, lambda _ref, key=key: entries.pop(key, None))
-        entries[key] = (source, x._version, packed)
+        entries[key] = (source, x._version, packed, reference.current_stream())
 
 
 _shared = _SharedPacks()

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -75,6 +76,7 @@ __all__ = [
     "Packed",
     "QuantConfig",
     "begin_stream",
+    "current_stream",
     "dequantize",
     "draw_seed",
     "end_stream",
@@ -352,43 +354,74 @@ def hash_uniform(numel: int, seed: int, device: torch.device | str = "cpu") -> T
     return (h >> 8).float() * (1.0 / (1 << 24))
 
 
-_stream = {"initial": None, "count": 0}
-_forward_streams: list[list[int]] = []  # [key, count] per converted-model forward in progress
+def _digest(*values: int | bytes) -> int:
+    """A 63-bit digest of ``values`` (ints and bytes), the same in every process: Python's ``hash`` of bytes
+    (and so of a tuple holding them) is salted per process (``PYTHONHASHSEED``), which made stochastic rounding
+    differ between two runs seeded alike."""
+    h = hashlib.blake2b(digest_size=8)
+    for v in values:
+        # A tag per value (its type and length) so that (b"ab", b"c") and (b"a", b"bc") differ.
+        data = v if isinstance(v, bytes) else v.to_bytes(16, "little", signed=True)
+        h.update(b"b" if isinstance(v, bytes) else b"i")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+class _Streams(threading.local):
+    """The seed streams of one thread: two models trained in two threads draw as they would one after the
+    other (a stack shared by the threads handed one thread's draws from the other's forward)."""
+
+    def __init__(self) -> None:
+        self.forward: list[list[int]] = []  # [key, count] per converted-model forward in progress
+        self.initial: int | None = None  # the counter stream outside one: its torch.initial_seed() ...
+        self.count = 0  # ... and its next number
+
+
+_streams = _Streams()
 
 
 def begin_stream(step: int) -> None:
     """Start the seed stream of one forward pass of a converted model (called by ``convert``'s hook).
 
     Its key is a digest of PyTorch's CPU generator state (read, never advanced) and the model's step count:
-    runs seeded alike draw alike (even twice in one process), every step draws afresh, and PyTorch's own
-    random stream, hence every dropout mask, is exactly the plain model's.
+    runs seeded alike draw alike (even twice in one process, and in any two processes), every step draws
+    afresh, and PyTorch's own random stream, hence every dropout mask, is exactly the plain model's. Streams
+    belong to the calling thread (nested forwards each have their own, the innermost drawing).
     """
-    digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).digest()
-    _forward_streams.append([hash((digest, step)), 0])
+    _streams.forward.append([_digest(torch.get_rng_state().numpy().tobytes(), step), 0])
+
+
+def current_stream() -> object | None:
+    """The calling thread's innermost forward stream (an opaque object, compared by identity), or ``None``
+    outside a converted model's forward."""
+    return _streams.forward[-1] if _streams.forward else None
 
 
 def end_stream() -> None:
-    if _forward_streams:
-        _forward_streams.pop()
+    """End the calling thread's innermost stream (:func:`begin_stream`)."""
+    if _streams.forward:
+        _streams.forward.pop()
 
 
 def draw_seed() -> int:
     """The next 31-bit stochastic-rounding seed.
 
-    Inside a converted model's forward: the pack's number in that forward's stream (:func:`begin_stream`).
-    Elsewhere: a counter stream keyed by ``torch.initial_seed()``, restarting whenever ``torch.manual_seed``
-    sets a new seed. Neither draws from (or advances) PyTorch's generator.
+    Inside a converted model's forward (in this thread): the pack's number in that forward's stream
+    (:func:`begin_stream`). Elsewhere: this thread's counter stream keyed by ``torch.initial_seed()``, restarting
+    whenever ``torch.manual_seed`` sets a new seed. Neither draws from (or advances) PyTorch's generator.
     """
-    if _forward_streams:
-        stream = _forward_streams[-1]
+    streams = _streams
+    if streams.forward:
+        stream = streams.forward[-1]
         stream[1] += 1
-        return hash((stream[0], stream[1])) & 0x7FFFFFFF
+        return _digest(stream[0], stream[1]) & 0x7FFFFFFF
     initial = torch.initial_seed()
-    if _stream["initial"] != initial:
-        _stream["initial"], _stream["count"] = initial, 0
-    n = _stream["count"]
-    _stream["count"] = n + 1
-    return hash((initial, n)) & 0x7FFFFFFF
+    if streams.initial != initial:
+        streams.initial, streams.count = initial, 0
+    n = streams.count
+    streams.count = n + 1
+    return _digest(initial, n) & 0x7FFFFFFF
 
 
 class PackMeta(NamedTuple):
