@@ -146,7 +146,7 @@ def convert(
         attach(module, slim_cls, pol, kind, steps, **extra)
         parts = {"mlp": ("down_proj", "act_fn", "activation_fn"), "attention": ("out_proj",)}.get(kind, ())
         fused.update(f"{name}.{part}" if name else part for part in parts)
-    _route_calls(model, pol, skipped)
+    _route_calls(model, pol, skipped, filter_fn)
     _route_attention(model, pol, skipped, filter_fn)
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
@@ -156,9 +156,10 @@ def convert(
     return model
 
 
-def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None:
-    """Route the LM loss and functional dropout/activations in model code through slimact
-    (:mod:`slimact.nn.routing`), as far as the policy wants them."""
+def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
+    """Route the LM loss, functional dropout/activations in model code, and the products and softmaxes of
+    attention modules that compute attention in their own code through slimact (:mod:`slimact.nn.routing`), as
+    far as the policy wants them."""
     old = model.__dict__.pop(_ROUTE_ATTR, None)
     if old is not None:
         old.remove()
@@ -167,7 +168,10 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str]) -> None
     head = head if isinstance(head, nn.Linear) else None
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
         skipped["(loss)"] = reason
-    routing = Routing(model, pol, head)
+    own = [(name, m) for name, m in model.named_modules() if name not in skipped and kind_of(m) == "attention"
+           and not any(isinstance(sub, SlimModule) for sub in m.modules() if kind_of(sub) == "attention")
+           and (filter_fn is None or filter_fn(m, name))]
+    routing = Routing(model, pol, head, own)
     if routing.handlers:
         model.__dict__[_ROUTE_ATTR] = routing
     else:
@@ -273,10 +277,12 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
     skipped = dict(model.__dict__.get(_SKIPPED_ATTR, {}))
     modules: dict[str, str] = {}
+    routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
+    watched = routing.watched if routing is not None else {}
     for name, module in model.named_modules():
         if isinstance(module, SlimModule):
             modules[name] = kind_of(module)
-        elif attention.POLICY_ATTR in module.__dict__:
+        elif attention.POLICY_ATTR in module.__dict__ or name in watched:
             modules[name] = "attention"
         elif name and name not in skipped and kind_of(module) == "attention" and not any(
             attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
@@ -291,7 +297,6 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):
                 continue  # parameterless glue (identity, flatten...) keeps nothing worth reporting
             skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
-    routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
     if routing is not None and routing.loss is not None:
         modules["(loss)"] = "lmloss"
     result = Summary(
@@ -312,6 +317,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     if inputs is not None:
         result.coverage, result.uncovered, unrouted = _coverage(model, set(modules), inputs, loss_fn)
         for name in unrouted:
+            if name in watched:  # its products and softmaxes were routed by the call routing instead
+                continue
             del modules[name]
             skipped[name] = ("tagged for slimact's attention, but its attention did not run through transformers' "
                              "AttentionInterface: left as written")

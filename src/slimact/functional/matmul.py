@@ -6,7 +6,12 @@ Math: ``y = a @ b`` (``torch.matmul`` semantics for rank >= 2, batch dims broadc
 What it keeps: ``a`` (only if ``b`` needs a gradient) and ``b`` (only if ``a`` does), each at ``b`` bits
 per element plus 8 bytes per scale group; rank-4 attention operands ``[B, H, T, D]`` are grouped per head
 (heads' ranges differ by orders of magnitude). An operand that another layer keeps too (the softmax output
-feeding ``probs @ v``) is packed once.
+feeding ``probs @ v``) is packed once, also when the product reads it through a view that folds its batch dims
+(``probs.view(B * H, T, S)`` into ``torch.bmm``: :func:`packing_source`).
+
+:func:`bmm` and :func:`baddbmm` are the same for ``torch.bmm`` and ``torch.baddbmm`` (Bloom's ALiBi scores:
+``beta * input + alpha * (a @ b)``), each forward PyTorch's own op, so that a routed call computes bit for bit
+what the model wrote.
 
 Error: each restored operand is within ``step/2`` of the original per element; tests assert SQNR >= 30 dB
 for both gradients.
@@ -20,28 +25,75 @@ from torch import Tensor
 from slimact.functional._saving import load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
-__all__ = ["matmul"]
+__all__ = ["baddbmm", "bmm", "matmul", "packing_source"]
+
+
+def packing_source(x: Tensor) -> Tensor:
+    """The tensor a pack of ``x`` is made of: ``x``'s base where ``x`` is a contiguous view of it that only folds
+    or unfolds batch dims (the same matrices: ``[B, H, T, S]`` seen as ``[B * H, T, S]``, or as
+    ``[B, H_kv, G, T, S]``), else ``x``. The pack cache matches a tensor by its exact view, so the softmax's pack of
+    its ``[B, H, T, S]`` output serves a product reading it as ``probs.view(B * H, T, S)`` only this way. A config
+    for packing ``x`` must be chosen for this tensor's rank."""
+    base = x._base
+    if (
+        base is None or not x.is_contiguous() or not base.is_contiguous() or base.dtype != x.dtype
+        or x.dim() < 2 or base.dim() < 2 or base.shape[-2:] != x.shape[-2:] or base.numel() != x.numel()
+        or base.storage_offset() != x.storage_offset()
+    ):
+        return x
+    return base
+
+
+def _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, need_a: bool, need_b: bool) -> None:
+    """Keep ``a`` where ``b`` needs a gradient and ``b`` where ``a`` does (each through :func:`packing_source`)."""
+    save(ctx, pack(packing_source(a), cfg_a, state_a) if need_b else None,
+         pack(packing_source(b), cfg_b, state_b) if need_a else None)
+    ctx.shapes = (a.shape, b.shape)
+
+
+def _operand_grads(ctx, grad_y: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor | None, Tensor | None]:
+    """``(grad_y @ b^T, a^T @ grad_y)`` from the operands :func:`_save_operands` kept, each where needed."""
+    a_hat, b_hat = load(ctx)
+    a_shape, b_shape = ctx.shapes
+    grad_a = grad_b = None
+    if need_a:
+        grad_a = _product(grad_y, b_hat.reshape(b_shape).to(grad_y.dtype).transpose(-1, -2), a_shape)
+    if need_b:
+        grad_b = _product(a_hat.reshape(a_shape).to(grad_y.dtype).transpose(-1, -2), grad_y, b_shape)
+    return grad_a, grad_b
 
 
 class _MatMulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, cfg_a, cfg_b, state_a, state_b):
-        y = torch.matmul(a, b)
-        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        save(ctx, pack(a, cfg_a, state_a) if need_b else None, pack(b, cfg_b, state_b) if need_a else None)
-        ctx.shapes = (a.shape, b.shape)
+    def forward(ctx, a, b, cfg_a, cfg_b, state_a, state_b, op=torch.matmul):
+        y = op(a, b)
+        _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, *ctx.needs_input_grad[:2])
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        a_hat, b_hat = load(ctx)
-        a_shape, b_shape = ctx.shapes
-        grad_a = grad_b = None
+        return *_operand_grads(ctx, grad_y, *ctx.needs_input_grad[:2]), None, None, None, None, None
+
+
+class _BaddbmmFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, b, beta, alpha, cfg_a, cfg_b):
+        y = torch.baddbmm(x, a, b, beta=beta, alpha=alpha)
+        _save_operands(ctx, a, b, cfg_a, cfg_b, None, None, *ctx.needs_input_grad[1:3])
+        ctx.x_shape, ctx.beta, ctx.alpha = x.shape, beta, alpha
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        # As PyTorch's derivative: beta * grad for x (summed back over its broadcast dims), alpha * the product's.
+        grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_a = _product(grad_y, b_hat.to(grad_y.dtype).transpose(-1, -2), a_shape)
-        if ctx.needs_input_grad[1]:
-            grad_b = _product(a_hat.to(grad_y.dtype).transpose(-1, -2), grad_y, b_shape)
-        return grad_a, grad_b, None, None, None, None
+            grad_x = (grad_y if ctx.beta == 1 else grad_y * ctx.beta).sum_to_size(ctx.x_shape)
+        grad_a, grad_b = _operand_grads(ctx, grad_y, *ctx.needs_input_grad[1:3])
+        if ctx.alpha != 1:
+            grad_a = grad_a * ctx.alpha if grad_a is not None else None
+            grad_b = grad_b * ctx.alpha if grad_b is not None else None
+        return grad_x, grad_a, grad_b, None, None, None, None
 
 
 def _product(x: Tensor, y: Tensor, shape: torch.Size) -> Tensor:
@@ -65,7 +117,25 @@ def matmul(
     state_a: RunningRange | None = None,
     state_b: RunningRange | None = None,
 ) -> Tensor:
-    """``torch.matmul(a, b)`` keeping both operands compressed (rank >= 2; otherwise plain ``matmul``)."""
+    """``torch.matmul(a, b)`` keeping both operands compressed (rank >= 2; otherwise plain ``matmul``).
+
+    ``cfg_a``/``cfg_b`` compress :func:`packing_source` of each operand; ``None`` keeps that operand as it is."""
     if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad) or a.dim() < 2 or b.dim() < 2:
         return torch.matmul(a, b)
     return _MatMulFunction.apply(a, b, cfg_a, cfg_b, state_a, state_b)
+
+
+def bmm(a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None) -> Tensor:
+    """``torch.bmm(a, b)`` (``[N, T, D] @ [N, D, S]``) keeping the operands as :func:`matmul` does."""
+    if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
+        return torch.bmm(a, b)
+    return _MatMulFunction.apply(a, b, cfg_a, cfg_b, None, None, torch.bmm)
+
+
+def baddbmm(x: Tensor, a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None, *,
+            beta: float = 1, alpha: float = 1) -> Tensor:
+    """``torch.baddbmm(x, a, b, beta=beta, alpha=alpha)`` keeping ``a`` and ``b`` as :func:`matmul` does (``x``
+    is added, nothing of it is kept)."""
+    if not torch.is_grad_enabled() or not (x.requires_grad or a.requires_grad or b.requires_grad):
+        return torch.baddbmm(x, a, b, beta=beta, alpha=alpha)
+    return _BaddbmmFunction.apply(x, a, b, beta, alpha, cfg_a, cfg_b)

@@ -11,10 +11,22 @@ forward hook) sends those calls to slimact:
 * ``F.relu``/``torch.relu`` -> a 1-bit mask (exact); ``F.gelu`` (both forms), ``F.silu`` -> the input kept
   with the policy's codes (or, lossless, the output and a branch mask) as their modules are;
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
-  (:mod:`slimact.nn.lm_loss`).
+  (:mod:`slimact.nn.lm_loss`);
+* inside attention modules that compute attention in their own code (Bloom's ALiBi ``baddbmm``, DeBERTa-v2's
+  disentangled scores, MPNet, GPT-Neo, a user's ``q @ k.transpose(-1, -2)``, ``softmax``, ``@ v``; ``convert``
+  names them): ``torch.matmul``/``@``, ``torch.bmm``, ``torch.baddbmm`` -> :mod:`slimact.functional.matmul`,
+  ``F.softmax``/``torch.softmax``/``Tensor.softmax`` (``dtype=`` too) -> :mod:`slimact.functional.softmax`, as
+  Mesa's MatMul and Softmax modules keep them: 8-bit, one scale per head (per ``[B, H]`` index of a
+  ``[B * H, T, S]`` operand), the probabilities packed once for the softmax and the product reading them (through
+  a view too). Only operands that need a gradient are packed; a parameter (or a view of one) is kept as it is.
+  ``torch.gather`` there (DeBERTa-v2's relative scores) -> :mod:`slimact.functional.gather`: only the index is
+  kept, where PyTorch keeps the gathered-from scores (exact; kind ``attention``).
 
 Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``) is enabled by the
-policy and no ``include`` pattern restricts the policy to named modules (a call has no module name).
+policy and no ``include`` pattern restricts the policy to named modules (a call has no module name). The
+attention routes (``matmul``, ``softmax``, and ``attention`` for the gather) are decided per attention module by
+its qualified name (kinds, ``include``/``exclude`` patterns); a lossless policy has no saving for the products
+and softmaxes and leaves them as written.
 Functional calls have no module to hold a running estimate, so they use each tensor's own range under
 ``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
 run as written; the forward result is PyTorch's own in every case. A mode sees the calls of Python code
@@ -25,6 +37,8 @@ only, not those made inside another torch function (the attention dropout inside
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +47,12 @@ from torch.overrides import TorchFunctionMode
 
 from slimact.functional.activation import activation
 from slimact.functional.dropout import dropout
+from slimact.functional.gather import gather
+from slimact.functional.matmul import baddbmm, bmm, matmul, packing_source
+from slimact.functional.softmax import softmax
 from slimact.nn.lm_loss import LossTracker
 from slimact.policy import Policy
-from slimact.quant.reference import COMPRESSIBLE_DTYPES
+from slimact.quant.reference import COMPRESSIBLE_DTYPES, QuantConfig
 
 __all__ = ["FUNCTIONAL_NAME", "Routing"]
 
@@ -46,6 +63,24 @@ FUNCTIONAL_NAME = "(functional)"
 def _wants_grad(x: object) -> bool:
     """Whether a call on ``x`` keeps something slimact compresses: a gradient will flow, in a dtype it packs."""
     return isinstance(x, Tensor) and x.dtype in COMPRESSIBLE_DTYPES and x.requires_grad and torch.is_grad_enabled()
+
+
+def _packed_if_needed(x: Tensor, cfg: QuantConfig | None) -> QuantConfig | None:
+    """``cfg`` for an operand that needs a gradient, ``None`` (kept as it is) for one that does not or for a
+    parameter (or a view of one: ``weight.t()``): PyTorch keeps those as they are, at no cost."""
+    if not x.requires_grad or isinstance(x, nn.Parameter) or isinstance(x._base, nn.Parameter):
+        return None
+    return cfg
+
+
+#: The products and softmaxes routed inside attention modules, by kind.
+_ATTENTION_CALLS = {
+    "matmul": (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.baddbmm,
+               Tensor.baddbmm),
+    "softmax": (F.softmax, torch.softmax, Tensor.softmax),
+    # Exact (the index kept, not the gathered tensor), so on under lossless policies too.
+    "attention": (torch.gather, Tensor.gather),
+}
 
 
 class _Mode(TorchFunctionMode):
@@ -70,7 +105,10 @@ class _Mode(TorchFunctionMode):
 class Routing:
     """Installed on a converted model by ``convert``; ``remove()`` uninstalls it."""
 
-    def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None) -> None:
+    def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None,
+                 attention: Sequence[tuple[str, nn.Module]] = ()) -> None:
+        """``attention``: ``(qualified name, module)`` of the attention modules whose own code computes attention
+        (their products and softmaxes are routed as far as the policy wants them, by name)."""
         self.policy = policy
         self.loss = LossTracker(head) if head is not None and self._on("lmloss") else None
         routes = {
@@ -89,6 +127,95 @@ class Routing:
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._exit, always_call=True),
         ]
+        self._watch(attention)
+
+    def _watch(self, attention: Sequence[tuple[str, nn.Module]]) -> None:
+        #: Watched attention module name -> the kinds routed in its code.
+        self.watched: dict[str, frozenset[str]] = {}
+        #: Watched modules in which a call was routed (at least once since convert).
+        self.routed: set[str] = set()
+        # (name, kinds) of the watched modules running now, innermost last (empty kinds: in eval mode).
+        self._inside: list[tuple[str, frozenset[str]]] = []
+        for name, module in attention:
+            kinds = frozenset(k for k in _ATTENTION_CALLS if self.policy.skip_reason(k, name) is None)
+            if not kinds:
+                continue
+            self.watched[name] = kinds
+            self.handles += [
+                module.register_forward_pre_hook(functools.partial(self._push, name, kinds)),
+                module.register_forward_hook(self._pop, always_call=True),
+            ]
+        on = set().union(*self.watched.values())
+        handlers = {"matmul": (self._matmul, self._matmul, self._matmul, self._bmm, self._bmm, self._baddbmm,
+                               self._baddbmm),
+                    "softmax": (self._functional_softmax, self._softmax, self._softmax),
+                    "attention": (self._gather, self._gather)}
+        for kind in sorted(on):
+            self.handlers.update(zip(_ATTENTION_CALLS[kind], handlers[kind], strict=True))
+        self.kinds = sorted({*self.kinds, *on})
+
+    def _push(self, name: str, kinds: frozenset[str], module: nn.Module, args) -> None:
+        self._inside.append((name, kinds if module.training else frozenset()))
+
+    def _pop(self, module: nn.Module, args, output) -> None:
+        self._inside.pop()
+
+    def _routing(self, kind: str) -> bool:
+        """Whether a ``kind`` call now runs in a watched module that routes it (marked routed if so)."""
+        if not self._inside or kind not in self._inside[-1][1]:
+            return False
+        self.routed.add(self._inside[-1][0])
+        return True
+
+    def _head_cfg(self, kind: str, x: Tensor) -> QuantConfig | None:
+        """The config packing ``x``: one scale per head of ``[B, H, T, D]``, per ``[B * H]`` index of a rank-3
+        ``[B * H, T, D]`` (the batched form Bloom and DeBERTa use), the policy's channel groups otherwise."""
+        cfg = self._cfg(kind, x)
+        return dataclasses.replace(cfg, group_dim=0, groups=0) if cfg is not None and x.dim() == 3 else cfg
+
+    def _operand_cfgs(self, a: object, b: object) -> tuple[QuantConfig | None, QuantConfig | None] | None:
+        """Configs for the two operands of a product worth routing, or ``None`` to run it as written (no
+        gradient, a dtype slimact does not pack, mixed dtypes, nothing to pack)."""
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dtype != b.dtype:
+            return None
+        if not (_wants_grad(a) or _wants_grad(b)) or a.dim() < 2 or b.dim() < 2:
+            return None
+        cfg_a = _packed_if_needed(a, self._head_cfg("matmul", packing_source(a)))
+        cfg_b = _packed_if_needed(b, self._head_cfg("matmul", packing_source(b)))
+        if cfg_a is None and cfg_b is None:
+            return None
+        return cfg_a, cfg_b
+
+    def _matmul(self, a, b, *, out=None):
+        cfgs = self._operand_cfgs(a, b) if out is None and self._routing("matmul") else None
+        return None if cfgs is None else matmul(a, b, *cfgs)
+
+    def _bmm(self, a, b, *, out=None):
+        cfgs = self._operand_cfgs(a, b) if out is None and self._routing("matmul") else None
+        return None if cfgs is None or a.dim() != 3 or b.dim() != 3 else bmm(a, b, *cfgs)
+
+    def _baddbmm(self, x, batch1, batch2, *, beta=1, alpha=1, out=None):
+        if out is not None or not isinstance(x, Tensor) or not self._routing("matmul"):
+            return None
+        cfgs = self._operand_cfgs(batch1, batch2)
+        if cfgs is None or x.dtype != batch1.dtype or batch1.dim() != 3 or batch2.dim() != 3:
+            return None
+        return baddbmm(x, batch1, batch2, *cfgs, beta=beta, alpha=alpha)
+
+    def _softmax(self, x, dim=None, dtype=None):
+        if not isinstance(dim, int) or not _wants_grad(x) or not self._routing("softmax"):
+            return None
+        if dtype is not None and dtype not in COMPRESSIBLE_DTYPES:
+            return None  # (a float64 softmax keeps float64 probabilities, as PyTorch does)
+        return softmax(x, dim, self._head_cfg("softmax", x), dtype=dtype)
+
+    def _functional_softmax(self, x, dim=None, _stacklevel=3, dtype=None):
+        return self._softmax(x, dim, dtype)
+
+    def _gather(self, x, dim, index, *, sparse_grad=False, out=None):
+        if out is not None or sparse_grad or not isinstance(dim, int) or not isinstance(index, Tensor):
+            return None
+        return gather(x, dim, index) if _wants_grad(x) and self._routing("attention") else None
 
     def _on(self, kind: str) -> bool:
         return self.policy.skip_reason(kind, FUNCTIONAL_NAME) is None and not self.policy.include
