@@ -282,12 +282,15 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     for name, module in model.named_modules():
         if isinstance(module, SlimModule):
             modules[name] = kind_of(module)
-        elif attention.POLICY_ATTR in module.__dict__ or name in watched:
+        elif attention.POLICY_ATTR in module.__dict__:
             modules[name] = "attention"
         elif name and name not in skipped and kind_of(module) == "attention" and not any(
             attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
             for sub in module.modules()
         ):  # attention computed in the module's own code (a wrapper around a routed one is fine)
+            if {"matmul", "softmax"} & watched.get(name, set()):  # its products and softmaxes are routed
+                modules[name] = "attention"
+                continue
             skipped[name] = (
                 f"{type(module).__name__} computes attention in its own code (not through transformers' "
                 "AttentionInterface or nn.MultiheadAttention): left as written"
@@ -317,8 +320,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     if inputs is not None:
         result.coverage, result.uncovered, unrouted = _coverage(model, set(modules), inputs, loss_fn)
         for name in unrouted:
-            if name in watched:  # its products and softmaxes were routed by the call routing instead
-                continue
+            if routing is not None and any(r == name or r.startswith(f"{name}.") for r in routing.routed):
+                continue  # its products and softmaxes (or a child's: DeBERTa-v2's) were routed instead
             del modules[name]
             skipped[name] = ("tagged for slimact's attention, but its attention did not run through transformers' "
                              "AttentionInterface: left as written")
