@@ -3,6 +3,7 @@ model trains: the same forward, the same (or 8-bit-close) gradients, fewer bytes
 under no_grad, for kinds the policy turns off, or after revert."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -89,7 +90,8 @@ def test_nothing_is_routed_in_eval_under_no_grad_when_off_or_after_revert():
 
 
 class _ScoresAttention(nn.Module):
-    """Attention written with ``op`` for the scores: ``q @ k^T`` (matmul), ``torch.bmm`` on ``[B * H, T, D]``, or
+    """Attention written with ``op`` for the scores: ``q @ k^T`` (matmul), ``torch.einsum``, ``torch.bmm`` on
+    ``[B * H, T, D]``, or
     ``torch.baddbmm`` with a learned bias (broadcast over queries, as Bloom's ALiBi) and beta/alpha != 1."""
 
     def __init__(self, op: str, dim: int = 32, heads: int = 4):
@@ -105,6 +107,9 @@ class _ScoresAttention(nn.Module):
         if self.op == "matmul":
             probs = (q @ k.transpose(-1, -2) * d**-0.5).softmax(-1)
             out = probs @ v
+        elif self.op == "einsum":
+            probs = torch.softmax(torch.einsum("bhid,bhjd->bhij", q, k) * d**-0.5, -1)
+            out = torch.einsum("bhij,bhjd->bhid", [probs, v])
         else:
             q3, k3, v3 = (y.reshape(b * h, t, d) for y in (q, k, v))
             if self.op == "bmm":
@@ -132,7 +137,7 @@ def _saved(model, x):
     return kept
 
 
-@pytest.mark.parametrize("op", ["matmul", "bmm", "baddbmm"])
+@pytest.mark.parametrize("op", ["matmul", "einsum", "bmm", "baddbmm"])
 def test_attention_in_model_code_is_routed_with_pytorchs_forward(op):
     torch.manual_seed(0)
     plain = nn.Sequential(_ScoresAttention(op)).train()
@@ -245,3 +250,27 @@ def test_gather_keeps_only_its_index_and_is_exact_under_tempo():
     kept = _saved(slim, x.requires_grad_(True))
     assert ((3, 6, 12), torch.float32) in _saved(plain, x)  # PyTorch's gather keeps the whole table
     assert ((3, 6, 12), torch.float32) not in kept and not any(dtype == torch.uint8 for _, dtype in kept), kept
+
+
+@pytest.mark.parametrize("form", ["bmm", "baddbmm", "einsum", "einsum-outer"])
+def test_routed_product_backwards_are_pytorchs_when_kept_exact(form):
+    mm = importlib.import_module("slimact.functional.matmul")  # (the package's ``matmul`` is the function)
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 5, 8, requires_grad=True), torch.randn(6, 8, 7, requires_grad=True)
+    bias = torch.randn(6, 1, 7, requires_grad=True)  # broadcast over the rows, as Bloom's ALiBi
+    calls = {
+        "bmm": (lambda: torch.bmm(a, b), lambda: mm.bmm(a, b, None, None)),
+        "baddbmm": (lambda: torch.baddbmm(bias, a, b, beta=0.5, alpha=0.25),
+                    lambda: mm.baddbmm(bias, a, b, None, None, beta=0.5, alpha=0.25)),
+        "einsum": (lambda: torch.einsum("nij,njk->nik", a, b), lambda: mm.einsum("nij,njk->nik", a, b, None, None)),
+        "einsum-outer": (lambda: torch.einsum("nij,nkl->nijkl", a, b),
+                         lambda: mm.einsum("nij,nkl->nijkl", a, b, None, None)),
+    }
+    plain, slim = calls[form]
+    y0, y1 = plain(), slim()
+    assert torch.equal(y0, y1)
+    g = torch.randn_like(y0)
+    inputs = (a, b, bias) if form == "baddbmm" else (a, b)
+    for g0, g1 in zip(torch.autograd.grad(y0, inputs, g), torch.autograd.grad(y1, inputs, g), strict=True):
+        torch.testing.assert_close(g1, g0)
+    assert mm.einsum_terms("nij,njk", a, b) is None and mm.einsum_terms("nii,nik->nk", a, b) is None

@@ -11,7 +11,8 @@ feeding ``probs @ v``) is packed once, also when the product reads it through a 
 
 :func:`bmm` and :func:`baddbmm` are the same for ``torch.bmm`` and ``torch.baddbmm`` (Bloom's ALiBi scores:
 ``beta * input + alpha * (a @ b)``), each forward PyTorch's own op, so that a routed call computes bit for bit
-what the model wrote.
+what the model wrote. :func:`einsum` covers a two-operand ``torch.einsum`` (``"bhid,bhjd->bhij"``) whose
+gradients are einsums again (:func:`einsum_terms`).
 
 Error: each restored operand is within ``step/2`` of the original per element; tests assert SQNR >= 30 dB
 for both gradients.
@@ -25,7 +26,7 @@ from torch import Tensor
 from slimact.functional._saving import load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
-__all__ = ["baddbmm", "bmm", "matmul", "packing_source"]
+__all__ = ["baddbmm", "bmm", "einsum", "einsum_terms", "matmul", "packing_source"]
 
 
 def packing_source(x: Tensor) -> Tensor:
@@ -107,6 +108,56 @@ def _product(x: Tensor, y: Tensor, shape: torch.Size) -> Tensor:
     if out == shape or x.dtype not in (torch.float16, torch.bfloat16):
         return x.matmul(y).sum_to_size(shape)
     return x.float().matmul(y.float()).sum_to_size(shape).to(x.dtype)
+
+
+class _EinsumFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, equation, a, b, cfg_a, cfg_b, terms):
+        y = torch.einsum(equation, a, b)
+        _save_operands(ctx, a, b, cfg_a, cfg_b, None, None, *ctx.needs_input_grad[1:3])
+        ctx.terms = terms
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        a_hat, b_hat = load(ctx)
+        a_shape, b_shape = ctx.shapes
+        sa, sb, out = ctx.terms
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[1]:  # every index of a is in the output or in b (einsum_terms): an einsum again
+            grad_a = torch.einsum(f"{out},{sb}->{sa}", grad_y, b_hat.reshape(b_shape).to(grad_y.dtype))
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.einsum(f"{out},{sa}->{sb}", grad_y, a_hat.reshape(a_shape).to(grad_y.dtype))
+        return None, grad_a, grad_b, None, None, None
+
+
+def einsum_terms(equation: str, a: Tensor, b: Tensor) -> tuple[str, str, str] | None:
+    """``(a's, b's, output's subscripts)`` of a two-operand ``equation`` whose gradients :func:`einsum` computes
+    as einsums (explicit output, no ellipsis, no index repeated within a term, every index of each operand
+    in the output or in the other operand, shared indices of equal size: no broadcasting), else ``None``."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq or eq.count(",") != 1:
+        return None
+    ins, out = eq.split("->")
+    sa, sb = ins.split(",")
+    if any(len(set(t)) != len(t) or not t.isalpha() for t in (sa, sb)) or len(set(out)) != len(out):
+        return None
+    if len(sa) != a.dim() or len(sb) != b.dim() or not set(out) <= set(sa) | set(sb):
+        return None
+    if not (set(sa) <= set(out) | set(sb) and set(sb) <= set(out) | set(sa)):
+        return None
+    if any(a.shape[sa.index(c)] != b.shape[sb.index(c)] for c in set(sa) & set(sb)):
+        return None
+    return sa, sb, out
+
+
+def einsum(equation: str, a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None) -> Tensor:
+    """``torch.einsum(equation, a, b)`` keeping the operands as :func:`matmul` does, for an equation
+    :func:`einsum_terms` accepts (others run as written, plain)."""
+    terms = einsum_terms(equation, a, b)
+    if terms is None or not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
+        return torch.einsum(equation, a, b)
+    return _EinsumFunction.apply(equation, a, b, cfg_a, cfg_b, terms)
 
 
 def matmul(

@@ -14,7 +14,8 @@ forward hook) sends those calls to slimact:
   (:mod:`slimact.nn.lm_loss`);
 * inside attention modules that compute attention in their own code (Bloom's ALiBi ``baddbmm``, DeBERTa-v2's
   disentangled scores, MPNet, GPT-Neo, a user's ``q @ k.transpose(-1, -2)``, ``softmax``, ``@ v``; ``convert``
-  names them): ``torch.matmul``/``@``, ``torch.bmm``, ``torch.baddbmm`` -> :mod:`slimact.functional.matmul`,
+  names them): ``torch.matmul``/``@``, ``torch.bmm``, ``torch.baddbmm``, two-operand ``torch.einsum`` ->
+  :mod:`slimact.functional.matmul`,
   ``F.softmax``/``torch.softmax``/``Tensor.softmax`` (``dtype=`` too) -> :mod:`slimact.functional.softmax`, as
   Mesa's MatMul and Softmax modules keep them: 8-bit, one scale per head (per ``[B, H]`` index of a
   ``[B * H, T, S]`` operand), the probabilities packed once for the softmax and the product reading them (through
@@ -48,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from slimact.functional.activation import activation
 from slimact.functional.dropout import dropout
 from slimact.functional.gather import gather
-from slimact.functional.matmul import baddbmm, bmm, matmul, packing_source
+from slimact.functional.matmul import baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.softmax import softmax
 from slimact.nn.lm_loss import LossTracker
 from slimact.policy import Policy
@@ -76,7 +77,7 @@ def _packed_if_needed(x: Tensor, cfg: QuantConfig | None) -> QuantConfig | None:
 #: The products and softmaxes routed inside attention modules, by kind.
 _ATTENTION_CALLS = {
     "matmul": (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.baddbmm,
-               Tensor.baddbmm),
+               Tensor.baddbmm, torch.einsum),
     "softmax": (F.softmax, torch.softmax, Tensor.softmax),
     # Exact (the index kept, not the gathered tensor), so on under lossless policies too.
     "attention": (torch.gather, Tensor.gather),
@@ -147,7 +148,7 @@ class Routing:
             ]
         on = set().union(*self.watched.values())
         handlers = {"matmul": (self._matmul, self._matmul, self._matmul, self._bmm, self._bmm, self._baddbmm,
-                               self._baddbmm),
+                               self._baddbmm, self._einsum),
                     "softmax": (self._functional_softmax, self._softmax, self._softmax),
                     "attention": (self._gather, self._gather)}
         for kind in sorted(on):
@@ -201,6 +202,16 @@ class Routing:
         if cfgs is None or x.dtype != batch1.dtype or batch1.dim() != 3 or batch2.dim() != 3:
             return None
         return baddbmm(x, batch1, batch2, *cfgs, beta=beta, alpha=alpha)
+
+    def _einsum(self, equation, *operands):
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):  # torch.einsum(eq, [a, b])
+            operands = tuple(operands[0])
+        if not isinstance(equation, str) or len(operands) != 2 or not self._routing("matmul"):
+            return None
+        cfgs = self._operand_cfgs(*operands)
+        if cfgs is None or einsum_terms(equation, *operands) is None:
+            return None
+        return einsum(equation, *operands, *cfgs)
 
     def _softmax(self, x, dim=None, dtype=None):
         if not isinstance(dim, int) or not _wants_grad(x) or not self._routing("softmax"):
