@@ -99,6 +99,9 @@ def test_int8_keeps_no_fp32_scores_and_at_most_0_4x(name):
     assert not [r for r in summary.skipped.values() if "computes attention in its own code" in r]
     after = slimact.profile(slim, inputs)
     assert not _scores(after), _scores(after)
+    # The probabilities once per layer, 8-bit, for the softmax and the product (across a dropout: MPNet, DeBERTa).
+    maps = [e.shape for e in after.entries if e.dtype == torch.uint8 and e.shape[-2:] == (T, T)]
+    assert maps == [(2, 4, T, T)] * 2, maps
     # A module tagged for the attention function that computes attention itself (GPT-Neo's) counts as routed.
     assert not [r for r in slimact.summary(slim, inputs).skipped.values() if "did not run through" in r]
     assert after.activation_bytes <= 0.4 * before.activation_bytes, after.activation_bytes / before.activation_bytes

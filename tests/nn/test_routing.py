@@ -274,3 +274,39 @@ def test_routed_product_backwards_are_pytorchs_when_kept_exact(form):
     for g0, g1 in zip(torch.autograd.grad(y0, inputs, g), torch.autograd.grad(y1, inputs, g), strict=True):
         torch.testing.assert_close(g1, g0)
     assert mm.einsum_terms("nij,njk", a, b) is None and mm.einsum_terms("nii,nik->nk", a, b) is None
+
+
+class _DroppedAttention(nn.Module):
+    """Probabilities dropped (by ``F.dropout``, or a converted ``nn.Dropout``) before ``@ v``; ``touch``: changed
+    in place in between, so that they are no longer the softmax's output times the mask."""
+
+    def __init__(self, functional: bool, touch: bool):
+        super().__init__()
+        self.functional, self.touch = functional, touch
+        self.qkv, self.drop = nn.Linear(32, 96), nn.Dropout(0.3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        probs = (q @ k.transpose(-1, -2)).softmax(-1)
+        dropped = F.dropout(probs, 0.3, self.training) if self.functional else self.drop(probs)
+        if self.touch:
+            dropped[..., 0] = 0.5
+        return (dropped @ v).sum(1)
+
+
+@pytest.mark.parametrize("touch", [False, True], ids=["as-dropped", "changed-in-place"])
+@pytest.mark.parametrize("functional", [True, False], ids=["F.dropout", "nn.Dropout"])
+def test_dropped_probabilities_are_kept_once_with_the_mask(functional, touch):
+    torch.manual_seed(0)
+    plain = _DroppedAttention(functional, touch).train()
+    x = torch.randn(2, 16, 32)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    y0, g0 = _grads(plain, x)
+    y1, g1 = _grads(slim, x)
+    assert torch.equal(y0, y1)
+    for n in g0:
+        assert sqnr_db(g0[n], g1[n]) >= 30, n
+    maps = [s for s, dtype in _saved(slim, x.requires_grad_(True)) if dtype == torch.uint8 and s[-2:] == (16, 16)]
+    # Once (the softmax's pack, the product restoring probs * mask / (1 - p)); a changed tensor is packed anew.
+    assert len(maps) == (2 if touch else 1), maps

@@ -20,13 +20,15 @@ for both gradients.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import Mask, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
-__all__ = ["baddbmm", "bmm", "einsum", "einsum_terms", "matmul", "packing_source"]
+__all__ = ["Dropped", "baddbmm", "bmm", "einsum", "einsum_terms", "matmul", "packing_source"]
 
 
 def packing_source(x: Tensor) -> Tensor:
@@ -45,16 +47,42 @@ def packing_source(x: Tensor) -> Tensor:
     return base
 
 
-def _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, need_a: bool, need_b: bool) -> None:
-    """Keep ``a`` where ``b`` needs a gradient and ``b`` where ``a`` does (each through :func:`packing_source`)."""
-    save(ctx, pack(packing_source(a), cfg_a, state_a) if need_b else None,
-         pack(packing_source(b), cfg_b, state_b) if need_a else None)
+class Dropped(NamedTuple):
+    """An operand that is ``native_dropout(probs, p)``: kept as the pack of ``probs`` (the softmax's own, shared)
+    and the dropout's mask as bits, restored as ``probs_hat * mask * scale``: the probabilities are kept once
+    for the softmax and the product, with the dropout between them."""
+
+    probs: Tensor
+    mask: Mask
+    scale: float
+
+
+def _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, need_a: bool, need_b: bool,
+                   dropped_a: Dropped | None = None) -> None:
+    """Keep ``a`` where ``b`` needs a gradient and ``b`` where ``a`` does (each through :func:`packing_source`;
+    ``a`` as its probabilities and mask where it is ``dropped_a``)."""
+    ctx.dropped_scale = dropped_a.scale if dropped_a is not None and need_b else None
+    if ctx.dropped_scale is not None:
+        kept_a = (pack(dropped_a.probs, cfg_a, state_a), dropped_a.mask)
+    else:
+        kept_a = (pack(packing_source(a), cfg_a, state_a) if need_b else None,)
+    save(ctx, *kept_a, pack(packing_source(b), cfg_b, state_b) if need_a else None)
     ctx.shapes = (a.shape, b.shape)
+
+
+def _load_operands(ctx) -> tuple[Tensor | None, Tensor | None]:
+    """The operands :func:`_save_operands` kept, restored (``None`` where not kept)."""
+    if ctx.dropped_scale is None:
+        a_hat, b_hat = load(ctx)
+    else:
+        probs_hat, mask, b_hat = load(ctx)
+        a_hat = torch.ops.aten.native_dropout_backward(probs_hat, mask, ctx.dropped_scale)
+    return a_hat, b_hat
 
 
 def _operand_grads(ctx, grad_y: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor | None, Tensor | None]:
     """``(grad_y @ b^T, a^T @ grad_y)`` from the operands :func:`_save_operands` kept, each where needed."""
-    a_hat, b_hat = load(ctx)
+    a_hat, b_hat = _load_operands(ctx)
     a_shape, b_shape = ctx.shapes
     grad_a = grad_b = None
     if need_a:
@@ -66,14 +94,14 @@ def _operand_grads(ctx, grad_y: Tensor, need_a: bool, need_b: bool) -> tuple[Ten
 
 class _MatMulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, cfg_a, cfg_b, state_a, state_b, op=torch.matmul):
+    def forward(ctx, a, b, cfg_a, cfg_b, state_a, state_b, op=torch.matmul, dropped_a=None):
         y = op(a, b)
-        _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, *ctx.needs_input_grad[:2])
+        _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, *ctx.needs_input_grad[:2], dropped_a)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        return *_operand_grads(ctx, grad_y, *ctx.needs_input_grad[:2]), None, None, None, None, None
+        return *_operand_grads(ctx, grad_y, *ctx.needs_input_grad[:2]), None, None, None, None, None, None
 
 
 class _BaddbmmFunction(torch.autograd.Function):
@@ -112,15 +140,15 @@ def _product(x: Tensor, y: Tensor, shape: torch.Size) -> Tensor:
 
 class _EinsumFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, equation, a, b, cfg_a, cfg_b, terms):
+    def forward(ctx, equation, a, b, cfg_a, cfg_b, terms, dropped_a):
         y = torch.einsum(equation, a, b)
-        _save_operands(ctx, a, b, cfg_a, cfg_b, None, None, *ctx.needs_input_grad[1:3])
+        _save_operands(ctx, a, b, cfg_a, cfg_b, None, None, *ctx.needs_input_grad[1:3], dropped_a)
         ctx.terms = terms
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        a_hat, b_hat = load(ctx)
+        a_hat, b_hat = _load_operands(ctx)
         a_shape, b_shape = ctx.shapes
         sa, sb, out = ctx.terms
         grad_a = grad_b = None
@@ -128,7 +156,7 @@ class _EinsumFunction(torch.autograd.Function):
             grad_a = torch.einsum(f"{out},{sb}->{sa}", grad_y, b_hat.reshape(b_shape).to(grad_y.dtype))
         if ctx.needs_input_grad[2]:
             grad_b = torch.einsum(f"{out},{sa}->{sb}", grad_y, a_hat.reshape(a_shape).to(grad_y.dtype))
-        return None, grad_a, grad_b, None, None, None
+        return None, grad_a, grad_b, None, None, None, None
 
 
 def einsum_terms(equation: str, a: Tensor, b: Tensor) -> tuple[str, str, str] | None:
@@ -151,13 +179,14 @@ def einsum_terms(equation: str, a: Tensor, b: Tensor) -> tuple[str, str, str] | 
     return sa, sb, out
 
 
-def einsum(equation: str, a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None) -> Tensor:
+def einsum(equation: str, a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None, *,
+           dropped_a: Dropped | None = None) -> Tensor:
     """``torch.einsum(equation, a, b)`` keeping the operands as :func:`matmul` does, for an equation
     :func:`einsum_terms` accepts (others run as written, plain)."""
     terms = einsum_terms(equation, a, b)
     if terms is None or not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
         return torch.einsum(equation, a, b)
-    return _EinsumFunction.apply(equation, a, b, cfg_a, cfg_b, terms)
+    return _EinsumFunction.apply(equation, a, b, cfg_a, cfg_b, terms, dropped_a)
 
 
 def matmul(
@@ -167,20 +196,24 @@ def matmul(
     cfg_b: QuantConfig,
     state_a: RunningRange | None = None,
     state_b: RunningRange | None = None,
+    *,
+    dropped_a: Dropped | None = None,
 ) -> Tensor:
     """``torch.matmul(a, b)`` keeping both operands compressed (rank >= 2; otherwise plain ``matmul``).
 
-    ``cfg_a``/``cfg_b`` compress :func:`packing_source` of each operand; ``None`` keeps that operand as it is."""
+    ``cfg_a``/``cfg_b`` compress :func:`packing_source` of each operand; ``None`` keeps that operand as it is.
+    ``dropped_a``: ``a`` (or the tensor ``a`` views, :func:`packing_source`) is that dropout of probabilities."""
     if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad) or a.dim() < 2 or b.dim() < 2:
         return torch.matmul(a, b)
-    return _MatMulFunction.apply(a, b, cfg_a, cfg_b, state_a, state_b)
+    return _MatMulFunction.apply(a, b, cfg_a, cfg_b, state_a, state_b, torch.matmul, dropped_a)
 
 
-def bmm(a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None) -> Tensor:
+def bmm(a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None, *,
+        dropped_a: Dropped | None = None) -> Tensor:
     """``torch.bmm(a, b)`` (``[N, T, D] @ [N, D, S]``) keeping the operands as :func:`matmul` does."""
     if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
         return torch.bmm(a, b)
-    return _MatMulFunction.apply(a, b, cfg_a, cfg_b, None, None, torch.bmm)
+    return _MatMulFunction.apply(a, b, cfg_a, cfg_b, None, None, torch.bmm, dropped_a)
 
 
 def baddbmm(x: Tensor, a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None, *,

@@ -19,7 +19,7 @@ forward hook) sends those calls to slimact:
   ``F.softmax``/``torch.softmax``/``Tensor.softmax`` (``dtype=`` too) -> :mod:`slimact.functional.softmax`, as
   Mesa's MatMul and Softmax modules keep them: 8-bit, one scale per head (per ``[B, H]`` index of a
   ``[B * H, T, S]`` operand), the probabilities packed once for the softmax and the product reading them (through
-  a view too). Only operands that need a gradient are packed; a parameter (or a view of one) is kept as it is.
+  a view too, and across a dropout: the product keeps the softmax's pack and the dropout's mask as bits). Only operands that need a gradient are packed; a parameter (or a view of one) is kept as it is.
   ``torch.gather`` there (DeBERTa-v2's relative scores) -> :mod:`slimact.functional.gather`: only the index is
   kept, where PyTorch keeps the gathered-from scores (exact; kind ``attention``).
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -46,10 +47,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from slimact.functional._saving import Mask
 from slimact.functional.activation import activation
 from slimact.functional.dropout import dropout
 from slimact.functional.gather import gather
-from slimact.functional.matmul import baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
+from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.softmax import softmax
 from slimact.nn.lm_loss import LossTracker
 from slimact.policy import Policy
@@ -78,10 +80,34 @@ def _packed_if_needed(x: Tensor, cfg: QuantConfig | None) -> QuantConfig | None:
 _ATTENTION_CALLS = {
     "matmul": (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.baddbmm,
                Tensor.baddbmm, torch.einsum),
-    "softmax": (F.softmax, torch.softmax, Tensor.softmax),
+    # native_dropout: where it drops a routed softmax's output (slimact's dropout calls it), its mask is noted, so
+    # that the product reading the dropped probabilities keeps the softmax's pack and the mask (Dropped).
+    "softmax": (F.softmax, torch.softmax, Tensor.softmax, torch.native_dropout),
     # Exact (the index kept, not the gathered tensor), so on under lossless policies too.
     "attention": (torch.gather, Tensor.gather),
 }
+
+
+class _Notes:
+    """Something noted about live tensors, by identity: an entry holds its tensor weakly and dies with it, and
+    an in-place change of the tensor since (its version counter) voids it. A note must not hold its own
+    tensor (it would never die)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, int, object]] = {}
+
+    def put(self, x: Tensor, note: object) -> None:
+        key, entries = id(x), self._entries
+        entries[key] = (weakref.ref(x, lambda _ref: entries.pop(key, None)), x._version, note)
+
+    def __deepcopy__(self, memo) -> _Notes:  # notes about this model's live tensors are not a copy's
+        return _Notes()
+
+    def get(self, x: Tensor):
+        entry = self._entries.get(id(x))
+        if entry is None or entry[0]() is not x or entry[1] != x._version:
+            return None
+        return entry[2]
 
 
 class _Mode(TorchFunctionMode):
@@ -137,6 +163,9 @@ class Routing:
         self.routed: set[str] = set()
         # (name, kinds) of the watched modules running now, innermost last (empty kinds: in eval mode).
         self._inside: list[tuple[str, frozenset[str]]] = []
+        # Outputs of routed softmaxes, and dropouts of them (by id; each entry dies with its tensor).
+        self._probs = _Notes()
+        self._dropped = _Notes()
         for name, module in attention:
             kinds = frozenset(k for k in _ATTENTION_CALLS if self.policy.skip_reason(k, name) is None)
             if not kinds:
@@ -149,7 +178,7 @@ class Routing:
         on = set().union(*self.watched.values())
         handlers = {"matmul": (self._matmul, self._matmul, self._matmul, self._bmm, self._bmm, self._baddbmm,
                                self._baddbmm, self._einsum),
-                    "softmax": (self._functional_softmax, self._softmax, self._softmax),
+                    "softmax": (self._functional_softmax, self._softmax, self._softmax, self._native_dropout),
                     "attention": (self._gather, self._gather)}
         for kind in sorted(on):
             self.handlers.update(zip(_ATTENTION_CALLS[kind], handlers[kind], strict=True))
@@ -187,13 +216,19 @@ class Routing:
             return None
         return cfg_a, cfg_b
 
+    def _dropped_of(self, a: Tensor) -> Dropped | None:
+        """``a`` as a dropout of a routed softmax's probabilities, if it is one (or views one)."""
+        return self._dropped.get(packing_source(a))
+
     def _matmul(self, a, b, *, out=None):
         cfgs = self._operand_cfgs(a, b) if out is None and self._routing("matmul") else None
-        return None if cfgs is None else matmul(a, b, *cfgs)
+        return None if cfgs is None else matmul(a, b, *cfgs, dropped_a=self._dropped_of(a))
 
     def _bmm(self, a, b, *, out=None):
         cfgs = self._operand_cfgs(a, b) if out is None and self._routing("matmul") else None
-        return None if cfgs is None or a.dim() != 3 or b.dim() != 3 else bmm(a, b, *cfgs)
+        if cfgs is None or a.dim() != 3 or b.dim() != 3:
+            return None
+        return bmm(a, b, *cfgs, dropped_a=self._dropped_of(a))
 
     def _baddbmm(self, x, batch1, batch2, *, beta=1, alpha=1, out=None):
         if out is not None or not isinstance(x, Tensor) or not self._routing("matmul"):
@@ -211,14 +246,23 @@ class Routing:
         cfgs = self._operand_cfgs(*operands)
         if cfgs is None or einsum_terms(equation, *operands) is None:
             return None
-        return einsum(equation, *operands, *cfgs)
+        return einsum(equation, *operands, *cfgs, dropped_a=self._dropped_of(operands[0]))
 
     def _softmax(self, x, dim=None, dtype=None):
         if not isinstance(dim, int) or not _wants_grad(x) or not self._routing("softmax"):
             return None
         if dtype is not None and dtype not in COMPRESSIBLE_DTYPES:
             return None  # (a float64 softmax keeps float64 probabilities, as PyTorch does)
-        return softmax(x, dim, self._head_cfg("softmax", x), dtype=dtype)
+        y = softmax(x, dim, self._head_cfg("softmax", x), dtype=dtype)
+        self._probs.put(y, True)
+        return y
+
+    def _native_dropout(self, x, p, train):
+        if not train or not self._inside or "matmul" not in self._inside[-1][1] or self._probs.get(x) is None:
+            return None
+        y, mask = torch.native_dropout(x, p, train)
+        self._dropped.put(y, Dropped(x, Mask.of(mask), 1.0 / (1.0 - p) if p < 1 else 0.0))
+        return y, mask
 
     def _functional_softmax(self, x, dim=None, _stacklevel=3, dtype=None):
         return self._softmax(x, dim, dtype)
@@ -238,6 +282,9 @@ class Routing:
     def _dropout(self, x, p=0.5, training=True, inplace=False):
         if not training or inplace or not _wants_grad(x):
             return None
+        if self._probs.get(x) is not None:  # a routed softmax's output: its native_dropout is to be noted, but
+            with _Mode(self):  # this handler runs with the mode off
+                return dropout(x, p, True)
         return dropout(x, p, True)
 
     def _relu(self, x, inplace=False):
