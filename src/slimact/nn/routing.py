@@ -15,12 +15,12 @@ forward hook) sends those calls to slimact:
 * inside attention modules that compute attention in their own code (Bloom's ALiBi ``baddbmm``, DeBERTa-v2's
   disentangled scores, MPNet, GPT-Neo, a user's ``q @ k.transpose(-1, -2)``, ``softmax``, ``@ v``; ``convert``
   names them): ``torch.matmul``/``@``, ``torch.bmm``, ``torch.baddbmm``, two-operand ``torch.einsum`` ->
-  :mod:`slimact.functional.matmul`,
-  ``F.softmax``/``torch.softmax``/``Tensor.softmax`` (``dtype=`` too) -> :mod:`slimact.functional.softmax`, as
-  Mesa's MatMul and Softmax modules keep them: 8-bit, one scale per head (per ``[B, H]`` index of a
-  ``[B * H, T, S]`` operand), the probabilities packed once for the softmax and the product reading them (through
-  a view too, and across a dropout: the product keeps the softmax's pack and the dropout's mask as bits). Only operands that need a gradient are packed; a parameter (or a view of one) is kept as it is.
-  ``torch.gather`` there (DeBERTa-v2's relative scores) -> :mod:`slimact.functional.gather`: only the index is
+  :mod:`slimact.functional.matmul`, ``F.softmax``/``torch.softmax``/``Tensor.softmax`` (``dtype=`` too) ->
+  :mod:`slimact.functional.softmax`, as Mesa's MatMul and Softmax modules keep them: 8-bit, one scale per head
+  (per ``[B, H]`` index of a ``[B * H, T, S]`` operand), the probabilities packed once for the softmax and the
+  product reading them (through a view too, and across a dropout: the product keeps the softmax's pack and the
+  dropout's mask as bits). Only operands that need a gradient are packed; a parameter (or a view of one) is
+  kept as it is. ``torch.gather`` there (DeBERTa-v2's relative scores) -> :mod:`slimact.functional.gather`: only the index is
   kept, where PyTorch keeps the gathered-from scores (exact; kind ``attention``).
 
 Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``) is enabled by the
