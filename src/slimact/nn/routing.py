@@ -20,8 +20,8 @@ forward hook) sends those calls to slimact:
   (per ``[B, H]`` index of a ``[B * H, T, S]`` operand), the probabilities packed once for the softmax and the
   product reading them (through a view too, and across a dropout: the product keeps the softmax's pack and the
   dropout's mask as bits). Only operands that need a gradient are packed; a parameter (or a view of one) is
-  kept as it is. ``torch.gather`` there (DeBERTa-v2's relative scores) -> :mod:`slimact.functional.gather`: only the index is
-  kept, where PyTorch keeps the gathered-from scores (exact; kind ``attention``).
+  kept as it is. ``torch.gather`` there (DeBERTa-v2's relative scores) -> :mod:`slimact.functional.gather`:
+  only the index is kept, where PyTorch keeps the gathered-from scores (exact; kind ``attention``).
 
 Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``) is enabled by the
 policy and no ``include`` pattern restricts the policy to named modules (a call has no module name). The
