@@ -280,26 +280,28 @@ class _DroppedAttention(nn.Module):
     """Probabilities dropped (by ``F.dropout``, or a converted ``nn.Dropout``) before ``@ v``; ``touch``: changed
     in place in between, so that they are no longer the softmax's output times the mask."""
 
-    def __init__(self, functional: bool, touch: bool):
+    def __init__(self, functional: bool, touch: bool, p: float = 0.3):
         super().__init__()
-        self.functional, self.touch = functional, touch
-        self.qkv, self.drop = nn.Linear(32, 96), nn.Dropout(0.3)
+        self.functional, self.touch, self.p = functional, touch, p
+        self.qkv, self.drop = nn.Linear(32, 96), nn.Dropout(p)
 
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
         probs = (q @ k.transpose(-1, -2)).softmax(-1)
-        dropped = F.dropout(probs, 0.3, self.training) if self.functional else self.drop(probs)
+        dropped = F.dropout(probs, self.p, self.training) if self.functional else self.drop(probs)
         if self.touch:
             dropped[..., 0] = 0.5
         return (dropped @ v).sum(1)
 
 
-@pytest.mark.parametrize("touch", [False, True], ids=["as-dropped", "changed-in-place"])
+# p = 0: the dropout returns the probabilities themselves (PyTorch refuses a change to them in place).
+@pytest.mark.parametrize(("touch", "p"), [(False, 0.3), (True, 0.3), (False, 0.0)],
+                         ids=["as-dropped", "changed-in-place", "p=0"])
 @pytest.mark.parametrize("functional", [True, False], ids=["F.dropout", "nn.Dropout"])
-def test_dropped_probabilities_are_kept_once_with_the_mask(functional, touch):
+def test_dropped_probabilities_are_kept_once_with_the_mask(functional, touch, p):
     torch.manual_seed(0)
-    plain = _DroppedAttention(functional, touch).train()
+    plain = _DroppedAttention(functional, touch, p).train()
     x = torch.randn(2, 16, 32)
     slim = slimact.convert(copy.deepcopy(plain), "int8")
     y0, g0 = _grads(plain, x)

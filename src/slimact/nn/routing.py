@@ -129,6 +129,19 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+class _NoteDropout(TorchFunctionMode):
+    """Only ``native_dropout`` routed (noted): for a dropout that a handler of :class:`_Mode` runs itself."""
+
+    def __init__(self, routing: Routing) -> None:
+        super().__init__()
+        self.routing = routing
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = self.routing._native_dropout(*args, **kwargs) if func is torch.native_dropout else None
+        return func(*args, **kwargs) if out is None else out
+
+
 class Routing:
     """Installed on a converted model by ``convert``; ``remove()`` uninstalls it."""
 
@@ -283,7 +296,7 @@ class Routing:
         if not training or inplace or not _wants_grad(x):
             return None
         if self._probs.get(x) is not None:  # a routed softmax's output: its native_dropout is to be noted, but
-            with _Mode(self):  # this handler runs with the mode off
+            with _NoteDropout(self):  # this handler runs with the mode off
                 return dropout(x, p, True)
         return dropout(x, p, True)
 
