@@ -155,8 +155,9 @@ def convert(
 
 
 def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
-    """Route the LM loss and functional dropout/activations in model code through slimact
-    (:mod:`slimact.nn.routing`), as far as the policy wants them."""
+    """Route the LM loss, functional dropout/activations in model code, and the products and softmaxes of
+    attention modules that compute attention in their own code through slimact (:mod:`slimact.nn.routing`), as
+    far as the policy wants them."""
     old = model.__dict__.pop(_ROUTE_ATTR, None)
     if old is not None:
         old.remove()
@@ -169,7 +170,10 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
         skipped["(loss)"] = reason
     excluded = [m for name, m in model.named_modules() if name and (
         _excluded(pol, name, m, filter_fn) or (name in skipped and recognise(m).replace is not None))]
-    routing = Routing(model, pol, head, excluded)
+    own = [(name, m) for name, m in model.named_modules() if name not in skipped and kind_of(m) == "attention"
+           and not any(isinstance(sub, SlimModule) for sub in m.modules() if kind_of(sub) == "attention")
+           and (filter_fn is None or filter_fn(m, name))]
+    routing = Routing(model, pol, head, excluded, own)
     if routing.handlers:
         model.__dict__[_ROUTE_ATTR] = routing
     else:
@@ -307,6 +311,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     modules: dict[str, str] = {}
     routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
     sdpa_routed = routing is not None and "attention" in routing.kinds
+    watched = routing.watched if routing is not None else {}
     for name, module in model.named_modules():
         if isinstance(module, SlimModule):
             modules[name] = kind_of(module)
@@ -319,6 +324,9 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
             for sub in module.modules()
         ):  # attention computed in the module's own code (a wrapper around a routed one is fine)
+            if {"matmul", "softmax"} & watched.get(name, set()):  # its products and softmaxes are routed
+                modules[name] = "attention"
+                continue
             skipped[name] = (
                 f"{type(module).__name__} computes attention in its own code (not through transformers' "
                 "AttentionInterface or nn.MultiheadAttention): left as written"
@@ -348,6 +356,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     if inputs is not None:
         result.coverage, result.uncovered, unrouted = _coverage(model, set(modules), inputs, loss_fn)
         for name in unrouted:
+            if routing is not None and any(r == name or r.startswith(f"{name}.") for r in routing.routed):
+                continue  # its products and softmaxes (or a child's: DeBERTa-v2's) were routed instead
             del modules[name]
             skipped[name] = ("tagged for slimact's attention, but its attention did not run through transformers' "
                              "AttentionInterface: left as written")

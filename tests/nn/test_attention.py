@@ -99,7 +99,7 @@ def test_eval_mode_has_no_dropout_and_matches_plain():
 
 
 def test_attention_that_bypasses_the_interface_is_reported():
-    class HandAttention(nn.Module):  # computes attention itself: nothing to route
+    class HandAttention(nn.Module):  # computes attention itself: no attention function to route
         def __init__(self):
             super().__init__()
             self.qkv = nn.Linear(8, 24)
@@ -108,8 +108,10 @@ def test_attention_that_bypasses_the_interface_is_reported():
             q, k, v = self.qkv(x).chunk(3, -1)
             return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
 
-    model = slimact.convert(nn.Sequential(HandAttention()))
+    # Under a lossless policy its products and softmax are left as written (8-bit: tests/test_model_attention.py).
+    model = slimact.convert(nn.Sequential(HandAttention()), "tempo")
     assert "not through transformers' AttentionInterface" in slimact.summary(model).skipped["0"]
+    assert slimact.summary(slimact.convert(model, "int8")).modules["0"] == "attention"
 
 
 def test_swin_relative_position_bias_keeps_learning():

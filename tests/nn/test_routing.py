@@ -3,6 +3,7 @@ model trains: the same forward, the same (or 8-bit-close) gradients, fewer bytes
 under no_grad, for kinds the policy turns off, or after revert."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -83,6 +84,234 @@ def test_nothing_is_routed_in_eval_under_no_grad_when_off_or_after_revert():
     assert torch.equal(slim(x), plain.eval()(x))
     slimact.revert(slim)
     assert slimact.profile(slim.train(), x).activation_bytes == plain_bytes
+
+
+# Attention computed in a module's own code: its products and softmax routed through slimact's 8-bit Functions.
+
+
+class _ScoresAttention(nn.Module):
+    """Attention written with ``op`` for the scores: ``q @ k^T`` (matmul), ``torch.einsum``, ``torch.bmm`` on
+    ``[B * H, T, D]``, or
+    ``torch.baddbmm`` with a learned bias (broadcast over queries, as Bloom's ALiBi) and beta/alpha != 1."""
+
+    def __init__(self, op: str, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.op, self.heads = op, heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.bias = nn.Parameter(torch.randn(heads, 1, 16))  # per key, the same for every query
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h, d = self.heads, c // self.heads
+        q, k, v = self.qkv(x).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, D]
+        if self.op == "matmul":
+            probs = (q @ k.transpose(-1, -2) * d**-0.5).softmax(-1)
+            out = probs @ v
+        elif self.op == "einsum":
+            probs = torch.softmax(torch.einsum("bhid,bhjd->bhij", q, k) * d**-0.5, -1)
+            out = torch.einsum("bhij,bhjd->bhid", [probs, v])
+        else:
+            q3, k3, v3 = (y.reshape(b * h, t, d) for y in (q, k, v))
+            if self.op == "bmm":
+                scores = torch.bmm(q3, k3.transpose(1, 2))
+            else:
+                scores = self.bias.repeat(b, 1, 1).baddbmm(batch1=q3, batch2=k3.transpose(1, 2), beta=0.5,
+                                                          alpha=d**-0.5)
+            probs = F.softmax(scores.view(b, h, t, t), dim=-1, dtype=torch.float32)
+            out = torch.bmm(probs.view(b * h, t, t), v3).view(b, h, t, d)
+        return self.proj(out.transpose(1, 2).reshape(b, t, c))
+
+
+def _saved(model, x):
+    """``[(shape, dtype)]`` of every tensor one forward of ``model`` keeps for the backward."""
+    kept, seen = [], set()
+
+    def hook(t):
+        if t.untyped_storage().data_ptr() not in seen:  # one storage saved twice is kept once
+            seen.add(t.untyped_storage().data_ptr())
+            kept.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(hook, lambda t: t):
+        model(x)
+    return kept
+
+
+@pytest.mark.parametrize("op", ["matmul", "einsum", "bmm", "baddbmm"])
+def test_attention_in_model_code_is_routed_with_pytorchs_forward(op):
+    torch.manual_seed(0)
+    plain = nn.Sequential(_ScoresAttention(op)).train()
+    x = torch.randn(2, 16, 32)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    assert {"matmul", "softmax"} <= set(slimact.summary(slim).functional)
+    assert slimact.summary(slim).modules["0"] == "attention"
+    y0, g0 = _grads(plain, x)
+    y1, g1 = _grads(slim, x)
+    assert torch.equal(y0, y1)  # the very ops the model wrote (a baddbmm is a torch.baddbmm)
+    for n in g0:
+        if g0[n] is None:  # (the bias of the baddbmm form only)
+            assert g1[n] is None, n
+        else:
+            assert sqnr_db(g0[n], g1[n]) >= 30, n
+    maps = [s for s, dtype in _saved(slim, x.requires_grad_(True)) if s[-2:] == (16, 16)]
+    # The probabilities once, 8-bit (the softmax's pack, read by the product through a [B * H, T, T] view).
+    assert maps == [(2, 4, 16, 16)], maps
+    assert all(dtype != torch.float32 for s, dtype in _saved(slim, x) if s[-2:] == (16, 16))
+
+
+class _ParameterProduct(nn.Module):
+    """Products with a parameter (a view of one) and with a tensor that needs no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 8))
+        self.register_buffer("table", torch.randn(16, 8))
+
+    def forward(self, x):
+        return (x @ self.weight.t()) @ self.table
+
+
+class _ParameterAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _ParameterProduct()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_only_operands_that_need_a_gradient_are_packed():
+    torch.manual_seed(0)
+    plain = _ParameterAttention().train()
+    x = torch.randn(4, 5, 8, requires_grad=True)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    kept = _saved(slim, x)
+    # x @ weight^T: x packed for the weight's gradient, the weight kept as it is (no 8-bit copy of it);
+    # (.) @ table: the table needs no gradient, so the left operand is not kept; the table itself is.
+    assert [s for s, dtype in kept if dtype == torch.uint8] == [(4, 5, 8)], kept
+    # Beside x's codes and its 4 scale pairs (one per [4] index), only the weight (as weight.t()) and the table.
+    assert {s for s, dtype in kept if dtype != torch.uint8} == {(4,), (8, 16), (16, 8)}, kept
+    assert slimact.profile(slim, x).activation_bytes < slimact.profile(plain, x).activation_bytes
+    y0, g0 = _grads(plain, x)
+    y1, g1 = _grads(slim, x)
+    assert torch.equal(y0, y1)
+    torch.testing.assert_close(g1["x"], g0["x"])  # from the exact weight and table
+    assert sqnr_db(g0["inner.weight"], g1["inner.weight"]) >= 30
+
+
+def test_attention_routes_off_in_eval_no_grad_float64_and_by_policy():
+    torch.manual_seed(0)
+    plain = nn.Sequential(_ScoresAttention("matmul"), _ScoresAttention("matmul")).train()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    plain_bytes = slimact.profile(plain, x).activation_bytes
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    routed = slimact.profile(slim, x).activation_bytes
+    assert routed < 0.4 * plain_bytes
+    assert not any(dtype == torch.uint8 and s[-2:] == (16, 16) for s, dtype in _saved(slim.eval(), x))
+    with torch.no_grad():
+        assert torch.equal(slim.train()(x), plain(x))
+    wide, xd = copy.deepcopy(plain).double(), x.double()
+    plain_wide = slimact.profile(wide, xd).activation_bytes
+    assert slimact.profile(slimact.convert(wide, "int8"), xd).activation_bytes == plain_wide
+    # Per kind and by name: off for matmul and softmax, or for the first module only.
+    off = slimact.PRESETS["int8"].replace(kinds=tuple(k for k in slimact.policy.KINDS
+                                                      if k not in ("matmul", "softmax")))
+    assert not {"matmul", "softmax"} & set(slimact.summary(slimact.convert(copy.deepcopy(plain), off)).functional)
+    first_off = slimact.convert(copy.deepcopy(plain), slimact.PRESETS["int8"].replace(exclude=("0",)))
+    maps = [s for s, dtype in _saved(first_off, x) if s[-2:] == (16, 16)]
+    assert sorted(str(dtype) for s, dtype in _saved(first_off, x) if s[-2:] == (16, 16)) == [
+        "torch.float32", "torch.uint8"], maps
+    assert "computes attention in its own code" in slimact.summary(first_off).skipped["0"]
+
+
+class _GatherAttention(nn.Module):
+    """Relative scores gathered from a ``[N, T, 2 * span]`` table of content-to-position products, as DeBERTa."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(12, 8))
+
+    def forward(self, x):  # x: [N, T, 8]
+        table = torch.matmul(x, self.pos.t())  # [N, T, 12]
+        index = (torch.arange(6)[None, :] - torch.arange(6)[:, None] + 6).clamp(0, 11).expand(x.shape[0], 6, 6)
+        return torch.gather(table, -1, index).softmax(-1)
+
+
+def test_gather_keeps_only_its_index_and_is_exact_under_tempo():
+    torch.manual_seed(0)
+    plain = nn.Sequential(_GatherAttention()).train()
+    x = torch.randn(3, 6, 8)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    y0, g0 = _grads(plain, x)
+    y1, g1 = _grads(slim, x)
+    assert torch.equal(y0, y1)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], msg=n)
+    kept = _saved(slim, x.requires_grad_(True))
+    assert ((3, 6, 12), torch.float32) in _saved(plain, x)  # PyTorch's gather keeps the whole table
+    assert ((3, 6, 12), torch.float32) not in kept and not any(dtype == torch.uint8 for _, dtype in kept), kept
+
+
+@pytest.mark.parametrize("form", ["bmm", "baddbmm", "einsum", "einsum-outer"])
+def test_routed_product_backwards_are_pytorchs_when_kept_exact(form):
+    mm = importlib.import_module("slimact.functional.matmul")  # (the package's ``matmul`` is the function)
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 5, 8, requires_grad=True), torch.randn(6, 8, 7, requires_grad=True)
+    bias = torch.randn(6, 1, 7, requires_grad=True)  # broadcast over the rows, as Bloom's ALiBi
+    calls = {
+        "bmm": (lambda: torch.bmm(a, b), lambda: mm.bmm(a, b, None, None)),
+        "baddbmm": (lambda: torch.baddbmm(bias, a, b, beta=0.5, alpha=0.25),
+                    lambda: mm.baddbmm(bias, a, b, None, None, beta=0.5, alpha=0.25)),
+        "einsum": (lambda: torch.einsum("nij,njk->nik", a, b), lambda: mm.einsum("nij,njk->nik", a, b, None, None)),
+        "einsum-outer": (lambda: torch.einsum("nij,nkl->nijkl", a, b),
+                         lambda: mm.einsum("nij,nkl->nijkl", a, b, None, None)),
+    }
+    plain, slim = calls[form]
+    y0, y1 = plain(), slim()
+    assert torch.equal(y0, y1)
+    g = torch.randn_like(y0)
+    inputs = (a, b, bias) if form == "baddbmm" else (a, b)
+    for g0, g1 in zip(torch.autograd.grad(y0, inputs, g), torch.autograd.grad(y1, inputs, g), strict=True):
+        torch.testing.assert_close(g1, g0)
+    assert mm.einsum_terms("nij,njk", a, b) is None and mm.einsum_terms("nii,nik->nk", a, b) is None
+
+
+class _DroppedAttention(nn.Module):
+    """Probabilities dropped (by ``F.dropout``, or a converted ``nn.Dropout``) before ``@ v``; ``touch``: changed
+    in place in between, so that they are no longer the softmax's output times the mask."""
+
+    def __init__(self, functional: bool, touch: bool, p: float = 0.3):
+        super().__init__()
+        self.functional, self.touch, self.p = functional, touch, p
+        self.qkv, self.drop = nn.Linear(32, 96), nn.Dropout(p)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        probs = (q @ k.transpose(-1, -2)).softmax(-1)
+        dropped = F.dropout(probs, self.p, self.training) if self.functional else self.drop(probs)
+        if self.touch:
+            dropped[..., 0] = 0.5
+        return (dropped @ v).sum(1)
+
+
+# p = 0: the dropout returns the probabilities themselves (PyTorch refuses a change to them in place).
+@pytest.mark.parametrize(("touch", "p"), [(False, 0.3), (True, 0.3), (False, 0.0)],
+                         ids=["as-dropped", "changed-in-place", "p=0"])
+@pytest.mark.parametrize("functional", [True, False], ids=["F.dropout", "nn.Dropout"])
+def test_dropped_probabilities_are_kept_once_with_the_mask(functional, touch, p):
+    torch.manual_seed(0)
+    plain = _DroppedAttention(functional, touch, p).train()
+    x = torch.randn(2, 16, 32)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    y0, g0 = _grads(plain, x)
+    y1, g1 = _grads(slim, x)
+    assert torch.equal(y0, y1)
+    for n in g0:
+        assert sqnr_db(g0[n], g1[n]) >= 30, n
+    maps = [s for s, dtype in _saved(slim, x.requires_grad_(True)) if dtype == torch.uint8 and s[-2:] == (16, 16)]
+    # Once (the softmax's pack, the product restoring probs * mask / (1 - p)); a changed tensor is packed anew.
+    assert len(maps) == (2 if touch else 1), maps
 
 
 class _SdpaAttention(nn.Module):

@@ -6,7 +6,13 @@ Math: ``y = a @ b`` (``torch.matmul`` semantics for rank >= 2, batch dims broadc
 What it keeps: ``a`` (only if ``b`` needs a gradient) and ``b`` (only if ``a`` does), each at ``b`` bits
 per element plus 8 bytes per scale group; rank-4 attention operands ``[B, H, T, D]`` are grouped per head
 (heads' ranges differ by orders of magnitude). An operand that another layer keeps too (the softmax output
-feeding ``probs @ v``) is packed once.
+feeding ``probs @ v``) is packed once, also when the product reads it through a view that folds its batch dims
+(``probs.view(B * H, T, S)`` into ``torch.bmm``: :func:`packing_source`).
+
+:func:`bmm` and :func:`baddbmm` are the same for ``torch.bmm`` and ``torch.baddbmm`` (Bloom's ALiBi scores:
+``beta * input + alpha * (a @ b)``), each forward PyTorch's own op, so that a routed call computes bit for bit
+what the model wrote. :func:`einsum` covers a two-operand ``torch.einsum`` (``"bhid,bhjd->bhij"``) whose
+gradients are einsums again (:func:`einsum_terms`).
 
 Error: each restored operand is within ``step/2`` of the original per element; tests assert SQNR >= 30 dB
 for both gradients.
@@ -14,34 +20,109 @@ for both gradients.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import Mask, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
-__all__ = ["matmul"]
+__all__ = ["Dropped", "baddbmm", "bmm", "einsum", "einsum_terms", "matmul", "packing_source"]
+
+
+def packing_source(x: Tensor) -> Tensor:
+    """The tensor a pack of ``x`` is made of: ``x``'s base where ``x`` is a contiguous view of it that only folds
+    or unfolds batch dims (the same matrices: ``[B, H, T, S]`` seen as ``[B * H, T, S]``, or as
+    ``[B, H_kv, G, T, S]``), else ``x``. The pack cache matches a tensor by its exact view, so the softmax's pack of
+    its ``[B, H, T, S]`` output serves a product reading it as ``probs.view(B * H, T, S)`` only this way. A config
+    for packing ``x`` must be chosen for this tensor's rank."""
+    base = x._base
+    if (
+        base is None or not x.is_contiguous() or not base.is_contiguous() or base.dtype != x.dtype
+        or x.dim() < 2 or base.dim() < 2 or base.shape[-2:] != x.shape[-2:] or base.numel() != x.numel()
+        or base.storage_offset() != x.storage_offset()
+    ):
+        return x
+    return base
+
+
+class Dropped(NamedTuple):
+    """An operand that is ``native_dropout(probs, p)``: kept as the pack of ``probs`` (the softmax's own, shared)
+    and the dropout's mask as bits, restored as ``probs_hat * mask * scale``: the probabilities are kept once
+    for the softmax and the product, with the dropout between them."""
+
+    probs: Tensor
+    mask: Mask
+    scale: float
+
+
+def _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, need_a: bool, need_b: bool,
+                   dropped_a: Dropped | None = None) -> None:
+    """Keep ``a`` where ``b`` needs a gradient and ``b`` where ``a`` does (each through :func:`packing_source`;
+    ``a`` as its probabilities and mask where it is ``dropped_a``)."""
+    ctx.dropped_scale = dropped_a.scale if dropped_a is not None and need_b else None
+    if ctx.dropped_scale is not None:
+        kept_a = (pack(dropped_a.probs, cfg_a, state_a), dropped_a.mask)
+    else:
+        kept_a = (pack(packing_source(a), cfg_a, state_a) if need_b else None,)
+    save(ctx, *kept_a, pack(packing_source(b), cfg_b, state_b) if need_a else None)
+    ctx.shapes = (a.shape, b.shape)
+
+
+def _load_operands(ctx) -> tuple[Tensor | None, Tensor | None]:
+    """The operands :func:`_save_operands` kept, restored (``None`` where not kept)."""
+    if ctx.dropped_scale is None:
+        a_hat, b_hat = load(ctx)
+    else:
+        probs_hat, mask, b_hat = load(ctx)
+        a_hat = torch.ops.aten.native_dropout_backward(probs_hat, mask, ctx.dropped_scale)
+    return a_hat, b_hat
+
+
+def _operand_grads(ctx, grad_y: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor | None, Tensor | None]:
+    """``(grad_y @ b^T, a^T @ grad_y)`` from the operands :func:`_save_operands` kept, each where needed."""
+    a_hat, b_hat = _load_operands(ctx)
+    a_shape, b_shape = ctx.shapes
+    grad_a = grad_b = None
+    if need_a:
+        grad_a = _product(grad_y, b_hat.reshape(b_shape).to(grad_y.dtype).transpose(-1, -2), a_shape)
+    if need_b:
+        grad_b = _product(a_hat.reshape(a_shape).to(grad_y.dtype).transpose(-1, -2), grad_y, b_shape)
+    return grad_a, grad_b
 
 
 class _MatMulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, cfg_a, cfg_b, state_a, state_b):
-        y = torch.matmul(a, b)
-        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        save(ctx, pack(a, cfg_a, state_a) if need_b else None, pack(b, cfg_b, state_b) if need_a else None)
-        ctx.shapes = (a.shape, b.shape)
+    def forward(ctx, a, b, cfg_a, cfg_b, state_a, state_b, op=torch.matmul, dropped_a=None):
+        y = op(a, b)
+        _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, *ctx.needs_input_grad[:2], dropped_a)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        a_hat, b_hat = load(ctx)
-        a_shape, b_shape = ctx.shapes
-        grad_a = grad_b = None
+        return *_operand_grads(ctx, grad_y, *ctx.needs_input_grad[:2]), None, None, None, None, None, None
+
+
+class _BaddbmmFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, b, beta, alpha, cfg_a, cfg_b):
+        y = torch.baddbmm(x, a, b, beta=beta, alpha=alpha)
+        _save_operands(ctx, a, b, cfg_a, cfg_b, None, None, *ctx.needs_input_grad[1:3])
+        ctx.x_shape, ctx.beta, ctx.alpha = x.shape, beta, alpha
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        # As PyTorch's derivative: beta * grad for x (summed back over its broadcast dims), alpha * the product's.
+        grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_a = _product(grad_y, b_hat.to(grad_y.dtype).transpose(-1, -2), a_shape)
-        if ctx.needs_input_grad[1]:
-            grad_b = _product(a_hat.to(grad_y.dtype).transpose(-1, -2), grad_y, b_shape)
-        return grad_a, grad_b, None, None, None, None
+            grad_x = (grad_y if ctx.beta == 1 else grad_y * ctx.beta).sum_to_size(ctx.x_shape)
+        grad_a, grad_b = _operand_grads(ctx, grad_y, *ctx.needs_input_grad[1:3])
+        if ctx.alpha != 1:
+            grad_a = grad_a * ctx.alpha if grad_a is not None else None
+            grad_b = grad_b * ctx.alpha if grad_b is not None else None
+        return grad_x, grad_a, grad_b, None, None, None, None
 
 
 def _product(x: Tensor, y: Tensor, shape: torch.Size) -> Tensor:
@@ -57,6 +138,57 @@ def _product(x: Tensor, y: Tensor, shape: torch.Size) -> Tensor:
     return x.float().matmul(y.float()).sum_to_size(shape).to(x.dtype)
 
 
+class _EinsumFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, equation, a, b, cfg_a, cfg_b, terms, dropped_a):
+        y = torch.einsum(equation, a, b)
+        _save_operands(ctx, a, b, cfg_a, cfg_b, None, None, *ctx.needs_input_grad[1:3], dropped_a)
+        ctx.terms = terms
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        a_hat, b_hat = _load_operands(ctx)
+        a_shape, b_shape = ctx.shapes
+        sa, sb, out = ctx.terms
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[1]:  # every index of a is in the output or in b (einsum_terms): an einsum again
+            grad_a = torch.einsum(f"{out},{sb}->{sa}", grad_y, b_hat.reshape(b_shape).to(grad_y.dtype))
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.einsum(f"{out},{sa}->{sb}", grad_y, a_hat.reshape(a_shape).to(grad_y.dtype))
+        return None, grad_a, grad_b, None, None, None, None
+
+
+def einsum_terms(equation: str, a: Tensor, b: Tensor) -> tuple[str, str, str] | None:
+    """``(a's, b's, output's subscripts)`` of a two-operand ``equation`` whose gradients :func:`einsum` computes
+    as einsums (explicit output, no ellipsis, no index repeated within a term, every index of each operand
+    in the output or in the other operand, shared indices of equal size: no broadcasting), else ``None``."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq or eq.count(",") != 1:
+        return None
+    ins, out = eq.split("->")
+    sa, sb = ins.split(",")
+    if any(len(set(t)) != len(t) or not t.isalpha() for t in (sa, sb)) or len(set(out)) != len(out):
+        return None
+    if len(sa) != a.dim() or len(sb) != b.dim() or not set(out) <= set(sa) | set(sb):
+        return None
+    if not (set(sa) <= set(out) | set(sb) and set(sb) <= set(out) | set(sa)):
+        return None
+    if any(a.shape[sa.index(c)] != b.shape[sb.index(c)] for c in set(sa) & set(sb)):
+        return None
+    return sa, sb, out
+
+
+def einsum(equation: str, a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None, *,
+           dropped_a: Dropped | None = None) -> Tensor:
+    """``torch.einsum(equation, a, b)`` keeping the operands as :func:`matmul` does, for an equation
+    :func:`einsum_terms` accepts (others run as written, plain)."""
+    terms = einsum_terms(equation, a, b)
+    if terms is None or not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
+        return torch.einsum(equation, a, b)
+    return _EinsumFunction.apply(equation, a, b, cfg_a, cfg_b, terms, dropped_a)
+
+
 def matmul(
     a: Tensor,
     b: Tensor,
@@ -64,8 +196,30 @@ def matmul(
     cfg_b: QuantConfig,
     state_a: RunningRange | None = None,
     state_b: RunningRange | None = None,
+    *,
+    dropped_a: Dropped | None = None,
 ) -> Tensor:
-    """``torch.matmul(a, b)`` keeping both operands compressed (rank >= 2; otherwise plain ``matmul``)."""
+    """``torch.matmul(a, b)`` keeping both operands compressed (rank >= 2; otherwise plain ``matmul``).
+
+    ``cfg_a``/``cfg_b`` compress :func:`packing_source` of each operand; ``None`` keeps that operand as it is.
+    ``dropped_a``: ``a`` (or the tensor ``a`` views, :func:`packing_source`) is that dropout of probabilities."""
     if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad) or a.dim() < 2 or b.dim() < 2:
         return torch.matmul(a, b)
-    return _MatMulFunction.apply(a, b, cfg_a, cfg_b, state_a, state_b)
+    return _MatMulFunction.apply(a, b, cfg_a, cfg_b, state_a, state_b, torch.matmul, dropped_a)
+
+
+def bmm(a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None, *,
+        dropped_a: Dropped | None = None) -> Tensor:
+    """``torch.bmm(a, b)`` (``[N, T, D] @ [N, D, S]``) keeping the operands as :func:`matmul` does."""
+    if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
+        return torch.bmm(a, b)
+    return _MatMulFunction.apply(a, b, cfg_a, cfg_b, None, None, torch.bmm, dropped_a)
+
+
+def baddbmm(x: Tensor, a: Tensor, b: Tensor, cfg_a: QuantConfig | None, cfg_b: QuantConfig | None, *,
+            beta: float = 1, alpha: float = 1) -> Tensor:
+    """``torch.baddbmm(x, a, b, beta=beta, alpha=alpha)`` keeping ``a`` and ``b`` as :func:`matmul` does (``x``
+    is added, nothing of it is kept)."""
+    if not torch.is_grad_enabled() or not (x.requires_grad or a.requires_grad or b.requires_grad):
+        return torch.baddbmm(x, a, b, beta=beta, alpha=alpha)
+    return _BaddbmmFunction.apply(x, a, b, beta, alpha, cfg_a, cfg_b)

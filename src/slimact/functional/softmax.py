@@ -50,8 +50,8 @@ def pack_probabilities(y: Tensor, cfg: QuantConfig | None, state: RunningRange |
 
 class _SoftmaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, cfg, state):
-        y = torch.softmax(x, dim)
+    def forward(ctx, x, dim, cfg, state, dtype=None):
+        y = torch.softmax(x, dim, dtype=dtype)
         ctx.dim, ctx.in_dtype = dim, x.dtype
         save(ctx, pack_probabilities(y, cfg, state))
         return y
@@ -59,11 +59,15 @@ class _SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         (y_hat,) = load(ctx)
-        return torch._softmax_backward_data(grad_y, y_hat, ctx.dim, ctx.in_dtype), None, None, None
+        # With ``dtype=`` the softmax ran on ``x.to(dtype)``: its backward in that dtype, then the cast's (to x's).
+        grad_x = torch._softmax_backward_data(grad_y, y_hat, ctx.dim, grad_y.dtype).to(ctx.in_dtype)
+        return grad_x, None, None, None, None
 
 
-def softmax(x: Tensor, dim: int, cfg: QuantConfig, state: RunningRange | None = None) -> Tensor:
-    """``torch.softmax(x, dim)`` keeping its output compressed for the backward."""
+def softmax(
+    x: Tensor, dim: int, cfg: QuantConfig, state: RunningRange | None = None, dtype: torch.dtype | None = None
+) -> Tensor:
+    """``torch.softmax(x, dim, dtype=dtype)`` keeping its output compressed for the backward."""
     if not torch.is_grad_enabled() or not x.requires_grad:
-        return torch.softmax(x, dim)
-    return _SoftmaxFunction.apply(x, dim, cfg, state)
+        return torch.softmax(x, dim, dtype=dtype)
+    return _SoftmaxFunction.apply(x, dim, cfg, state, dtype)

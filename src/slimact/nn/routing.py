@@ -18,13 +18,26 @@ forward hook) sends those calls to slimact:
 * ``F.scaled_dot_product_attention`` on ``[B, H, T, D]`` tensors (Falcon's attention, timm's, any model that
   calls it itself) -> :func:`slimact.functional.scaled_dot_product_attention`, keeping q, k, v 8-bit per head
   (exact under a lossless policy) and no ``[T, S]`` tensor.
+* inside attention modules that compute attention in their own code (Bloom's ALiBi ``baddbmm``, DeBERTa-v2's
+  disentangled scores, MPNet, GPT-Neo, a user's ``q @ k.transpose(-1, -2)``, ``softmax``, ``@ v``; ``convert``
+  names them): ``torch.matmul``/``@``, ``torch.bmm``, ``torch.baddbmm``, two-operand ``torch.einsum`` ->
+  :mod:`slimact.functional.matmul`, ``F.softmax``/``torch.softmax``/``Tensor.softmax`` (``dtype=`` too) ->
+  :mod:`slimact.functional.softmax`, as Mesa's MatMul and Softmax modules keep them: 8-bit, one scale per head
+  (per ``[B, H]`` index of a ``[B * H, T, S]`` operand), the probabilities packed once for the softmax and the
+  product reading them (through a view too, and across a dropout: the product keeps the softmax's pack and the
+  dropout's mask as bits). Only operands that need a gradient are packed; a parameter (or a view of one) is
+  kept as it is. ``torch.gather`` there (DeBERTa-v2's relative scores) -> :mod:`slimact.functional.gather`:
+  only the index is kept, where PyTorch keeps the gathered-from scores (exact; kind ``attention``).
 
 Calls made inside a module the user left alone (the policy's ``exclude`` patterns, ``convert``'s ``filter_fn``)
 or inside a module ``convert`` would replace but the policy leaves alone (an excluded index, a norm kept as
 written) run as written: a pre-hook and a forward hook on each such module count how deep the forward is in one.
 
-Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``, ...) is enabled by the
-policy and no ``include`` pattern restricts the policy to named modules (a call has no module name).
+Each route is on when its kind (``dropout``, ``relu``, ``gelu``, ``silu``, ``lmloss``) is enabled by the
+policy and no ``include`` pattern restricts the policy to named modules (a call has no module name). The
+attention routes (``matmul``, ``softmax``, and ``attention`` for the gather) are decided per attention module by
+its qualified name (kinds, ``include``/``exclude`` patterns); a lossless policy has no saving for the products
+and softmaxes and leaves them as written.
 Functional calls have no module to hold a running estimate, so they use each tensor's own range under
 ``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
 run as written; the forward result is PyTorch's own in every case. A layer that activation checkpointing
@@ -38,19 +51,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from slimact.functional._saving import Mask
 from slimact.functional.activation import activation
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
+from slimact.functional.gather import gather
+from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.norm import norm, rms_default_eps
+from slimact.functional.softmax import softmax
 from slimact.nn.lm_loss import LossTracker
 from slimact.policy import Policy
-from slimact.quant.reference import COMPRESSIBLE_DTYPES
+from slimact.quant.reference import COMPRESSIBLE_DTYPES, QuantConfig
 
 __all__ = ["FUNCTIONAL_NAME", "Routing"]
 
@@ -65,6 +84,48 @@ _LAYER_NORM_EPS = 1e-5  # F.layer_norm's default
 def _wants_grad(x: object) -> bool:
     """Whether a call on ``x`` keeps something slimact compresses: a gradient will flow, in a dtype it packs."""
     return isinstance(x, Tensor) and x.dtype in COMPRESSIBLE_DTYPES and x.requires_grad and torch.is_grad_enabled()
+
+
+def _packed_if_needed(x: Tensor, cfg: QuantConfig | None) -> QuantConfig | None:
+    """``cfg`` for an operand that needs a gradient, ``None`` (kept as it is) for one that does not or for a
+    parameter (or a view of one: ``weight.t()``): PyTorch keeps those as they are, at no cost."""
+    if not x.requires_grad or isinstance(x, nn.Parameter) or isinstance(x._base, nn.Parameter):
+        return None
+    return cfg
+
+
+#: The products and softmaxes routed inside attention modules, by kind.
+_ATTENTION_CALLS = {
+    "matmul": (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.baddbmm,
+               Tensor.baddbmm, torch.einsum),
+    # native_dropout: where it drops a routed softmax's output (slimact's dropout calls it), its mask is noted, so
+    # that the product reading the dropped probabilities keeps the softmax's pack and the mask (Dropped).
+    "softmax": (F.softmax, torch.softmax, Tensor.softmax, torch.native_dropout),
+    # Exact (the index kept, not the gathered tensor), so on under lossless policies too.
+    "attention": (torch.gather, Tensor.gather),
+}
+
+
+class _Notes:
+    """Something noted about live tensors, by identity: an entry holds its tensor weakly and dies with it, and
+    an in-place change of the tensor since (its version counter) voids it. A note must not hold its own
+    tensor (it would never die)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, int, object]] = {}
+
+    def put(self, x: Tensor, note: object) -> None:
+        key, entries = id(x), self._entries
+        entries[key] = (weakref.ref(x, lambda _ref: entries.pop(key, None)), x._version, note)
+
+    def __deepcopy__(self, memo) -> _Notes:  # notes about this model's live tensors are not a copy's
+        return _Notes()
+
+    def get(self, x: Tensor):
+        entry = self._entries.get(id(x))
+        if entry is None or entry[0]() is not x or entry[1] != x._version:
+            return None
+        return entry[2]
 
 
 class _Mode(TorchFunctionMode):
@@ -86,11 +147,27 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+class _NoteDropout(TorchFunctionMode):
+    """Only ``native_dropout`` routed (noted): for a dropout that a handler of :class:`_Mode` runs itself."""
+
+    def __init__(self, routing: Routing) -> None:
+        super().__init__()
+        self.routing = routing
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = self.routing._native_dropout(*args, **kwargs) if func is torch.native_dropout else None
+        return func(*args, **kwargs) if out is None else out
+
+
 class Routing:
     """Installed on a converted model by ``convert``; ``remove()`` uninstalls it."""
 
     def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None,
-                 excluded: list[nn.Module] = ()) -> None:
+                 excluded: list[nn.Module] = (),
+                 attention: Sequence[tuple[str, nn.Module]] = ()) -> None:
+        """``attention``: ``(qualified name, module)`` of the attention modules whose own code computes attention
+        (their products and softmaxes are routed as far as the policy wants them, by name)."""
         self.policy = policy
         self.excluded_depth = 0
         self.loss = LossTracker(head) if head is not None and self._on("lmloss") else None
@@ -112,11 +189,128 @@ class Routing:
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._exit, always_call=True),
         ]
+        self._watch(attention)
         for module in excluded if self.handlers else ():
             self.handles += [module.register_forward_pre_hook(self._enter_excluded),
                              module.register_forward_hook(self._exit_excluded, always_call=True)]
         self._layer: nn.Module | None = None
         self.handles += self._enter_in_layers(model)
+
+    def _watch(self, attention: Sequence[tuple[str, nn.Module]]) -> None:
+        #: Watched attention module name -> the kinds routed in its code.
+        self.watched: dict[str, frozenset[str]] = {}
+        #: Watched modules in which a call was routed (at least once since convert).
+        self.routed: set[str] = set()
+        # (name, kinds) of the watched modules running now, innermost last (empty kinds: in eval mode).
+        self._inside: list[tuple[str, frozenset[str]]] = []
+        # Outputs of routed softmaxes, and dropouts of them (by id; each entry dies with its tensor).
+        self._probs = _Notes()
+        self._dropped = _Notes()
+        for name, module in attention:
+            kinds = frozenset(k for k in _ATTENTION_CALLS if self.policy.skip_reason(k, name) is None)
+            if not kinds:
+                continue
+            self.watched[name] = kinds
+            self.handles += [
+                module.register_forward_pre_hook(functools.partial(self._push, name, kinds)),
+                module.register_forward_hook(self._pop, always_call=True),
+            ]
+        on = set().union(*self.watched.values())
+        handlers = {"matmul": (self._matmul, self._matmul, self._matmul, self._bmm, self._bmm, self._baddbmm,
+                               self._baddbmm, self._einsum),
+                    "softmax": (self._functional_softmax, self._softmax, self._softmax, self._native_dropout),
+                    "attention": (self._gather, self._gather)}
+        for kind in sorted(on):
+            self.handlers.update(zip(_ATTENTION_CALLS[kind], handlers[kind], strict=True))
+        self.kinds = sorted({*self.kinds, *on})
+
+    def _push(self, name: str, kinds: frozenset[str], module: nn.Module, args) -> None:
+        self._inside.append((name, kinds if module.training else frozenset()))
+
+    def _pop(self, module: nn.Module, args, output) -> None:
+        self._inside.pop()
+
+    def _routing(self, kind: str) -> bool:
+        """Whether a ``kind`` call now runs in a watched module that routes it (marked routed if so)."""
+        if not self._inside or kind not in self._inside[-1][1]:
+            return False
+        self.routed.add(self._inside[-1][0])
+        return True
+
+    def _head_cfg(self, kind: str, x: Tensor) -> QuantConfig | None:
+        """The config packing ``x``: one scale per head of ``[B, H, T, D]``, per ``[B * H]`` index of a rank-3
+        ``[B * H, T, D]`` (the batched form Bloom and DeBERTa use), the policy's channel groups otherwise."""
+        cfg = self._cfg(kind, x)
+        return dataclasses.replace(cfg, group_dim=0, groups=0) if cfg is not None and x.dim() == 3 else cfg
+
+    def _operand_cfgs(self, a: object, b: object) -> tuple[QuantConfig | None, QuantConfig | None] | None:
+        """Configs for the two operands of a product worth routing, or ``None`` to run it as written (no
+        gradient, a dtype slimact does not pack, mixed dtypes, nothing to pack)."""
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dtype != b.dtype:
+            return None
+        if not (_wants_grad(a) or _wants_grad(b)) or a.dim() < 2 or b.dim() < 2:
+            return None
+        cfg_a = _packed_if_needed(a, self._head_cfg("matmul", packing_source(a)))
+        cfg_b = _packed_if_needed(b, self._head_cfg("matmul", packing_source(b)))
+        if cfg_a is None and cfg_b is None:
+            return None
+        return cfg_a, cfg_b
+
+    def _dropped_of(self, a: Tensor) -> Dropped | None:
+        """``a`` as a dropout of a routed softmax's probabilities, if it is one (or views one)."""
+        return self._dropped.get(packing_source(a))
+
+    def _matmul(self, a, b, *, out=None):
+        cfgs = self._operand_cfgs(a, b) if out is None and self._routing("matmul") else None
+        return None if cfgs is None else matmul(a, b, *cfgs, dropped_a=self._dropped_of(a))
+
+    def _bmm(self, a, b, *, out=None):
+        cfgs = self._operand_cfgs(a, b) if out is None and self._routing("matmul") else None
+        if cfgs is None or a.dim() != 3 or b.dim() != 3:
+            return None
+        return bmm(a, b, *cfgs, dropped_a=self._dropped_of(a))
+
+    def _baddbmm(self, x, batch1, batch2, *, beta=1, alpha=1, out=None):
+        if out is not None or not isinstance(x, Tensor) or not self._routing("matmul"):
+            return None
+        cfgs = self._operand_cfgs(batch1, batch2)
+        if cfgs is None or x.dtype != batch1.dtype or batch1.dim() != 3 or batch2.dim() != 3:
+            return None
+        return baddbmm(x, batch1, batch2, *cfgs, beta=beta, alpha=alpha)
+
+    def _einsum(self, equation, *operands):
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):  # torch.einsum(eq, [a, b])
+            operands = tuple(operands[0])
+        if not isinstance(equation, str) or len(operands) != 2 or not self._routing("matmul"):
+            return None
+        cfgs = self._operand_cfgs(*operands)
+        if cfgs is None or einsum_terms(equation, *operands) is None:
+            return None
+        return einsum(equation, *operands, *cfgs, dropped_a=self._dropped_of(operands[0]))
+
+    def _softmax(self, x, dim=None, dtype=None):
+        if not isinstance(dim, int) or not _wants_grad(x) or not self._routing("softmax"):
+            return None
+        if dtype is not None and dtype not in COMPRESSIBLE_DTYPES:
+            return None  # (a float64 softmax keeps float64 probabilities, as PyTorch does)
+        y = softmax(x, dim, self._head_cfg("softmax", x), dtype=dtype)
+        self._probs.put(y, True)
+        return y
+
+    def _native_dropout(self, x, p, train):
+        if not train or not self._inside or "matmul" not in self._inside[-1][1] or self._probs.get(x) is None:
+            return None
+        y, mask = torch.native_dropout(x, p, train)
+        self._dropped.put(y, Dropped(x, Mask.of(mask), 1.0 / (1.0 - p) if p < 1 else 0.0))
+        return y, mask
+
+    def _functional_softmax(self, x, dim=None, _stacklevel=3, dtype=None):
+        return self._softmax(x, dim, dtype)
+
+    def _gather(self, x, dim, index, *, sparse_grad=False, out=None):
+        if out is not None or sparse_grad or not isinstance(dim, int) or not isinstance(index, Tensor):
+            return None
+        return gather(x, dim, index) if _wants_grad(x) and self._routing("attention") else None
 
     def _on(self, kind: str) -> bool:
         return self.policy.skip_reason(kind, FUNCTIONAL_NAME) is None and not self.policy.include
@@ -128,6 +322,9 @@ class Routing:
     def _dropout(self, x, p=0.5, training=True, inplace=False):
         if not training or inplace or not _wants_grad(x):
             return None
+        if self._probs.get(x) is not None:  # a routed softmax's output: its native_dropout is to be noted, but
+            with _NoteDropout(self):  # this handler runs with the mode off
+                return dropout(x, p, True)
         return dropout(x, p, True)
 
     def _relu(self, x, inplace=False):

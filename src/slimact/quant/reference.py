@@ -374,7 +374,7 @@ class _Streams(threading.local):
 
     def __init__(self) -> None:
         self.forward: list[list[int]] = []  # [key, count] per converted-model forward in progress
-        self.initial: int | None = None  # the counter stream outside one: its torch.initial_seed() ...
+        self.initial: int | None = None  # the counter stream outside one: its generator-state key ...
         self.count = 0  # ... and its next number
 
 
@@ -408,20 +408,21 @@ def draw_seed() -> int:
     """The next 31-bit stochastic-rounding seed.
 
     Inside a converted model's forward (in this thread): the pack's number in that forward's stream
-    (:func:`begin_stream`). Elsewhere: this thread's counter stream keyed by ``torch.initial_seed()``, restarting
-    whenever ``torch.manual_seed`` sets a new seed. Neither draws from (or advances) PyTorch's generator.
+    (:func:`begin_stream`). Elsewhere: this thread's counter stream keyed by PyTorch's CPU generator state, restarting
+    whenever that state has moved (``torch.manual_seed``, any random draw) since the last seed drawn. Neither draws from (or advances) PyTorch's generator.
     """
     streams = _streams
     if streams.forward:
         stream = streams.forward[-1]
         stream[1] += 1
         return _digest(stream[0], stream[1]) & 0x7FFFFFFF
-    initial = torch.initial_seed()
-    if streams.initial != initial:
-        streams.initial, streams.count = initial, 0
+    # Keyed by the generator's state, not torch.initial_seed(): seeding twice with the same seed restarts it.
+    key = _digest(torch.get_rng_state().numpy().tobytes(), 0)
+    if streams.initial != key:
+        streams.initial, streams.count = key, 0
     n = streams.count
     streams.count = n + 1
-    return _digest(initial, n) & 0x7FFFFFFF
+    return _digest(key, n) & 0x7FFFFFFF
 
 
 class PackMeta(NamedTuple):
