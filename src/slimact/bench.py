@@ -178,8 +178,13 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
 
     def failed(outcome: str, stage: str, e: BaseException) -> dict[str, Any]:
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if "slimact" in f.filename]
-        where = f"{frames[-1].filename.rpartition('slimact/')[2]}:{frames[-1].lineno}" if frames else ""
+        # The innermost slimact frame, and the innermost frame of all where that is elsewhere (model code).
+        frames = traceback.extract_tb(e.__traceback__)
+        ours = [f for f in frames if "slimact" in f.filename]
+        where = [f"{f.filename.rpartition('slimact/')[2]}:{f.lineno}" for f in ours[-1:]]
+        if frames and (not ours or frames[-1] is not ours[-1]):
+            where.append(f"{frames[-1].filename.rpartition('site-packages/')[2]}:{frames[-1].lineno}")
+        where = " > ".join(where)
         return {**row, "outcome": outcome, "detail": f"{stage}: {type(e).__name__}: {first}",
                 "error_where": where, "seconds": round(time.perf_counter() - start, 1)}
 
@@ -269,7 +274,7 @@ def _sweep_isolated(arch: tuple[str, str, str], timeout: float) -> dict[str, Any
     start = time.monotonic()
     proc.start()
     child.close()
-    stage, row = "start", None
+    stage, row, reached = "start", None, {}
     while row is None:
         left = timeout - (time.monotonic() - start)
         if left <= 0:
@@ -283,7 +288,7 @@ def _sweep_isolated(arch: tuple[str, str, str], timeout: float) -> dict[str, Any
         except EOFError:
             break
         if kind == "stage":
-            stage = value
+            stage, reached[value] = value, time.monotonic()
         else:
             row = value
     if proc.is_alive():
@@ -295,6 +300,10 @@ def _sweep_isolated(arch: tuple[str, str, str], timeout: float) -> dict[str, Any
     if stage in ("start", "build", "plain"):
         return {**base, "outcome": "skipped", "detail": f"the plain model took over {timeout:.0f} s to build or "
                 "run a step" if proc.exitcode in (None, -9) else f"{stage}: process died (exit {proc.exitcode})"}
+    plain = reached.get("check", 0.0) - reached.get("plain", 0.0)
+    if proc.exitcode in (None, -9) and 4 * plain > timeout:  # check runs two steps and profile two more
+        return {**base, "outcome": "skipped", "detail": f"too slow for the time limit: the plain step takes "
+                f"{plain:.0f} s, the check four more within {timeout:.0f} s"}
     what = f"no result after {timeout:.0f} s" if proc.exitcode in (None, -9) else f"process died (exit {proc.exitcode})"
     return {**base, "outcome": "crash", "detail": f"slimact ({stage}): {what}"}
 

@@ -313,6 +313,9 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
                       "wav2vec2-conformer", "wav2vec2-bert")},
     "whisper": {"max_source_positions": 32, "num_mel_bins": 16},
     "distilbert": {"n_layers": 2},
+    "nemotron": {"num_key_value_heads": 2},  # its default None is not resolved by the config
+    # One global and one local (windowed) layer: the attention types list its layers.
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
 }
 #: Swin-like stages: a narrower first stage, and images large enough for each stage to hold a window.
 _STAGED = {"embed_dim": 16, "image_size": 64, "window_size": 2}
@@ -414,7 +417,8 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
     inputs: dict[str, Tensor] = {}
     if main == "pixel_values":
         vision = getattr(config, "vision_config", config)
-        size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+        size = getattr(vision, "image_size", 32)  # convolutional models take any size: 32 x 32
+        size = size if isinstance(size, int) else size[0]
         inputs[main] = torch.randn(batch, getattr(vision, "num_channels", 3), size, size, generator=g)
         if task == "image-classification":
             inputs["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
