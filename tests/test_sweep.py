@@ -74,3 +74,49 @@ def test_architecture_within_the_floors(arch):
     model = build_auto(arch, tiny_config(model_type)).train()
     report = slimact.check(model, tiny_inputs(model, task), "int8", loss_fn=projection_loss)
     assert report.passed, f"{arch} ({SUBSET[arch]}):\n{report}"
+
+
+def test_one_hang_or_hard_crash_becomes_a_row_and_the_sweep_goes_on(monkeypatch):
+    import os
+    import time
+
+    from slimact import bench
+
+    def hangs(task, model_type, arch, progress):
+        progress("plain")
+        progress("check")  # the plain step took no time, slimact's part started: a hang there is slimact's
+        time.sleep(60)
+
+    monkeypatch.setattr(bench, "sweep_one", hangs)
+    row = bench._sweep_isolated(("causal-lm", "llama", "LlamaForCausalLM"), timeout=2)
+    assert row["outcome"] == "crash" and "no result after 2 s" in row["detail"]
+
+    def dies(task, model_type, arch, progress):
+        progress("check")
+        os._exit(3)  # as a segfault would: no row comes back
+
+    monkeypatch.setattr(bench, "sweep_one", dies)
+    row = bench._sweep_isolated(("causal-lm", "llama", "LlamaForCausalLM"), timeout=30)
+    assert row["outcome"] == "crash" and "process died (exit 3)" in row["detail"]
+
+
+def test_the_table_goes_into_its_section_and_the_document_is_kept(tmp_path):
+    import csv
+
+    from slimact.bench import SWEEP_COLUMNS, write_sweep_docs
+
+    path = tmp_path / "zoo_all.csv"
+    rows = [{"architecture": "A", "task": "base", "outcome": "ok", "int8_ratio": "0.2"},
+            {"architecture": "B", "task": "ctc", "outcome": "crash", "detail": "slimact: E: x|y"}]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    doc = tmp_path / "models.md"
+    doc.write_text("# Models\n\nexisting text\n")
+    write_sweep_docs(path, doc)
+    write_sweep_docs(path, doc)  # rewritten in place, not appended twice
+    text = doc.read_text()
+    assert text.startswith("# Models\n\nexisting text\n") and text.count("## Every architecture") == 1
+    assert "**1 ok**, **0 below floor**, **1 crash**, **0 skipped**" in text
+    assert text.index("`B`") < text.index("`A`") and "x\\|y" in text  # failures first; pipes escaped

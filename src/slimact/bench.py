@@ -300,7 +300,7 @@ def _sweep_isolated(arch: tuple[str, str, str], timeout: float) -> dict[str, Any
     if stage in ("start", "build", "plain"):
         return {**base, "outcome": "skipped", "detail": f"the plain model took over {timeout:.0f} s to build or "
                 "run a step" if proc.exitcode in (None, -9) else f"{stage}: process died (exit {proc.exitcode})"}
-    plain = reached.get("check", 0.0) - reached.get("plain", 0.0)
+    plain = reached["check"] - reached["plain"] if {"plain", "check"} <= reached.keys() else 0.0
     if proc.exitcode in (None, -9) and 4 * plain > timeout:  # check runs two steps and profile two more
         return {**base, "outcome": "skipped", "detail": f"too slow for the time limit: the plain step takes "
                 f"{plain:.0f} s, the check four more within {timeout:.0f} s"}
@@ -364,6 +364,20 @@ def write_sweep_docs(csv_path: str | os.PathLike[str], doc: str | os.PathLike[st
     env = rows[0] if rows else {}
     lines = [
         _SWEEP_BEGIN, "",
+        "Every class in transformers' auto mappings for causal LM, masked LM, seq2seq LM, image classification, "
+        "CTC and the base models (`slimact.zoo.auto_architectures`), built from its config class shrunk in code "
+        "(`slimact.zoo.tiny_config`: 2 layers, width 64, 4 heads, a 128-token vocabulary, 64 positions, 32 x 32 "
+        "images; random weights, no network), one training step on a batch of 2 x 16 tokens (2 images, 2 clips "
+        "of audio), checked by `slimact.check` under the default policy: **ok** = forward equal to plain to "
+        "float rounding and every gradient within the floors (cosine >= 0.99; gradients at noise level judged "
+        "by size); **below floor** = the forward differs or a gradient misses (named); **crash** = slimact "
+        "raised (the error's first line, where it was raised) or gave no result in the time limit; **skipped** "
+        "= the plain model could not be built at that size or could not run a training step on the generic "
+        "batch (the reason: mostly the generic shrinker or batch, not slimact). Base models have no loss: "
+        "their first output projected on fixed random weights is the loss. Each architecture runs in its own "
+        "process with a time limit. \"int8 kept\" is the bytes kept for the backward over plain's "
+        "(`slimact.profile`). Rerun: `slimact bench --zoo --all` (results in "
+        "`benchmarks/results/zoo_all.csv`).", "",
         f"{len(rows)} architectures ({env.get('machine', '')}, torch {env.get('torch', '')}, {env.get('date', '')}): "
         + ", ".join(f"**{counts.get(k, 0)} {k}**" for k in ("ok", "below floor", "crash", "skipped")) + ".", "",
         "| architecture | task | outcome | detail | min cosine | int8 kept | left alone |",
