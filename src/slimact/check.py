@@ -207,7 +207,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     model.train()
     output = _call(model, inputs)
     loss = (loss_fn or _default_loss)(output)
-    outs = [t.detach() for t in _floats(output)]
+    outs = [t.detach() for t in _floats(output) if t is not loss]  # the loss itself is judged on its own scale
     if not loss.requires_grad:
         raise ValueError("the loss does not require a gradient: nothing to check (frozen model?)")
     loss.backward()
