@@ -6,6 +6,7 @@
 initialises CUDA and does not import Triton or transformers.
 """
 
+from slimact.check import CheckReport, check
 from slimact.convert import Summary, convert, revert, summary
 from slimact.policy import PRESETS, KindSettings, Policy, PolicyError
 from slimact.profile import Report, profile
@@ -15,12 +16,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "CheckReport",
     "KindSettings",
     "Policy",
     "PolicyError",
     "Report",
     "Summary",
     "__version__",
+    "check",
     "convert",
     "load_state_dict",
     "profile",

@@ -44,7 +44,8 @@ import torch
 
 from slimact.profile import peak_bytes
 
-__all__ = ["environment", "held_bytes", "memory", "ops", "peak_bytes", "speed", "throughput", "write_results", "zoo"]
+__all__ = ["SWEEP_COLUMNS", "environment", "held_bytes", "memory", "ops", "peak_bytes", "speed", "sweep_one",
+           "throughput", "write_results", "write_sweep_docs", "zoo", "zoo_all"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -151,6 +152,254 @@ def zoo(
             **environment(device),
         }
         del model
+
+
+#: Columns of ``zoo_all.csv``, in order.
+SWEEP_COLUMNS = (
+    "task", "model_type", "architecture", "outcome", "detail", "forward_max_abs_diff", "min_cosine", "params",
+    "negligible", "plain_kib", "int8_kib", "int8_ratio", "converted", "left_alone", "error_where", "seconds",
+)
+
+
+def sweep_one(task: str, model_type: str, architecture: str, progress: Any = None) -> dict[str, Any]:
+    """One architecture of the sweep (see :func:`zoo_all`): its row. ``progress(stage)`` is told each stage
+    reached, so that a caller who stops a hung run knows whether the plain model or slimact hung."""
+    import copy
+    import time
+    import traceback
+
+    import slimact
+    from slimact.check import check
+    from slimact.zoo import build_auto, projection_loss, tiny_config, tiny_inputs
+
+    start = time.perf_counter()
+    row: dict[str, Any] = {"task": task, "model_type": model_type, "architecture": architecture}
+    say = progress or (lambda stage: None)
+
+    def failed(outcome: str, stage: str, e: BaseException) -> dict[str, Any]:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        # The innermost slimact frame, and the innermost frame of all where that is elsewhere (model code).
+        frames = traceback.extract_tb(e.__traceback__)
+        ours = [f for f in frames if "slimact" in f.filename]
+        where = [f"{f.filename.rpartition('slimact/')[2]}:{f.lineno}" for f in ours[-1:]]
+        if frames and (not ours or frames[-1] is not ours[-1]):
+            where.append(f"{frames[-1].filename.rpartition('site-packages/')[2]}:{frames[-1].lineno}")
+        where = " > ".join(where)
+        return {**row, "outcome": outcome, "detail": f"{stage}: {type(e).__name__}: {first}",
+                "error_where": where, "seconds": round(time.perf_counter() - start, 1)}
+
+    say("build")
+    try:
+        model = build_auto(architecture, tiny_config(model_type)).train()
+        inputs = tiny_inputs(model, task)
+    except Exception as e:  # the sweep records what transformers cannot build offline at this size
+        return failed("skipped", "cannot build at the tiny size", e)
+    say("plain")
+    try:
+        trial = copy.deepcopy(model)
+        loss = projection_loss(_call_model(trial, inputs))
+        if not torch.isfinite(loss):
+            raise ValueError(f"the plain loss is {loss.item()}")
+        loss.backward()
+        del trial
+    except Exception as e:  # not slimact's: the plain model cannot train on the sweep's generic batch
+        return failed("skipped", "the plain model cannot run a training step", e)
+    say("check")
+    try:
+        report = check(model, inputs, "int8", loss_fn=projection_loss)
+        say("profile")
+        plain = slimact.profile(model, inputs, loss_fn=projection_loss).activation_bytes
+        converted = slimact.convert(copy.deepcopy(model), "int8")
+        kept = slimact.profile(converted, inputs, loss_fn=projection_loss).activation_bytes
+    except Exception as e:  # a slimact crash: the point of the sweep is to record it, with where it happened
+        return failed("crash", "slimact", e)
+    failures = report.failures
+    if not report.forward_equal:
+        outcome, detail = "below floor", f"forward differs (max abs diff {report.forward_max_abs_diff:.3g})"
+    elif failures or report.missing:
+        outcome = "below floor"
+        detail = "; ".join([f"{p.name} ({p.reason})" for p in failures[:4]]
+                           + ([f"{len(failures) - 4} more"] if len(failures) > 4 else [])
+                           + [f"gradient in one run only: {', '.join(report.missing[:4])}"] * bool(report.missing))
+    else:
+        outcome, detail = "ok", ""
+    judged = [p.cosine for p in report.params if not p.negligible]
+    reasons: dict[str, int] = {}
+    for reason in (report.summary.skipped if report.summary else {}).values():
+        reasons[reason] = reasons.get(reason, 0) + 1
+    return {
+        **row, "outcome": outcome, "detail": detail,
+        "forward_max_abs_diff": f"{report.forward_max_abs_diff:.3g}",
+        "min_cosine": round(min(judged), 5) if judged else "",
+        "params": len(report.params), "negligible": len(report.params) - len(judged),
+        "plain_kib": round(plain / 1024, 1), "int8_kib": round(kept / 1024, 1),
+        "int8_ratio": round(kept / plain, 4) if plain else "",
+        "converted": " ".join(f"{k}:{n}" for k, n in sorted(report.summary.converted.items())),
+        "left_alone": "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])),
+        "error_where": "", "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def _call_model(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
+    return model(**inputs)
+
+
+def _sweep_child(conn: Any, arch: tuple[str, str, str]) -> None:
+    """The forked process of one architecture: stages and the row go back through ``conn``."""
+    import warnings
+
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    try:
+        row = sweep_one(*arch, progress=lambda stage: conn.send(("stage", stage)))
+    except BaseException as e:  # anything at all must come back as a row, not as a dead child
+        row = {"task": arch[0], "model_type": arch[1], "architecture": arch[2], "outcome": "crash",
+               "detail": f"sweep: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    conn.send(("row", row))
+    conn.close()
+
+
+def _sweep_isolated(arch: tuple[str, str, str], timeout: float) -> dict[str, Any]:
+    """:func:`sweep_one` in a forked process, stopped after ``timeout`` seconds: a hang or a hard crash of
+    one architecture becomes its row (a hang in the plain model's build or step is skipped, in slimact's a
+    crash), and the sweep goes on."""
+    import multiprocessing
+    import time
+
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_sweep_child, args=(child, arch), daemon=True)
+    start = time.monotonic()
+    proc.start()
+    child.close()
+    stage, row, reached = "start", None, {}
+    while row is None:
+        left = timeout - (time.monotonic() - start)
+        if left <= 0:
+            break
+        if not parent.poll(min(left, 1.0)):
+            if proc.is_alive() or parent.poll(0):
+                continue
+            break  # died without a row (a segfault, killed for memory)
+        try:
+            kind, value = parent.recv()
+        except EOFError:
+            break
+        if kind == "stage":
+            stage, reached[value] = value, time.monotonic()
+        else:
+            row = value
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+    if row is not None:
+        return row
+    base = {"task": arch[0], "model_type": arch[1], "architecture": arch[2], "seconds": round(time.monotonic() - start)}
+    if stage in ("start", "build", "plain"):
+        return {**base, "outcome": "skipped", "detail": f"the plain model took over {timeout:.0f} s to build or "
+                "run a step" if proc.exitcode in (None, -9) else f"{stage}: process died (exit {proc.exitcode})"}
+    plain = reached["check"] - reached["plain"] if {"plain", "check"} <= reached.keys() else 0.0
+    if proc.exitcode in (None, -9) and 4 * plain > timeout:  # check runs two steps and profile two more
+        return {**base, "outcome": "skipped", "detail": f"too slow for the time limit: the plain step takes "
+                f"{plain:.0f} s, the check four more within {timeout:.0f} s"}
+    what = f"no result after {timeout:.0f} s" if proc.exitcode in (None, -9) else f"process died (exit {proc.exitcode})"
+    return {**base, "outcome": "crash", "detail": f"slimact ({stage}): {what}"}
+
+
+def zoo_all(
+    out: str | os.PathLike[str] = "benchmarks/results/zoo_all.csv",
+    *,
+    timeout: float = 120.0,
+    resume: bool = False,
+    only: Iterable[str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The sweep: every architecture of :func:`slimact.zoo.auto_architectures`, built tiny from its config class
+    (:func:`slimact.zoo.tiny_config`), checked with the default policy (:func:`slimact.check`: one training step,
+    forward equal to plain, every non-negligible gradient at cosine >= 0.99), its kept bytes plain and converted
+    (:func:`slimact.profile`) and what ``summary`` left alone; each in its own process with a time limit.
+
+    Rows are appended to the CSV ``out`` as they come (``resume``: architectures already there are not run
+    again); ``only``: architecture class names to run (default all)."""
+    from slimact.zoo import auto_architectures
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done: set[str] = set()
+    if resume and path.exists():
+        with path.open(newline="", encoding="utf-8") as f:
+            done = {r["architecture"] for r in csv.DictReader(f)}
+    else:
+        with path.open("w", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, fieldnames=[*SWEEP_COLUMNS, *environment()]).writeheader()
+    wanted = set(only) if only is not None else None
+    env = environment()
+    if torch.get_num_threads() == 1:
+        # Warm the parent up once (slimact's and transformers' imports, the first kernels: ~20 s on a busy
+        # machine) so that every forked child starts warm. Not with several threads: an OpenMP pool used before a
+        # fork can hang the child.
+        sweep_one("causal-lm", "llama", "LlamaForCausalLM")
+    for arch in auto_architectures():
+        if arch[2] in done or (wanted is not None and arch[2] not in wanted):
+            continue
+        row = {**dict.fromkeys(SWEEP_COLUMNS, ""), **_sweep_isolated(arch, timeout), **env}
+        with path.open("a", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, fieldnames=[*SWEEP_COLUMNS, *env]).writerow(row)
+        yield row
+
+
+_SWEEP_BEGIN = "<!-- sweep table: written by slimact bench --zoo --all -->"
+_SWEEP_END = "<!-- end of sweep table -->"
+
+
+def write_sweep_docs(csv_path: str | os.PathLike[str], doc: str | os.PathLike[str] = "docs/models.md") -> Path:
+    """Write the sweep's counts and table (from ``csv_path``) into ``doc``, between markers: the rest of the
+    document is kept; the section is added at its end the first time."""
+    with Path(csv_path).open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    env = rows[0] if rows else {}
+    lines = [
+        _SWEEP_BEGIN, "",
+        "Every class in transformers' auto mappings for causal LM, masked LM, seq2seq LM, image classification, "
+        "CTC and the base models (`slimact.zoo.auto_architectures`), built from its config class shrunk in code "
+        "(`slimact.zoo.tiny_config`: 2 layers, width 64, 4 heads, a 128-token vocabulary, 64 positions, 32 x 32 "
+        "images; random weights, no network), one training step on a batch of 2 x 16 tokens (2 images, 2 clips "
+        "of audio), checked by `slimact.check` under the default policy: **ok** = forward equal to plain to "
+        "float rounding and every gradient within the floors (cosine >= 0.99; gradients at noise level judged "
+        "by size); **below floor** = the forward differs or a gradient misses (named); **crash** = slimact "
+        "raised (the error's first line, where it was raised) or gave no result in the time limit; **skipped** "
+        "= the plain model could not be built at that size or could not run a training step on the generic "
+        "batch (the reason: mostly the generic shrinker or batch, not slimact). Base models have no loss: "
+        "their first output projected on fixed random weights is the loss. Each architecture runs in its own "
+        "process with a time limit. \"int8 kept\" is the bytes kept for the backward over plain's "
+        "(`slimact.profile`). Rerun: `slimact bench --zoo --all` (results in "
+        "`benchmarks/results/zoo_all.csv`).", "",
+        f"{len(rows)} architectures ({env.get('machine', '')}, torch {env.get('torch', '')}, {env.get('date', '')}): "
+        + ", ".join(f"**{counts.get(k, 0)} {k}**" for k in ("ok", "below floor", "crash", "skipped")) + ".", "",
+        "| architecture | task | outcome | detail | min cosine | int8 kept | left alone |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    order = {"crash": 0, "below floor": 1, "ok": 2, "skipped": 3}
+    for r in sorted(rows, key=lambda r: (order.get(r["outcome"], 4), r["architecture"])):
+        cells = [f"`{r['architecture']}`", r["task"], r["outcome"],
+                 r["detail"] + (f" ({r['error_where']})" if r.get("error_where") else ""),
+                 r["min_cosine"], f"{float(r['int8_ratio']):.3f}x" if r["int8_ratio"] else "", r["left_alone"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    lines += ["", _SWEEP_END]
+    path = Path(doc)
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    section = "\n".join(lines)
+    if _SWEEP_BEGIN in text and _SWEEP_END in text:
+        head, _, rest = text.partition(_SWEEP_BEGIN)
+        text = head + section + rest.partition(_SWEEP_END)[2]
+    else:
+        text = text.rstrip("\n") + "\n\n## Every architecture transformers can build: the sweep\n\n" + section + "\n"
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
 def held_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:

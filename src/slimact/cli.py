@@ -60,6 +60,21 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    import transformers
+
+    from slimact.check import check
+    from slimact.zoo import example_inputs
+
+    transformers.logging.set_verbosity_error()
+    model = _model(args)
+    inputs = example_inputs(model, args.batch, args.seq)
+    report = check(model, inputs, args.policy)
+    print(f"{args.model}: batch {args.batch}" + ("" if "pixel_values" in inputs else f" x {args.seq} tokens"))
+    print(report)
+    return 0 if report.passed else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     import transformers
 
@@ -126,6 +141,8 @@ def _bench(args: argparse.Namespace) -> int:
         for row in ops(rounds=args.rounds, device=args.device):
             print(f"{row['op']:>24}: {row['time_ratio_median']:.3f}x of {row['vs']}", flush=True)
             rows.append(row)
+    elif args.zoo and args.all:
+        return _sweep(args)
     elif args.zoo:
         for row in zoo(args.models or list(MODELS), batch=args.batch or 2, seq=args.seq or 128, device=args.device):
             print(f"{row['model']:>14}: coverage {row['coverage']:.1%}, int8 {row['int8_ratio']:.3f}x, "
@@ -142,6 +159,20 @@ def _bench(args: argparse.Namespace) -> int:
     default = ("speed" if args.speed else "throughput" if args.throughput else "ops" if args.ops
                else "zoo" if args.zoo else "memory")
     print(f"wrote {write_results(rows, args.name or default, args.out)}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """``slimact bench --zoo --all``: every architecture of transformers' auto mappings, checked one by one."""
+    import os
+
+    from slimact.bench import write_sweep_docs, zoo_all
+
+    path = os.path.join(args.out, f"{args.name or 'zoo_all'}.csv")
+    for row in zoo_all(path, timeout=args.timeout, resume=args.resume, only=args.models):
+        detail = f"  {row['detail']}" if row["detail"] else ""
+        print(f"{row['architecture']:>48} {row['outcome']:>12}{detail}", flush=True)
+    print(f"wrote {path} and {write_sweep_docs(path, args.docs)}")
     return 0
 
 
@@ -164,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--by-module", action="store_true", help="also compare module by module")
     p.set_defaults(func=_profile)
+
+    c = sub.add_parser("check", help="one training step plain and converted: forward and every gradient "
+                                     "against the policy's floors (exit 1 when one misses)")
+    c.add_argument("--model", default="gpt2", help=model_help)
+    c.add_argument("--policy", default="int8", help="preset name or policy file")
+    c.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    c.add_argument("--tiny", action="store_true", help="the zoo's test size (width 64, 2 layers) instead of GPT-2's")
+    c.add_argument("--batch", type=int, default=2)
+    c.add_argument("--seq", type=int, default=64)
+    c.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
+    c.add_argument("--device", default="cpu")
+    c.set_defaults(func=_check)
 
     d = sub.add_parser("demo", help="train small models plainly and converted on real data; compare loss and memory")
     d.add_argument("--quick", action="store_true", help="a one-minute version (60 steps per run)")
@@ -197,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--throughput", action="store_true",
                       help="samples per second at one memory budget (--budget): each setup at the batch that fits")
     what.add_argument("--ops", action="store_true", help="per-op micro-benchmarks: pack/unpack, each Function")
+    b.add_argument("--all", action="store_true",
+                   help="with --zoo: every architecture of transformers' auto mappings at a tiny size, each checked "
+                        "(slimact.check) in its own process; writes zoo_all.csv and a section of --docs")
+    b.add_argument("--timeout", type=float, default=120.0, help="--zoo --all: seconds per architecture")
+    b.add_argument("--resume", action="store_true", help="--zoo --all: keep the rows already in zoo_all.csv")
+    b.add_argument("--docs", default="docs/models.md", help="--zoo --all: the document its table goes into")
     b.add_argument("--layers", type=int, default=4, help="--speed, --throughput: layers of each model")
     b.add_argument("--budget", default=None, help="--throughput: the memory budget, e.g. 24GiB")
     b.add_argument("--max-batch", type=int, default=None, help="--throughput: the largest batch to time")

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MODELS", "TorchEncoderLM", "build", "example_inputs", "load"]
+__all__ = ["AUTO_TASKS", "MODELS", "TorchEncoderLM", "auto_architectures", "build", "build_auto", "example_inputs",
+           "load", "projection_loss", "tiny_config", "tiny_inputs"]
 
 
 @dataclass(frozen=True)
@@ -263,3 +264,193 @@ def example_inputs(model: nn.Module, batch: int, seq: int, seed: int = 0) -> dic
         target = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
         return {"input_ids": ids, "labels": target}
     return {"input_ids": ids, "labels": ids}
+
+
+# --- Every architecture of transformers' auto mappings, at a tiny size (``slimact bench --zoo --all``) ---
+
+#: The auto mappings the sweep covers, by task: the heads slimact targets, then the base models.
+AUTO_TASKS: dict[str, str] = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+    "base": "MODEL_MAPPING_NAMES",
+}
+
+#: The tiny size: attribute names (as configs spell them) -> value. A name is only set where the default
+#: configuration has it as an int, so one table serves every family.
+_TINY_ATTRS: dict[str, int] = {
+    **dict.fromkeys(("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                     "num_encoder_layers", "num_decoder_layers", "depth"), 2),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "d_embed",
+                     "word_embed_proj_dim", "embedding_size"), 64),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
+                     "decoder_attention_heads"), 4),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim",
+                     "mlp_dim", "hidden_dim", "decoder_intermediate_size"), 128),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "projection_dim",
+                     "q_lora_rank"), 32),
+    **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_size", "v_head_dim", "qk_head_dim",
+                     "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim"), 16),
+    **dict.fromkeys(("qk_nope_head_dim", "qk_rope_head_dim"), 8),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "max_target_positions"), 64),
+    "vocab_size": 128,
+    "image_size": 32,
+    "window_size": 4,
+}
+#: Upper bounds (the default is kept if smaller): routing to 2 of the 4 experts, one shared expert.
+_TINY_CAPS: dict[str, int] = {"num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                              "num_key_value_heads": 2, "patch_size": 4, "first_k_dense_replace": 1}
+#: Per-family overrides the generic names cannot express (the value replaces the generic one).
+_TINY_FAMILY: dict[str, dict[str, Any]] = {
+    # A convolutional feature encoder of 3 layers (stride 5 * 2 * 2 = 20 samples a frame) of 32 channels.
+    **{family: {"conv_dim": [32, 32, 32], "conv_stride": [5, 2, 2], "conv_kernel": [10, 3, 3],
+                "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4, "ctc_zero_infinity": True,
+                "mask_time_prob": 0.0}
+       for family in ("wav2vec2", "hubert", "wavlm", "sew", "sew-d", "unispeech", "unispeech-sat", "data2vec-audio",
+                      "wav2vec2-conformer", "wav2vec2-bert")},
+    "whisper": {"max_source_positions": 32, "num_mel_bins": 16},
+    "distilbert": {"n_layers": 2},
+    "nemotron": {"num_key_value_heads": 2},  # its default None is not resolved by the config
+    # One global and one local (windowed) layer: the attention types list its layers.
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+}
+#: Swin-like stages: a narrower first stage, and images large enough for each stage to hold a window.
+_STAGED = {"embed_dim": 16, "image_size": 64, "window_size": 2}
+#: Parameters above this count mean the shrinker missed a size attribute: such a model is skipped, not built.
+_MAX_TINY_PARAMS = 20_000_000
+
+
+def auto_architectures() -> list[tuple[str, str, str]]:
+    """``(task, model_type, class name)`` for every architecture in the auto mappings of :data:`AUTO_TASKS`,
+    each class once (under the first task that names it)."""
+    from transformers.models.auto import modeling_auto
+
+    found: dict[str, tuple[str, str]] = {}
+    for task, mapping in AUTO_TASKS.items():
+        for model_type, names in getattr(modeling_auto, mapping).items():
+            for cls in (names,) if isinstance(names, str) else names:
+                # A class several model types map to (LlamaForCausalLM serves "exaone" too) is built from the
+                # config of the type its name spells, where there is one.
+                if cls not in found or (_spells(cls, model_type) and found[cls][0] == task
+                                        and not _spells(cls, found[cls][1])):
+                    found[cls] = (found.get(cls, (task,))[0], model_type)
+    return [(task, model_type, cls) for cls, (task, model_type) in found.items()]
+
+
+def _spells(cls: str, model_type: str) -> bool:
+    return cls.lower().startswith(model_type.replace("-", "").replace("_", ""))
+
+
+def _shrunk(values: dict[str, Any], family: dict[str, Any]) -> dict[str, Any]:
+    """The tiny-size overrides of a configuration's fields ``values`` (a ``to_dict()``), sub-configurations
+    (``text_config``, ``vision_config``...) shrunk the same way."""
+    out: dict[str, Any] = {}
+    staged = isinstance(values.get("depths"), list)  # Swin-like stages: widths and depths are per stage
+    for key, value in values.items():
+        if isinstance(value, dict) and key.endswith("_config") and "model_type" in value:
+            out[key] = {**value, **_shrunk(value, _TINY_FAMILY.get(value["model_type"], {}))}
+        elif isinstance(value, bool) or not isinstance(value, int):
+            continue
+        elif staged and key in ("num_layers", "hidden_size"):
+            continue  # derived from the stages
+        elif key in _TINY_ATTRS:
+            out[key] = _STAGED.get(key, _TINY_ATTRS[key]) if staged else _TINY_ATTRS[key]
+        elif key in _TINY_CAPS:
+            out[key] = min(value, _TINY_CAPS[key])
+    if staged:
+        n = len(values["depths"])
+        out["depths"] = [1] * n
+        if isinstance(values.get("num_heads"), list):
+            out["num_heads"] = [2**i for i in range(n)]
+        if isinstance(values.get("hidden_sizes"), list):
+            out["hidden_sizes"] = [16 * 2**i for i in range(len(values["hidden_sizes"]))]
+    elif isinstance(values.get("hidden_sizes"), list):
+        out["hidden_sizes"] = [16 * 2**i for i in range(len(values["hidden_sizes"]))]
+    vocab = out.get("vocab_size", values.get("vocab_size"))
+    if isinstance(vocab, int):
+        # Special token ids must index the small vocabulary: the ones beyond it get distinct ids from its top.
+        special = [k for k, v in values.items() if (k.endswith("_token_id") or k.endswith("_token_index"))
+                   and isinstance(v, int) and not isinstance(v, bool) and v >= vocab]
+        out.update({key: vocab - 1 - i for i, key in enumerate(special)})
+    heads, kv = out.get("num_attention_heads"), values.get("num_key_value_heads")
+    if heads and isinstance(kv, int) and kv == values.get("num_attention_heads"):
+        out["num_key_value_heads"] = heads  # multi-head stays multi-head
+    return {**out, **family}
+
+
+def tiny_config(model_type: str) -> Any:
+    """The configuration of ``model_type`` (``transformers.CONFIG_MAPPING``) at a tiny size: 2 layers, width 64,
+    4 heads, a 128-token vocabulary, 64 positions, 32 x 32 images (see ``_TINY_ATTRS``), built in code."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    config = cls(**_shrunk(cls().to_dict(), _TINY_FAMILY.get(model_type, {})))
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = 0  # what a checkpoint's config names (T5's pad token); needed for labels
+    return config
+
+
+def build_auto(class_name: str, config: Any, seed: int = 0) -> nn.Module:
+    """A randomly initialised ``transformers.<class_name>`` of ``config``; ``ValueError`` if it would be larger
+    than a tiny model should be (a size attribute the shrinker did not know)."""
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in cls(config).parameters())
+    if n > _MAX_TINY_PARAMS:
+        raise ValueError(f"{n / 1e6:.0f}M parameters after shrinking (a size attribute the shrinker does not know)")
+    torch.manual_seed(seed)
+    return cls(config)
+
+
+def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, Tensor]:
+    """A training batch for a model of :func:`build_auto`, from its ``main_input_name``: token ids, images,
+    raw audio or audio features; labels where ``task`` has them (the base models have none)."""
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    main = getattr(model, "main_input_name", "input_ids")
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 128)
+    inputs: dict[str, Tensor] = {}
+    if main == "pixel_values":
+        vision = getattr(config, "vision_config", config)
+        size = getattr(vision, "image_size", 32)  # convolutional models take any size: 32 x 32
+        size = size if isinstance(size, int) else size[0]
+        inputs[main] = torch.randn(batch, getattr(vision, "num_channels", 3), size, size, generator=g)
+        if task == "image-classification":
+            inputs["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        return inputs
+    if main == "input_values":  # raw audio: 64 frames of the feature encoder
+        inputs[main] = torch.randn(batch, 64 * 20, generator=g)
+    elif main == "input_features":
+        mel = getattr(config, "num_mel_bins", None) or getattr(config, "feature_size", 80)
+        frames = 2 * getattr(config, "max_source_positions", seq)
+        shape = (batch, mel, frames) if getattr(config, "model_type", "") == "whisper" else (batch, frames, mel)
+        inputs[main] = torch.randn(*shape, generator=g)
+    else:
+        inputs[main] = torch.randint(0, vocab, (batch, seq), generator=g)
+    if task in ("causal-lm", "masked-lm"):
+        inputs["labels"] = inputs[main]
+    elif task == "ctc":
+        inputs["labels"] = torch.randint(1, vocab, (batch, 4), generator=g)
+    elif task == "seq2seq-lm":
+        inputs["labels"] = torch.randint(0, vocab, (batch, seq), generator=g)
+    elif getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = torch.randint(0, vocab, (batch, seq), generator=g)
+    return inputs
+
+
+def projection_loss(output: Any) -> Tensor:
+    """The loss of an output with none of its own (a base model): ``output.loss`` if it has one, else the first
+    floating tensor projected on fixed random weights (``sum()`` alone would give a LayerNorm'd output a zero
+    gradient in exact arithmetic: normalised features sum to a constant)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, Tensor):
+        return loss
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    first = next(t for t in values if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad)
+    weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(1)).to(first)
+    return (first * weights).sum() / first.numel() ** 0.5

@@ -1,0 +1,313 @@
+"""``check``: does slimact train this model correctly? One training step of the plain model and of a converted
+copy, compared: the forward, every parameter gradient, and a verdict against the policy's floors.
+
+A user with a custom model runs it once before a long training job::
+
+    report = slimact.check(model, batch)            # the default policy, "int8"
+    print(report)                                   # worst parameters, what was left alone
+    assert report.passed
+
+How the two steps are made comparable: both run from deep copies of ``model`` (the user's model, its
+gradients, buffers, mode and the global RNG are left exactly as found), in training mode, each from the same
+RNG state, so dropout draws agree (slimact's dropout replays PyTorch's draws and keeps them as bit masks).
+
+The floors:
+
+* **forward**: slimact's forward is PyTorch's own computation; the loss and every floating output must
+  agree to float rounding (:func:`rounding_tolerance`, relative to the output's largest magnitude).
+* **lossless policies** (nothing quantised: ``"tempo"``): every gradient equals plain's to float rounding:
+  ``||g - g_plain|| <= tol * ||g_plain||`` with ``tol`` from :func:`rounding_tolerance`.
+* **lossy policies**: every gradient at cosine >= 0.99 with plain's (:data:`MIN_COSINE`).
+* a parameter whose exact gradient is **negligible** holds noise in both runs, so its direction means nothing:
+  it is judged by the size of the difference relative to the model's typical gradient (the median of the
+  per-parameter gradient norms). Negligible is the level of the policy's own noise on that typical gradient:
+  float rounding (``tol``) under a lossless policy; under a lossy one :data:`NOISE`, a thousandth, a quarter of
+  an 8-bit step (1/255): an attention key bias (zero in exact arithmetic: softmax ignores a per-row shift), a
+  BatchNorm bias whose shift the next BatchNorm removes, the embedding row of a token not in the batch.
+  Its difference must stay within the same bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from slimact._metrics import cosine, sqnr_db
+from slimact.convert import Summary, convert, revert, summary
+from slimact.policy import Policy, resolve
+from slimact.profile import _call, _default_loss
+
+__all__ = ["MIN_COSINE", "NOISE", "CheckReport", "ParamCheck", "check", "is_lossless",
+           "rounding_tolerance"]
+
+#: Cosine floor of every non-negligible gradient under a lossy policy.
+MIN_COSINE = 0.99
+#: Under a lossy policy, the noise level relative to the typical gradient norm: a gradient at most this large
+#: is negligible, and a negligible gradient may differ by at most this much (a quarter of an 8-bit step, 1/255).
+NOISE = 1e-3
+
+
+def rounding_tolerance(dtype: torch.dtype) -> float:
+    """The relative difference two float computations of the same value may show from rounding alone.
+
+    In fp32/fp64: ``1024 * eps`` (1.2e-4 in fp32). A training step's gradients are sums over up to
+    ``batch * tokens * features`` ~ 1e5-1e7 terms, which slimact and PyTorch add in different orders
+    (chunked LM loss, a different attention kernel, rebuilt norm inputs); rounding errors of such sums grow like
+    ``sqrt(n) * eps``, about ``1e3 * eps``, which the bound allows. A real error (a mishandled argument, a wrong
+    mask) shows as a relative difference of 1e-2 or more. In 16-bit dtypes, whose ``eps`` is 1e-3 to 1e-2,
+    ``1024 * eps`` would allow anything: there the bound is ``4 * eps`` (the gradient is accumulated in fp32
+    and rounded once to the parameter's dtype, and a couple of roundings apart).
+    """
+    eps = torch.finfo(dtype).eps
+    return 1024 * eps if torch.finfo(dtype).bits >= 32 else 4 * eps
+
+
+def is_lossless(policy: Policy) -> bool:
+    """Whether ``policy`` quantises nothing (every enabled kind keeps its tensors exact, as ``"tempo"``)."""
+    return not any(policy.settings(kind).quantize for kind in policy.kinds)
+
+
+@dataclass(frozen=True)
+class ParamCheck:
+    """One parameter's gradient, converted against plain."""
+
+    name: str
+    cosine: float
+    sqnr_db: float
+    #: ``||g_plain||`` and ``||g_converted - g_plain||``.
+    norm: float
+    diff: float
+    #: Judged by size, not direction (see the module docstring).
+    negligible: bool
+    passed: bool
+    #: Why it missed its floor ("" when it passed).
+    reason: str = ""
+
+    @property
+    def module(self) -> str:
+        """The qualified name of the module holding the parameter."""
+        return self.name.rpartition(".")[0]
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check` found. ``str(report)`` is a readable report; ``passed`` is the verdict."""
+
+    policy: str
+    lossless: bool
+    #: Largest absolute difference between plain's and the converted model's loss and floating outputs, and
+    #: whether each output was within float rounding.
+    forward_max_abs_diff: float
+    forward_equal: bool
+    loss_plain: float
+    loss_converted: float
+    params: list[ParamCheck] = field(default_factory=list)
+    #: ``slimact.summary`` of the converted copy: what was converted, what was left alone and why.
+    summary: Summary | None = None
+    #: Parameters with a gradient in one run and none in the other.
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.forward_equal and not self.missing and all(p.passed for p in self.params)
+
+    @property
+    def failures(self) -> list[ParamCheck]:
+        """The parameters that missed their floor, worst first."""
+        return [p for p in self.worst() if not p.passed]
+
+    def worst(self, n: int | None = None) -> list[ParamCheck]:
+        """Parameters, failures first, then by cosine (lowest first; negligible ones by relative difference)."""
+        ranked = sorted(self.params, key=lambda p: (p.passed, p.cosine if not p.negligible else 2.0, -p.diff))
+        return ranked if n is None else ranked[:n]
+
+    def worst_modules(self, n: int = 5) -> list[tuple[str, float]]:
+        """``(module, lowest cosine of its non-negligible gradients)`` for the ``n`` worst modules."""
+        lowest: dict[str, float] = {}
+        for p in self.params:
+            if not p.negligible:
+                lowest[p.module] = min(lowest.get(p.module, math.inf), p.cosine)
+        return sorted(lowest.items(), key=lambda kv: kv[1])[:n]
+
+    def __str__(self) -> str:
+        floor = "equal to plain to float rounding" if self.lossless else f"cosine >= {MIN_COSINE}"
+        lines = [
+            f"slimact check (policy {self.policy!r}, {'lossless' if self.lossless else 'lossy'}: gradients {floor}): "
+            + ("PASSED" if self.passed else "FAILED"),
+            f"forward: loss {self.loss_plain:.6g} plain, {self.loss_converted:.6g} converted; max abs diff of "
+            f"loss and outputs {self.forward_max_abs_diff:.3g} ({'equal' if self.forward_equal else 'DIFFERENT'} "
+            "to float rounding)",
+            f"gradients: {len(self.params)} parameters, {len(self.failures)} below the floor, "
+            f"{sum(p.negligible for p in self.params)} negligible (judged by size)",
+        ]
+        if self.missing:
+            lines.append(f"gradient in one run only: {', '.join(self.missing)}")
+        shown = self.worst(10)
+        if shown:
+            width = max(len("parameter"), *(len(p.name) for p in shown)) + 2
+            lines.append(f"{'parameter':<{width}}{'cosine':>10}{'SQNR dB':>10}{'|g|':>11}{'|diff|':>11}  verdict")
+            for p in shown:
+                verdict = "ok" if p.passed else f"FAIL: {p.reason}"
+                if p.negligible:
+                    verdict += " (negligible: judged by size)"
+                lines.append(f"{p.name:<{width}}{p.cosine:>10.5f}{p.sqnr_db:>10.1f}{p.norm:>11.3g}{p.diff:>11.3g}"
+                             f"  {verdict}")
+        modules = self.worst_modules()
+        if modules:
+            lines.append("worst modules: " + ", ".join(f"{m or '(model)'} {c:.5f}" for m, c in modules))
+        if self.summary is not None and self.summary.skipped:
+            reasons: dict[str, list[str]] = {}
+            for name, reason in self.summary.skipped.items():
+                reasons.setdefault(reason, []).append(name)
+            lines.append(f"left alone by convert: {len(self.summary.skipped)} module(s)")
+            for reason, names in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+                more = f", ... ({len(names) - 3} more)" if len(names) > 3 else ""
+                lines.append(f"  {len(names):>4} x {reason}: {', '.join(names[:3])}{more}")
+        return "\n".join(lines)
+
+
+def _floats(output: Any) -> Iterator[Tensor]:
+    """The floating tensors of a model output (a tensor, a tuple/list, a dict or a ``ModelOutput``), in order."""
+    if isinstance(output, Tensor):
+        if output.is_floating_point():
+            yield output
+    elif isinstance(output, dict):
+        for value in output.values():
+            yield from _floats(value)
+    elif isinstance(output, (tuple, list)):
+        for value in output:
+            yield from _floats(value)
+
+
+def _fresh_inputs(inputs: Any) -> Any:
+    """``inputs`` with every tensor that requires a gradient replaced by a detached copy (so that neither step
+    accumulates into the caller's tensors)."""
+    if isinstance(inputs, Tensor):
+        return inputs.detach().clone().requires_grad_() if inputs.requires_grad else inputs
+    if isinstance(inputs, dict):
+        return {k: _fresh_inputs(v) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_fresh_inputs(v) for v in inputs)
+    return inputs
+
+
+def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None,
+          rng: tuple[Tensor, list[Tensor]]) -> tuple[Tensor, list[Tensor], dict[str, Tensor | None]]:
+    """One training step from the RNG state ``rng`` (CPU, CUDA): the loss, the floating outputs, the gradients."""
+    torch.random.set_rng_state(rng[0])
+    if rng[1]:
+        torch.cuda.set_rng_state_all(rng[1])
+    model.train()
+    output = _call(model, inputs)
+    loss = (loss_fn or _default_loss)(output)
+    outs = [t.detach() for t in _floats(output) if t is not loss]  # the loss itself is judged on its own scale
+    if not loss.requires_grad:
+        raise ValueError("the loss does not require a gradient: nothing to check (frozen model?)")
+    loss.backward()
+    return loss.detach(), outs, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _max_diff(a: Tensor, b: Tensor, floor: float = 0.0) -> tuple[float, bool]:
+    """Largest absolute difference of two tensors, and whether it is float rounding of ``a``'s magnitude (at
+    least ``floor``)."""
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return math.inf, False
+    finite = torch.isfinite(a)
+    # NaN and inf must sit at the same places with the same values (NaN matching NaN).
+    if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite].nan_to_num(0.0),
+                                                                      b[~finite].nan_to_num(0.0)):
+        return math.inf, False
+    if not finite.any():
+        return 0.0, True
+    diff = (a[finite] - b[finite]).abs().max().item()
+    scale = a[finite].abs().max().item()
+    return diff, diff <= rounding_tolerance(torch.float32) * max(scale, floor, 1e-30)
+
+
+def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: bool) -> ParamCheck:
+    norm = exact.detach().double().norm().item()
+    diff = (approx.detach().double() - exact.detach().double()).norm().item()
+    cos, db = cosine(exact, approx), sqnr_db(exact, approx)
+    if not math.isfinite(diff):
+        return ParamCheck(name, cos, db, norm, diff, False, False, "non-finite difference")
+    tol = rounding_tolerance(exact.dtype)
+    bound = (tol if lossless else NOISE) * typical
+    negligible = norm <= bound
+    if negligible:
+        ok = diff <= bound
+        reason = "" if ok else f"|diff| {diff:.3g} > {bound:.3g} (of the typical gradient {typical:.3g})"
+    elif lossless:
+        ok = diff <= tol * norm
+        reason = "" if ok else f"relative diff {diff / norm:.3g} > {tol:.3g} (float rounding)"
+    else:
+        ok = cos >= MIN_COSINE
+        reason = "" if ok else f"cosine {cos:.4f} < {MIN_COSINE}"
+    return ParamCheck(name, cos if not math.isnan(cos) else 0.0, db, norm, diff, negligible, ok, reason)
+
+
+def check(
+    model: nn.Module,
+    inputs: Any,
+    policy: str | os.PathLike[str] | Policy = "int8",
+    *,
+    loss_fn: Callable[[Any], Tensor] | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> CheckReport:
+    """One training step of ``model`` plain and converted with ``policy``, compared (see the module docstring).
+
+    Args:
+        model: any module; it is not changed (both runs use deep copies; an already converted model is
+            reverted in its copy to give the plain run).
+        inputs: as for :func:`slimact.profile`: a dict (``model(**inputs)``), a tuple (``model(*inputs)``) or
+            a tensor (``model(inputs)``).
+        policy: a preset name, a :class:`slimact.Policy` or a policy file, as for :func:`slimact.convert`.
+        loss_fn: ``loss_fn(output) -> scalar``; default: ``output.loss`` if present, else the sum of the output.
+        filter_fn: passed to :func:`slimact.convert`.
+
+    Returns:
+        a :class:`CheckReport`; ``report.passed`` is the verdict, ``str(report)`` the table.
+    """
+    pol = resolve(policy)
+    lossless = is_lossless(pol)
+    plain = revert(copy.deepcopy(model))
+    slim = convert(copy.deepcopy(plain), pol, filter_fn=filter_fn)
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        rng = (torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda])
+        loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng)
+        loss1, outs1, grads1 = _step(slim, _fresh_inputs(inputs), loss_fn, rng)
+    # A loss is in nats (or its own units) whatever its value: a loss near 0 (a model that already predicts its
+    # labels) is a difference of O(1) log-probabilities, rounded at that scale.
+    diffs = [_max_diff(loss0, loss1, floor=1.0)]
+    diffs += [_max_diff(a, b) for a, b in zip(outs0, outs1, strict=False)]
+    same_count = len(outs0) == len(outs1)
+    norms = [g.detach().double().norm().item() for g in grads0.values() if g is not None]
+    typical = float(torch.tensor(norms).median()) if norms else 0.0
+    params, missing = [], []
+    for name, exact in grads0.items():
+        approx = grads1.get(name)
+        if exact is None and approx is None:
+            continue  # a parameter the loss does not reach, in both runs
+        if exact is None or approx is None:
+            missing.append(name)
+            continue
+        params.append(_judge(name, exact, approx, typical, lossless))
+    return CheckReport(
+        policy=pol.name,
+        lossless=lossless,
+        forward_max_abs_diff=max(d for d, _ in diffs),
+        forward_equal=same_count and all(ok for _, ok in diffs),
+        loss_plain=loss0.item(),
+        loss_converted=loss1.item(),
+        params=params,
+        summary=summary(slim),
+        missing=missing,
+    )

@@ -1,0 +1,88 @@
+"""``slimact.check`` and ``slimact check``: a model that converts correctly passes under "int8" and "tempo",
+the user's model is left exactly as found, a deliberately broken policy is reported as a failure (naming the
+parameters), the floors tell rounding from a real error, and the command line's exit code follows the verdict."""
+
+import pytest
+import torch
+
+import slimact
+from slimact import Policy, zoo
+from slimact.check import MIN_COSINE, NOISE, _judge, rounding_tolerance
+from slimact.cli import main
+
+pytest.importorskip("transformers")
+
+# Two-bit codes for every attention tensor, one scale over all heads: far below the 8-bit floor.
+BROKEN = Policy(name="broken", per_kind={"attention": {"bits": 2, "groups": 1}})
+
+
+def _tiny(name):
+    model = zoo.build(name, tiny=True)
+    return model, zoo.example_inputs(model, 2, 16)
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+def test_a_correct_conversion_passes_and_the_model_is_left_as_found(policy):
+    model, inputs = _tiny("llama")
+    model.eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = [type(m) for m in model.modules()]
+    rng = torch.random.get_rng_state()
+    report = slimact.check(model, inputs, policy)
+    assert report.passed, str(report)
+    assert report.forward_equal and report.forward_max_abs_diff <= 1e-5
+    assert report.lossless == (policy == "tempo")
+    assert len(report.params) == len(list(model.parameters()))
+    if policy == "tempo":  # equal to float rounding, not merely close
+        assert all(p.diff <= rounding_tolerance(torch.float32) * p.norm for p in report.params)
+    assert "PASSED" in str(report) and "left alone by convert" in str(report)
+    # The user's model: same classes, same values, no gradients, its mode, the global RNG untouched.
+    assert [type(m) for m in model.modules()] == classes
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.training
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_dropout_draws_agree_so_a_model_with_dropout_passes_lossless():
+    model, inputs = _tiny("bert-base")  # dropout 0.1 everywhere: different draws would fail the lossless floor
+    report = slimact.check(model, inputs, "tempo")
+    assert report.passed, str(report)
+    # BERT's key biases: zero in exact arithmetic (softmax ignores a per-row shift), judged by size.
+    keys = [p for p in report.params if p.name.endswith("attention.self.key.bias")]
+    assert keys and all(p.negligible and p.passed for p in keys)
+
+
+def test_a_broken_policy_is_reported_with_the_parameters_it_breaks():
+    model, inputs = _tiny("llama")
+    report = slimact.check(model, inputs, BROKEN)
+    assert not report.passed
+    assert report.forward_equal  # the forward is still PyTorch's: only the saved tensors are coarse
+    assert report.failures and all(p.cosine < MIN_COSINE for p in report.failures)
+    assert all(".self_attn." in p.name for p in report.failures), [p.name for p in report.failures]
+    assert report.worst_modules(1)[0][0].rpartition(".")[2] in {"q_proj", "k_proj", "v_proj", "o_proj"}
+    text = str(report)
+    assert "FAILED" in text and "FAIL: cosine" in text
+
+
+def test_the_floors_tell_rounding_from_error():
+    g = torch.randn(1000, dtype=torch.float64).float()
+    rounding = g * (1 + 1e-6)
+    wrong = g + 0.02 * g.norm() / 1000**0.5 * torch.randn(1000)  # 2% noise: cosine 0.9998
+    assert _judge("w", g, rounding, 1.0, lossless=True).passed
+    lossless = _judge("w", g, wrong, 1.0, lossless=True)
+    assert not lossless.passed and "float rounding" in lossless.reason
+    assert _judge("w", g, wrong, 1.0, lossless=False).passed  # within the lossy cosine floor
+    # A zero gradient holding float noise in both runs: judged by the size of the difference, not its direction.
+    noise = torch.randn(10) * 1e-9
+    judged = _judge("k.bias", noise, -noise, typical=1.0, lossless=False)
+    assert judged.negligible and judged.passed and judged.cosine < 0
+    assert not _judge("k.bias", noise, noise + 2 * NOISE, typical=1.0, lossless=False).passed
+
+
+def test_cli_exit_code_follows_the_verdict(tmp_path, capsys):
+    assert main(["check", "--model", "llama", "--tiny", "--seq", "16"]) == 0
+    assert "PASSED" in capsys.readouterr().out
+    path = BROKEN.to_file(tmp_path / "broken.toml")
+    assert main(["check", "--model", "llama", "--tiny", "--seq", "16", "--policy", str(path)]) == 1
+    assert "FAILED" in capsys.readouterr().out

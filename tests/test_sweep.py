@@ -1,0 +1,122 @@
+"""A fixed subset of the sweep (``slimact bench --zoo --all``), in the test suite: each architecture built as the
+sweep builds it (its config class shrunk in code, random weights, batch 2 x 16) and checked as the sweep checks
+it (``slimact.check`` under the default policy: forward equal to plain, every non-negligible gradient at
+cosine >= 0.99, negligible ones at noise level, no crash). The subset covers every attention, norm and MLP form
+the sweep met; where one of them fails, the sweep's table in ``docs/models.md`` says why."""
+
+import pytest
+
+import slimact
+from slimact.zoo import auto_architectures, build_auto, projection_loss, tiny_config, tiny_inputs
+
+pytest.importorskip("transformers")
+
+#: Architecture class -> the form it stands for.
+SUBSET: dict[str, str] = {
+    # attention through transformers' AttentionInterface
+    "BertForMaskedLM": "multi-head attention, absolute positions, LayerNorm, GELU MLP, dropout",
+    "RobertaForMaskedLM": "as BERT, positions offset by the padding index, GELU called in the LM head's code",
+    "DistilBertForMaskedLM": "fused-name attention (q_lin...), CrossEntropyLoss module",
+    "AlbertForMaskedLM": "factorised embedding, one layer shared by all (a module called twice per step)",
+    "ElectraForMaskedLM": "embedding width != hidden width (a projection between)",
+    "GPT2LMHeadModel": "Conv1D (transposed Linear), fused qkv, tanh GELU recognised by probe",
+    "GPTNeoXForCausalLM": "parallel attention and MLP, rotary on part of each head",
+    "PhiForCausalLM": "partial rotary, parallel block, dense GELU MLP",
+    "OPTForCausalLM": "ReLU MLP, functional dropout in model code",
+    "LlamaForCausalLM": "grouped-query attention, rotary, RMSNorm class, SwiGLU MLP",
+    "MistralForCausalLM": "as Llama with a sliding window",
+    "Qwen2ForCausalLM": "as Llama with q/k/v biases",
+    "Qwen3ForCausalLM": "RMSNorm on queries and keys (per-head norm inside attention)",
+    "GemmaForCausalLM": "RMSNorm scaling by 1 + weight, GeGLU (tanh GELU) MLP, scaled embeddings",
+    "Gemma2ForCausalLM": "attention logit soft-capping, sandwich norms",
+    "Phi3ForCausalLM": "fused qkv and fused gate_up projections",
+    "CohereForCausalLM": "LayerNorm without bias, parallel block, logit scale",
+    "OlmoForCausalLM": "parameter-free LayerNorm (F.layer_norm in model code)",
+    "NemotronForCausalLM": "squared-ReLU MLP, LayerNorm1P (offset weight)",
+    "MixtralForCausalLM": "mixture of experts (router, top-2 experts)",
+    "Qwen2MoeForCausalLM": "mixture of experts with a shared expert and its gate",
+    "GptOssForCausalLM": "eager-only attention with sinks (s_aux) and a sliding window",
+    "FalconForCausalLM": "multi-query attention, parallel block (the issue's item 1)",
+    "DoryForCausalLM": "an nn.Linear subclass with its own forward as LM head (logit scale)",
+    # attention computed in model code
+    "BloomForCausalLM": "ALiBi, baddbmm scores in model code",
+    "GPTNeoForCausalLM": "local (windowed) and global attention layers, no score scaling",
+    "MPNetForMaskedLM": "relative position bias in model code",
+    "DebertaV2ForMaskedLM": "disentangled attention in model code",
+    # encoder-decoders
+    "T5ForConditionalGeneration": "T5LayerNorm (RMSNorm), learned relative position bias, ReLU",
+    "BartForConditionalGeneration": "encoder-decoder with cross-attention, learned positions",
+    "MarianMTModel": "sinusoidal positions, SiLU activation",
+    # vision
+    "ViTForImageClassification": "patch-embedding Conv2d, pre-norm encoder",
+    "BeitForImageClassification": "relative position bias in attention, layer scale",
+    "SwinForImageClassification": "windowed attention with a relative position bias, patch merging",
+    "ConvNextForImageClassification": "channels-first LayerNorm (permuting in forward), depthwise conv",
+    "ResNetForImageClassification": "Conv2d + BatchNorm2d + ReLU",
+    # audio
+    "Wav2Vec2ForCTC": "convolutional feature encoder with GroupNorm, CTC loss",
+    "HubertForCTC": "as wav2vec2 (the issue's item 3)",
+    "WhisperModel": "log-mel features through Conv1d, encoder-decoder",
+    # base models (no head: a fixed random projection of the output is the loss)
+    "BertModel": "a base model with a pooler (Tanh)",
+}
+
+_ARCHS = {arch: (task, model_type) for task, model_type, arch in auto_architectures()}
+
+
+def test_the_subset_is_in_the_sweep():
+    assert set(SUBSET) <= set(_ARCHS), set(SUBSET) - set(_ARCHS)
+
+
+@pytest.mark.parametrize("arch", list(SUBSET))
+def test_architecture_within_the_floors(arch):
+    task, model_type = _ARCHS[arch]
+    model = build_auto(arch, tiny_config(model_type)).train()
+    report = slimact.check(model, tiny_inputs(model, task), "int8", loss_fn=projection_loss)
+    assert report.passed, f"{arch} ({SUBSET[arch]}):\n{report}"
+
+
+def test_one_hang_or_hard_crash_becomes_a_row_and_the_sweep_goes_on(monkeypatch):
+    import os
+    import time
+
+    from slimact import bench
+
+    def hangs(task, model_type, arch, progress):
+        progress("plain")
+        progress("check")  # the plain step took no time, slimact's part started: a hang there is slimact's
+        time.sleep(60)
+
+    monkeypatch.setattr(bench, "sweep_one", hangs)
+    row = bench._sweep_isolated(("causal-lm", "llama", "LlamaForCausalLM"), timeout=2)
+    assert row["outcome"] == "crash" and "no result after 2 s" in row["detail"]
+
+    def dies(task, model_type, arch, progress):
+        progress("check")
+        os._exit(3)  # as a segfault would: no row comes back
+
+    monkeypatch.setattr(bench, "sweep_one", dies)
+    row = bench._sweep_isolated(("causal-lm", "llama", "LlamaForCausalLM"), timeout=30)
+    assert row["outcome"] == "crash" and "process died (exit 3)" in row["detail"]
+
+
+def test_the_table_goes_into_its_section_and_the_document_is_kept(tmp_path):
+    import csv
+
+    from slimact.bench import SWEEP_COLUMNS, write_sweep_docs
+
+    path = tmp_path / "zoo_all.csv"
+    rows = [{"architecture": "A", "task": "base", "outcome": "ok", "int8_ratio": "0.2"},
+            {"architecture": "B", "task": "ctc", "outcome": "crash", "detail": "slimact: E: x|y"}]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    doc = tmp_path / "models.md"
+    doc.write_text("# Models\n\nexisting text\n")
+    write_sweep_docs(path, doc)
+    write_sweep_docs(path, doc)  # rewritten in place, not appended twice
+    text = doc.read_text()
+    assert text.startswith("# Models\n\nexisting text\n") and text.count("## Every architecture") == 1
+    assert "**1 ok**, **0 below floor**, **1 crash**, **0 skipped**" in text
+    assert text.index("`B`") < text.index("`A`") and "x\\|y" in text  # failures first; pipes escaped
