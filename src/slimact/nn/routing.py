@@ -349,6 +349,14 @@ class Routing:
             isinstance(t, Tensor) and t.dim() == 4 and t.dtype in COMPRESSIBLE_DTYPES for t in (query, key, value)
         ):
             return None
+        (b, h), (b_kv, h_kv) = query.shape[:2], key.shape[:2]
+        if key.shape[:2] != value.shape[:2] or b_kv != b or h % h_kv:
+            return None  # a broadcast slimact's attention does not take: as written
+        # A single key/value head broadcast over the query heads (Falcon's multi-query) is grouped-query
+        # attention with one group; other head counts broadcast only with enable_gqa, as in PyTorch.
+        enable_gqa = enable_gqa or h_kv == 1
+        if h_kv != h and not enable_gqa:
+            return None
         return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             cfg=self._cfg("attention", query))
 

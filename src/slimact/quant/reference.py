@@ -408,8 +408,9 @@ def draw_seed() -> int:
     """The next 31-bit stochastic-rounding seed.
 
     Inside a converted model's forward (in this thread): the pack's number in that forward's stream
-    (:func:`begin_stream`). Elsewhere: this thread's counter stream keyed by PyTorch's CPU generator state, restarting
-    whenever that state has moved (``torch.manual_seed``, any random draw) since the last seed drawn. Neither draws from (or advances) PyTorch's generator.
+    (:func:`begin_stream`). Elsewhere: this thread's counter stream keyed by PyTorch's CPU generator state,
+    restarting whenever that state has moved (``torch.manual_seed``, any random draw) since the last seed drawn.
+    Neither draws from (or advances) PyTorch's generator.
     """
     streams = _streams
     if streams.forward:
