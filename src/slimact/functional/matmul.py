@@ -17,13 +17,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
 __all__ = ["matmul"]
 
 
-class _MatMulFunction(torch.autograd.Function):
+class _MatMulFunction(SlimFunction):
+    layer = "MatMul"
+
     @staticmethod
     def forward(ctx, a, b, cfg_a, cfg_b, state_a, state_b):
         y = torch.matmul(a, b)

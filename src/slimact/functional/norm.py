@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
 __all__ = ["norm", "output_recoverable"]
@@ -78,7 +78,9 @@ def _row_stats(x: Tensor, centered: bool, eps: float) -> tuple[Tensor | None, Te
     return None, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class _NormFunction(torch.autograd.Function):
+class _NormFunction(SlimFunction):
+    layer = "LayerNorm/RMSNorm"
+
     @staticmethod
     def forward(ctx, x, weight, bias, fn, centered, eps, offset, cfg, state):
         y = fn(x)
