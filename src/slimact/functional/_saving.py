@@ -133,7 +133,7 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
         # Under torch.compile the check is skipped: compiled graphs support no double backward anyway.
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             raise RuntimeError(
-                f"slimact's {cls.layer} ({cls.__name__}) cannot be differentiated twice: a backward with "
+                f"slimact's {cls.layer} Function ({cls.__name__}) cannot be differentiated twice: a backward with "
                 "create_graph=True (a gradient penalty, a Hessian-vector product, double backward) reached it, "
                 "and its backward computes from compressed or rebuilt tensors, so second-order gradients through "
                 "it would be wrong. Leave such modules out of the conversion (slimact.convert(model, "

@@ -171,6 +171,7 @@ def norm(
             return torch.nn.functional.rms_norm(t, shape, w_eff, eps)
 
     params = [t for t in (weight, bias) if t is not None]
-    if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)):
+    # An empty batch keeps nothing: its row statistics would be reductions over nothing.
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)) or not x.numel():
         return fn(x)
     return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, cfg, state)
