@@ -258,11 +258,17 @@ def _loop_shape(*tensors: Tensor) -> bool:
                                         for u in tensors)
 
 
-def _apply(ctx, fn: Callable[[Tensor], Tensor], x: Tensor, kept: Tensor | None = None) -> Tensor:
+def _apply(ctx, fn: Callable[[Tensor], Tensor], x: Tensor, inplace: bool, kept: Tensor | None = None) -> Tensor:
     """``fn(x)``; where ``fn`` wrote its result into ``x`` (an ``inplace=True`` module), ``x`` is marked dirty, so
     autograd sees the input overwritten, as with the plain module (whatever it kept is taken before: the mask
     or the pack). ``kept``: a tensor the Function keeps as it is, which an in-place ``fn`` must not have
-    overwritten."""
+    overwritten. Eagerly the write is detected (``x._version``) whether announced or not; under torch.compile
+    (where reading the version breaks the graph) ``inplace`` says it."""
+    if torch.compiler.is_compiling():
+        y = fn(x)
+        if inplace:
+            ctx.mark_dirty(x)
+        return y
     version = x._version
     y = fn(x)
     if x._version != version:
@@ -280,9 +286,9 @@ class _InplaceActivationFunction(SlimFunction):
     layer = "activation (output kept)"
 
     @staticmethod
-    def forward(ctx, x, fn, form):
+    def forward(ctx, x, fn, form, inplace):
         right = Mask.of(x >= MINIMUM[form])  # before fn, which may write y into x
-        y = _apply(ctx, fn, x)
+        y = _apply(ctx, fn, x, inplace)
         ctx.form = form
         save(ctx, y, right)
         return y
@@ -298,8 +304,8 @@ class _InplaceActivationFunction(SlimFunction):
             # speed: the loop no longer vectorises).
             out = inductor.fused(_inplace_gradient, (ctx.form, y.dtype, grad_y.dtype), *args)
             if out is not None:
-                return out, None, None
-        return _inplace_gradient(*args), None, None
+                return out, None, None, None
+        return _inplace_gradient(*args), None, None, None
 
 
 @functools.cache
@@ -314,7 +320,7 @@ class _ActivationFunction(SlimFunction):
     def forward(ctx, x, fn, form, cfg, state, inplace):
         ctx.form = form
         if form == "relu":
-            y = _apply(ctx, fn, x)
+            y = _apply(ctx, fn, x, inplace)
             # PyTorch's ReLU backward passes the gradient wherever not y <= 0, a NaN input included.
             save(ctx, Mask.of(~(y <= 0)))
         else:
@@ -324,7 +330,7 @@ class _ActivationFunction(SlimFunction):
             packed = pack(x, _clipped(cfg, FLAT[form]), state)
             if inplace and packed.meta.raw:
                 packed = pack(x.clone(), None)
-            y = _apply(ctx, fn, x, packed.tensors[0] if packed.meta.raw else None)
+            y = _apply(ctx, fn, x, inplace, packed.tensors[0] if packed.meta.raw else None)
             save(ctx, packed)
             # Where nothing lay beyond the clip, the codes of x also give y = f(x): the next Linear keeps y through
             # them, not a second copy (share_derived declines a clipped pack).
@@ -364,5 +370,5 @@ def activation(
     if not torch.is_grad_enabled() or not x.requires_grad:
         return fn(x)
     if cfg is None and form != "relu":
-        return _InplaceActivationFunction.apply(x, fn, form)
+        return _InplaceActivationFunction.apply(x, fn, form, inplace)
     return _ActivationFunction.apply(x, fn, form, cfg, state, inplace)
