@@ -147,8 +147,10 @@ def test_tempo_activations_match_torch_gradients_within_the_stated_bound(name):
     out1, g1 = _step(converted_copy(MODULES[name](), "tempo"), (x,), seed=1)
     assert torch.equal(out0, out1)
     upstream = torch.randn(out0.shape, generator=torch.Generator().manual_seed(1 + 1))  # as _step draws it
-    # |error| <= |upstream| * (the fp32 bound on y', 2e-4 anywhere), plus float rounding of the product.
-    assert ((g1["input0"] - g0["input0"]).abs() <= upstream.abs() * 2e-4 + 1e-6).all()
+    # |error| <= |upstream| * (the stated fp32 bound on y' anywhere, 4e-4: an input of this draw lies at -0.7517,
+    # within 1e-4 of GELU's minimum, where the error reaches 2.03e-4), plus float rounding of the product.
+    bound = INPLACE_ERROR_BOUNDS[torch.float32][2]
+    assert ((g1["input0"] - g0["input0"]).abs() <= upstream.abs() * bound + 1e-6).all()
 
 
 def test_tempo_gelu_output_is_the_storage_the_next_linear_keeps():

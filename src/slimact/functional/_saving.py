@@ -8,19 +8,25 @@ shape and dtype and masks to booleans. Keeping every tensor in ``save_for_backwa
 
 A Function that computes gradients during its forward (the LM loss) saves them as :class:`Gradient` items,
 so that :func:`slimact.profile` reports them apart from activations (:func:`is_gradient`).
+
+Every slimact Function subclasses :class:`SlimFunction`, which holds what all of them must do alike: refuse a
+backward that records a graph (``create_graph=True``: second-order gradients would be wrong) and never return a
+view (an in-place op on it, as wav2vec2's masking does, would be refused by autograd).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 
-__all__ = ["Gradient", "Mask", "is_gradient", "load", "save"]
+__all__ = ["Gradient", "Mask", "SlimFunction", "is_gradient", "load", "save"]
 
 
 class Mask(NamedTuple):
@@ -92,3 +98,79 @@ def load(ctx: Any, restore: bool = True) -> list[Any]:
             out.append(saved[i])
         i += n
     return out
+
+
+class SlimFunction(torch.autograd.Function):
+    """Base class of every slimact ``torch.autograd.Function``; a subclass names its ``layer`` (for errors).
+
+    * Its backward refuses to run with ``create_graph=True`` (in a backward, grad mode is on exactly then):
+      it computes from compressed codes or from tensors rebuilt from the output, which autograd cannot
+      differentiate back to the inputs, so a second-order gradient (a gradient penalty, a Hessian-vector
+      product) through it would be silently wrong. A checkpoint's recomputation runs forwards, never this.
+    * Its forward's outputs are never views: a view made inside a custom Function (``F.linear`` of a 3-d input
+      with a bias is a view of a 2-d product) cannot be modified in place, which model code does (wav2vec2's
+      ``hidden_states[mask] = ...``). A view of an intermediate is returned as a non-view alias of the same
+      memory (``detach``: no copy, the same version counter); an empty one as a new empty tensor.
+    """
+
+    layer: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "layer" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} must name its layer (class attribute `layer`)")
+        cls.forward = staticmethod(_own_outputs(_plain(cls.__dict__["forward"])))
+        cls.backward = staticmethod(_first_order(_plain(cls.__dict__["backward"]), cls))
+
+
+def _plain(fn: Any) -> Callable:
+    return fn.__func__ if isinstance(fn, staticmethod) else fn
+
+
+def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
+    @functools.wraps(backward)
+    def checked(ctx: Any, *grads: Any) -> Any:
+        # Under torch.compile the check is skipped: compiled graphs support no double backward anyway.
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"slimact's {cls.layer} Function ({cls.__name__}) cannot be differentiated twice: a backward with "
+                "create_graph=True (a gradient penalty, a Hessian-vector product, double backward) reached it, "
+                "and its backward computes from compressed or rebuilt tensors, so second-order gradients through "
+                "it would be wrong. Leave such modules out of the conversion (slimact.convert(model, "
+                "filter_fn=...)), call slimact.revert(model) for these passes, or use plain modules there."
+            )
+        return backward(ctx, *grads)
+
+    return checked
+
+
+def _own_outputs(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def owned(ctx: Any, *args: Any) -> Any:
+        out = forward(ctx, *args)
+        if torch.compiler.is_compiling():  # traced graphs have no views to speak of (functionalised)
+            return out
+        dirty = getattr(ctx, "dirty_tensors", None) or ()
+        if isinstance(out, tuple):
+            return tuple(_not_a_view(o, args, dirty) for o in out)
+        return _not_a_view(out, args, dirty)
+
+    return owned
+
+
+def _not_a_view(out: Any, inputs: tuple, dirty: tuple) -> Any:
+    """``out``, as a tensor that is no view (see :class:`SlimFunction`); an input written in place (marked dirty:
+    autograd tracks that itself) as it is. An input returned unchanged, or a view of one, stays as it is too
+    (autograd refuses an in-place op on it: loud, not wrong), unless it is empty (PyTorch's ops return their
+    empty input unchanged: ``native_dropout``)."""
+    if not isinstance(out, Tensor) or any(out is t for t in dirty):
+        return out
+    an_input = any(out is t for t in inputs)
+    if out.numel() == 0 and (an_input or out._is_view()):
+        return out.new_empty(out.shape)
+    if an_input or not out._is_view():
+        return out
+    base = out._base
+    if any(isinstance(t, Tensor) and (base is t or base is t._base) for t in inputs):
+        return out
+    return out.detach()

@@ -62,7 +62,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import Mask, load, save
+from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack, unpack_map
 from slimact.quant.core import register_derivation, share_derived
 
@@ -258,12 +258,39 @@ def _loop_shape(*tensors: Tensor) -> bool:
                                         for u in tensors)
 
 
-class _InplaceActivationFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fn, form):
+def _apply(ctx, fn: Callable[[Tensor], Tensor], x: Tensor, inplace: bool, kept: Tensor | None = None) -> Tensor:
+    """``fn(x)``; where ``fn`` wrote its result into ``x`` (an ``inplace=True`` module), ``x`` is marked dirty, so
+    autograd sees the input overwritten, as with the plain module (whatever it kept is taken before: the mask
+    or the pack). ``kept``: a tensor the Function keeps as it is, which an in-place ``fn`` must not have
+    overwritten. Eagerly the write is detected (``x._version``) whether announced or not; under torch.compile
+    (where reading the version breaks the graph) ``inplace`` says it."""
+    if torch.compiler.is_compiling():
         y = fn(x)
+        if inplace:
+            ctx.mark_dirty(x)
+        return y
+    version = x._version
+    y = fn(x)
+    if x._version != version:
+        if y is not x or kept is x:
+            raise RuntimeError(
+                "slimact: an activation module wrote into its input and returned "
+                + ("another tensor" if y is not x else "it, with no `inplace` attribute saying so")
+                + "; leave it out of the conversion (slimact.convert(model, filter_fn=...))"
+            )
+        ctx.mark_dirty(x)
+    return y
+
+
+class _InplaceActivationFunction(SlimFunction):
+    layer = "activation (output kept)"
+
+    @staticmethod
+    def forward(ctx, x, fn, form, inplace):
+        right = Mask.of(x >= MINIMUM[form])  # before fn, which may write y into x
+        y = _apply(ctx, fn, x, inplace)
         ctx.form = form
-        save(ctx, y, Mask.of(x >= MINIMUM[form]))
+        save(ctx, y, right)
         return y
 
     @staticmethod
@@ -277,8 +304,8 @@ class _InplaceActivationFunction(torch.autograd.Function):
             # speed: the loop no longer vectorises).
             out = inductor.fused(_inplace_gradient, (ctx.form, y.dtype, grad_y.dtype), *args)
             if out is not None:
-                return out, None, None
-        return _inplace_gradient(*args), None, None
+                return out, None, None, None
+        return _inplace_gradient(*args), None, None, None
 
 
 @functools.cache
@@ -286,18 +313,24 @@ def _clipped(cfg: QuantConfig, flat: float) -> QuantConfig:
     return dataclasses.replace(cfg, clip=flat)
 
 
-class _ActivationFunction(torch.autograd.Function):
+class _ActivationFunction(SlimFunction):
+    layer = "activation"
+
     @staticmethod
-    def forward(ctx, x, fn, form, cfg, state):
-        y = fn(x)
+    def forward(ctx, x, fn, form, cfg, state, inplace):
         ctx.form = form
         if form == "relu":
+            y = _apply(ctx, fn, x, inplace)
             # PyTorch's ReLU backward passes the gradient wherever not y <= 0, a NaN input included.
             save(ctx, Mask.of(~(y <= 0)))
         else:
             # The range clipped to +-FLAT (NaN/inf still keep x exact, as PyTorch would), decided in the pack's one
-            # host sync, with no pass of its own.
+            # host sync, with no pass of its own. Packed before fn, which may write y into x; where the pack is
+            # x itself (NaN/inf), an in-place fn needs a copy of it.
             packed = pack(x, _clipped(cfg, FLAT[form]), state)
+            if inplace and packed.meta.raw:
+                packed = pack(x.clone(), None)
+            y = _apply(ctx, fn, x, inplace, packed.tensors[0] if packed.meta.raw else None)
             save(ctx, packed)
             # Where nothing lay beyond the clip, the codes of x also give y = f(x): the next Linear keeps y through
             # them, not a second copy (share_derived declines a clipped pack).
@@ -308,10 +341,10 @@ class _ActivationFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         if ctx.form == "relu":
             (saved,) = load(ctx)
-            return grad_y * saved, None, None, None, None
+            return grad_y * saved, None, None, None, None, None
         (packed,) = load(ctx, restore=False)
         # grad_y * y'(x_hat), with x restored inside the same loop where it can be (unpack_map)
-        return unpack_map(packed, _GRADIENTS[ctx.form], grad_y), None, None, None, None
+        return unpack_map(packed, _GRADIENTS[ctx.form], grad_y), None, None, None, None, None
 
 
 def activation(
@@ -320,11 +353,16 @@ def activation(
     cfg: QuantConfig | None,
     state: RunningRange | None = None,
     fn: Callable[[Tensor], Tensor] | None = None,
+    *,
+    inplace: bool = False,
 ) -> Tensor:
     """Apply the activation ``form`` (computed by ``fn``, default :func:`reference`).
 
     Keeps ``x`` compressed with ``cfg``, or (``cfg=None``, lossless) the output and a branch mask. Falls back
-    to ``fn(x)`` with PyTorch's own saving when no gradient will flow through ``x``.
+    to ``fn(x)`` with PyTorch's own saving when no gradient will flow through ``x``. ``inplace``: ``fn`` writes
+    its result into ``x`` (``nn.SiLU(inplace=True)``); ``x`` is then overwritten, as by the plain module, and
+    what the backward needs is taken from it first. (An ``fn`` that writes into ``x`` unannounced is detected
+    too; it raises only where ``x`` itself would have been kept, a NaN/inf input under an 8-bit policy.)
     """
     if form not in FORMS:
         raise ValueError(f"unknown activation form {form!r}; known: {FORMS}")
@@ -332,5 +370,5 @@ def activation(
     if not torch.is_grad_enabled() or not x.requires_grad:
         return fn(x)
     if cfg is None and form != "relu":
-        return _InplaceActivationFunction.apply(x, fn, form)
-    return _ActivationFunction.apply(x, fn, form, cfg, state)
+        return _InplaceActivationFunction.apply(x, fn, form, inplace)
+    return _ActivationFunction.apply(x, fn, form, cfg, state, inplace)

@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import Mask, load, save
+from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.functional.softmax import pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
@@ -66,7 +66,9 @@ def _grouped(probs: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return probs.reshape(b, h_kv, h // h_kv, t, s), v.unsqueeze(2)
 
 
-class _SoftmaxDropoutMatmul(torch.autograd.Function):
+class _SoftmaxDropoutMatmul(SlimFunction):
+    layer = "attention (softmax, dropout, matmul)"
+
     @staticmethod
     def forward(ctx, scores, v, p, cfg_p, cfg_v, state_p, state_v):
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(scores.dtype)
@@ -191,8 +193,10 @@ def _saved_mask(mask: Tensor | None):
 _FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 
 
-class _FlashAttentionCPU(torch.autograd.Function):
+class _FlashAttentionCPU(SlimFunction):
     """PyTorch's CPU flash kernel forward and backward, with q, k, v, out kept packed and lse exact."""
+
+    layer = "attention (CPU flash)"
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale, cfg_q, cfg_kv, state):
@@ -250,13 +254,15 @@ def _replayed_noise(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p
     return mask.to(torch.float32) * (0.0 if p >= 1 else 1.0 / (1.0 - p))
 
 
-class _ChunkedAttention(torch.autograd.Function):
+class _ChunkedAttention(SlimFunction):
     """Flash-style attention in PyTorch ops, a block of query rows at a time, on any device.
 
     Keeps q, k, v (packed, or exact under a lossless policy) and, with dropout, the RNG state it drew the mask
     from, so the backward redraws the same mask: nothing of size [T, S] is ever kept, nor the output (the
     backward takes ``rowsum(P * dP)`` from the rows it recomputes).
     """
+
+    layer = "attention (chunked)"
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state):
@@ -273,14 +279,14 @@ class _ChunkedAttention(torch.autograd.Function):
             scores = _block_scores(qg, kt, add, is_causal, scale, (b, h, t, s), 0, t)
             probs = _fused_rows(_probabilities, scores).to(v.dtype)
             dropped, _ = torch.native_dropout(probs, dropout_p, True)
-            out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, -1)
+            out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, v.shape[-1])
         else:
             out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype, device=q.device)
             for t0 in range(0, t, CHUNK_ROWS):
                 t1 = min(t, t0 + CHUNK_ROWS)
                 scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
                 pg = _fused_rows(_probabilities, scores).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
-                out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, -1)
+                out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, v.shape[-1])
         dead = _dead_rows(mask)
         if dead is not None:
             out = out.masked_fill(dead, 0)
@@ -305,7 +311,7 @@ class _ChunkedAttention(torch.autograd.Function):
         gq = torch.empty_like(qg)
         gk = torch.zeros(b, h_kv, rep, s, d, dtype=torch.float32, device=q.device)
         gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
-        gg = g.reshape(b, h_kv, rep, t, -1)
+        gg = g.reshape(b, h_kv, rep, t, v.shape[-1])
         # [B, H, T, S], fp32 (the rows are recomputed in fp32), drawn as the forward drew it (in p_dtype)
         noise_all = _replayed_noise(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
         # A learned additive mask (Swin's and T5's position biases): its gradient is the scores' gradient,

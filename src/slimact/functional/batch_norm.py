@@ -24,13 +24,15 @@ import math
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
 __all__ = ["batch_norm"]
 
 
-class _BatchNormFunction(torch.autograd.Function):
+class _BatchNormFunction(SlimFunction):
+    layer = "BatchNorm"
+
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, cfg, state):
         y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
@@ -67,6 +69,8 @@ def batch_norm(
     if math.prod(x.shape[:1] + x.shape[2:]) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()}")
     params = [t for t in (weight, bias) if t is not None]
-    if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)):
+    # An empty batch keeps nothing (and native_batch_norm refuses it): PyTorch's own leaves the statistics alone.
+    grads = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))
+    if not grads or x.numel() == 0:
         return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
     return _BatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, cfg, state)

@@ -16,13 +16,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
 __all__ = ["conv"]
 
 
-class _ConvFunction(torch.autograd.Function):
+class _ConvFunction(SlimFunction):
+    layer = "convolution"
+
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, fn, cfg, state):
         y = fn(x, weight, bias)

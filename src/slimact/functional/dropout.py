@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import Mask, load, save
+from slimact.functional._saving import Mask, SlimFunction, load, save
 
 __all__ = ["dropout"]
 
 
-class _DropoutFunction(torch.autograd.Function):
+class _DropoutFunction(SlimFunction):
+    layer = "dropout"
+
     @staticmethod
     def forward(ctx, x, p):
         y, mask = torch.native_dropout(x, p, True)

@@ -14,10 +14,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimact.functional._saving import SlimFunction
+
 __all__ = ["gather"]
 
 
-class _GatherFunction(torch.autograd.Function):
+class _GatherFunction(SlimFunction):
+    layer = "gather"
+
     @staticmethod
     def forward(ctx, x, dim, index):
         ctx.dim, ctx.shape = dim, x.shape

@@ -23,13 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
 __all__ = ["linear"]
 
 
-class _LinearFunction(torch.autograd.Function):
+class _LinearFunction(SlimFunction):
+    layer = "Linear"
+
     @staticmethod
     def forward(ctx, x, weight, bias, cfg, state, transposed):
         y = F.linear(x, weight.t() if transposed else weight, bias)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from slimact.functional._saving import Gradient, load, save
+from slimact.functional._saving import Gradient, SlimFunction, load, save
 
 __all__ = ["linear_cross_entropy"]
 
@@ -85,7 +85,9 @@ def _exp_and_lse(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return e, total, (total.log() + m).squeeze(-1)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
+class _LinearCrossEntropy(SlimFunction):
+    layer = "LM head and loss"
+
     @staticmethod
     def forward(ctx, h_in, weight, bias, target, ignore_index, smoothing, divisor, logits):
         h = h_in.reshape(-1, h_in.shape[-1])  # [N, C]

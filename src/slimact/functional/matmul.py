@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import Mask, load, save
+from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, pack
 
 __all__ = ["Dropped", "baddbmm", "bmm", "einsum", "einsum_terms", "matmul", "packing_source"]
@@ -92,7 +92,9 @@ def _operand_grads(ctx, grad_y: Tensor, need_a: bool, need_b: bool) -> tuple[Ten
     return grad_a, grad_b
 
 
-class _MatMulFunction(torch.autograd.Function):
+class _MatMulFunction(SlimFunction):
+    layer = "MatMul"
+
     @staticmethod
     def forward(ctx, a, b, cfg_a, cfg_b, state_a, state_b, op=torch.matmul, dropped_a=None):
         y = op(a, b)
@@ -104,7 +106,9 @@ class _MatMulFunction(torch.autograd.Function):
         return *_operand_grads(ctx, grad_y, *ctx.needs_input_grad[:2]), None, None, None, None, None, None
 
 
-class _BaddbmmFunction(torch.autograd.Function):
+class _BaddbmmFunction(SlimFunction):
+    layer = "baddbmm"
+
     @staticmethod
     def forward(ctx, x, a, b, beta, alpha, cfg_a, cfg_b):
         y = torch.baddbmm(x, a, b, beta=beta, alpha=alpha)
@@ -138,7 +142,9 @@ def _product(x: Tensor, y: Tensor, shape: torch.Size) -> Tensor:
     return x.float().matmul(y.float()).sum_to_size(shape).to(x.dtype)
 
 
-class _EinsumFunction(torch.autograd.Function):
+class _EinsumFunction(SlimFunction):
+    layer = "einsum"
+
     @staticmethod
     def forward(ctx, equation, a, b, cfg_a, cfg_b, terms, dropped_a):
         y = torch.einsum(equation, a, b)

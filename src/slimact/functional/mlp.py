@@ -24,14 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import SlimFunction, load, save
 from slimact.functional.activation import derivative, reference
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
 __all__ = ["gated_mlp"]
 
 
-class _GatedMLPFunction(torch.autograd.Function):
+class _GatedMLPFunction(SlimFunction):
+    layer = "gated MLP"
+
     @staticmethod
     def forward(ctx, g, u, weight, bias, act, form, cfg, state_g, state_u):
         y = F.linear(act(g) * u, weight, bias)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
 __all__ = ["norm", "output_recoverable", "rms_default_eps"]
@@ -84,7 +84,9 @@ def _row_stats(x: Tensor, centered: bool, eps: float) -> tuple[Tensor | None, Te
     return None, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class _NormFunction(torch.autograd.Function):
+class _NormFunction(SlimFunction):
+    layer = "LayerNorm/RMSNorm"
+
     @staticmethod
     def forward(ctx, x, weight, bias, fn, centered, eps, offset, cfg, state):
         y = fn(x)
@@ -175,6 +177,7 @@ def norm(
             return torch.nn.functional.rms_norm(t, shape, w_eff, eps)
 
     params = [t for t in (weight, bias) if t is not None]
-    if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)):
+    # An empty batch keeps nothing: its row statistics would be reductions over nothing.
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)) or not x.numel():
         return fn(x)
     return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, cfg, state)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import load, save
+from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import Packed, QuantConfig, RunningRange, pack
 from slimact.quant.core import register_derivation, share_derived
 
@@ -48,7 +48,9 @@ def pack_probabilities(y: Tensor, cfg: QuantConfig | None, state: RunningRange |
     return Packed(packed.tensors, packed.meta._replace(derive="square"))
 
 
-class _SoftmaxFunction(torch.autograd.Function):
+class _SoftmaxFunction(SlimFunction):
+    layer = "softmax"
+
     @staticmethod
     def forward(ctx, x, dim, cfg, state, dtype=None):
         y = torch.softmax(x, dim, dtype=dtype)

@@ -24,7 +24,8 @@ class _ActivationMixin(SlimModule):
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         cfg = self._slimact_cfg(x)
-        return activation(x, self._slimact_form, cfg, self._slimact_state(), fn=super().forward)  # type: ignore[misc]
+        return activation(x, self._slimact_form, cfg, self._slimact_state(), fn=super().forward,  # type: ignore[misc]
+                          inplace=bool(getattr(self, "inplace", False)))
 
 
 _DOC = "Drop-in ``nn.{0}`` keeping {1} for the backward. Args: those of ``nn.{0}``, and keyword ``policy``."
