@@ -23,11 +23,14 @@ from slimact import functional as sf
 from slimact._metrics import sqnr_db
 from slimact.functional._saving import SlimFunction
 from slimact.functional.activation import FORMS, reference
+from slimact.functional.gather import gather
+from slimact.functional.matmul import baddbmm, einsum
 from slimact.quant import QuantConfig
 
 ROWS = QuantConfig(groups=8, clamp_groups=True)  # as the default policy builds a Linear's config
 HEADS = QuantConfig(group_dim=1, groups=0)  # per head (attention tensors)
 CHANNELS = QuantConfig(group_dim=1)  # per channel group along dim 1 (convolution, batch norm)
+BATCHED = QuantConfig(group_dim=0, groups=0)  # per [B * H] index of a rank-3 attention operand
 
 
 class Case(NamedTuple):
@@ -66,6 +69,16 @@ def _cases() -> list[Case]:
              lambda h, w, b: F.cross_entropy(F.linear(h.flatten(0, 1), w, b), _targets(h), reduction="sum"),
              (lambda n: (n, 3, 8), lambda n: (5, 8), lambda n: (5,)), True),
     ]
+    out += [
+        Case("baddbmm", lambda x, a, b: baddbmm(x, a, b, BATCHED, BATCHED, beta=0.5, alpha=2.0),
+             lambda x, a, b: torch.baddbmm(x, a, b, beta=0.5, alpha=2.0),
+             (lambda n: (n, 3, 5), lambda n: (n, 3, 4), lambda n: (n, 4, 5)), False),
+        Case("einsum", lambda a, b: einsum("bhtd,bhsd->bhts", a, b, HEADS, HEADS),
+             lambda a, b: torch.einsum("bhtd,bhsd->bhts", a, b), (lambda n: (n, 2, 3, 4), lambda n: (n, 2, 5, 4)),
+             False),
+        Case("gather", lambda x: gather(x, 2, _index(x)), lambda x: torch.gather(x, 2, _index(x)),
+             (lambda n: (n, 3, 8),), True),
+    ]
     out += [_act(form, cfg) for form in FORMS for cfg in (ROWS, None)]
     for cfg in (ROWS, None):
         tag = "exact" if cfg is None else "8bit"
@@ -91,6 +104,10 @@ def _cases() -> list[Case]:
                  cfg is None),
         ]
     return out
+
+
+def _index(x: torch.Tensor) -> torch.Tensor:
+    return (torch.arange(x.shape[0] * x.shape[1] * 4) % x.shape[2]).reshape(x.shape[0], x.shape[1], 4)
 
 
 def _targets(h: torch.Tensor) -> torch.Tensor:
