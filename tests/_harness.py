@@ -142,6 +142,20 @@ def assert_gradients_close(exact: dict, approx: dict, min_cosine: float = 0.99, 
             assert cosine(gold[n], approx[n]) >= floor, (n, floor)
 
 
+def assert_gradients_equal(exact: dict, approx: dict) -> None:
+    """Every gradient equal to float rounding, as :func:`slimact.check` judges a lossless policy: normwise,
+    ``||g - g_exact|| <= tol * ||g_exact||``, and one that is negligible (zero in exact arithmetic) within ``tol`` of
+    a typical gradient. Elementwise tolerances fail on float rounding alone wherever slimact and PyTorch add a
+    sum in another order (a different attention kernel; a weight gradient of magnitude 75 carries 1e-5 of it)."""
+    from slimact.check import _judge
+
+    assert exact.keys() == approx.keys() and exact
+    typical = torch.stack([g.double().norm() for g in exact.values()]).median().item()
+    for n in exact:
+        verdict = _judge(n, exact[n], approx[n], typical, lossless=True)
+        assert verdict.passed, f"{n}: {verdict.reason}"
+
+
 def zero_gradients(grads: dict) -> set:
     """Names of the gradients that are zero in exact arithmetic (fp32 ones below 1e-6 of a typical one)."""
     typical = torch.stack([g.norm() for g in grads.values()]).median()

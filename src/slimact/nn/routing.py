@@ -360,11 +360,18 @@ class Routing:
         return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             cfg=self._cfg("attention", query))
 
+    # Under torch.compile the mode is never entered (see _enter): nothing to exclude. The counter bumped in these
+    # hooks would be a side effect for dynamo to replay, and around a module applying a slimact Function (Llama's
+    # gated MLP, whose act_fn is excluded) it broke the trace ("an intermediate tensor ... created inside a
+    # higher-order op subgraph aliases an input or output").
+
     def _enter_excluded(self, module, args):
-        self.excluded_depth += 1
+        if not torch.compiler.is_compiling():
+            self.excluded_depth += 1
 
     def _exit_excluded(self, module, args, output):
-        self.excluded_depth -= 1
+        if not torch.compiler.is_compiling():
+            self.excluded_depth -= 1
 
     # Functional norms: F.layer_norm / torch.layer_norm ("layernorm"), F.rms_norm / torch.rms_norm ("rmsnorm"),
     # as a model's own norm class calls them (OLMo's weightless LayerNorm, a user's norm module).
