@@ -1,27 +1,58 @@
 """Triton kernels for the quantise and dequantise passes of :mod:`slimact.quant.reference`.
 
 Same math, same codes: given the same per-group ``lo``/``step`` and the same seed, :func:`quantize` returns
-the reference's codes bit for bit (tested on CPU under ``TRITON_INTERPRET=1``), including the stochastic
-bits, which each program recomputes from ``fmix32(flat_index ^ seed_key)`` instead of reading a noise
-tensor. One program handles ``BLOCK`` output bytes, i.e. ``BLOCK * 8 // bits`` elements laid out as a
-``[BLOCK, 8 // bits]`` tile, so sub-byte codes are packed in registers before the single store.
+the reference's codes and :func:`dequantize` its restored values bit for bit, on the device as under
+``TRITON_INTERPRET=1`` (where the suite runs them on CPU). Two compiler defaults would break that on hardware,
+never in the interpreter, and are turned off:
+
+* fp contraction: Triton fuses ``code * step + lo`` into one fused multiply-add (one rounding) where the
+  reference rounds the product and the sum separately, so every kernel is launched with
+  ``enable_fp_fusion=False``;
+* approximate division and square root: Triton's fp32 ``/`` compiles to ``div.full.f32`` (up to 2 ulp off), which
+  moves a code by one wherever ``(x - lo) / step`` lies next to a rounding boundary, so codes divide with
+  ``tl.math.div_rn`` and the range pass takes ``tl.math.sqrt_rn`` (PyTorch's are correctly rounded).
+
+Tiling (:func:`quantize`, :func:`dequantize`): ``x`` is viewed as ``[rows, width]`` so that the group of an
+element is a function of its row or of its column alone, computed once per row or column of a tile (never
+per element): the whole tensor or a single group is one row (``group 0``); channel groups (the grouped dim is
+the last) are rows of ``size`` channels, the group a function of the column; otherwise (per head, a conv's
+channels) rows of ``inner`` elements, the group a function of the row (``(row % size) * groups // size``).
+One program handles a ``[R, BB * 8 // bits]`` tile of elements, i.e. ``[R, BB]`` output bytes, ``R * BB * 8 /
+bits`` at most ``_TILE``, ``R`` no more rows than there are: sub-byte codes are packed along the flat index
+(:mod:`slimact.quant.packing`), so a row packs into its own bytes when its width is a multiple of ``8 // bits``
+or when there is one row; otherwise (a 4-bit ``[5, 13]``) the tile is flat and the group is computed per element
+from the flat index (three integer divisions: the one case that keeps them). Offsets are int32 when every
+offset a program forms is below ``2**31`` and int64 otherwise. The stochastic bits are recomputed from
+``fmix32(flat_index ^ key)`` instead of read from a noise tensor. All programs run on grid axis 0 (its limit is
+``2**31 - 1``; axes 1 and 2 stop at 65535), whatever the tensor's size.
 
 Bytes moved per element: read ``x`` (2 or 4) and write ``bits/8`` to pack; the reverse to unpack.
 
 The range pass, :func:`group_stats` (per group: min, max, the sum of ``sqrt|x|`` that decides outliers, and
 whether any value is NaN/inf), reads ``x`` once too, where the reference's reductions read it three times (a
 min, a max and an fp64 power sum). ``x`` is viewed as ``[outer, size, inner]`` around the grouped dim; each
-program reduces one tile to a partial per index of that dim, written to its own slot (no atomics), and the few
-partials are reduced by PyTorch in a fixed order, so the result is deterministic. Tiles run along the dim when
-it is the last one (``inner == 1``: channel groups, coalesced along channels), along ``inner`` otherwise (per
-head, the whole tensor).
+program reduces one ``[OB, B]`` tile to a partial per index of that dim, written to its own slot of a
+``[4, parts, size]`` buffer (no atomics), and the few partials are reduced by PyTorch in a fixed order, so the
+result is deterministic. Tiles run along the dim when it is the last one (``inner == 1``: channel groups,
+coalesced along channels), along ``inner`` otherwise (per head, the whole tensor), their shape chosen from the
+actual extents (the whole tensor, ``outer == 1``, gets ``[1, _TILE]`` tiles, no masked rows).
 
 :func:`quantize_stats` is that pass with the 8-bit codes written from the same read, for a given ``lo``/``step``
 (a running estimate's): the pack under a running estimate reads ``x`` once and never waits for the host
 (:func:`slimact.quant.core._pack_running`).
+
+Stochastic keys: the kernels take the seed as a value plus an offset read from a device tensor, and use
+``key = fmix32(seed + offset)`` (``reference.seed_key(seed)`` when the offset is 0). Outside CUDA-graph capture
+the offset is a constant 0 and the seed comes from ``reference.draw_seed()``, as in the reference. While the
+current stream is capturing, the seed drawn at capture would be frozen into the graph, so the offset is instead
+a per-device counter that an in-graph ``add_(1)`` advances after each use: every replay draws new noise. The
+counter is created by the device's first stochastic pack outside capture (capture needs a warm-up pack anyway:
+Triton compiles there), the same kernel specialisation serves both.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,13 +61,15 @@ from torch import Tensor
 
 from slimact.quant import reference
 from slimact.quant.packing import packed_numel
-from slimact.quant.reference import GroupLayout, PackMeta, _group_reduce, seed_key
+from slimact.quant.reference import GroupLayout, PackMeta, _group_reduce
 
 __all__ = ["dequantize", "group_minmax", "group_stats", "quantize", "quantize_stats"]
 
-_BLOCK = 1024
-_TILE = 4096  # elements one range program reduces
+_TILE = 4096  # elements one program handles
 _GRID_MAX = (2**31 - 1, 65535, 65535)
+_INT32_OFFSETS = 2**31  # offsets below this are int32 in the kernels, int64 from it
+# How the group of an element is found (the kernels' MODE): one group, per column, per row, per element.
+_WHOLE, _PER_COL, _PER_ROW, _PER_ELEMENT = 0, 1, 2, 3
 
 
 @triton.jit
@@ -49,17 +82,25 @@ def _fmix32(h):
 
 
 @triton.jit
+def _key(seed, offset_ptr):
+    # The 32-bit key of seed + offset (a scalar): reference.seed_key(seed) when the offset is 0.
+    return _fmix32((seed + tl.load(offset_ptr)).to(tl.uint32))
+
+
+@triton.jit
 def _group_of(idx, inner, size, groups):
+    # int64 idx: (idx // inner) % size < size, times groups < 2**63
     return ((idx // inner) % size) * groups // size
 
 
 @triton.jit
 def _code(x, lo, step, idx, key, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
     # The reference's code of x (fp32) at flat index idx: clamp(floor((x - lo) / step + u), 0, qmax), u = 1/2 or
-    # the hashed uniform of the index.
-    v = (x - lo) / step
+    # the hashed uniform of the index. The division is correctly rounded, as the reference's (Triton's `/` is not
+    # on hardware).
+    v = tl.math.div_rn(x - lo, step)
     if STOCHASTIC:
-        h = _fmix32(((idx & 0xFFFFFFFF) ^ key).to(tl.uint32))
+        h = _fmix32(idx.to(tl.uint32) ^ key)  # idx mod 2**32
         v = v + (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
     else:
         v = v + 0.5
@@ -67,94 +108,142 @@ def _code(x, lo, step, idx, key, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def _tile(rows, width, row_bytes, col_blocks, R: tl.constexpr, BB: tl.constexpr, PER_BYTE: tl.constexpr,
+          WIDE: tl.constexpr):
+    # This program's tile of x viewed as [rows, width] (codes: [rows, row_bytes]): row [R, 1], element column
+    # [1, BB * PER_BYTE], flat element index [R, BB * PER_BYTE] and its mask, byte offset [R, BB] and its mask.
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    rb = pid // col_blocks
+    cb = pid - rb * col_blocks
+    row = (rb * R + tl.arange(0, R))[:, None]
+    col = (cb * (BB * PER_BYTE) + tl.arange(0, BB * PER_BYTE))[None, :]
+    bcol = (cb * BB + tl.arange(0, BB))[None, :]
+    off = row * width + col
+    mask = (row < rows) & (col < width)
+    boff = row * row_bytes + bcol
+    bmask = (row < rows) & (bcol < row_bytes)
+    return row, col, off, mask, boff, bmask
+
+
+@triton.jit
+def _group_params(lo_ptr, step_ptr, row, col, off, mask, inner, size, groups, MODE: tl.constexpr):
+    # (lo, step) broadcastable against the [R, BB * PER_BYTE] tile: a scalar, a [1, C] column vector, an [R, 1]
+    # row vector, or per element. Group arithmetic in int64 (col * groups reaches 2**31 at 46341 channels).
+    if MODE == 0:
+        lo = tl.load(lo_ptr)
+        step = tl.load(step_ptr)
+    elif MODE == 1:
+        g = col.to(tl.int64) * groups // size  # [1, C]
+        lo = tl.load(lo_ptr + g, mask=col < size, other=0.0)
+        step = tl.load(step_ptr + g, mask=col < size, other=1.0)
+    elif MODE == 2:
+        g = (row.to(tl.int64) % size) * groups // size  # [R, 1]
+        lo = tl.load(lo_ptr + g)
+        step = tl.load(step_ptr + g)
+    else:
+        g = _group_of(off.to(tl.int64), inner, size, groups)  # [R, C]
+        lo = tl.load(lo_ptr + g, mask=mask, other=0.0)
+        step = tl.load(step_ptr + g, mask=mask, other=1.0)
+    return lo, step
+
+
+@triton.jit(do_not_specialize=["seed"])
 def _quantize_kernel(
-    x_ptr, codes_ptr, lo_ptr, step_ptr, numel, nbytes, inner, size, groups, key,
-    BITS: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, codes_ptr, lo_ptr, step_ptr, offset_ptr, seed, rows, width, row_bytes, col_blocks, inner, size, groups,
+    BITS: tl.constexpr, STOCHASTIC: tl.constexpr, MODE: tl.constexpr, R: tl.constexpr, BB: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
+    # x [rows, width] (any float dtype) -> codes [rows, row_bytes] uint8, 8 // BITS codes per byte.
     PER_BYTE: tl.constexpr = 8 // BITS
     QMAX: tl.constexpr = (1 << BITS) - 1
-    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    lane = tl.arange(0, PER_BYTE)  # [PER_BYTE]
-    idx = byte[:, None] * PER_BYTE + lane[None, :]  # [BLOCK, PER_BYTE] flat element index
-    mask = idx < numel
-    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    g = _group_of(idx, inner, size, groups)
-    lo = tl.load(lo_ptr + g, mask=mask, other=0.0)
-    step = tl.load(step_ptr + g, mask=mask, other=1.0)
-    code = tl.where(mask, _code(x, lo, step, idx, key, QMAX, STOCHASTIC), 0)
-    packed = tl.sum(code << (lane * BITS)[None, :], axis=1)
-    tl.store(codes_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+    row, col, off, mask, boff, bmask = _tile(rows, width, row_bytes, col_blocks, R, BB, PER_BYTE, WIDE)
+    lo, step = _group_params(lo_ptr, step_ptr, row, col, off, mask, inner, size, groups, MODE)
+    x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)  # [R, BB * PER_BYTE]
+    key = _key(seed, offset_ptr) if STOCHASTIC else 0
+    code = tl.where(mask, _code(x, lo, step, off, key, QMAX, STOCHASTIC), 0)  # [R, BB * PER_BYTE] uint32
+    if PER_BYTE > 1:
+        shift = (tl.arange(0, PER_BYTE) * BITS)[None, None, :]  # [1, 1, PER_BYTE]
+        code = tl.sum(tl.reshape(code, (R, BB, PER_BYTE)) << shift, axis=2)  # [R, BB]
+    tl.store(codes_ptr + boff, code.to(tl.uint8), mask=bmask)
 
 
 @triton.jit
 def _dequantize_kernel(
-    codes_ptr, out_ptr, lo_ptr, step_ptr, numel, nbytes, inner, size, groups,
-    BITS: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr,
+    codes_ptr, out_ptr, lo_ptr, step_ptr, rows, width, row_bytes, col_blocks, inner, size, groups,
+    BITS: tl.constexpr, BF16_BITS: tl.constexpr, MODE: tl.constexpr, R: tl.constexpr, BB: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
+    # codes [rows, row_bytes] uint8 -> out [rows, width] (fp32, fp16, or bf16 through an int16 view).
     PER_BYTE: tl.constexpr = 8 // BITS
     QMAX: tl.constexpr = (1 << BITS) - 1
-    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    lane = tl.arange(0, PER_BYTE)
-    packed = tl.load(codes_ptr + byte, mask=byte < nbytes, other=0).to(tl.uint32)
-    code = (packed[:, None] >> (lane * BITS)[None, :]) & QMAX  # [BLOCK, PER_BYTE]
-    idx = byte[:, None] * PER_BYTE + lane[None, :]
-    mask = idx < numel
-    g = _group_of(idx, inner, size, groups)
-    lo = tl.load(lo_ptr + g, mask=mask, other=0.0)
-    step = tl.load(step_ptr + g, mask=mask, other=1.0)
-    out = lo + code.to(tl.float32) * step
+    row, col, off, mask, boff, bmask = _tile(rows, width, row_bytes, col_blocks, R, BB, PER_BYTE, WIDE)
+    code = tl.load(codes_ptr + boff, mask=bmask, other=0).to(tl.uint32)  # [R, BB]
+    if PER_BYTE > 1:
+        shift = (tl.arange(0, PER_BYTE) * BITS)[None, None, :]  # [1, 1, PER_BYTE]
+        code = tl.reshape((code[:, :, None] >> shift) & QMAX, (R, BB * PER_BYTE))
+    lo, step = _group_params(lo_ptr, step_ptr, row, col, off, mask, inner, size, groups, MODE)
+    out = code.to(tl.float32) * step + lo  # two roundings, as the reference (launched without fp fusion)
     if BF16_BITS:
         # fp32 -> bf16 round-to-nearest-even on the bits (as torch does; values here are finite), stored
         # through an int16 view so every Triton backend, the interpreter included, rounds the same way.
         b = out.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        tl.store(out_ptr + idx, b.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(out_ptr + off, b.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
-        tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _stats_kernel(x_ptr, part_ptr, codes_ptr, lo_ptr, step_ptr, outer, size, inner, parts, groups, key,
-                  OB: tl.constexpr, B: tl.constexpr, ALONG_SIZE: tl.constexpr, QUANTIZE: tl.constexpr,
-                  STOCHASTIC: tl.constexpr):
+@triton.jit(do_not_specialize=["seed"])
+def _stats_kernel(x_ptr, part_ptr, codes_ptr, lo_ptr, step_ptr, offset_ptr, outer, size, inner, parts, groups,
+                  seed, col_blocks, row_blocks, OB: tl.constexpr, B: tl.constexpr, ALONG_SIZE: tl.constexpr,
+                  QUANTIZE: tl.constexpr, STOCHASTIC: tl.constexpr, WIDE: tl.constexpr):
     # One [OB, B] tile of x viewed as [outer, size, inner] -> partial (min, max, sum sqrt|x|, non-finite count)
     # per index of the grouped dim, at part[k, p, index] of a [4, parts, size] fp32 buffer. With QUANTIZE, the
-    # tile's 8-bit codes for the given per-group lo/step too, from the same read.
-    o = (tl.program_id(1).to(tl.int64) * OB + tl.arange(0, OB))[:, None]  # [OB, 1]
-    b = (tl.program_id(0).to(tl.int64) * B + tl.arange(0, B))[None, :]  # [1, B]
+    # tile's 8-bit codes for the given per-group lo/step too, from the same read. Program id ->
+    # (index s along dim, row block, column block), column block fastest; s is 0 when ALONG_SIZE.
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    cb = pid % col_blocks
+    rest = pid // col_blocks
+    rb = rest % row_blocks
+    s = rest // row_blocks
+    o = (rb * OB + tl.arange(0, OB))[:, None]  # [OB, 1]
+    b = (cb * B + tl.arange(0, B))[None, :]  # [1, B]
     if ALONG_SIZE:  # inner == 1: b is the index along dim
         mask = (o < outer) & (b < size)
         off = o * size + b
         dim_index = b  # [1, B]
     else:  # b runs along inner, for one index s of dim
-        s = tl.program_id(2).to(tl.int64)
         mask = (o < outer) & (b < inner)
         off = (o * size + s) * inner + b
         dim_index = s
     x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZE:
-        g = dim_index * groups // size
+        g = dim_index.to(tl.int64) * groups // size
         lo_g = tl.load(lo_ptr + g, mask=dim_index < size, other=0.0)
         step_g = tl.load(step_ptr + g, mask=dim_index < size, other=1.0)
+        key = _key(seed, offset_ptr) if STOCHASTIC else 0
         code = _code(x, lo_g, step_g, off, key, 255, STOCHASTIC)
         tl.store(codes_ptr + off, code.to(tl.uint8), mask=mask)
     finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
     ok = mask & finite
     lo = tl.where(ok, x, float("inf"))
     hi = tl.where(ok, x, float("-inf"))
-    root = tl.where(ok, tl.sqrt(tl.abs(x)), 0.0)
+    root = tl.where(ok, tl.math.sqrt_rn(tl.abs(x)), 0.0)  # correctly rounded, as torch.sqrt
     bad = tl.where(mask & ~finite, 1.0, 0.0)
     if ALONG_SIZE:
-        p = tl.program_id(1).to(tl.int64)
-        index = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)  # [B]
-        where = part_ptr + p * size + index
+        index = cb * B + tl.arange(0, B)  # [B]
+        where = part_ptr + rb * size + index
         keep = index < size
         tl.store(where, tl.min(lo, axis=0), mask=keep)
         tl.store(where + parts * size, tl.max(hi, axis=0), mask=keep)
         tl.store(where + 2 * parts * size, tl.sum(root, axis=0), mask=keep)
         tl.store(where + 3 * parts * size, tl.sum(bad, axis=0), mask=keep)
     else:
-        p = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+        p = rb * col_blocks + cb
         where = part_ptr + p * size + s
         tl.store(where, tl.min(tl.min(lo, axis=1), axis=0))
         tl.store(where + parts * size, tl.max(tl.max(hi, axis=1), axis=0))
@@ -162,34 +251,69 @@ def _stats_kernel(x_ptr, part_ptr, codes_ptr, lo_ptr, step_ptr, outer, size, inn
         tl.store(where + 3 * parts * size, tl.sum(tl.sum(bad, axis=1), axis=0))
 
 
+#: Per device: int64 [4], slot 0 a constant 0 (the offset outside capture), slot 2 the counter captured graphs
+#: advance (16 bytes apart, so both pointers have the same alignment and the same kernel specialisation).
+_seed_offsets: dict[torch.device, Tensor] = {}
+
+
+def _seed_args(seed: int | None, device: torch.device) -> tuple[int, Tensor | None, Tensor | None]:
+    """``(seed as a signed 32-bit value, offset pointer, counter to advance after the launch or None)``."""
+    if seed is None:
+        return 0, None, None
+    s = seed & 0xFFFFFFFF
+    s = s - (1 << 32) if s >= (1 << 31) else s  # the same 32 bits, one kernel argument type
+    offsets = _seed_offsets.get(device)
+    capturing = torch.cuda._is_compiled() and torch.cuda.is_current_stream_capturing()  # (no CUDA: no capture)
+    if offsets is None:
+        if capturing:
+            raise RuntimeError(
+                "stochastic rounding inside CUDA-graph capture needs one stochastic pack on this device before the "
+                "capture (the warm-up that compiles the kernels): it creates the device's seed counter"
+            )
+        offsets = _seed_offsets[device] = torch.zeros(4, dtype=torch.int64, device=device)
+    if capturing:  # the seed drawn now would be frozen into the graph: add a counter each replay advances
+        return s, offsets[2:3], offsets[2:3]
+    return s, offsets[0:1], None
+
+
 def _stats(
     x: Tensor, layout: GroupLayout, quantize_with: tuple[Tensor, Tensor, int | None] | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
     """One read of ``x``: per-group (min, max, sum of ``sqrt|x|``), and the 8-bit codes for ``(lo, step, seed)``
-    when ``quantize_with`` is given (else ``None``). ``None`` where the grid would exceed the launch limits."""
+    when ``quantize_with`` is given (else ``None``). ``None`` where the grid would exceed the launch limit."""
     x = x.contiguous()
     numel = x.numel()
     size, inner = (1, numel) if layout.dim is None else (layout.size, layout.inner)
     outer = numel // (size * inner)
     along_size = inner == 1 and size > 1
     width = size if along_size else inner
-    block = min(1024 if not along_size else 64, triton.next_power_of_2(width))
-    rows = max(1, _TILE // block)
-    grid = (triton.cdiv(width, block), triton.cdiv(outer, rows), 1 if along_size else size)
-    if any(g > limit for g, limit in zip(grid, _GRID_MAX, strict=True)):
+    rows_p2 = triton.next_power_of_2(outer)
+    # Tile [rows, block] from the actual extents: along channels at least 64 wide (coalesced, few partials),
+    # wider when there are few rows; along inner up to the whole tile; never more rows than outer has.
+    cap = max(64, _TILE // rows_p2) if along_size else _TILE
+    block = min(cap, triton.next_power_of_2(width))
+    rows = min(rows_p2, max(1, _TILE // block))
+    col_blocks, row_blocks = triton.cdiv(width, block), triton.cdiv(outer, rows)
+    grid = col_blocks * row_blocks * (1 if along_size else size)
+    if grid > _GRID_MAX[0]:
         return None
-    parts = grid[1] if along_size else grid[0] * grid[1]
+    parts = row_blocks if along_size else col_blocks * row_blocks
+    # int32 offsets unless a tile's (overhanging) offsets or the partials reach 2**31
+    wide = max(row_blocks * rows * size * inner + col_blocks * block, 4 * parts * size) >= _INT32_OFFSETS
     part = torch.empty(4, parts, size, dtype=torch.float32, device=x.device)
     codes = lo_q = step_q = None
-    seed = None
+    seed, offset, advance = 0, None, None
     if quantize_with is not None:
-        lo_q, step_q, seed = quantize_with
+        lo_q, step_q, seed_q = quantize_with
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    _stats_kernel[grid](
-        x, part, codes, lo_q, step_q, outer, size, inner, parts, layout.groups,
-        seed_key(seed) if seed is not None else 0,
-        OB=rows, B=block, ALONG_SIZE=along_size, QUANTIZE=codes is not None, STOCHASTIC=seed is not None,
+        seed, offset, advance = _seed_args(seed_q, x.device)
+    _stats_kernel[(grid,)](
+        x, part, codes, lo_q, step_q, offset, outer, size, inner, parts, layout.groups, seed, col_blocks, row_blocks,
+        OB=rows, B=block, ALONG_SIZE=along_size, QUANTIZE=codes is not None, STOCHASTIC=offset is not None,
+        WIDE=wide, enable_fp_fusion=False,
     )
+    if advance is not None:
+        advance.add_(1)
     lo, hi, root, bad = part[0].amin(0), part[1].amax(0), part[2].sum(0), part[3].sum(0)  # [size] each
     bad = _group_reduce(bad, layout, "sum") > 0
     lo = _group_reduce(lo, layout, "amin").masked_fill(bad, float("nan"))
@@ -227,34 +351,64 @@ def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
     return lo, hi
 
 
-def _grid(nbytes: int) -> tuple[int]:
-    return (triton.cdiv(nbytes, _BLOCK),)
+class _Tiling(NamedTuple):
+    """How :func:`quantize`/:func:`dequantize` view a tensor (see the module docstring)."""
+
+    mode: int  # _WHOLE, _PER_COL, _PER_ROW or _PER_ELEMENT
+    rows: int
+    width: int  # elements per row
+    row_bytes: int  # code bytes per row
+    r: int  # rows per tile
+    bb: int  # code bytes per tile row
+    col_blocks: int
+    grid: int
+    wide: bool  # int64 offsets
+
+
+def _tiling(numel: int, layout: GroupLayout, bits: int) -> _Tiling:
+    per_byte = 8 // bits
+    if layout.dim is None or layout.groups == 1:
+        mode, rows, width = _WHOLE, 1, numel
+    elif layout.inner == 1:
+        mode, rows, width = _PER_COL, numel // layout.size, layout.size
+    else:
+        mode, rows, width = _PER_ROW, numel // layout.inner, layout.inner
+    if rows > 1 and width % per_byte:  # sub-byte codes would straddle rows: flat tiles
+        mode, rows, width = _PER_ELEMENT, 1, numel
+    row_bytes = -(-width // per_byte)
+    bb = min(triton.next_power_of_2(row_bytes), _TILE // per_byte)
+    r = min(triton.next_power_of_2(rows), max(1, _TILE // (bb * per_byte)))
+    col_blocks, row_blocks = triton.cdiv(row_bytes, bb), triton.cdiv(rows, r)
+    wide = row_blocks * r * width + col_blocks * bb * per_byte >= _INT32_OFFSETS  # past the last tile's last offset
+    return _Tiling(mode, rows, width, row_bytes, r, bb, col_blocks, col_blocks * row_blocks, wide)
 
 
 def quantize(x: Tensor, layout: GroupLayout, lo: Tensor, step: Tensor, bits: int, seed: int | None) -> Tensor:
     """Codes of ``x`` (see :func:`slimact.quant.reference.quantize`); reads ``x`` once, writes codes once."""
     x = x.contiguous()
     numel = x.numel()
-    nbytes = packed_numel(numel, bits)
-    codes = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    key = seed_key(seed) if seed is not None else 0
-    _quantize_kernel[_grid(nbytes)](
-        x, codes, lo, step, numel, nbytes, layout.inner, layout.size, layout.groups, key,
-        BITS=bits, STOCHASTIC=seed is not None, BLOCK=_BLOCK,
+    codes = torch.empty(packed_numel(numel, bits), dtype=torch.uint8, device=x.device)
+    t = _tiling(numel, layout, bits)
+    seed_arg, offset, advance = _seed_args(seed, x.device)
+    _quantize_kernel[(t.grid,)](
+        x, codes, lo, step, offset, seed_arg, t.rows, t.width, t.row_bytes, t.col_blocks,
+        layout.inner, layout.size, layout.groups,
+        BITS=bits, STOCHASTIC=seed is not None, MODE=t.mode, R=t.r, BB=t.bb, WIDE=t.wide, enable_fp_fusion=False,
     )
+    if advance is not None:
+        advance.add_(1)
     return codes.view(x.shape) if bits == 8 else codes
 
 
 def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tensor:
     """Restore codes to a contiguous tensor of ``meta.shape`` and ``meta.dtype``."""
     out = torch.empty(meta.shape, dtype=meta.dtype, device=codes.device)
-    numel = out.numel()
-    nbytes = codes.numel()
     layout = meta.layout
+    t = _tiling(out.numel(), layout, meta.bits)
     bf16 = meta.dtype == torch.bfloat16
-    _dequantize_kernel[_grid(nbytes)](
-        codes, out.view(torch.int16) if bf16 else out, lo, step, numel, nbytes,
+    _dequantize_kernel[(t.grid,)](
+        codes, out.view(torch.int16) if bf16 else out, lo, step, t.rows, t.width, t.row_bytes, t.col_blocks,
         layout.inner, layout.size, layout.groups,
-        BITS=meta.bits, BF16_BITS=bf16, BLOCK=_BLOCK,
+        BITS=meta.bits, BF16_BITS=bf16, MODE=t.mode, R=t.r, BB=t.bb, WIDE=t.wide, enable_fp_fusion=False,
     )
     return out
