@@ -299,7 +299,8 @@ def _stats(
         return None
     parts = row_blocks if along_size else col_blocks * row_blocks
     # int32 offsets unless a tile's (overhanging) offsets or the partials reach 2**31
-    wide = max(row_blocks * rows * size * inner + col_blocks * block, 4 * parts * size) >= _INT32_OFFSETS
+    last_row = row_blocks * rows * (1 if along_size else size) - 1  # of x as [outer * size, inner] or [outer, size]
+    wide = max(last_row * width + col_blocks * block, 4 * parts * size) >= _INT32_OFFSETS
     part = torch.empty(4, parts, size, dtype=torch.float32, device=x.device)
     codes = lo_q = step_q = None
     seed, offset, advance = 0, None, None
@@ -379,7 +380,7 @@ def _tiling(numel: int, layout: GroupLayout, bits: int) -> _Tiling:
     bb = min(triton.next_power_of_2(row_bytes), _TILE // per_byte)
     r = min(triton.next_power_of_2(rows), max(1, _TILE // (bb * per_byte)))
     col_blocks, row_blocks = triton.cdiv(row_bytes, bb), triton.cdiv(rows, r)
-    wide = row_blocks * r * width + col_blocks * bb * per_byte >= _INT32_OFFSETS  # past the last tile's last offset
+    wide = (row_blocks * r - 1) * width + col_blocks * bb * per_byte >= _INT32_OFFSETS  # past the last offset
     return _Tiling(mode, rows, width, row_bytes, r, bb, col_blocks, col_blocks * row_blocks, wide)
 
 
