@@ -161,7 +161,9 @@ def _quantize_kernel(
     row, col, off, mask, boff, bmask = _tile(rows, width, row_bytes, col_blocks, R, BB, PER_BYTE, WIDE)
     lo, step = _group_params(lo_ptr, step_ptr, row, col, off, mask, inner, size, groups, MODE)
     x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)  # [R, BB * PER_BYTE]
-    key = _key(seed, offset_ptr) if STOCHASTIC else 0
+    key = 0
+    if STOCHASTIC:
+        key = _key(seed, offset_ptr)
     code = tl.where(mask, _code(x, lo, step, off, key, QMAX, STOCHASTIC), 0)  # [R, BB * PER_BYTE] uint32
     if PER_BYTE > 1:
         shift = (tl.arange(0, PER_BYTE) * BITS)[None, None, :]  # [1, 1, PER_BYTE]
@@ -225,7 +227,9 @@ def _stats_kernel(x_ptr, part_ptr, codes_ptr, lo_ptr, step_ptr, offset_ptr, oute
         g = dim_index.to(tl.int64) * groups // size
         lo_g = tl.load(lo_ptr + g, mask=dim_index < size, other=0.0)
         step_g = tl.load(step_ptr + g, mask=dim_index < size, other=1.0)
-        key = _key(seed, offset_ptr) if STOCHASTIC else 0
+        key = 0
+        if STOCHASTIC:
+            key = _key(seed, offset_ptr)
         code = _code(x, lo_g, step_g, off, key, 255, STOCHASTIC)
         tl.store(codes_ptr + off, code.to(tl.uint8), mask=mask)
     finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
