@@ -1,27 +1,104 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of the speed work, for a machine with a CUDA device; under 8 minutes (the
-# timeouts below add up to 7.8, not yet run on a GPU). Writes its results under benchmarks/results/gpu/ (or the folder given): commit them.
+# The GPU checks and benchmarks, for one run of about 8 minutes on a machine with a CUDA device (the steps'
+# timeouts add up to 460 s). Needs no install: runs from the checkout (PYTHONPATH=src) with $PYTHON, else
+# .venv/bin/python where it exists, else python3.
 #
-#   bash benchmarks/gpu.sh [out-folder]
+#   bash benchmarks/gpu.sh OUTDIR
 #
-# 1. The Triton kernels against the reference, bit for bit, on the device (tests/quant/test_triton.py runs
-#    there when CUDA is available; on CPU the suite runs it under TRITON_INTERPRET=1).
-# 2. Pack and unpack of a 64 MiB fp32 tensor against the device's Tensor.copy_ (and clone), and each Function's
-#    forward + backward against PyTorch's (slimact bench --ops).
-# 3. A bf16 training step of GPT-2 (12 layers) at batch 8 x 1024, plain against "int8", "tempo" and per-layer
-#    checkpointing, interleaved (slimact bench --speed), with activation bytes and the step's peak.
-# 4. The same model at one memory budget (slimact bench --throughput): each setup at the largest batch measured
-#    to fit 24 GiB (slimact fit), samples per second against plain's.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -x .venv/bin/python ]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python}; fi
-OUT=${1:-benchmarks/results/gpu}
-mkdir -p "$OUT"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
-    | tee "$OUT/device.txt"
-timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/quant/test_triton.py tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert 2>&1 | tail -5 | tee "$OUT/triton_tests.txt"
-timeout 60 "$PY" -m slimact bench --ops --device cuda --out "$OUT" --name ops
-timeout 210 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
-    --dtypes bf16 --rounds 7 --policies tempo int8 checkpoint --out "$OUT" --name speed
-timeout 110 "$PY" -m slimact bench --throughput --device cuda --models gpt2 --layers 12 --seq 1024 --dtypes bf16 \
-    --budget 24GiB --max-batch 64 --rounds 5 --policies int8 tempo --out "$OUT" --name throughput
+# Each step runs under its own `timeout`, its exit code is recorded and the next step runs whatever it was
+# (no `set -e`). Each step writes its log (and its CSV/Markdown) to OUTDIR/steps/ as it goes; after each step
+# everything is packed into OUTDIR/gpu-results.tar.gz and OUTDIR/summary.txt is rewritten (per step: exit code,
+# seconds, last lines), so a run cut short still leaves its results; at the end OUTDIR holds those two files only.
+#
+#   device      (15 s)  the device, torch / triton / transformers versions, nvidia-smi.
+#   kernels     (45 s)  the Triton kernels (quantize, dequantize, group_stats, quantize_stats) against the reference,
+#                       [8192, 768] bf16/fp32 whole tensor and channel groups, [8, 12, 1024, 64] per head; 8-bit
+#                       nearest, stochastic (seed 1234), 4-bit: mismatching codes and restored values per case
+#                       (slimact bench --kernels; exit 1 on any mismatch).
+#   ops         (60 s)  pack/unpack against copy_ on 64 MiB fp32: ratios, GB/s per layout (whole tensor, channel
+#                       groups, per head; CUDA-event medians), each Function's forward + backward against
+#                       PyTorch's (slimact bench --ops).
+#   speed      (170 s)  GPT-2 (12 layers, bf16, batch 8 x 1024) training step, plain vs "tempo" and "int8", with
+#                       every dropout at 0 and at 0.1, 3 interleaved rounds; first_step_s (compilation included)
+#                       apart from the rounds (slimact bench --speed).
+#   tests      (120 s)  the test files holding CUDA tests (tests/quant/test_triton.py, tests/test_state.py and
+#                       tests/test_kinds.py's CUDA probe test), 60 s per test where pytest-timeout is installed.
+#   throughput  (50 s)  the same GPT-2 at a 24 GiB budget, each setup at the largest batch that fits
+#                       (slimact bench --throughput); the first to cut when time is short.
+#
+# Dry mode (no CUDA device, or SLIMACT_GPU_DRY=1): every step still starts; the kernel probe runs on CPU at tiny
+# shapes under TRITON_INTERPRET=1; the slimact bench steps parse their arguments, write "no device" to their log
+# and exit 0 (SLIMACT_GPU_DRY=1); the test step only collects its tests (tests/test_bench.py runs this mode).
+cd "$(dirname "$0")/.." || exit 1
+[ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu.sh OUTDIR" >&2; exit 2; }
+OUTDIR=$1
+mkdir -p "$OUTDIR/steps" || exit 1
+OUTDIR=$(cd "$OUTDIR" && pwd)
+STEPS=$OUTDIR/steps
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+SUMMARY=$OUTDIR/summary.txt
+RECORDS=$STEPS/.records
+: >"$RECORDS"
+DRY=${SLIMACT_GPU_DRY:-0}
+
+pack_up() {
+    {
+        echo "benchmarks/gpu.sh on $(hostname) $(date -u +%FT%TZ); python: $PY; dry: $DRY"
+        while IFS='|' read -r name rc secs; do
+            printf '\n== %-10s exit %-3s %5s s\n' "$name" "$rc" "$secs"
+            tail -n 6 "$STEPS/$name.log" 2>/dev/null | sed 's/^/   /'
+        done <"$RECORDS"
+    } >"$SUMMARY"
+    cp "$SUMMARY" "$STEPS/summary.txt"
+    tar -czf "$OUTDIR/gpu-results.tar.gz.part" -C "$OUTDIR" steps && mv "$OUTDIR/gpu-results.tar.gz.part" "$OUTDIR/gpu-results.tar.gz"
+}
+
+# step NAME SECONDS CUDA_ONLY COMMAND...: runs COMMAND under `timeout`, its output to steps/NAME.log.
+step() {
+    local name=$1 limit=$2 cuda_only=$3 rc start
+    shift 3
+    start=$(date +%s)
+    echo "== $name: $*" | tee "$STEPS/$name.log"
+    [ "$DRY" = 1 ] && [ "$cuda_only" = 1 ] && echo "no device (dry mode): the command starts and only checks its arguments" \
+        | tee -a "$STEPS/$name.log"
+    SLIMACT_GPU_DRY=$DRY timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$STEPS/$name.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 124 ] && echo "timed out after $limit s" | tee -a "$STEPS/$name.log"
+    echo "$name|$rc|$(( $(date +%s) - start ))" >>"$RECORDS"
+    pack_up
+}
+
+step device 15 0 "$PY" -c "
+import torch
+print('torch', torch.__version__, 'cuda', torch.version.cuda)
+for m in ('triton', 'transformers', 'pytest_timeout'):
+    try:
+        print(m, 'yes' if m == 'pytest_timeout' else '', getattr(__import__(m), '__version__', ''))
+    except Exception as e:
+        print(m, 'missing:', type(e).__name__, e)
+print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no device')
+"
+if ! grep -q '^device: ' "$STEPS/device.log" || grep -q '^device: no device' "$STEPS/device.log"; then DRY=1; fi
+[ "$DRY" = 1 ] || nvidia-smi >>"$STEPS/device.log" 2>&1
+
+if [ "$DRY" = 1 ]; then
+    step kernels 45 0 env TRITON_INTERPRET=1 "$PY" -m slimact bench --kernels --device cpu --tiny --out "$STEPS" --name kernels
+else
+    step kernels 45 0 "$PY" -m slimact bench --kernels --device cuda --out "$STEPS" --name kernels
+fi
+step ops 60 1 "$PY" -m slimact bench --ops --device cuda --rounds 7 --out "$STEPS" --name ops
+step speed 170 1 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
+    --dtypes bf16 --rounds 3 --policies tempo int8 --dropout 0 0.1 --out "$STEPS" --name speed
+PYTEST_ARGS=()
+grep -q '^pytest_timeout yes ' "$STEPS/device.log" && PYTEST_ARGS=(--timeout 60)
+[ "$DRY" = 1 ] && PYTEST_ARGS+=(--collect-only)  # dry: the files collect; their CUDA tests would skip here
+step tests 120 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}" --junitxml "$STEPS/tests.xml" \
+    tests/quant/test_triton.py tests/test_state.py \
+    tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert
+step throughput 50 1 "$PY" -m slimact bench --throughput --device cuda --models gpt2 --layers 12 --seq 1024 \
+    --dtypes bf16 --budget 24GiB --max-batch 64 --rounds 3 --policies int8 tempo --out "$STEPS" --name throughput
+
+pack_up
+rm -rf "$STEPS"
+cat "$SUMMARY"

@@ -3,6 +3,7 @@
 import csv
 
 import pytest
+import torch
 
 from slimact.bench import memory, write_results
 
@@ -46,12 +47,27 @@ def test_held_bytes_agrees_with_profile_on_an_eager_model():
         assert abs(held - kept) <= 0.01 * kept + 4096, (policy, kept, held)
 
 
+def test_set_dropout_sets_the_config_and_the_modules():
+    from slimact import zoo
+    from slimact.bench import set_dropout
+
+    model = zoo.build("gpt2", tiny=True)
+    set_dropout(model, 0.0)
+    assert model.config.attn_pdrop == model.config.resid_pdrop == model.config.embd_pdrop == 0.0
+    drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(m.p == 0.0 for m in drops)
+    model.train()
+    x = zoo.example_inputs(model, 2, 16)
+    torch.testing.assert_close(model(**x).logits, model(**x).logits)  # no randomness left in training mode
+
+
 def test_speed_rows_are_interleaved_ratios_with_memory():
     from slimact.bench import speed
 
     rows = list(speed(["gpt2"], ("tempo", "int8", "checkpoint+int8"), layers=None, batch=2, seq=16, rounds=2,
-                      warmup=1, tiny=True))
+                      warmup=1, tiny=True, dropout=0.1))
     assert [r["setup"] for r in rows] == ["plain", "tempo", "int8", "checkpoint+int8"]
+    assert all(r["dropout"] == 0.1 and r["first_step_s"] > 0 for r in rows)
     assert rows[0]["time_ratio_median"] == 1.0 and rows[0]["memory_ratio"] == 1.0
     assert rows[0]["eval_ratio_median"] == 1.0
     for r in rows[1:]:
@@ -70,6 +86,51 @@ def test_ops_rows():
     assert [r["vs"] for r in rows[:4]] == ["Tensor.copy_", "Tensor.copy_", "Tensor.copy_", "Tensor.clone"]
     assert {"linear fwd+bwd", "gelu fwd+bwd", "attention fwd+bwd"} <= set(names)
     assert all(r["time_ratio_median"] > 0 for r in rows)
+    # Bandwidth per layout: copy_, pack and unpack, GB/s counting bytes read and written.
+    per_layout = [r for r in rows if "gb_per_s" in r]
+    assert [r["op"] for r in per_layout] == [f"{op} 4 MiB fp32, {layout}" for layout in
+                                             ("whole tensor", "channel groups", "per head")
+                                             for op in ("copy_", "pack", "unpack")]
+    assert all(r["gb_per_s"] > 0 for r in per_layout)
+    assert per_layout[6]["shape"] == "1x16x1024x64"
+    assert all(per_layout[i]["time_ratio_median"] == 1.0 for i in (0, 3, 6))  # copy_, the base of each layout
+
+
+def test_kernel_probe_finds_the_triton_kernels_equal_to_the_reference():
+    # On CPU the kernels run under TRITON_INTERPRET=1 (conftest), at the probe's tiny shapes.
+    pytest.importorskip("triton")
+    from slimact.bench import kernels
+
+    rows = list(kernels(tiny=True))
+    assert len(rows) == 3 * 2 * 7  # 3 layouts x 2 dtypes x (group_stats + 3 modes x 2 kernels)
+    assert {(r["layout"], r["dtype"]) for r in rows} == {
+        (lay, dt) for lay in ("whole tensor", "channel groups", "per head") for dt in ("bfloat16", "float32")}
+    coded = [r for r in rows if r["kernel"] != "group_stats"]
+    assert {(r["bits"], r["rounding"]) for r in coded} == {(8, "nearest"), (8, "stochastic seed 1234"), (4, "nearest")}
+    for r in coded:
+        assert r["code_mismatches"] == r["max_code_diff"] == r["restored_mismatches"] == 0, r
+        assert r["dequantize_mismatches"] == 0, r
+    for r in rows:
+        if r["kernel"] == "group_stats":
+            assert r["range_mismatches"] == 0 and r["magnitude_max_rel_diff"] < 1e-5, r
+
+
+def test_kernel_probe_counts_a_wrong_code(monkeypatch):
+    # The probe must see a mismatch: a kernel whose codes are off by one somewhere.
+    pytest.importorskip("triton")
+    from slimact.bench import kernels
+    from slimact.quant import triton as tk
+
+    real = tk.quantize
+
+    def off_by_one(x, layout, lo, step, bits, seed):
+        codes = real(x, layout, lo, step, bits, seed).clone()
+        codes.view(-1)[0] ^= 1
+        return codes
+
+    monkeypatch.setattr(tk, "quantize", off_by_one)
+    rows = [r for r in kernels(tiny=True) if r["kernel"] == "quantize+dequantize"]
+    assert all(r["code_mismatches"] >= 1 and r["max_code_diff"] >= 1 and r["restored_mismatches"] >= 1 for r in rows)
 
 
 def test_peak_bytes_counts_temporaries_and_a_converted_gpt2_peaks_lower():
@@ -90,9 +151,12 @@ def test_peak_bytes_counts_temporaries_and_a_converted_gpt2_peaks_lower():
     assert report.activation_bytes + report.gradient_bytes <= converted < plain
 
 
-def test_gpu_script_is_valid_bash_and_its_commands_parse():
-    # benchmarks/gpu.sh runs on a CUDA machine only; here: its syntax, and every slimact command it runs is
-    # accepted by the command line as written.
+GPU_STEPS = ("device", "kernels", "ops", "speed", "tests", "throughput")
+
+
+def test_gpu_script_is_valid_bash_its_commands_parse_and_its_timeouts_fit_8_minutes():
+    # benchmarks/gpu.sh runs on a CUDA machine; here: its syntax, every slimact command it runs is accepted by the
+    # command line as written, and the steps' timeouts add up to at most 470 s.
     import re
     import shlex
     import subprocess
@@ -104,10 +168,41 @@ def test_gpu_script_is_valid_bash_and_its_commands_parse():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text().replace("\\\n", " ")
     commands = re.findall(r'-m slimact (bench [^\n]+)', text)
-    assert len(commands) == 3
+    assert len(commands) == 5  # kernels on cuda and on cpu (dry), ops, speed, throughput
     for command in commands:
-        args = build_parser().parse_args(shlex.split(command.replace('"$OUT"', "out")))
-        assert args.device == "cuda"
+        args = build_parser().parse_args(shlex.split(command.replace('"$STEPS"', "out")))
+        assert args.device in ("cuda", "cpu")
+    steps = re.findall(r"^\s*step (\w+) (\d+) [01] ", text, re.M)
+    assert [name for name, _ in steps if name != "kernels"] == [s for s in GPU_STEPS if s != "kernels"]
+    limits = {name: int(limit) for name, limit in steps}
+    assert sum(limits.values()) <= 470, limits
+
+
+def test_gpu_script_dry_run_starts_every_step_and_packs_one_tarball(tmp_path):
+    # On a machine with no CUDA device the script runs in dry mode: every step starts (the kernel probe for real,
+    # on CPU under Triton's interpreter), and what comes back is one tarball and a summary.
+    import os
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "out"
+    env = {**os.environ, "SLIMACT_GPU_DRY": "1", "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh"), str(out)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results.tar.gz", "summary.txt"]
+    with tarfile.open(out / "gpu-results.tar.gz") as tar:
+        names = set(tar.getnames())
+        kernels_csv = tar.extractfile("steps/kernels.csv").read().decode()
+    assert {f"steps/{s}.log" for s in GPU_STEPS} | {"steps/kernels.csv", "steps/summary.txt"} <= names
+    assert "code_mismatches" in kernels_csv and len(kernels_csv.splitlines()) == 1 + 3 * 2 * 7
+    summary = (out / "summary.txt").read_text()
+    for s in GPU_STEPS:
+        assert f"== {s:<10} exit 0 " in summary, summary
+    assert summary.count("no device") >= 4  # ops, speed, throughput skipped; the device step says so
 
 
 def test_throughput_rows_time_each_setup_at_the_batch_measured_to_fit_the_budget():

@@ -26,7 +26,14 @@ memory is spent: Tempo's +16% on BERT-Large came from the larger batch the memor
 
 ``ops``: per-op micro-benchmarks: pack (of the tensor's own range, and under a running estimate) and unpack of a
 64 MiB fp32 tensor against ``Tensor.copy_`` of the same tensor (bandwidth ratio), and each Function's forward +
-backward against its PyTorch counterpart.
+backward against its PyTorch counterpart; and per layout (the whole tensor, channel groups, per head) the
+bandwidth of ``copy_``, pack and unpack in GB/s (bytes read plus bytes written; medians, timed with CUDA events
+on a GPU).
+
+``kernels``: the Triton kernels (quantize, dequantize, group_stats, quantize_stats) against the reference, the
+oracle: per case (shape, dtype, layout, bits, rounding) the count of codes that differ, the largest code
+difference, and the count of restored values that differ from the reference's dequantize. On CPU it runs
+under ``TRITON_INTERPRET=1`` (set before Triton is imported), at ``tiny`` shapes.
 """
 
 from __future__ import annotations
@@ -41,11 +48,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from slimact.profile import peak_bytes
 
-__all__ = ["SWEEP_COLUMNS", "environment", "held_bytes", "memory", "ops", "peak_bytes", "speed", "sweep_one",
-           "throughput", "write_results", "write_sweep_docs", "zoo", "zoo_all"]
+__all__ = ["SWEEP_COLUMNS", "bandwidth", "environment", "held_bytes", "kernels", "memory", "ops", "peak_bytes",
+           "set_dropout", "speed", "sweep_one", "throughput", "write_results", "write_sweep_docs", "zoo", "zoo_all"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -451,10 +459,14 @@ def speed(
     device: str = "cpu",
     tiny: bool = False,
     dtype: str = "fp32",
+    dropout: float | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Rows per model and setup: the median and spread of (setup step time / plain step time) over
     ``rounds`` interleaved rounds, the same for an inference forward (eval mode, ``no_grad``: ``eval_ratio_*``),
-    and the activation bytes of each; ``dtype`` ``"bf16"``/``"fp16"`` runs the forwards under autocast."""
+    and the activation bytes of each; ``dtype`` ``"bf16"``/``"fp16"`` runs the forwards under autocast.
+    ``dropout`` sets every dropout probability of the model (its config's and its modules'; ``None``: as
+    built). ``first_step_s`` is each setup's first step, apart from the rounds: it includes compilation (Triton
+    kernels, inductor loops) and the allocator's warm-up."""
     import statistics
 
     import slimact
@@ -463,10 +475,13 @@ def speed(
     names = ["plain", *setups]
     for name in models:
         base = build(name, layers=layers, tiny=tiny).to(device)
+        if dropout is not None:
+            set_dropout(base, dropout)
         inputs = example_inputs(base, batch, seq)
         runs = _setups(base, names)
-        times = _interleaved({key: _train_step(m, inputs, device, dtype) for key, m in runs.items()}, rounds, warmup,
-                             device)
+        first: dict[str, float] = {}
+        times = _interleaved({key: _train_step(m, inputs, device, dtype) for key, m in runs.items()}, rounds,
+                             max(warmup, 1), device, first=first)
         # Inference (eval mode, no_grad): a converted model must cost what the plain one does.
         evals = _interleaved({key: _eval_forward(m, inputs, device, dtype) for key, m in runs.items()}, rounds,
                              warmup, device)
@@ -478,9 +493,12 @@ def speed(
                 kept = plain_bytes if key == "plain" else slimact.profile(runs[key], inputs).activation_bytes
                 peak = plain_peak if key == "plain" else peak_bytes(runs[key], inputs)
             yield {
-                "model": name, "layers": layers, "batch": batch, "tokens": seq, "dtype": dtype, "setup": key,
+                "model": name, "layers": layers, "batch": batch, "tokens": seq, "dtype": dtype,
+                "dropout": "as built" if dropout is None else dropout, "setup": key,
                 **_ratios(times[key], times["plain"]),
                 "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1),
+                "step_ms_median": round(1000 * statistics.median(times[key]), 1),
+                "first_step_s": round(first[key], 3),
                 **_ratios(evals[key], evals["plain"], "eval_ratio"),
                 "rounds": rounds, "activation_mib": round(kept / 2**20, 2),
                 "memory_ratio": round(kept / plain_bytes, 4), "peak_mib": round(peak / 2**20, 2),
@@ -578,13 +596,37 @@ def _eval_forward(model: torch.nn.Module, inputs: dict[str, Any], device: str, d
     return forward
 
 
-def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str = "cpu") -> dict[str, list[float]]:
+def set_dropout(model: torch.nn.Module, p: float) -> None:
+    """Every dropout probability of ``model`` set to ``p``: its config's (``*pdrop``, ``*dropout*`` floats, for
+    code that reads the config at call time) and its ``nn.Dropout`` modules' (which read ``p`` at each call,
+    as GPT-2's attention does for the dropout it hands to SDPA)."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key, value in list(vars(config).items()):
+            if isinstance(value, float) and not isinstance(value, bool) and ("pdrop" in key or "dropout" in key):
+                setattr(config, key, p)
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = p
+
+
+def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str = "cpu",
+                 first: dict[str, float] | None = None) -> dict[str, list[float]]:
+    """Per key, ``rounds`` times of its function, run interleaved after ``warmup`` calls each; ``first``, if
+    given, gets each function's first call's time (compilation included)."""
     import time
 
     cuda = torch.device(device).type == "cuda"
-    for _ in range(warmup):
-        for fn in fns.values():
+    for w in range(warmup):
+        for key, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
             fn()
+            if cuda:
+                torch.cuda.synchronize()
+            if w == 0 and first is not None:
+                first[key] = time.perf_counter() - start
     times: dict[str, list[float]] = {k: [] for k in fns}
     keys = list(fns)
     for r in range(rounds):
@@ -631,7 +673,129 @@ def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict
         yield {"op": f"{key} {mib} MiB fp32", "vs": f"Tensor.{base}", **ratios,
                "bandwidth_vs_copy": round(1 / ratios["time_ratio_median"], 4), "rounds": rounds,
                "backend": backend_for(x), **env}
+    yield from bandwidth(mib=mib, rounds=rounds, device=device)
     yield from _function_rows(rounds, device)
+
+
+def _layouts(numel: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """The three groupings slimact packs with, at ``numel`` elements: shape and config."""
+    from slimact.quant import QuantConfig
+
+    heads = (max(1, numel // 2**20), 16, -1, 64)  # [B, H, T, D], a group per head
+    return {
+        "whole tensor": ((-1, 1024), QuantConfig(group_dim=None)),
+        "channel groups": ((-1, 1024), QuantConfig(group_dim=-1, groups=8)),
+        "per head": (heads, QuantConfig(group_dim=1, groups=0)),
+    }
+
+
+def _median_seconds(fn: Any, rounds: int, device: str) -> float:
+    """Median seconds of ``fn`` over ``rounds`` calls after one warm-up call: CUDA events on a GPU (no host
+    clock around asynchronous work), ``perf_counter`` elsewhere."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(rounds):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bandwidth(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
+    """Per layout (:func:`_layouts`), the bandwidth of ``Tensor.copy_``, pack and unpack of a ``mib`` MiB fp32
+    tensor: GB/s counting the bytes read plus the bytes written (copy: 4 + 4 per element; pack: 4 read, 1
+    written; unpack: 1 read, 4 written; the per-group scales are negligible), from the median time."""
+    from slimact.quant import backend_for
+
+    numel = mib * 2**20 // 4
+    env = environment(device)
+    for layout, (shape, cfg) in _layouts(numel).items():
+        x = torch.randn(numel, device=device).reshape(shape)
+        cases = _copy_pack_unpack(x, cfg)
+        seconds = {op: _median_seconds(fn, rounds, device) for op, (fn, _) in cases.items()}
+        for op, (_, nbytes) in cases.items():
+            yield {"op": f"{op} {mib} MiB fp32, {layout}", "vs": "Tensor.copy_",
+                   "time_ratio_median": round(seconds[op] / seconds["copy_"], 4),
+                   "gb_per_s": round(nbytes / seconds[op] / 1e9, 2), "ms_median": round(1000 * seconds[op], 4),
+                   "shape": "x".join(map(str, x.shape)), "rounds": rounds, "backend": backend_for(x), **env}
+        del x, cases
+
+
+def _copy_pack_unpack(x: Tensor, cfg: Any) -> dict[str, tuple[Any, int]]:
+    """``copy_``, pack and unpack of ``x`` (fp32) as closures, with the bytes each reads plus writes."""
+    from slimact.quant import pack, unpack
+
+    dst, packed, n = torch.empty_like(x), pack(x, cfg, share=False), x.numel()
+    return {"copy_": (lambda: dst.copy_(x), 8 * n), "pack": (lambda: pack(x, cfg, share=False), 5 * n),
+            "unpack": (lambda: unpack(packed), 5 * n)}
+
+
+def kernels(*, device: str = "cpu", tiny: bool = False, seed: int = 0) -> Iterator[dict[str, Any]]:
+    """The Triton kernels against the reference (the oracle), per case: ``[8192, 768]`` in bf16 and fp32 as
+    the whole tensor and in 8 channel groups, ``[8, 12, 1024, 64]`` per head (``group_dim=1``); 8-bit nearest,
+    8-bit stochastic (explicit seed) and 4-bit nearest. Columns: codes that differ (``code_mismatches``, of
+    ``elements``), the largest code difference, restored values that differ from the reference's dequantize
+    of its own codes (``restored_mismatches``), and the same for the kernels' dequantize of the reference's
+    codes alone (``dequantize_mismatches``); ``quantize_stats`` rows compare its fused codes, and
+    ``group_stats`` rows its min/max (``range_mismatches``) and the largest relative difference of its
+    ``sum sqrt|x|`` (summed in another order). ``tiny``: small shapes, for CPU under ``TRITON_INTERPRET=1``."""
+    from slimact.quant import QuantConfig, reference
+    from slimact.quant import triton as tk
+    from slimact.quant.packing import unpack_bits
+    from slimact.quant.reference import PackMeta, group_layout, scale_params
+
+    gen = torch.Generator().manual_seed(seed)
+    mat = (64, 48) if tiny else (8192, 768)
+    heads = (2, 3, 16, 8) if tiny else (8, 12, 1024, 64)
+    cases = [(mat, "whole tensor", QuantConfig(group_dim=None)), (mat, "channel groups", QuantConfig(groups=8)),
+             (heads, "per head", QuantConfig(group_dim=1, groups=0))]
+    modes = [(8, None, "nearest"), (8, 1234, "stochastic seed 1234"), (4, None, "nearest")]
+
+    def codes_of(c: Tensor, bits: int, numel: int) -> Tensor:
+        return (c.reshape(-1) if bits == 8 else unpack_bits(c.reshape(-1), bits, numel)).to(torch.int16)
+
+    def unequal(a: Tensor, b: Tensor) -> int:
+        return int((~((a == b) | (a.isnan() & b.isnan()))).sum())
+
+    env = environment(device)
+    for shape, layout_name, cfg in cases:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(shape, generator=gen) * 3 + 0.5).to(dtype).to(device)
+            layout = group_layout(x.shape, cfg)
+            base = {"shape": "x".join(map(str, shape)), "dtype": str(dtype).removeprefix("torch."),
+                    "layout": layout_name, "elements": x.numel()}
+            r_lo, r_hi, r_mag = reference.group_stats(x, layout)
+            t_lo, t_hi, t_mag = tk.group_stats(x, layout)
+            rel = ((t_mag.double() - r_mag.double()).abs() / r_mag.double().abs().clamp_min(1e-30)).max()
+            yield {**base, "kernel": "group_stats", "bits": "", "rounding": "",
+                   "range_mismatches": unequal(t_lo, r_lo) + unequal(t_hi, r_hi),
+                   "magnitude_max_rel_diff": float(rel), **env}
+            for bits, rseed, rounding in modes:
+                lo, step = scale_params(r_lo, r_hi, (1 << bits) - 1)
+                meta = PackMeta(x.shape, dtype, bits, layout, False)
+                ref = reference.quantize(x, layout, lo, step, bits, rseed)
+                ref_restored = reference.dequantize(ref, meta, lo, step)
+                tri = tk.quantize(x, layout, lo, step, bits, rseed)
+                fused = tk.quantize_stats(x, layout, lo, step, bits, rseed)[0]
+                for kernel, got in (("quantize+dequantize", tri), ("quantize_stats", fused)):
+                    diff = (codes_of(got, bits, x.numel()) - codes_of(ref, bits, x.numel())).abs()
+                    yield {**base, "kernel": kernel, "bits": bits, "rounding": rounding,
+                           "code_mismatches": int((diff != 0).sum()), "max_code_diff": int(diff.max()),
+                           "restored_mismatches": unequal(tk.dequantize(got, meta, lo, step), ref_restored),
+                           "dequantize_mismatches": unequal(tk.dequantize(ref, meta, lo, step), ref_restored),
+                           **env}
 
 
 def _ratios(times: list[float], base: list[float], name: str = "time_ratio") -> dict[str, float]:

@@ -108,24 +108,57 @@ def _fit(args: argparse.Namespace) -> int:
     return 0 if args.batch is None or report.chosen else 1
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _bench(args: argparse.Namespace) -> int:
+    import os
+
+    from slimact.bench import kernels, memory, ops, speed, throughput, write_results, zoo
+
+    if os.environ.get("SLIMACT_GPU_DRY") == "1" and args.device.startswith("cuda") and not _cuda_available():
+        # benchmarks/gpu.sh's dry run: the command line was accepted as written; nothing to measure here.
+        print(f"no device: slimact bench on {args.device} skipped (SLIMACT_GPU_DRY=1)")
+        return 0
+    rows = []
+    if args.kernels:
+        # Needs no transformers; on CPU, Triton's interpreter (chosen before triton is imported).
+        if not args.device.startswith("cuda"):
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        for row in kernels(device=args.device, tiny=args.tiny):
+            case = f"{row['kernel']:>19} {row['shape']:>14} {row['dtype']:>8} {row['layout']:>14}"
+            if row["kernel"] == "group_stats":
+                print(f"{case}: min/max differ {row['range_mismatches']}, sum sqrt|x| rel. diff "
+                      f"{row['magnitude_max_rel_diff']:.2e}", flush=True)
+            else:
+                print(f"{case} {row['bits']}-bit {row['rounding']}: codes differ {row['code_mismatches']} "
+                      f"(max {row['max_code_diff']}), restored differ {row['restored_mismatches']}", flush=True)
+            rows.append(row)
+        print(f"wrote {write_results(rows, args.name or 'kernels', args.out)}")
+        bad = [r for r in rows if r.get("code_mismatches") or r.get("restored_mismatches")
+               or r.get("dequantize_mismatches") or r.get("range_mismatches")]
+        return 1 if bad else 0
+
     import transformers
 
-    from slimact.bench import memory, ops, speed, throughput, write_results, zoo
     from slimact.zoo import MODELS
 
     transformers.logging.set_verbosity_error()
-    rows = []
     if args.speed:
         setups = args.policies if args.policies != ["int8", "tempo"] else ["tempo", "int8", "checkpoint",
                                                                           "checkpoint+int8"]
-        for row in speed(args.models or ["gpt2", "llama"], setups, layers=args.layers, batch=args.batch or 4,
-                         seq=args.seq or 256, rounds=args.rounds, device=args.device, dtype=args.dtypes[0]):
-            print(f"{row['model']:>8} {row['setup']:>16}: time {row['time_ratio_median']:.3f}x "
-                  f"[{row['time_ratio_min']:.3f}, {row['time_ratio_max']:.3f}]  memory {row['memory_ratio']:.3f}x  "
-                  f"inference {row['eval_ratio_median']:.3f}x",
-                  flush=True)
-            rows.append(row)
+        for p in args.dropout or [None]:
+            for row in speed(args.models or ["gpt2", "llama"], setups, layers=args.layers, batch=args.batch or 4,
+                             seq=args.seq or 256, rounds=args.rounds, device=args.device, dtype=args.dtypes[0],
+                             dropout=p):
+                print(f"{row['model']:>8} {row['setup']:>16} dropout {row['dropout']}: time "
+                      f"{row['time_ratio_median']:.3f}x [{row['time_ratio_min']:.3f}, {row['time_ratio_max']:.3f}]  "
+                      f"memory {row['memory_ratio']:.3f}x  inference {row['eval_ratio_median']:.3f}x  "
+                      f"first step {row['first_step_s']:.2f} s", flush=True)
+                rows.append(row)
     elif args.throughput:
         if args.budget is None:
             raise SystemExit("slimact bench --throughput needs --budget (e.g. 24GiB)")
@@ -239,7 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="training-step time vs plain, interleaved (setups: presets, checkpoint, checkpoint+int8)")
     what.add_argument("--throughput", action="store_true",
                       help="samples per second at one memory budget (--budget): each setup at the batch that fits")
-    what.add_argument("--ops", action="store_true", help="per-op micro-benchmarks: pack/unpack, each Function")
+    what.add_argument("--ops", action="store_true",
+                      help="per-op micro-benchmarks: pack/unpack vs copy_ (ratios, GB/s per layout), each Function")
+    what.add_argument("--kernels", action="store_true",
+                      help="the Triton kernels against the reference: mismatching codes and restored values per "
+                           "case (on CPU under TRITON_INTERPRET=1; exit 1 on any mismatch)")
+    b.add_argument("--tiny", action="store_true", help="--kernels: small shapes (for Triton's CPU interpreter)")
+    b.add_argument("--dropout", nargs="+", type=float, default=None,
+                   help="--speed: set every dropout probability of the model to each value in turn (default: as "
+                        "built)")
     b.add_argument("--all", action="store_true",
                    help="with --zoo: every architecture of transformers' auto mappings at a tiny size, each checked "
                         "(slimact.check) in its own process; writes zoo_all.csv and a section of --docs")

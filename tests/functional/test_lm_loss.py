@@ -197,3 +197,44 @@ def test_fp16_weight_gradient_summed_past_65504_before_the_upstream_scales_it_st
     torch.testing.assert_close(w_ours, w_plain)
     torch.testing.assert_close(b_ours, b_plain)
     torch.testing.assert_close(w_ours, torch.tensor([[-37500.0], [37500.0]], dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("reduction,divisor", [("mean", None), ("sum", None), ("mean", "tensor")])
+def test_no_host_reads_and_the_same_results(dtype, reduction, divisor):
+    # The kept-token count (the mean's divisor), a tensor divisor and fp16's overflow scale are decided on the
+    # device: no read back to the host (each drained the CUDA stream once per step).
+    from _host import HostReads
+
+    h = torch.randn(2, 24, 16, dtype=dtype)
+    w = (torch.randn(40, 16) * 0.3).to(dtype).requires_grad_()
+    target = torch.randint(0, 40, (48,))
+    target[::5] = -100
+    div = None if divisor is None else (target != -100).sum() * 1.0
+    with HostReads(fail=True):
+        loss = linear_cross_entropy(h, w, None, target, reduction=reduction, divisor=div)
+        loss.backward()
+    w_ref = w.detach().float().requires_grad_()
+    ref = F.cross_entropy(F.linear(h.float().reshape(-1, 16), w_ref), target, reduction="sum") / (
+        1.0 if reduction == "sum" else (target != -100).sum())
+    ref.backward()
+    torch.testing.assert_close(loss.float(), ref, **({"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float16 else {}))
+    torch.testing.assert_close(w.grad.float(), w_ref.grad, **({"rtol": 2e-3, "atol": 1e-3} if dtype == torch.float16
+                                                              else {}))
+
+
+def test_fp16_overflow_scale_is_the_power_of_two_the_host_computed():
+    # _narrow's scale, decided on the device, equals 2 ** ceil(log2(2 * peak / 65504)), exact powers of two included.
+    import math
+
+    from slimact.functional.lm_loss import _narrow
+
+    for peak in (100.0, 32752.0, 32753.0, 65504.0, 65536.0, 70000.0, 131008.0, 131072.0, 2.0**40, 3e38):
+        g = torch.tensor([0.5, -peak], dtype=torch.float32)
+        narrowed, scale = _narrow(g, torch.float16)
+        p = abs(float(torch.tensor(peak, dtype=torch.float32)))
+        expected = 2.0 ** math.ceil(math.log2(2 * p / 65504.0)) if 65504.0 / 2 < p < math.inf else 1.0
+        assert scale.item() == expected, (peak, scale, expected)
+        assert torch.isfinite(narrowed).all()
+    inf = _narrow(torch.tensor([1.0, math.inf]), torch.float16)[1]
+    assert inf.item() == 1.0

@@ -567,3 +567,66 @@ def test_unpack_map_restores_inside_the_consumers_loop(dtype, monkeypatch):
     packed = pack(x, cfg, share=False)
     assert torch.equal(unpack_map(packed, _twice_plus, y), _twice_plus(unpack(packed), y))
     assert fused == [None]
+
+
+class _Tripwire:
+    """Stands for the Triton kernels module: records every call and fails it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        def kernel(*args, **kwargs):
+            self.calls.append(name)
+            raise AssertionError(f"Triton's {name} called")
+
+        return kernel
+
+
+def _force_triton(monkeypatch) -> _Tripwire:
+    from slimact.quant import core
+
+    tripwire = _Tripwire()
+    real = core._kernels
+    monkeypatch.setattr(core, "backend_for", lambda x: "triton")
+    monkeypatch.setattr(core, "_kernels", lambda backend: tripwire if backend == "triton" else real(backend))
+    return tripwire
+
+
+def _gelu_grad(x, g):  # module level: unpack_map's fn
+    return g * torch.sigmoid(1.702 * x)
+
+
+@pytest.mark.parametrize("numel", [4096, 1 << 18])  # under and over the compiled loops' size
+def test_unpack_under_torch_compile_never_calls_the_triton_kernels(monkeypatch, numel):
+    # A compiled backward traces unpack / unpack_map: a raw Triton kernel there is opaque to dynamo. With the
+    # "triton" backend forced for a CPU tensor, the kernels are called eagerly (the tripwire fires) and not while
+    # compiling, where the reference restores the very same values.
+    from slimact.quant import core, unpack_map
+
+    x = torch.randn(numel // 64, 64)
+    g = torch.randn_like(x)
+    packed = pack(x, QuantConfig(groups=4), backend="reference", share=False)
+    expected = reference.dequantize(packed.tensors[0], packed.meta, *packed.tensors[1:3])
+    tripwire = _force_triton(monkeypatch)
+    with pytest.raises(AssertionError, match="Triton's dequantize"):
+        core.unpack(packed)
+    assert tripwire.calls == ["dequantize"]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(core.unpack(packed), expected, rtol=0, atol=0)
+    torch.testing.assert_close(unpack_map(packed, _gelu_grad, g), _gelu_grad(expected, g), rtol=0, atol=0)
+    assert tripwire.calls == ["dequantize"]
+
+
+def test_unpack_traced_by_dynamo_never_calls_the_triton_kernels(monkeypatch):
+    # The same through dynamo itself (the eager backend: no compiler needed): a full graph, no Triton call.
+    from slimact.quant import core
+
+    x = torch.randn(64, 32)
+    packed = pack(x, QuantConfig(groups=4), backend="reference", share=False)
+    expected = reference.dequantize(packed.tensors[0], packed.meta, *packed.tensors[1:3])
+    tripwire = _force_triton(monkeypatch)
+    torch._dynamo.reset()
+    restored = torch.compile(lambda p: core.unpack(p) * 2, backend="eager", fullgraph=True)(packed)
+    torch.testing.assert_close(restored, expected * 2, rtol=0, atol=0)
+    assert tripwire.calls == []

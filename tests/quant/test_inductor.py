@@ -1,11 +1,13 @@
 """The compiled CPU pack (slimact.quant.inductor) against the reference: bit for bit, where it applies."""
 
+import warnings
+
 import pytest
 import torch
 
-from slimact.quant import QuantConfig, inductor, pack, unpack
+from slimact.quant import QuantConfig, inductor, pack, reference, unpack
 from slimact.quant.core import backend_for
-from slimact.quant.reference import group_layout
+from slimact.quant.reference import group_layout, scale_params
 
 # [rows, 768] channel groups (8 divide 768), [B, H, T, D] per head, the whole tensor; each >= MIN_NUMEL.
 CASES = {
@@ -152,3 +154,73 @@ def test_a_strided_tensor_is_packed_through_the_compiled_loops_from_a_contiguous
     for a, b in zip(ref.tensors, fast.tensors, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(unpack(fast), unpack(ref))
+
+
+def _backend_failed(inner: Exception) -> Exception:
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        e = BackendCompilerFailed(lambda *a: None, inner, None)
+    except TypeError:  # older signature: (backend_fn, inner_exception)
+        e = BackendCompilerFailed(lambda *a: None, inner)
+    e.__cause__ = inner
+    return e
+
+
+def _no_compiler() -> Exception:
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    return InvalidCxxCompiler()
+
+
+def _broken(error):
+    def compiled(*args):
+        raise error
+
+    return compiled
+
+
+@pytest.mark.parametrize("make", [_no_compiler, lambda: _backend_failed(_no_compiler())],
+                         ids=["InvalidCxxCompiler", "BackendCompilerFailed(InvalidCxxCompiler)"])
+def test_a_missing_compiler_warns_falls_back_and_turns_off_that_loop_only(monkeypatch, make):
+    # One loop that cannot be compiled (no C++ compiler) runs as the reference from then on, with a warning; the
+    # other compiled loops are still tried (one failure switched every compiled path off for the process).
+    from slimact.quant import inductor
+
+    monkeypatch.setattr(inductor, "_failed", {})
+    broken = _broken(make())
+    calls = []
+
+    def working(*args):
+        calls.append(args)
+        return inductor._codes(*args)
+
+    monkeypatch.setattr(inductor, "_compiled", lambda fn, key: broken if fn is inductor._minmax else working)
+    x = torch.randn(inductor.MIN_NUMEL // 64, 64)
+    layout = group_layout(x.shape, QuantConfig(groups=4))
+    with pytest.warns(RuntimeWarning, match="compiled CPU pack is unavailable"):
+        lo, hi = inductor.group_minmax(x, layout)
+    assert list(inductor._failed) == [broken]
+    ref_lo, ref_hi = reference.group_minmax(x, layout)
+    assert torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the failed loop is not tried again
+        inductor.group_minmax(x, layout)
+        lo, step = scale_params(ref_lo, ref_hi, 255)
+        codes = inductor.quantize(x, layout, lo, step, 8, None)
+    assert len(calls) == 1  # the quantise loop, still compiled
+    assert torch.equal(codes, reference.quantize(x, layout, lo, step, 8, None))
+
+
+@pytest.mark.parametrize("make", [lambda: RuntimeError("a bug in the loop"),
+                                  lambda: _backend_failed(RuntimeError("a bug in lowering"))],
+                         ids=["RuntimeError", "BackendCompilerFailed(RuntimeError)"])
+def test_a_genuine_compile_error_is_raised_not_hidden(monkeypatch, make):
+    from slimact.quant import inductor
+
+    monkeypatch.setattr(inductor, "_failed", {})
+    monkeypatch.setattr(inductor, "_compiled", lambda fn, key: _broken(make()))
+    x = torch.randn(inductor.MIN_NUMEL // 64, 64)
+    with pytest.raises(Exception, match="a bug in"):
+        inductor.group_minmax(x, group_layout(x.shape, QuantConfig(groups=4)))
+    assert not inductor._failed

@@ -58,19 +58,22 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(h, weight, bias).float()
 
 
-def _narrow(g: Tensor, dtype: torch.dtype) -> tuple[Tensor, float]:
+def _narrow(g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """``(g / scale).to(dtype), scale``: a power of two (exact) where ``g`` would overflow ``dtype``, else 1.
 
     An fp16 weight gradient summed over many tokens may exceed 65504 before the loss's own gradient scales it
     down (``reduction="sum"`` over 200k tokens: 66000, times an upstream 0.66 in PyTorch's order); the backward
-    multiplies by ``grad_loss * scale``. One host sync, for fp16 only (and not while dynamo traces)."""
-    limit = torch.finfo(dtype).max
+    multiplies by ``grad_loss * scale``. For fp16 only (and not while dynamo traces), ``scale`` is a 0-d fp32
+    tensor on ``g``'s device, decided there (no host sync); ``None`` (no scaling) otherwise."""
     if dtype != torch.float16 or torch.compiler.is_compiling():
-        return g.to(dtype), 1.0
-    peak = g.abs().max().item() if g.numel() else 0.0
-    if not limit / 2 < peak < math.inf:
-        return g.to(dtype), 1.0
-    scale = 2.0 ** math.ceil(math.log2(2 * peak / limit))
+        return g.to(dtype), None
+    limit = torch.finfo(dtype).max
+    peak = (g.abs().amax() if g.numel() else g.new_zeros(())).double()
+    # 2 ** ceil(log2(2 * peak / limit)) where limit / 2 < peak < inf, else 1; exactly: x = m * 2**e with m in
+    # [0.5, 1) has ceil(log2(x)) = e, or e - 1 where m = 0.5 (x a power of two).
+    mantissa, exponent = torch.frexp(2 * peak / limit)
+    power = torch.ldexp(torch.ones_like(peak), exponent - (mantissa == 0.5).to(exponent.dtype))
+    scale = torch.where((peak > limit / 2) & (peak < math.inf), power, 1.0).float()
     return (g / scale).to(dtype), scale
 
 
@@ -101,6 +104,8 @@ class _LinearCrossEntropy(SlimFunction):
         # The chunks' sums are added one after another: in float64, so that many chunks do not drift by a
         # rounding each (PyTorch sums all tokens' losses at once, pairwise).
         total = torch.zeros((), dtype=torch.float64, device=h.device)
+        # divisor: a 0-d float64 tensor on h's device (no host sync); 1 / divisor rounded once to fp32 (inf for 0).
+        inverse = (1.0 / divisor).float()
         for a, b in _chunks(n, vocab):
             z = logits[a:b].float() if logits is not None else _chunk_logits(h[a:b], weight, bias)  # [rows, V]
             e, norm, lse = _exp_and_lse(z)
@@ -114,7 +119,7 @@ class _LinearCrossEntropy(SlimFunction):
             if not (need_h or need_w or need_b):
                 continue
             # dz = (softmax - (1 - eps) onehot - eps / V) * s, s = [kept] / divisor per token.
-            s = torch.where(keep, 1.0 / divisor if divisor else math.inf, 0.0).unsqueeze(1)  # [rows, 1]
+            s = torch.where(keep, inverse, 0.0).unsqueeze(1)  # [rows, 1]
             dz = e.mul_(s / norm)  # [rows, V]
             dz.scatter_add_(1, t_safe, (smoothing - 1.0) * s)
             if smoothing:
@@ -126,17 +131,18 @@ class _LinearCrossEntropy(SlimFunction):
             if need_b:
                 grad_b += dz.sum(0)
         ctx.in_shape = h_in.shape
-        grad_w, scale_w = _narrow(grad_w, weight.dtype) if grad_w is not None else (None, 1.0)
-        grad_b, scale_b = _narrow(grad_b, bias.dtype) if grad_b is not None else (None, 1.0)
-        ctx.scales = (1.0, scale_w, scale_b)
-        save(ctx, *(Gradient(g) if g is not None else None for g in (grad_h, grad_w, grad_b)))
+        grad_w, scale_w = _narrow(grad_w, weight.dtype) if grad_w is not None else (None, None)
+        grad_b, scale_b = _narrow(grad_b, bias.dtype) if grad_b is not None else (None, None)
+        # The scales are tensors (decided on the device): saved, not ctx attributes.
+        save(ctx, *(Gradient(g) if g is not None else None for g in (grad_h, grad_w, grad_b)), scale_w, scale_b)
         return (total / divisor).to(h.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w, grad_b = load(ctx)
-        grads = [None if g is None else (g * (grad_loss * s)).to(g.dtype)
-                 for g, s in zip((grad_h, grad_w, grad_b), ctx.scales, strict=True)]
+        grad_h, grad_w, grad_b, scale_w, scale_b = load(ctx)
+        # grad_loss * scale rounded to grad_loss's dtype, as a Python float scale gave it.
+        grads = [None if g is None else (g * (grad_loss if s is None else (grad_loss * s).to(grad_loss.dtype))).to(
+                 g.dtype) for g, s in zip((grad_h, grad_w, grad_b), (None, scale_w, scale_b), strict=True)]
         if grads[0] is not None:
             grads[0] = grads[0].reshape(ctx.in_shape)
         return *grads, None, None, None, None, None
@@ -170,11 +176,13 @@ def linear_cross_entropy(
         raise ValueError(f"logits must be [tokens, vocab] = {want}, got {list(logits.shape)}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    # The divisor stays on the device (a 0-d float64 tensor): counting the kept tokens, or a tensor divisor
+    # (Hugging Face's num_items_in_batch), needs no read back to the host.
     if divisor is None:
-        divisor = (target != ignore_index).sum().item() if reduction == "mean" else 1.0
-    divisor = float(divisor)
-    if reduction == "mean" and divisor == 0:
-        divisor = float("nan")  # as F.cross_entropy: the mean over no tokens
+        divisor = (target != ignore_index).sum() if reduction == "mean" else 1.0
+    divisor = torch.as_tensor(divisor, dtype=torch.float64).to(h.device)
+    if reduction == "mean":
+        divisor = torch.where(divisor == 0, math.nan, divisor)  # as F.cross_entropy: the mean over no tokens
     return _LinearCrossEntropy.apply(
         h, weight, bias, target, ignore_index, label_smoothing, divisor, None if logits is None else logits.detach()
     )

@@ -357,7 +357,9 @@ def unpack(packed: Packed, *, backend: Backend | None = None) -> Tensor:
     if meta.raw:
         return packed.tensors[0]
     codes, lo, step, *outliers = packed.tensors
-    kernels = _kernels(backend or backend_for(codes))
+    # While dynamo traces (a compiled backward), the reference's ops, which inductor fuses, as the pack does
+    # (_pack_traced): a raw Triton kernel is opaque to the trace.
+    kernels = reference if torch.compiler.is_compiling() else _kernels(backend or backend_for(codes))
     out = kernels.dequantize(codes, meta, lo, step)
     return reference.restore_outliers(out, *outliers) if outliers else out
 
@@ -373,7 +375,8 @@ def unpack_map(packed: Packed, fn: Callable[..., Tensor], *args: Tensor) -> Tens
     outlier-carrying packs): ``fn(unpack(packed), *args)``."""
     meta = packed.meta
     fusable = not meta.raw and meta.derive is None and len(packed.tensors) == 3  # (no outliers to put back)
-    if fusable and backend_for(packed.tensors[0]) != "reference":
+    # Under torch.compile, fn(unpack(...)) with the reference's restore: inductor fuses both into the graph.
+    if fusable and not torch.compiler.is_compiling() and backend_for(packed.tensors[0]) != "reference":
         from slimact.quant import inductor
 
         out = inductor.dequantize_map(*packed.tensors, meta, fn, args)

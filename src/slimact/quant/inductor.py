@@ -18,8 +18,11 @@ Taken for 8-bit round-to-nearest codes of contiguous CPU tensors of at least :da
 group count divides the grouped dim; everything else (smaller tensors, where a compiled call's fixed cost
 exceeds the eager passes; sub-byte codes; stochastic rounding; odd groupings; strided tensors; code running
 under ``torch.compile``, where inductor fuses the reference itself) goes to the reference. Each loop is
-compiled on first use for each dtype (a few seconds, then cached on disk by inductor); if compilation fails
-(no C++ compiler), a warning, and the reference from then on. ``SLIMACT_BACKEND=reference`` turns it off.
+compiled on first use for each dtype (a few seconds, then cached on disk by inductor); if that loop cannot be
+compiled for want of a working C++ compiler (``InvalidCxxCompiler``, ``CppCompileError``, or dynamo's
+``BackendCompilerFailed`` caused by one), a warning, and the reference for that loop from then on (the other
+loops are tried on their own); any other error is a bug and is raised. ``SLIMACT_BACKEND=reference`` turns it
+off.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ __all__ = [
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
 MIN_NUMEL = 1 << 18
 
-_failed: list[BaseException] = []
+#: The compiled loops that could not be compiled (no C++ compiler), each with its error: they run as the reference.
+_failed: dict[Callable, BaseException] = {}
+
+#: Errors (by class name, anywhere in the chain of causes) that mean "no working C++ compiler here".
+_NO_COMPILER = frozenset({"InvalidCxxCompiler", "CppCompileError"})
 
 
 def _runs(shape: torch.Size | tuple[int, ...], layout: GroupLayout) -> tuple[int, int, int] | None:
@@ -60,7 +67,7 @@ def _runs(shape: torch.Size | tuple[int, ...], layout: GroupLayout) -> tuple[int
 
 def _applies(x: Tensor, layout: GroupLayout) -> tuple[int, int, int] | None:
     if (
-        _failed or x.device.type != "cpu" or x.numel() < MIN_NUMEL or not x.is_contiguous()
+        x.device.type != "cpu" or x.numel() < MIN_NUMEL or not x.is_contiguous()
         or torch.compiler.is_compiling()
     ):
         return None
@@ -106,16 +113,32 @@ def _run(fn: Callable, dtype: torch.dtype, *args) -> object | None:
     return _call(_compiled(fn, dtype), args)
 
 
+def _compiler_missing(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it: dynamo wraps the backend's errors) says no C++ compiler works here."""
+    seen: set[int] = set()
+    chain: BaseException | None = e
+    while chain is not None and id(chain) not in seen:
+        if any(cls.__name__ in _NO_COMPILER for cls in type(chain).__mro__):
+            return True
+        seen.add(id(chain))
+        chain = chain.__cause__ or chain.__context__ or getattr(chain, "inner_exception", None)
+    return False
+
+
 def _call(compiled: Callable, args: tuple) -> object | None:
     # Detached: whether the caller's tensor requires grad must not be a guard (pack runs under no_grad). With
     # torch-function handling off: dynamo would otherwise trace an active TorchFunctionMode (slimact's routing
     # follows tensors by identity) and guard on this very tensor, recompiling at every call.
+    if compiled in _failed:
+        return None
     args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     try:
         with torch._C.DisableTorchFunction():
             return compiled(*args)
     except Exception as e:
-        _failed.append(e)
+        if not _compiler_missing(e):
+            raise
+        _failed[compiled] = e
         warnings.warn(
             f"slimact: the compiled CPU pack is unavailable ({type(e).__name__}: {e}); using the reference",
             RuntimeWarning, stacklevel=3,
@@ -134,7 +157,7 @@ def fused(fn: Callable, key: object, *args: object) -> object | None:
     Function's own elementwise passes (the in-place activations' mask and backward). ``key`` names the compiled
     copy (one per dtype, say); ``None`` where compiling is off, failed, or code already runs under
     ``torch.compile`` (inductor fuses the eager code there itself): the caller then runs ``fn`` eagerly."""
-    if _failed or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return None
     return _call(_compiled(fn, key), args)
 
@@ -189,7 +212,7 @@ def dequantize_map(codes: Tensor, lo: Tensor, step: Tensor, meta: PackMeta, fn: 
     contiguous runs, ``args`` contiguous and of the packed shape. ``None`` where it does not apply."""
     runs = _runs(meta.shape, meta.layout) if meta.bits == 8 else None
     if (
-        runs is None or _failed or not pays_off(codes) or codes.numel() != runs[0] * runs[1] * runs[2]
+        runs is None or not pays_off(codes) or codes.numel() != runs[0] * runs[1] * runs[2]
         or torch.compiler.is_compiling()
         or any(a.shape != meta.shape or not a.is_contiguous() or a.device != codes.device for a in args)
     ):
