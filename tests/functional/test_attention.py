@@ -767,8 +767,10 @@ def test_cuda_fully_masked_rows_give_zero_and_finite_gradients(dtype, cfg):
                     *(t.double().cpu() for t in (q, k, v)), g.double().cpu())  # CPU chunked float64
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for name, a, e in zip("qkv", grads, exact, strict=True):
-        rel = _normwise_error(a.cpu(), e) / e.norm().item()
-        assert rel <= (tol if cfg is None else 0.06), (name, rel)
+        if cfg is None:
+            assert _normwise_error(a.cpu(), e) <= tol * e.norm().item(), name
+        else:
+            assert sqnr_db(e, a.cpu().double()) >= 25 and cosine(e, a.cpu().double()) >= 0.99, name
 
 
 @cuda

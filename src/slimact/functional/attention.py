@@ -1,15 +1,47 @@
 """Attention: fused scaled-dot-product attention keeping no ``[T, S]`` tensor, and eager attention's softmax,
 dropout and ``probs @ v`` in one Function (Tempo's attention technique) for when the probabilities are needed.
 
-Fused path (:func:`scaled_dot_product_attention`): at 8 bits keeps ``q``, ``k``, ``v`` (per head) and recomputes
-the output and log-sum-exp from them in the backward (one more fused forward), so the backward is the exact
-gradient of the attention of the restored tensors (a kept 8-bit output would disagree with the probabilities
-rebuilt from 8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients); under a lossless policy keeps ``q``,
-``k``, ``v`` exactly, and for PyTorch's CPU flash kernel also the output and the fp32 log-sum-exp (the chunked
-path recomputes what it needs). Never a ``[T, S]`` tensor (a boolean mask, if given,
-as bits). A mask that needs a gradient (Swin's and T5's learned position biases) is kept as given (often one
-tensor shared by every layer) and gets its gradient, the scores' gradient summed over the dims it broadcasts
-along, from the chunked path.
+Fused path (:func:`scaled_dot_product_attention`): never a ``[T, S]`` tensor kept. What is kept, per call, for
+``q`` ``[B, H, T, D]`` and ``k``, ``v`` ``[B, H_kv, S, D]`` (grouped-query attention: ``H_kv`` divides ``H``):
+
+* at 8 bits (a per-head config): ``q``, ``k``, ``v`` as 8-bit codes, ``B * (H * T + 2 * H_kv * S) * D`` bytes,
+  and their per-head scales (a few bytes per head); the backward recomputes the output
+  and log-sum-exp from the restored tensors (one more fused forward), so it is the exact gradient of the
+  attention of the restored tensors (a kept 8-bit output would disagree with the probabilities rebuilt from
+  8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients). With dropout, also the generator state the
+  forward drew from (16 bytes on CUDA).
+* under a lossless policy (``cfg=None``, "tempo"): ``q``, ``k``, ``v`` exactly and, for the fused kernels (CUDA's,
+  and PyTorch's CPU flash kernel), the output (``B * H * T * D`` elements, the returned tensor itself) and the
+  fp32 log-sum-exp (``4 * B * H * T`` bytes; the efficient kernel's rounds ``T`` up to 32); on CUDA also the
+  kernel's Philox seed and offset (two scalars).
+* a boolean mask as bits (1/8 of its bytes); an additive one as given (often one tensor shared by every layer).
+
+Which kernel, where (:func:`fused_kernel` chooses; anything it does not take runs the chunked path):
+
+* CUDA (compute capability 8.0+): PyTorch's fused kernels forward and backward, in the inputs' dtype (no fp32
+  upcast, no fp32 scores): ``aten._scaled_dot_product_flash_attention`` (FlashAttention-2) for fp16/bf16
+  without a mask (a causal one only square: FlashAttention's ``is_causal`` is bottom-right aligned for
+  ``T != S``, PyTorch's top-left), ``aten._scaled_dot_product_efficient_attention`` for fp32, a mask (as an
+  additive bias in the query's dtype, its rows in a buffer padded to 16 elements, as the kernel requires), or
+  a non-square causal one. Grouped-query attention repeats ``k``, ``v`` to ``H`` heads for the kernels
+  (transient, never kept) and sums the gradients back over each group. A fully masked row gets a bias of 0 in
+  the kernel and its output and gradient zeroed around it (PyTorch's 0). Taken by the chunked path instead: a
+  mask that needs a gradient, head sizes not a multiple of 8 or above 256 (128 off sm80/sm90), other dtypes,
+  dropout ``p >= 1``, broadcast batches, and a query or key holding NaN/inf (the kernels' running max drops
+  NaN scores; one host sync checks).
+* CPU without dropout: PyTorch's CPU flash kernel (``_FlashAttentionCPU``), unless a query or key holds NaN/inf.
+* Otherwise (CPU with dropout, other devices): ``_ChunkedAttention``, flash-style attention in PyTorch ops, a
+  block of query rows at a time, its scores in fp32.
+
+Dropout replay: no mask is drawn, nor kept. The CUDA kernels draw dropout from Philox with a seed and offset
+they take from the CUDA generator (and advance it); under a lossless policy the backward gets the seed and
+offset the forward kernel returned. At 8 bits the forward snapshots the generator state first (as the chunked
+path does for its ``native_dropout`` draw); the backward's recompute runs under ``torch.random.fork_rng`` with
+that state restored, so the kernel takes the same seed and offset (hence draws the same mask), and the
+generator is left as it was. With the same generator state, the masks are those of
+``F.scaled_dot_product_attention`` running the same kernel. A mask that needs a gradient (Swin's and T5's
+learned position biases) gets it, the scores' gradient summed over the dims it broadcasts along, from the
+chunked path.
 
 Eager path:
 
@@ -433,7 +465,9 @@ def fused_kernel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | 
             return None
     # A NaN/inf in a query or key: how the kernels' running max treats NaN scores is theirs (fmax drops NaN);
     # the chunked path gives NaN where the math does. One host sync for both (none under torch.compile).
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(query).all() & torch.isfinite(key).all()):
+    finite = (torch.compiler.is_compiling()
+              or bool(torch.isfinite(query.detach()).all() & torch.isfinite(key.detach()).all()))
+    if not finite:
         return None
     # FlashAttention's is_causal is bottom-right aligned for T != S; PyTorch's (and the efficient kernel's) is
     # top-left: only a square causal attention runs flash.
@@ -562,11 +596,13 @@ def scaled_dot_product_attention(
     Keeps ``query``, ``key``, ``value`` packed with ``cfg`` (a per-head config, ``group_dim=1``), recomputing the
     output and log-sum-exp in the backward; with ``cfg=None`` keeps them and the output and log-sum-exp exactly.
     A boolean ``attn_mask`` is kept as bits; a float mask that requires grad (a learned bias) gets its gradient.
-    On CPU without dropout it runs PyTorch's CPU flash kernel (forward and backward, on the restored
-    tensors); with dropout, or on other devices, a flash-style path in PyTorch ops, chunked over query rows
-    in the backward. Its dropout mask is drawn by ``native_dropout`` from PyTorch's generator (the draws
-    of eager ``F.dropout``); only the generator state is kept, and the backward redraws the mask from it.
-    Grouped-query attention (fewer key/value heads, ``enable_gqa=True``) never repeats ``key``/``value``.
+    On CUDA it runs PyTorch's fused kernels (flash or memory-efficient, :func:`fused_kernel`), forward and
+    backward, with dropout drawn by the kernel (Philox) and replayed from the generator state or the kernel's
+    seed and offset; on CPU without dropout PyTorch's CPU flash kernel (forward and backward, on the restored
+    tensors); otherwise a flash-style path in PyTorch ops, chunked over query rows in the backward, whose
+    dropout mask is drawn by ``native_dropout`` (the draws of eager ``F.dropout``), only the generator state
+    kept, and redrawn in the backward. Grouped-query attention (fewer key/value heads, ``enable_gqa=True``)
+    keeps ``key``/``value`` unrepeated. See the module docstring for what is kept and its bytes.
 
     Args: those of ``F.scaled_dot_product_attention``; ``cfg`` the compression; ``state`` running
     estimates (``{"q", "k", "v", "o"}``) for ``scale="running"``.
