@@ -690,18 +690,23 @@ def _gpu_case(h, h_kv, t, s, d, mask, dtype):
 
 
 def _same_kernel(kind):
-    """``F.scaled_dot_product_attention`` on k, v repeated to the query's heads, made to run ``kind``'s kernel: the
-    computation slimact's tempo path makes (autograd sums the repeats' gradients back)."""
+    """``F.scaled_dot_product_attention`` made to run ``kind``'s kernel on k, v repeated to the query's heads, the
+    repeats' gradients summed back (one sum over each group, as slimact reduces them): the computation slimact's
+    tempo path makes. Called as :func:`_run` calls its ``fn``, it returns the output and the three gradients."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = SDPBackend.FLASH_ATTENTION if kind == "flash" else SDPBackend.EFFICIENT_ATTENTION
 
-    def fn(q, k, v, enable_gqa=False, **kw):
+    def run(q, k, v, g, enable_gqa=False, **kw):
         rep = q.shape[1] // k.shape[1]
+        q = q.detach().clone().requires_grad_(True)
+        ke, ve = (t.detach().repeat_interleave(rep, 1).requires_grad_(True) for t in (k, v))
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), **kw)
+            out = F.scaled_dot_product_attention(q, ke, ve, **kw)
+        out.backward(g)
+        return out.detach(), (q.grad, *(t.grad.unflatten(1, (-1, rep)).sum(2) for t in (ke, ve)))
 
-    return fn
+    return run
 
 
 def _normwise_error(a, e):
@@ -719,7 +724,7 @@ def test_cuda_tempo_equals_torch(case, dtype, p):
     assert kind == ("flash" if flash else "efficient")
     g = torch.randn((*q.shape[:-1], v.shape[-1]), device="cuda").to(dtype)
     torch.manual_seed(11)  # the same generator state: the same Philox seed and offset, the same dropout mask
-    out0, g0 = _run(_same_kernel(kind), q, k, v, g, dropout_p=p, **kw)
+    out0, g0 = _same_kernel(kind)(q, k, v, g, dropout_p=p, **kw)
     torch.manual_seed(11)
     out1, g1 = _run(lambda *a, **k_: scaled_dot_product_attention(*a, **k_, cfg=None), q, k, v, g, dropout_p=p, **kw)
     torch.testing.assert_close(out1, out0)
@@ -729,7 +734,8 @@ def test_cuda_tempo_equals_torch(case, dtype, p):
         _, g2 = _run(F.scaled_dot_product_attention, q, k, v, g, **kw)
         _, exact = _run(F.scaled_dot_product_attention, *(t.double() for t in (q, k, v)), g.double(), **kw)
         for name, a, e, x in zip("qkv", g1, g2, exact, strict=True):
-            assert _normwise_error(a, x) <= 2 * _normwise_error(e, x) + 1e-6 * x.norm().item(), name
+            slack = (1e-5 if dtype == torch.float32 else 1e-6) * x.norm().item()
+            assert _normwise_error(a, x) <= 2 * _normwise_error(e, x) + slack, name
 
 
 @cuda
@@ -741,7 +747,7 @@ def test_cuda_int8_gradients(case, dtype, p):
     kind = attention_mod.fused_kernel(q, k, v, kw.get("attn_mask"), p, kw["is_causal"], False)
     g = torch.randn((*q.shape[:-1], v.shape[-1]), device="cuda").to(dtype)
     torch.manual_seed(12)
-    out0, g0 = _run(_same_kernel(kind), q, k, v, g, dropout_p=p, **kw)
+    out0, g0 = _same_kernel(kind)(q, k, v, g, dropout_p=p, **kw)
     torch.manual_seed(12)
     out1, g1 = _run(lambda *a, **k_: scaled_dot_product_attention(*a, **k_, cfg=PER_HEAD), q, k, v, g,
                     dropout_p=p, **kw)
