@@ -1,12 +1,16 @@
 """Attention: the fused path against F.scaled_dot_product_attention, and the eager softmax-dropout-matmul."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import slimact
-from slimact._metrics import sqnr_db
+import slimact.functional.attention as attention_mod
+from slimact._metrics import cosine, sqnr_db
 from slimact.functional import scaled_dot_product_attention
 from slimact.functional.attention import softmax_dropout_matmul
 from slimact.quant import QuantConfig
@@ -409,3 +413,379 @@ def test_a_non_finite_query_key_or_value_keeps_all_three_exact(bad):
     clean = [torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3)]
     assert torch.uint8 in {e.dtype for e in slimact.profile(_Call(scaled_dot_product_attention, cfg=PER_HEAD),
                                                              tuple(clean)).entries}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PyTorch's fused CUDA kernels: the dispatch and the Function on CPU, with CPU emulations of the CUDA ops
+# substituted (same signatures and returns); then the real kernels on a GPU.
+
+
+
+class _Emulated:
+    """CPU stand-ins for the fused CUDA ops: math attention in float64 (the output rounded to the inputs' dtype,
+    the log-sum-exp fp32, as the kernels return them); dropout drawn with ``torch.rand`` from the CPU generator
+    (no Philox) and recorded under a "seed" id, so a backward uses the mask its seed names. Checks what the
+    kernels require: equal heads, inputs in their own dtype, an aligned 4-d bias in the query's dtype."""
+
+    def __init__(self):
+        self.log = []  # (kind, "forward" | "backward", details)
+        self.masks = {}  # seed -> keep mask
+        self.inside = False
+
+    def ops(self):
+        return {"flash": (self.flash_forward, self.flash_backward),
+                "efficient": (self.efficient_forward, self.efficient_backward)}
+
+    def _check(self, q, k, v, bias):
+        assert q.shape[1] == k.shape[1] == v.shape[1], "the kernels take equal heads"
+        assert q.dtype == k.dtype == v.dtype and all(t.stride(-1) == 1 for t in (q, k, v))
+        if bias is not None:
+            assert bias.dim() == 4 and bias.shape == (*q.shape[:3], k.shape[2]) and bias.dtype == q.dtype
+            assert bias.stride(-1) == 1 and all(st % 16 == 0 for st in bias.stride()[:3]), bias.stride()
+
+    def _attend(self, q, k, v, bias, p, causal, scale, keep):
+        s = q.double() @ k.double().transpose(-1, -2) * scale
+        if bias is not None:
+            s = s + bias.double()
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+        lse = torch.logsumexp(s, -1)
+        probs = torch.exp(s - lse[..., None])
+        if keep is not None:
+            probs = probs * keep / (1 - p)
+        return probs @ v.double(), lse
+
+    def _forward(self, kind, q, k, v, bias, p, causal, scale):
+        self.inside = True
+        try:
+            self._check(q, k, v, bias)
+            keep = (torch.rand(*q.shape[:3], k.shape[2], dtype=torch.float64) >= p) if p > 0 else None
+            seed = len(self.masks)
+            self.masks[seed] = keep
+            out, lse = self._attend(q, k, v, bias, p, causal, scale, keep)
+            out, lse = out.to(q.dtype), lse.float()
+            self.log.append((kind, "forward", {"out": out, "lse": lse, "seed": seed, "dtype": q.dtype}))
+            return out, lse, torch.tensor(seed), torch.tensor(1000 + seed)
+        finally:
+            self.inside = False
+
+    def _backward(self, kind, grad, q, k, v, bias, out, lse, seed, offset, p, causal, scale):
+        self.inside = True
+        try:
+            self._check(q, k, v, bias)
+            assert int(offset) == 1000 + int(seed)
+            keep = self.masks[int(seed)]
+            self.log.append((kind, "backward", {"out": out, "lse": lse, "seed": int(seed), "dtype": q.dtype}))
+            # the output and lse given are those of these q, k, v and this mask (a replayed draw), in the rows
+            # that have a gradient (a fully masked row's output is zeroed, and so is its gradient)
+            exp_out, exp_lse = self._attend(q, k, v, bias, p, causal, scale, keep)
+            rows = grad.ne(0).any(-1)
+            torch.testing.assert_close(out[rows], exp_out.to(out.dtype)[rows])
+            torch.testing.assert_close(lse[rows], exp_lse.float()[rows])
+            with torch.enable_grad():  # (a backward runs without)
+                qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+                o, _ = self._attend(qd, kd, vd, bias, p, causal, scale, keep)
+                return tuple(g.to(q.dtype) for g in torch.autograd.grad(o, (qd, kd, vd), grad.double()))
+        finally:
+            self.inside = False
+
+    def flash_forward(self, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                      scale=None):
+        out, lse, seed, offset = self._forward("flash", query, key, value, None, dropout_p, is_causal, scale)
+        return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, torch.empty(0)
+
+    def flash_backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                       dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+        assert (max_q, max_k) == (query.shape[2], key.shape[2])
+        return self._backward("flash", grad_out, query, key, value, None, out, logsumexp, philox_seed, philox_offset,
+                              dropout_p, is_causal, scale)
+
+    def efficient_forward(self, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                          *, scale=None):
+        assert compute_log_sumexp
+        return self._forward("efficient", query, key, value, attn_bias, dropout_p, is_causal, scale)
+
+    def efficient_backward(self, grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+                           dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+        assert list(grad_input_mask) == [True, True, True, False]
+        grads = self._backward("efficient", grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed,
+                               philox_offset, dropout_p, is_causal, scale)
+        return (*grads, None)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    emu = _Emulated()
+    monkeypatch.setattr(attention_mod, "_fused_device", lambda device: True)
+    monkeypatch.setattr(attention_mod, "FUSED_OPS", emu.ops())
+    return emu
+
+
+def _qkv(h=4, h_kv=4, t=24, s=24, d=16, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, n, L, d, generator=gen).to(dtype) for n, L in ((h, t), (h_kv, s), (h_kv, s)))
+
+
+DISPATCH = [  # (dtype, t, s, d, mask, dropout, expected kind)
+    (torch.bfloat16, 24, 24, 16, None, 0.0, "flash"),
+    (torch.float16, 24, 24, 16, "causal", 0.1, "flash"),
+    (torch.bfloat16, 24, 30, 16, "causal", 0.0, "efficient"),  # flash's causal is bottom-right for T != S
+    (torch.float32, 24, 24, 16, None, 0.0, "efficient"),
+    (torch.bfloat16, 24, 30, 16, "bool", 0.1, "efficient"),
+    (torch.float32, 24, 30, 16, "additive", 0.0, "efficient"),
+    (torch.bfloat16, 24, 24, 16, "learned", 0.0, None),
+    (torch.bfloat16, 24, 24, 12, None, 0.0, None),  # head size not a multiple of 8
+    (torch.bfloat16, 24, 24, 16, "nan", 0.0, None),
+    (torch.bfloat16, 24, 24, 16, None, 1.0, None),
+    (torch.float64, 24, 24, 16, None, 0.0, None),
+]
+
+
+@pytest.mark.parametrize("case", DISPATCH, ids=lambda c: f"{str(c[0])[6:]}-{c[1]}x{c[2]}-d{c[3]}-{c[4]}-p{c[5]}")
+def test_fused_dispatch_picks_the_kernel(case, emulated, monkeypatch):
+    dtype, t, s, d, mask, p, expected = case
+    q, k, v = _qkv(4, 2, t, s, d, dtype)
+    m, causal = None, mask == "causal"
+    if mask == "bool":
+        m = torch.rand(2, 1, t, s) > 0.3
+    elif mask in ("additive", "learned"):
+        m = torch.randn(1, 4, t, s).to(dtype).requires_grad_(mask == "learned")
+    elif mask == "nan":
+        q[0, 1, 2, 3] = float("nan")
+    assert attention_mod.fused_kernel(q, k, v, m, p, causal, mask == "learned") == expected
+    if expected is None:
+        return
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = scaled_dot_product_attention(q, k, v, m, p, causal, enable_gqa=True)
+    assert type(out.grad_fn).__name__ == "_FusedAttentionBackward"
+    out.float().sum().backward()
+    assert [(kind, step) for kind, step, _ in emulated.log] == [(expected, "forward"), (expected, "backward")]
+    assert all(info["dtype"] == dtype for _, _, info in emulated.log)  # run in the inputs' dtype, no upcast
+    monkeypatch.undo()  # on the CPU itself: never the CUDA kernels
+    assert attention_mod.fused_kernel(q.detach(), k, v, m, p, causal, False) is None
+
+
+def _exact_grads(q, k, v, g, mask, keep, p, causal):
+    """float64 attention (grouped-query by repeating k, v: autograd sums their gradients back) with ``keep``."""
+    rep = q.shape[1] // k.shape[1]
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    bias, live = attention_mod._additive(mask, torch.float64), 1.0
+    if mask is not None:  # a fully masked row gives 0 (PyTorch's convention), and no gradient
+        live = mask.any(-1, keepdim=True)
+        bias = bias.masked_fill(~live, 0.0)
+    ke, ve = kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1)
+    out, _ = _Emulated()._attend(qd, ke, ve, bias, p, causal, q.shape[-1] ** -0.5, keep)
+    out = out * live
+    gq, gk, gv = torch.autograd.grad(out, (qd, ke, ve), g.double())
+    # the gradients of the repeated heads, each rounded to the dtype (as the kernels return them), summed over
+    # each group's repeats
+    gk, gv = (x.to(q.dtype).unflatten(1, (-1, rep)).sum(2) for x in (gk, gv))
+    return out, (gq, gk, gv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("h_kv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_fused_tempo_backward_gets_the_forwards_output_lse_and_seed(dtype, h_kv, p, emulated):
+    q, k, v = _qkv(4, h_kv, 24, 30, 16, dtype)
+    mask = torch.rand(2, 1, 24, 30, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[1, :, 3] = False  # a fully masked row: 0 out, and no gradient through it
+    g = torch.randn(2, 4, 24, 16).to(dtype)
+    out, grads = _run(lambda *a: scaled_dot_product_attention(*a, attn_mask=mask, dropout_p=p, enable_gqa=True,
+                                                                cfg=None), q, k, v, g)
+    (kind, _, fwd), (_, _, bwd) = emulated.log
+    assert kind == "efficient" and [step for _, step, _ in emulated.log] == ["forward", "backward"]  # no recompute
+    assert bwd["seed"] == fwd["seed"]  # the kernel's seed and offset, handed on
+    assert bwd["out"].data_ptr() == out.data_ptr() and torch.equal(bwd["out"], out)  # the kept output
+    assert bwd["lse"].data_ptr() == fwd["lse"].data_ptr()
+    assert torch.equal(out[1, :, 3], torch.zeros_like(out[1, :, 3]))
+    keep = emulated.masks[fwd["seed"]]
+    exact_out, exact = _exact_grads(q, k, v, g, mask, keep, p, False)
+    torch.testing.assert_close(out, exact_out.to(dtype))
+    # GQA: each kv head's gradient is the sum over its query heads (rounded once, to the dtype)
+    for name, a, e in zip("qkv", grads, exact, strict=True):
+        torch.testing.assert_close(a, e.to(dtype), msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fused_int8_recomputes_under_the_forwards_rng_state(dtype, emulated):
+    q, k, v = _qkv(4, 2, 32, 32, 16, dtype)
+    g = torch.randn(2, 4, 32, 16).to(dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.manual_seed(5)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True, cfg=PER_HEAD)
+    torch.rand(100)  # the generator moves on between forward and backward
+    state = torch.get_rng_state()
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    assert torch.equal(torch.get_rng_state(), state)  # the replay forks the generator: it is left as it was
+    steps = [step for _, step, _ in emulated.log]
+    assert steps == ["forward", "forward", "backward"]  # the backward's own forward: out, lse of restored q, k, v
+    fwd, again, bwd = (info for _, _, info in emulated.log)
+    assert torch.equal(emulated.masks[fwd["seed"]], emulated.masks[again["seed"]])  # the same dropout draws
+    assert bwd["seed"] == again["seed"]  # the recompute's output, lse and seed (checked consistent by the emulation)
+    _, exact = _exact_grads(q, k, v, g, None, emulated.masks[fwd["seed"]], 0.1, True)
+    for name, a, e in zip("qkv", grads, exact, strict=True):
+        assert sqnr_db(e, a) >= 25 and cosine(e, a) >= 0.99, name
+
+
+class _Allocations(TorchDispatchMode):
+    """The shapes and dtypes of the new tensors ops make (views left out), outside the emulated kernels."""
+
+    def __init__(self, emu):
+        super().__init__()
+        self.emu, self.made = emu, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.emu.inside and not any(r.alias_info is not None for r in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, Tensor):
+                    self.made.append((func, tuple(t.shape), t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_fused_forward_makes_no_fp32_sequence_by_sequence_tensor(dtype, cfg, p, emulated):
+    t, s = 40, 56
+    q, k, v = (x.requires_grad_() for x in _qkv(4, 2, t, s, 16, dtype))
+    mask = torch.rand(2, 1, t, s) > 0.2
+    for kw in ({}, {"attn_mask": mask}):
+        with _Allocations(emulated) as mode:
+            scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=True, cfg=cfg, **kw)
+        assert emulated.log and emulated.log[-1][1] == "forward"
+        ts = [(f, sh, dt) for f, sh, dt in mode.made if len(sh) >= 2 and sh[-2] == t and sh[-1] in (s, 64)]
+        scores = [x for x in ts if math.prod(x[1]) >= 2 * 4 * t * s]  # [B, H, T, S]: never, in any dtype
+        assert not scores, scores
+        if dtype != torch.float32:  # an fp32 input's bias is fp32 [B, 1, T, S], as PyTorch's own
+            assert not [x for x in ts if x[2] == torch.float32], ts
+        else:
+            assert all(sh[1] == 1 for _, sh, _ in ts if len(sh) == 4), ts  # the bias only, per batch
+
+
+# ---- on a GPU: the real kernels
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+GPU_CASES = [  # (heads, kv heads, query length, key length, head size, mask)
+    (4, 4, 64, 64, 64, "none"),
+    (4, 4, 64, 64, 64, "causal"),
+    (8, 2, 96, 96, 64, "causal"),  # grouped-query attention
+    (8, 2, 40, 50, 128, "none"),
+    (4, 4, 40, 50, 64, "bool"),  # keys not a multiple of the bias alignment
+    (8, 2, 33, 70, 32, "bool"),
+]
+
+
+def _gpu_case(h, h_kv, t, s, d, mask, dtype):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, L, d, generator=gen).to(dtype).cuda() for n, L in ((h, t), (h_kv, s), (h_kv, s)))
+    kw = {"enable_gqa": h != h_kv, "is_causal": mask == "causal"}
+    if mask == "bool":
+        m = torch.rand(2, 1, t, s, generator=gen) > 0.3
+        m[..., 0] = True  # no fully masked row here (see the test of those)
+        kw["attn_mask"] = m.cuda()
+    return q, k, v, kw
+
+
+def _same_kernel(kind):
+    """``F.scaled_dot_product_attention`` made to run ``kind``'s kernel on k, v repeated to the query's heads, the
+    repeats' gradients summed back (one sum over each group, as slimact reduces them): the computation slimact's
+    tempo path makes. Called as :func:`_run` calls its ``fn``, it returns the output and the three gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if kind == "flash" else SDPBackend.EFFICIENT_ATTENTION
+
+    def run(q, k, v, g, enable_gqa=False, **kw):
+        rep = q.shape[1] // k.shape[1]
+        q = q.detach().clone().requires_grad_(True)
+        ke, ve = (t.detach().repeat_interleave(rep, 1).requires_grad_(True) for t in (k, v))
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q, ke, ve, **kw)
+        out.backward(g)
+        return out.detach(), (q.grad, *(t.grad.unflatten(1, (-1, rep)).sum(2) for t in (ke, ve)))
+
+    return run
+
+
+def _normwise_error(a, e):
+    return (a.double() - e.double()).norm().item()
+
+
+@cuda
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_tempo_equals_torch(case, dtype, p):
+    q, k, v, kw = _gpu_case(*case, dtype)
+    kind = attention_mod.fused_kernel(q, k, v, kw.get("attn_mask"), p, kw["is_causal"], False)
+    flash = dtype != torch.float32 and "attn_mask" not in kw and (case[2] == case[3] or not kw["is_causal"])
+    assert kind == ("flash" if flash else "efficient")
+    g = torch.randn((*q.shape[:-1], v.shape[-1]), device="cuda").to(dtype)
+    torch.manual_seed(11)  # the same generator state: the same Philox seed and offset, the same dropout mask
+    out0, g0 = _same_kernel(kind)(q, k, v, g, dropout_p=p, **kw)
+    torch.manual_seed(11)
+    out1, g1 = _run(lambda *a, **k_: scaled_dot_product_attention(*a, **k_, cfg=None), q, k, v, g, dropout_p=p, **kw)
+    torch.testing.assert_close(out1, out0)
+    for name, a, e in zip("qkv", g1, g0, strict=True):
+        torch.testing.assert_close(a, e, msg=name)
+    if p == 0:  # and F.scaled_dot_product_attention as it dispatches itself: as near the exact gradient
+        _, g2 = _run(F.scaled_dot_product_attention, q, k, v, g, **kw)
+        _, exact = _run(F.scaled_dot_product_attention, *(t.double() for t in (q, k, v)), g.double(), **kw)
+        for name, a, e, x in zip("qkv", g1, g2, exact, strict=True):
+            slack = (1e-5 if dtype == torch.float32 else 1e-6) * x.norm().item()
+            assert _normwise_error(a, x) <= 2 * _normwise_error(e, x) + slack, name
+
+
+@cuda
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_int8_gradients(case, dtype, p):
+    q, k, v, kw = _gpu_case(*case, dtype)
+    kind = attention_mod.fused_kernel(q, k, v, kw.get("attn_mask"), p, kw["is_causal"], False)
+    g = torch.randn((*q.shape[:-1], v.shape[-1]), device="cuda").to(dtype)
+    torch.manual_seed(12)
+    out0, g0 = _same_kernel(kind)(q, k, v, g, dropout_p=p, **kw)
+    torch.manual_seed(12)
+    out1, g1 = _run(lambda *a, **k_: scaled_dot_product_attention(*a, **k_, cfg=PER_HEAD), q, k, v, g,
+                    dropout_p=p, **kw)
+    torch.testing.assert_close(out1, out0)  # the forward is the kernel's own, dropout mask included
+    for name, a, e in zip("qkv", g1, g0, strict=True):
+        # a backward replaying another mask would be noise here (SQNR near 0 dB)
+        assert sqnr_db(e, a) >= 25 and cosine(e, a) >= 0.99, (name, sqnr_db(e, a), cosine(e, a))
+
+
+@cuda
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_fully_masked_rows_give_zero_and_finite_gradients(dtype, cfg):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 20, 32, generator=gen).to(dtype).cuda() for _ in range(3))
+    mask = (torch.rand(2, 1, 20, 20, generator=gen) > 0.3).cuda()
+    mask[1, :, 5] = False
+    g = torch.randn(2, 4, 20, 32, generator=gen).to(dtype).cuda()
+    out, grads = _run(lambda *a: scaled_dot_product_attention(*a, attn_mask=mask, cfg=cfg), q, k, v, g)
+    assert torch.equal(out[1, :, 5], torch.zeros_like(out[1, :, 5]))
+    assert all(torch.isfinite(t).all() for t in (out, *grads))
+    _, exact = _run(lambda *a: scaled_dot_product_attention(*a, attn_mask=mask, cfg=None),
+                    *(t.double().cpu() for t in (q, k, v)), g.double().cpu())  # CPU chunked float64
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for name, a, e in zip("qkv", grads, exact, strict=True):
+        if cfg is None:
+            assert _normwise_error(a.cpu(), e) <= tol * e.norm().item(), name
+        else:
+            assert sqnr_db(e, a.cpu().double()) >= 25 and cosine(e, a.cpu().double()) >= 0.99, name
+
+
+@cuda
+def test_cuda_keeps_no_sequence_by_sequence_tensor():
+    t = 256
+    q, k, v = (torch.randn(2, 8, t, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1, cfg=PER_HEAD)
+    assert type(out.grad_fn).__name__ == "_FusedAttentionBackward"
+    for cfg in (None, PER_HEAD):
+        report = slimact.profile(_Call(scaled_dot_product_attention, is_causal=True, dropout_p=0.1, cfg=cfg),
+                                 (q, k, v))
+        assert all(sum(1 for n in e.shape if n == t) < 2 for e in report.entries), report.entries

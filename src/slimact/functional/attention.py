@@ -1,15 +1,47 @@
 """Attention: fused scaled-dot-product attention keeping no ``[T, S]`` tensor, and eager attention's softmax,
 dropout and ``probs @ v`` in one Function (Tempo's attention technique) for when the probabilities are needed.
 
-Fused path (:func:`scaled_dot_product_attention`): at 8 bits keeps ``q``, ``k``, ``v`` (per head) and recomputes
-the output and log-sum-exp from them in the backward (one more fused forward), so the backward is the exact
-gradient of the attention of the restored tensors (a kept 8-bit output would disagree with the probabilities
-rebuilt from 8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients); under a lossless policy keeps ``q``,
-``k``, ``v`` exactly, and for PyTorch's CPU flash kernel also the output and the fp32 log-sum-exp (the chunked
-path recomputes what it needs). Never a ``[T, S]`` tensor (a boolean mask, if given,
-as bits). A mask that needs a gradient (Swin's and T5's learned position biases) is kept as given (often one
-tensor shared by every layer) and gets its gradient, the scores' gradient summed over the dims it broadcasts
-along, from the chunked path.
+Fused path (:func:`scaled_dot_product_attention`): never a ``[T, S]`` tensor kept. What is kept, per call, for
+``q`` ``[B, H, T, D]`` and ``k``, ``v`` ``[B, H_kv, S, D]`` (grouped-query attention: ``H_kv`` divides ``H``):
+
+* at 8 bits (a per-head config): ``q``, ``k``, ``v`` as 8-bit codes, ``B * (H * T + 2 * H_kv * S) * D`` bytes,
+  and their per-head scales (a few bytes per head); the backward recomputes the output
+  and log-sum-exp from the restored tensors (one more fused forward), so it is the exact gradient of the
+  attention of the restored tensors (a kept 8-bit output would disagree with the probabilities rebuilt from
+  8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients). With dropout, also the generator state the
+  forward drew from (16 bytes on CUDA).
+* under a lossless policy (``cfg=None``, "tempo"): ``q``, ``k``, ``v`` exactly and, for the fused kernels (CUDA's,
+  and PyTorch's CPU flash kernel), the output (``B * H * T * D`` elements, the returned tensor itself) and the
+  fp32 log-sum-exp (``4 * B * H * T`` bytes; the efficient kernel's rounds ``T`` up to 32); on CUDA also the
+  kernel's Philox seed and offset (two scalars).
+* a boolean mask as bits (1/8 of its bytes); an additive one as given (often one tensor shared by every layer).
+
+Which kernel, where (:func:`fused_kernel` chooses; anything it does not take runs the chunked path):
+
+* CUDA (compute capability 8.0+): PyTorch's fused kernels forward and backward, in the inputs' dtype (no fp32
+  upcast, no fp32 scores): ``aten._scaled_dot_product_flash_attention`` (FlashAttention-2) for fp16/bf16
+  without a mask (a causal one only square: FlashAttention's ``is_causal`` is bottom-right aligned for
+  ``T != S``, PyTorch's top-left), ``aten._scaled_dot_product_efficient_attention`` for fp32, a mask (as an
+  additive bias in the query's dtype, its rows in a buffer padded to 16 elements, as the kernel requires), or
+  a non-square causal one. Grouped-query attention repeats ``k``, ``v`` to ``H`` heads for the kernels
+  (transient, never kept) and sums the gradients back over each group. A fully masked row gets a bias of 0 in
+  the kernel and its output and gradient zeroed around it (PyTorch's 0). Taken by the chunked path instead: a
+  mask that needs a gradient, head sizes not a multiple of 8 or above 256 (128 off sm80/sm90), other dtypes,
+  dropout ``p >= 1``, broadcast batches, and a query or key holding NaN/inf (the kernels' running max drops
+  NaN scores; one host sync checks).
+* CPU without dropout: PyTorch's CPU flash kernel (``_FlashAttentionCPU``), unless a query or key holds NaN/inf.
+* Otherwise (CPU with dropout, other devices): ``_ChunkedAttention``, flash-style attention in PyTorch ops, a
+  block of query rows at a time, its scores in fp32.
+
+Dropout replay: no mask is drawn, nor kept. The CUDA kernels draw dropout from Philox with a seed and offset
+they take from the CUDA generator (and advance it); under a lossless policy the backward gets the seed and
+offset the forward kernel returned. At 8 bits the forward snapshots the generator state first (as the chunked
+path does for its ``native_dropout`` draw); the backward's recompute runs under ``torch.random.fork_rng`` with
+that state restored, so the kernel takes the same seed and offset (hence draws the same mask), and the
+generator is left as it was. With the same generator state, the masks are those of
+``F.scaled_dot_product_attention`` running the same kernel. A mask that needs a gradient (Swin's and T5's
+learned position biases) gets it, the scores' gradient summed over the dims it broadcasts along, from the
+chunked path.
 
 Eager path:
 
@@ -35,7 +67,9 @@ is within its documented error (tests assert SQNR >= 30 dB).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -237,17 +271,28 @@ def _rng_state(device: torch.device) -> Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def _replayed_noise(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p: float, device) -> Tensor:
-    """The dropout ``native_dropout`` drew (on a tensor of ``dtype``) from RNG ``state``, drawn again on a forked
-    generator, as the fp32 factor it multiplied by: ``mask * scale``, ``scale = 1 / (1 - p)`` (0 for ``p = 1``).
-    In fp32 that is the draw's own output for an input of ones, and ``x * noise`` is bit for bit
-    ``(x * mask) * scale`` (``x * mask`` is exact); for a half-precision draw, the mask converted."""
+@contextlib.contextmanager
+def _replaying(state: Tensor | None, device: torch.device):
+    """Runs its block on a forked generator set to ``state`` (a :func:`_rng_state` snapshot): the draws made
+    there are those made after the snapshot; the generator is left as it was. ``state=None``: no fork."""
+    if state is None:
+        yield
+        return
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         if device.type == "cuda":
             torch.cuda.set_rng_state(state, device)
         else:
             torch.set_rng_state(state)
+        yield
+
+
+def _replayed_noise(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p: float, device) -> Tensor:
+    """The dropout ``native_dropout`` drew (on a tensor of ``dtype``) from RNG ``state``, drawn again on a forked
+    generator, as the fp32 factor it multiplied by: ``mask * scale``, ``scale = 1 / (1 - p)`` (0 for ``p = 1``).
+    In fp32 that is the draw's own output for an input of ones, and ``x * noise`` is bit for bit
+    ``(x * mask) * scale`` (``x * mask`` is exact); for a half-precision draw, the mask converted."""
+    with _replaying(state, device):
         out, mask = torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)
     if dtype == torch.float32:
         return out
@@ -357,6 +402,182 @@ def _block_scores(qg, kt, add, is_causal, scale, shape, t0, t1) -> Tensor:
     return scores
 
 
+# ---------------------------------------------------------------------------------------------------------
+# PyTorch's fused CUDA kernels (FlashAttention-2, memory-efficient attention), forward and backward.
+
+#: The fused CUDA kernels by kind: (forward, backward), as names of ``torch.ops.aten`` ops (looked up when
+#: called) or as callables with their signatures (a test substitutes CPU emulations here).
+FUSED_OPS: dict[str, tuple[str | Callable, str | Callable]] = {
+    "flash": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+    "efficient": ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
+}
+
+#: Last-dim alignment, in elements, of the memory-efficient kernel's ``attn_bias`` (its rows start on 16-byte
+#: boundaries: 4 fp32 or 8 fp16 elements; 16 covers both with room): the bias is built in a padded buffer.
+BIAS_ALIGN = 16
+
+
+def _op(kind: str, which: int) -> Callable:
+    op = FUSED_OPS[kind][which]
+    return getattr(torch.ops.aten, op) if isinstance(op, str) else op
+
+
+def _fused_device(device: torch.device) -> bool:
+    """Whether PyTorch's fused CUDA kernels are taken on ``device``: CUDA, compute capability 8.0 or more (the
+    flash kernel's bf16 needs it; older devices take the chunked path)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _max_head_dim(device: torch.device) -> int:
+    """Head sizes both kernels take forward and backward: 256 on sm80/sm90 (A100, H100/H200), 128 elsewhere
+    (FlashAttention-2's backward takes no head size above 192 on sm86/sm89)."""
+    if device.type != "cuda":
+        return 256
+    return 256 if torch.cuda.get_device_capability(device) in ((8, 0), (9, 0)) else 128
+
+
+def fused_kernel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                 is_causal: bool, mask_grad: bool) -> str | None:
+    """Which fused CUDA kernel :func:`scaled_dot_product_attention` runs: ``"flash"`` (fp16/bf16, no mask),
+    ``"efficient"`` (fp32 too, an additive bias), or ``None`` for the chunked path (or, on CPU, its flash
+    kernel). Conservative: anything the kernels may not take, or may take wrongly, is ``None``."""
+    if mask_grad or not _fused_device(query.device):
+        return None
+    dtype = query.dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (key.dtype == value.dtype == dtype):
+        return None
+    if not (key.device == value.device == query.device) or (attn_mask is not None and attn_mask.device != query.device):
+        return None
+    (b, h, t, d), (h_kv, s) = query.shape, key.shape[1:3]
+    if key.shape[0] != b or value.shape[:3] != key.shape[:3] or key.shape[-1] != d or value.shape[-1] != d:
+        return None  # broadcast batches, value heads of another size: as written, by the chunked path
+    if h % h_kv or min(b, h, t, s) == 0 or d % 8 or d > _max_head_dim(query.device) or max(b, h) > 65535:
+        return None
+    if not 0.0 <= dropout_p < 1.0:
+        return None
+    if attn_mask is not None:
+        if attn_mask.dim() > 4 or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+            return None
+        try:
+            if torch.broadcast_shapes(attn_mask.shape, (b, h, t, s)) != (b, h, t, s):
+                return None
+        except RuntimeError:
+            return None
+    # A NaN/inf in a query or key: how the kernels' running max treats NaN scores is theirs (fmax drops NaN);
+    # the chunked path gives NaN where the math does. One host sync for both (none under torch.compile).
+    finite = (torch.compiler.is_compiling()
+              or bool(torch.isfinite(query.detach()).all() & torch.isfinite(key.detach()).all()))
+    if not finite:
+        return None
+    # FlashAttention's is_causal is bottom-right aligned for T != S; PyTorch's (and the efficient kernel's) is
+    # top-left: only a square causal attention runs flash.
+    if attn_mask is None and dtype != torch.float32 and not (is_causal and t != s):
+        return "flash"
+    return "efficient"
+
+
+def _aligned_bias(mask: Tensor | None, dtype: torch.dtype, dead: Tensor | None,
+                  shape: tuple[int, int, int, int]) -> Tensor | None:
+    """``mask`` as the efficient kernel's ``attn_bias``: additive (``_additive``), in ``dtype``, its rows in a
+    buffer padded to :data:`BIAS_ALIGN` elements, expanded (a view) to ``[B, H, T, S]``. Fully masked rows
+    (``dead``) get 0, not -inf: the kernel then sees finite rows, whose output and gradient are zeroed around it
+    (a row of -inf only is log-sum-exp -inf, and ``exp(-inf - -inf)`` is NaN in a backward)."""
+    if mask is None:
+        return None
+    m = mask[(None,) * (4 - mask.dim())]
+    s = m.shape[-1]
+    padded = -(-s // BIAS_ALIGN) * BIAS_ALIGN
+    bias = torch.zeros(*m.shape[:-1], padded, dtype=dtype, device=m.device)[..., :s]
+    if m.dtype == torch.bool:
+        bias.masked_fill_(~m, -math.inf)
+    else:
+        bias.copy_(m)
+    if dead is not None:
+        bias.masked_fill_(dead, 0.0)
+    return bias.expand(shape)
+
+
+def _fused_forward(kind: str, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float,
+                   is_causal: bool, scale: float):
+    """``(out, lse, aux, sizes)``: the kernel's output and log-sum-exp, and what its backward takes besides:
+    ``aux = (cum_seq_q, cum_seq_k, philox_seed, philox_offset)`` (tensors, or None) and ``sizes = (max_q,
+    max_k)``. ``k``, ``v`` have ``q``'s heads (grouped-query attention expanded by the caller)."""
+    if kind == "flash":
+        out, lse, cq, ck, mq, mk, seed, offset, _ = _op(kind, 0)(q, k, v, dropout_p, is_causal, False, scale=scale)
+        return out, lse, (cq, ck, seed, offset), (mq, mk)
+    out, lse, seed, offset = _op(kind, 0)(q, k, v, bias, True, dropout_p, is_causal, scale=scale)
+    return out, lse, (None, None, seed, offset), (0, 0)
+
+
+def _fused_backward(kind: str, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, out: Tensor,
+                    lse: Tensor, aux, sizes, dropout_p: float, is_causal: bool, scale: float):
+    cq, ck, seed, offset = aux
+    if kind == "flash":
+        return _op(kind, 1)(grad, q, k, v, out, lse, cq, ck, *sizes, dropout_p, is_causal, seed, offset, scale=scale)
+    gq, gk, gv, _ = _op(kind, 1)(grad, q, k, v, bias, out, lse, seed, offset, dropout_p, [True, True, True, False],
+                                 is_causal, scale=scale)
+    return gq, gk, gv
+
+
+def _expand_heads(t: Tensor, rep: int) -> Tensor:
+    """Grouped-query attention: ``[B, H_kv, S, D]`` as ``[B, H, S, D]`` for the kernels (transient)."""
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def _sum_heads(g: Tensor, rep: int) -> Tensor:
+    """The gradient of :func:`_expand_heads`: summed over each group's ``rep`` heads."""
+    if rep == 1:
+        return g
+    b, h, s, d = g.shape
+    return g.reshape(b, h // rep, rep, s, d).sum(2)
+
+
+class _FusedAttention(SlimFunction):
+    """PyTorch's fused CUDA kernels forward and backward (kind ``"flash"`` or ``"efficient"``), with q, k, v kept
+    packed (per head) and, under a lossless policy, the output, log-sum-exp and the kernel's Philox seed and
+    offset exact; at 8 bits the backward recomputes the output and log-sum-exp from the restored q, k, v (one
+    more fused forward), with dropout on the generator state the forward drew from (the same seed and offset:
+    the same mask)."""
+
+    layer = "attention (CUDA fused)"
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, kind, cfg_q, cfg_kv, state):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        dead = _dead_rows(mask)
+        exact = cfg_q is None  # lossless: keep the output, lse and seed/offset; 8-bit: recompute them
+        rng = _rng_state(q.device) if dropout_p > 0 and not exact else None  # before the kernel draws
+        bias = _aligned_bias(mask, q.dtype, dead, shape)
+        out, lse, aux, sizes = _fused_forward(kind, q, _expand_heads(k, rep), _expand_heads(v, rep), bias,
+                                              dropout_p, is_causal, scale)
+        del bias
+        if dead is not None:
+            out = out.masked_fill(dead, 0)
+        ctx.args = (kind, is_causal, scale, dropout_p, q.dtype, shape, sizes if exact else None)
+        kept = (out, lse, *aux) if exact else (None,) * 6
+        save(ctx, *_pack_qkv(q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask), dead, rng)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cq, ck, seed, offset, mask, dead, rng = load(ctx)
+        kind, is_causal, scale, dropout_p, dtype, shape, sizes = ctx.args
+        rep = q.shape[1] // k.shape[1]
+        ke, ve = _expand_heads(k, rep), _expand_heads(v, rep)
+        bias = _aligned_bias(mask, dtype, dead, shape)
+        aux = (cq, ck, seed, offset)
+        if out is None:  # the output and lse of the restored q, k, v, with the forward's dropout draws
+            with _replaying(rng, q.device):
+                out, lse, aux, sizes = _fused_forward(kind, q, ke, ve, bias, dropout_p, is_causal, scale)
+        if dead is not None:
+            grad_out = grad_out.masked_fill(dead, 0)
+        gq, gk, gv = _fused_backward(kind, grad_out.contiguous(), q, ke, ve, bias, out, lse, aux, sizes, dropout_p,
+                                     is_causal, scale)
+        return (gq, _sum_heads(gk, rep), _sum_heads(gv, rep), None, None, None, None, None, None, None, None)
+
+
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -375,11 +596,13 @@ def scaled_dot_product_attention(
     Keeps ``query``, ``key``, ``value`` packed with ``cfg`` (a per-head config, ``group_dim=1``), recomputing the
     output and log-sum-exp in the backward; with ``cfg=None`` keeps them and the output and log-sum-exp exactly.
     A boolean ``attn_mask`` is kept as bits; a float mask that requires grad (a learned bias) gets its gradient.
-    On CPU without dropout it runs PyTorch's CPU flash kernel (forward and backward, on the restored
-    tensors); with dropout, or on other devices, a flash-style path in PyTorch ops, chunked over query rows
-    in the backward. Its dropout mask is drawn by ``native_dropout`` from PyTorch's generator (the draws
-    of eager ``F.dropout``); only the generator state is kept, and the backward redraws the mask from it.
-    Grouped-query attention (fewer key/value heads, ``enable_gqa=True``) never repeats ``key``/``value``.
+    On CUDA it runs PyTorch's fused kernels (flash or memory-efficient, :func:`fused_kernel`), forward and
+    backward, with dropout drawn by the kernel (Philox) and replayed from the generator state or the kernel's
+    seed and offset; on CPU without dropout PyTorch's CPU flash kernel (forward and backward, on the restored
+    tensors); otherwise a flash-style path in PyTorch ops, chunked over query rows in the backward, whose
+    dropout mask is drawn by ``native_dropout`` (the draws of eager ``F.dropout``), only the generator state
+    kept, and redrawn in the backward. Grouped-query attention (fewer key/value heads, ``enable_gqa=True``)
+    keeps ``key``/``value`` unrepeated. See the module docstring for what is kept and its bytes.
 
     Args: those of ``F.scaled_dot_product_attention``; ``cfg`` the compression; ``state`` running
     estimates (``{"q", "k", "v", "o"}``) for ``scale="running"``.
@@ -413,6 +636,9 @@ def scaled_dot_product_attention(
         with torch.autocast(device, enabled=False):
             return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                 cfg=cfg, state=state)
+    kind = fused_kernel(query, key, value, attn_mask, dropout_p, is_causal, mask_grad)
+    if kind is not None:
+        return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state)
     # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN (a NaN in the query,
     # or in the key of a one-key row: F.scaled_dot_product_attention's too, torch 2.13): a query or key holding
     # NaN/inf takes the chunked path, whose output is NaN there, as the math path's. (On the CPU this check costs
