@@ -60,7 +60,20 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dry(args: argparse.Namespace, command: str) -> bool:
+    """benchmarks/gpu.sh's dry run (``SLIMACT_GPU_DRY=1`` with no CUDA device): the command line was accepted as
+    written; nothing to run on a CUDA device here."""
+    import os
+
+    if os.environ.get("SLIMACT_GPU_DRY") == "1" and args.device.startswith("cuda") and not _cuda_available():
+        print(f"no device: slimact {command} on {args.device} skipped (SLIMACT_GPU_DRY=1)")
+        return True
+    return False
+
+
 def _check(args: argparse.Namespace) -> int:
+    if _dry(args, "check"):
+        return 0
     import transformers
 
     from slimact.check import check
@@ -119,9 +132,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from slimact.bench import kernels, memory, ops, speed, throughput, write_results, zoo
 
-    if os.environ.get("SLIMACT_GPU_DRY") == "1" and args.device.startswith("cuda") and not _cuda_available():
-        # benchmarks/gpu.sh's dry run: the command line was accepted as written; nothing to measure here.
-        print(f"no device: slimact bench on {args.device} skipped (SLIMACT_GPU_DRY=1)")
+    if _dry(args, "bench"):
         return 0
     rows = []
     if args.kernels:
