@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one run of about 8 minutes on a machine with a CUDA device (the steps'
-# timeouts add up to 475 s). Needs no install: runs from the checkout (PYTHONPATH=src) with $PYTHON, else
+# timeouts add up to 480 s). Needs no install: runs from the checkout (PYTHONPATH=src) with $PYTHON, else
 # .venv/bin/python where it exists, else python3.
 #
 #   bash benchmarks/gpu.sh OUTDIR
@@ -11,7 +11,7 @@
 # seconds, last lines), so a run cut short still leaves its results; at the end OUTDIR holds those two files only.
 #
 #   device      (15 s)  the device, torch / triton / transformers versions, nvidia-smi.
-#   kernels     (40 s)  the Triton kernels (quantize, dequantize, group_stats, quantize_stats) against the reference,
+#   kernels     (35 s)  the Triton kernels (quantize, dequantize, group_stats, quantize_stats) against the reference,
 #                       [8192, 768] bf16/fp32 whole tensor and channel groups, [8, 12, 1024, 64] per head; 8-bit
 #                       nearest, stochastic (seed 1234), 4-bit: mismatching codes and restored values per case
 #                       (slimact bench --kernels; exit 1 on any mismatch).
@@ -21,10 +21,10 @@
 #   speed      (140 s)  GPT-2 (12 layers, bf16, batch 8 x 1024) training step, plain vs "tempo" and "int8", with
 #                       every dropout at 0 and at 0.1, 3 interleaved rounds; first_step_s (compilation included)
 #                       apart from the rounds (slimact bench --speed).
-#   tests      (130 s)  the test files holding CUDA tests (tests/quant/test_triton.py, tests/test_state.py,
-#                       tests/test_kinds.py's CUDA probe test, the CUDA tests of tests/functional/test_attention.py),
-#                       60 s per test where pytest-timeout is installed.
-#   check       (60 s) slimact check of the zoo's tiny GPT-2 and Llama on the device, tempo and int8: one training
+#   tests      (130 s)  the CUDA tests of tests/functional/test_attention.py, tests/test_kinds.py's CUDA probe test,
+#                       tests/test_state.py, then tests/quant/test_triton.py (its ~560 kernel variants compile one by
+#                       one: the last ones may be cut), 60 s per test where pytest-timeout is installed.
+#   check       (70 s) slimact check of the zoo's tiny GPT-2 and Llama on the device, tempo and int8: one training
 #                       step against plain's (forward, every parameter gradient; exit 1 below the floors).
 #   throughput  (40 s)  the same GPT-2 at a 24 GiB budget, each setup at the largest batch that fits
 #                       (slimact bench --throughput); the first to cut when time is short.
@@ -94,7 +94,7 @@ if ! grep -q '^device: ' "$STEPS/device.log" || grep -q '^device: no device' "$S
 if [ "$DRY" = 1 ]; then
     step kernels 40 0 env TRITON_INTERPRET=1 "$PY" -m slimact bench --kernels --device cpu --tiny --out "$STEPS" --name kernels
 else
-    step kernels 40 0 "$PY" -m slimact bench --kernels --device cuda --out "$STEPS" --name kernels
+    step kernels 35 0 "$PY" -m slimact bench --kernels --device cuda --out "$STEPS" --name kernels
 fi
 step ops 50 1 "$PY" -m slimact bench --ops --device cuda --rounds 7 --out "$STEPS" --name ops
 step speed 140 1 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
@@ -103,14 +103,14 @@ PYTEST_ARGS=()
 grep -q '^pytest_timeout yes ' "$STEPS/device.log" && PYTEST_ARGS=(--timeout 60)
 [ "$DRY" = 1 ] && PYTEST_ARGS+=(--collect-only)  # dry: the files collect; their CUDA tests would skip here
 step tests 130 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}" --junitxml "$STEPS/tests.xml" \
-    tests/quant/test_triton.py tests/test_state.py \
-    tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert \
     tests/functional/test_attention.py::test_cuda_tempo_equals_torch \
     tests/functional/test_attention.py::test_cuda_int8_gradients \
     tests/functional/test_attention.py::test_cuda_fully_masked_rows_give_zero_and_finite_gradients \
-    tests/functional/test_attention.py::test_cuda_keeps_no_sequence_by_sequence_tensor
+    tests/functional/test_attention.py::test_cuda_keeps_no_sequence_by_sequence_tensor \
+    tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert tests/test_state.py \
+    tests/quant/test_triton.py
 # shellcheck disable=SC2016  # expanded by the inner bash
-step check 60 1 env PY="$PY" bash -c 'rc=0
+step check 70 1 env PY="$PY" bash -c 'rc=0
 for model in gpt2 llama; do
     for policy in tempo int8; do
         "$PY" -m slimact check --model $model --tiny --policy $policy --device cuda || rc=1
