@@ -86,3 +86,55 @@ def test_cli_exit_code_follows_the_verdict(tmp_path, capsys):
     path = BROKEN.to_file(tmp_path / "broken.toml")
     assert main(["check", "--model", "llama", "--tiny", "--seq", "16", "--policy", str(path)]) == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+class _BiasBeforeBatchNorm(torch.nn.Module):
+    """A conv whose bias feeds a training-mode BatchNorm (exact gradient zero: BatchNorm removes the shift), with
+    dropout, and many parameters of tiny gradients (the typical gradient is tiny, as SwiftFormer's is: the bias's
+    float32 rounding noise is then far above NOISE of it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.drop = torch.nn.Dropout(0.2)
+        self.head = torch.nn.Linear(8, 4)
+        self.tiny = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(3)) for _ in range(12))
+
+    def forward(self, x):
+        h = self.drop(self.bn(self.conv(x))).mean(dim=(2, 3))
+        return self.head(h).pow(2).sum() + 1e-9 * sum(p.sum() for p in self.tiny)
+
+
+def test_a_gradient_that_is_float_noise_in_plain_is_judged_by_size(monkeypatch):
+    policy = "int8"
+    import importlib
+
+    check_module = importlib.import_module("slimact.check")  # the module: slimact.check is the function
+    torch.manual_seed(0)
+    model, x = _BiasBeforeBatchNorm(), torch.randn(4, 3, 12, 12) * 3
+    report = slimact.check(model, x, policy, loss_fn=lambda out: out)
+    bias = next(p for p in report.params if p.name == "conv.bias")
+    assert report.passed, str(report)
+    assert bias.negligible, bias
+    # Without the float64 run (a model that cannot run in float64), the bias's noise is judged as a gradient.
+    monkeypatch.setattr(check_module, "_float64_grads", lambda *a, **k: None)
+    report = slimact.check(model, x, policy, loss_fn=lambda out: out)
+    assert [p.name for p in report.failures] == ["conv.bias"], str(report)
+
+
+def test_the_float64_run_draws_what_the_float32_run_drew():
+    # Dropout and drop-path draws in float64 take other bits of the RNG stream: the float64 reference draws them
+    # as float32 (widened), so it computes the float32 run's function, and the guard accepts it.
+    from slimact.check import _Float32Draws
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    state = torch.random.get_rng_state()
+    a = torch.nn.functional.dropout(x, 0.3) + torch.rand(64, 1) + torch.randn_like(x)
+    torch.random.set_rng_state(state)
+    with _Float32Draws():
+        b = torch.nn.functional.dropout(x.double(), 0.3) + torch.rand(64, 1, dtype=torch.float64) + \
+            torch.randn_like(x.double())
+    assert b.dtype == torch.float64
+    torch.testing.assert_close(b.float(), a)

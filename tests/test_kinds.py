@@ -287,3 +287,39 @@ def test_weightless_hand_written_norm_is_recognised(policy):
             torch.testing.assert_close(g1[n], g0[n], msg=n)
     else:
         assert_gradients_close(g0, g1)
+
+
+class _InputScaledRMSNorm(torch.nn.Module):
+    """MuseSpark's: scale first, then normalise, ``norm(x * (1 + w))``, with ``w`` initialised to zeros."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        h = x * (1.0 + self.weight)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def test_a_norm_that_scales_its_input_first_is_not_taken_for_gemmas_rmsnorm():
+    # At its initial weight (zeros) it computes exactly what Gemma's RMSNorm does, norm(x) * (1 + w); the probe
+    # took it for one, and under "tempo" its weight gradient was wrong (cosine 0.98 in MuseSpark). The probe
+    # runs with a random weight, and the module's own weight is left as it was.
+    from slimact._kinds import norm_form
+
+    norm = _InputScaledRMSNorm(16)
+    assert norm_form(norm) is None
+    assert torch.equal(norm.weight, torch.zeros(16))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), norm, torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        norm.weight.normal_()
+    assert norm_form(norm) is None
+    report = slimact.check(model, torch.randn(3, 5, 16), "tempo")
+    assert report.passed, str(report)
+    # Gemma's form is still recognised, at its initial weight and at any other.
+    class GemmaRMSNorm(_InputScaledRMSNorm):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+    assert norm_form(GemmaRMSNorm(16)) == {"centered": False, "offset": 1.0, "eps": 1e-6}

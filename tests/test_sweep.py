@@ -120,3 +120,22 @@ def test_the_table_goes_into_its_section_and_the_document_is_kept(tmp_path):
     assert text.startswith("# Models\n\nexisting text\n") and text.count("## Every architecture") == 1
     assert "**1 ok**, **0 below floor**, **1 crash**, **0 skipped**" in text
     assert text.index("`B`") < text.index("`A`") and "x\\|y" in text  # failures first; pipes escaped
+
+
+def test_a_plain_model_that_is_not_deterministic_is_skipped_with_that_reason(monkeypatch):
+    # A model whose plain step gives another result from the same RNG state (one drawing noise outside torch's
+    # RNG, or whose output length flips on rounding) is no reference: the sweep says so instead of "forward
+    # differs".
+    from slimact import bench
+
+    calls = []
+
+    def drifting(model, inputs):
+        out = model(**inputs)
+        calls.append(1)
+        out["loss"] = out["loss"] + 0.01 * len(calls)
+        return out
+
+    monkeypatch.setattr(bench, "_call_model", drifting)
+    row = bench.sweep_one(*next(a for a in auto_architectures() if a[2] == "LlamaForCausalLM"))
+    assert row["outcome"] == "skipped" and "not deterministic" in row["detail"], row

@@ -175,9 +175,31 @@ def _norm_eps(module: nn.Module) -> float | None:
 
 def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
     """The norm's form if its own forward computes a last-dim LayerNorm or RMSNorm (Gemma's ``1 + w``) of
-    ``[2, 3, C]`` and ``[2, 2, 2, C]`` probes (a forward that permutes 4-d inputs fails the second)."""
-    cls, dtype = _cls(module), weight.dtype
+    ``[2, 3, C]`` and ``[2, 2, 2, C]`` probes (a forward that permutes 4-d inputs fails the second).
+
+    The probe runs with the module's weight (and bias) set, for its duration, to random non-uniform values, and
+    restored: a weight at its initial value (all ones, or all zeros under ``1 + w``) scales every channel alike,
+    and a norm then cannot tell ``norm(x) * (1 + w)`` from a norm that scales its input first,
+    ``norm(x * (1 + w))`` (MuseSpark's input-scaled RMSNorm), whose gradients differ as soon as ``w`` moves.
+    """
     gen = torch.Generator().manual_seed(0)
+    own = [p for p in (weight, getattr(module, "bias", None))
+           if isinstance(p, nn.Parameter) and any(p is q for q in module.parameters(recurse=False))]
+    saved = [p.detach().clone() for p in own]
+    try:
+        with torch.no_grad():
+            for p in own:
+                shift = torch.rand(p.shape, generator=gen) - (0.5 if p is not weight else 0.0)
+                p.add_(shift.to(device=p.device, dtype=p.dtype))
+        return _probe_norm_as_is(module, weight, eps, gen)
+    finally:
+        with torch.no_grad():
+            for p, value in zip(own, saved, strict=True):
+                p.copy_(value)
+
+
+def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.Generator) -> dict | None:
+    cls, dtype = _cls(module), weight.dtype
     tol = _tolerance(dtype)
     w = weight.detach().float()
     bias = getattr(module, "bias", None)

@@ -204,14 +204,24 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
         return failed("skipped", "cannot build at the tiny size", e)
     say("plain")
     try:
-        trial = copy.deepcopy(model)
-        loss = projection_loss(_call_model(trial, inputs))
-        if not torch.isfinite(loss):
-            raise ValueError(f"the plain loss is {loss.item()}")
-        loss.backward()
-        del trial
+        losses = []
+        for _ in range(2):  # twice from one RNG state: plain must be deterministic to be a reference
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                trial = copy.deepcopy(model)
+                loss = projection_loss(_call_model(trial, inputs))
+                if not torch.isfinite(loss):
+                    raise ValueError(f"the plain loss is {loss.item()}")
+                loss.backward()
+                losses.append(loss.detach())
+            del trial
     except Exception as e:  # not slimact's: the plain model cannot train on the sweep's generic batch
         return failed("skipped", "the plain model cannot run a training step", e)
+    if not torch.equal(losses[0], losses[1]):
+        return {**row, "outcome": "skipped",
+                "detail": f"the plain model is not deterministic: two runs from one RNG state give losses "
+                          f"{losses[0].item():.6g} and {losses[1].item():.6g} (no reference to judge against)",
+                "error_where": "", "seconds": round(time.perf_counter() - start, 1)}
     say("check")
     try:
         report = check(model, inputs, "int8", loss_fn=projection_loss)

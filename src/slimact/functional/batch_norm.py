@@ -14,6 +14,16 @@ a scale shared by a channel group made it ``range_group / (510 sigma_c)``, unbou
 variance is small next to its group's range (a constant channel: ``invstd = 1/sqrt(eps)``), and the input
 gradient, which grows with ``invstd``, followed it (13-26 dB where channel scales spanned 100x; inf in fp16).
 Tests assert SQNR >= 30 dB for the input, weight and bias gradients.
+
+Invariants: in training mode BatchNorm removes a per-channel shift, so the exact gradient reaching anything
+that only shifts a channel (a conv bias right before it) is zero: ``grad_x`` sums to zero over each channel.
+That holds in the backward only if ``x_hat`` is centred by its own mean; centred by the exact batch mean, the
+restored input's rounding errors (their per-channel average) leave ``grad_x`` a per-channel sum of about
+``invstd * step * mean|g|``, which a preceding bias picked up as a gradient of 10% of the model's typical one
+(Parakeet's depthwise conv bias; SwiftFormer's, MobileNetV2's). So when ``x`` was quantised, the backward
+normalises ``x_hat`` with ``x_hat``'s own batch mean and variance: ``grad_x`` sums to zero (up to float
+rounding) as PyTorch's does, and ``sum(grad_x * x_hat) = 0`` likewise. Unquantised, the saved statistics are
+the exact ones and are used as they are.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ class _BatchNormFunction(SlimFunction):
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, cfg, state):
         y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
         ctx.eps = eps
+        ctx.quantized = cfg is not None
         # one scale per channel: see the module docstring, Error
         per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=1, groups=0)
         save(ctx, pack(x, per_channel, state), weight, mean, invstd)
@@ -45,6 +56,12 @@ class _BatchNormFunction(SlimFunction):
     @staticmethod
     def backward(ctx, grad_y):
         x_hat, weight, mean, invstd = load(ctx)
+        if ctx.quantized:
+            # The statistics of the restored input itself (see the module docstring, Invariants).
+            dims = [0, *range(2, x_hat.dim())]
+            var, mean = torch.var_mean(x_hat.float(), dim=dims, correction=0)
+            invstd = torch.rsqrt(var + ctx.eps).to(invstd.dtype)
+            mean = mean.to(invstd.dtype)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
             grad_y, x_hat, weight, None, None, mean, invstd, True, ctx.eps, mask
