@@ -204,7 +204,7 @@ def test_the_device_decided_pack_equals_the_references(shape, cfg, clip, outlier
     if outliers and x.numel() > 8:
         x.view(-1)[torch.randperm(x.numel(), generator=gen)[: max(1, x.numel() // 100)]] = 3e3
     x = x.to(dtype).to(DEVICE)
-    for bits in (8, 4, 2):
+    for bits in (8, 4, 2) if dtype == torch.float32 else (8,):  # (the code width only matters to the scale)
         c = QuantConfig(**{**cfg.__dict__, "bits": bits, "outliers": outliers, "clip": clip})
         ref, tri = _packs(x, c)
         if not _knife_edge(x, c):

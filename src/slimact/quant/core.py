@@ -1,14 +1,26 @@
 """``pack`` / ``unpack``: the one entry point every slimact Function uses to keep a tensor small.
 
-The steps shared by every backend live here: per-group range (this tensor's own), the NaN/inf check and
-the outlier decision (one host sync; a non-finite tensor is kept uncompressed), the running-estimate update
+The steps shared by every backend live here: per-group range (this tensor's own), the NaN/inf check, the clip
+and the outlier decision (one host sync; a non-finite tensor is kept uncompressed), the running-estimate update
 (a tensor is packed with the estimate it finds, then its range is folded in), the scale snapshot. The passes
 over the tensor (per-group range, quantise, dequantise) are dispatched: to the Triton kernels for CUDA tensors
 when Triton is installed, to ``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`,
 bit-identical to the reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the
-reference everywhere. Under a running estimate on the GPU the pack has no host sync at all
-(:func:`_pack_running`): one read of the tensor gives its codes and its range. :func:`pack_many` packs several
-tensors with one host sync for all (attention's ``q``, ``k``, ``v``).
+reference everywhere. A strided tensor is copied once, contiguous, for the range pass and the quantise both.
+
+On the Triton backend the decisions are made on the device (:func:`slimact.quant.triton.decide`): the range
+pass writes per-tile partials and one small kernel per tensor reduces them per group and computes, with the
+reference's float operations in the reference's order, the NaN/inf flag, the clip, the outlier threshold and
+flag, and :func:`slimact.quant.reference.scale_params`' ``lo``/``step`` (the same values bit for bit; the sum
+of ``sqrt|x|`` the threshold starts from is summed in fp64 in a fixed order, within float rounding of the
+reference's, as PyTorch's reduction of the partials was); it or-s the flags into an int32 buffer shared by the
+tensors of the call. A pack is then three launches (range pass, finish, quantise) and the host reads the flags
+once per :func:`pack_many` call. Where they say "outliers present" (or a running estimate is first set) the
+rare slow path keeps them apart and rescales with PyTorch ops, as the other backends do for every pack
+(their decisions are PyTorch ops on the per-group range, stacked and read at once). Under a running estimate
+on the GPU the pack has no host sync at all (:func:`_pack_running`): one read of the tensor gives its codes
+and its range.
+:func:`pack_many` packs several tensors with one host sync for all (attention's ``q``, ``k``, ``v``).
 
 Nothing is stored twice: when two consumers pack the same tensor in one step (the query, key and value
 projections all reading one hidden state; a LayerNorm's output that the next Linear also keeps), the
@@ -162,8 +174,9 @@ def pack_many(
 ) -> list[Packed]:
     """:func:`pack` of several tensors at once (attention's ``q``, ``k`` and ``v``): the same packs, the same
     stochastic-rounding seeds in the same order, with one host sync for all of them instead of one each (on
-    a GPU each sync drains the stream) and their scales computed in one go. A tensor given twice (``k is v``)
-    is packed once. Arguments as :func:`pack`, per item ``(x, cfg, state)``."""
+    a GPU each sync drains the stream) and their scales computed in one go (on the Triton backend, each by its
+    own finishing kernel before the sync). A tensor given twice (``k is v``) is packed once. Arguments as
+    :func:`pack`, per item ``(x, cfg, state)``."""
     compiling = torch.compiler.is_compiling()
     # Dynamo does not trace the weakly keyed cache reliably (an internal KeyError, seen once in the suite):
     # compiled graphs keep their own packs.

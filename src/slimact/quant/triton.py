@@ -19,6 +19,14 @@ head, the whole tensor).
 :func:`quantize_stats` is that pass with the 8-bit codes written from the same read, for a given ``lo``/``step``
 (a running estimate's): the pack under a running estimate reads ``x`` once and never waits for the host
 (:func:`slimact.quant.core._pack_running`).
+
+:func:`decide` is the range pass followed by one finishing kernel, one program per group, instead of PyTorch
+ops: the group's partials reduced (min and max exactly; the sum of ``sqrt|x|`` in fp64, in a fixed order), the
+NaN/inf and clip flags, :func:`slimact.quant.reference.outlier_threshold` and the outlier flag, and
+:func:`slimact.quant.reference.scale_params`' ``lo``/``step``, with the reference's float operations in its order
+(fp64 where it is fp64, every division in fp64, fp32 rounding where it rounds, ``nextafter`` on the bits, no FMA
+contraction), so the same ``lo``/``step`` bit for bit. The flags go to a buffer the host reads once for all the
+tensors of a :func:`slimact.quant.core.pack_many`.
 """
 
 from __future__ import annotations
@@ -170,7 +178,8 @@ def _stats(
     partials: bool = False,
 ) -> tuple[Tensor, ...] | None:
     """One read of ``x``: per-group (min, max, sum of ``sqrt|x|``), and the 8-bit codes for ``(lo, step, seed)``
-    when ``quantize_with`` is given (else ``None``). ``None`` where the grid would exceed the launch limits."""
+    when ``quantize_with`` is given (else ``None``). ``None`` where the grid would exceed the launch limits. With
+    ``partials``: ``(partials, codes)``, the kernel's ``[4, parts, size]`` fp32 partials unreduced (:func:`decide`)."""
     x = x.contiguous()
     numel = x.numel()
     size, inner = (1, numel) if layout.dim is None else (layout.size, layout.inner)
