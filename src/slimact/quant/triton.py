@@ -278,7 +278,8 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
 # The finishing work of a pack on the device (issue 19): partials -> per-group decisions and scale, in one launch.
 
 
-@triton.jit
+# (Scalars not specialised: a 1 would become a constexpr, which has no .to.)
+@triton.jit(do_not_specialize=["parts", "size", "groups", "per_index", "numel", "clip_bits"])
 def _finish_kernel(
     part_ptr, lo_ptr, step_ptr, aux_ptr, flags_ptr, parts, size, groups, per_index, numel, clip_bits,
     QMAX: tl.constexpr, ROOT: tl.constexpr, WHOLE: tl.constexpr, CLIP: tl.constexpr, BP: tl.constexpr,
