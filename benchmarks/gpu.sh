@@ -22,7 +22,8 @@
 #                       every dropout at 0 and at 0.1, 3 interleaved rounds; first_step_s (compilation included)
 #                       apart from the rounds (slimact bench --speed).
 #   tests      (130 s)  the CUDA tests of tests/functional/test_attention.py, tests/test_kinds.py's CUDA probe test,
-#                       tests/test_state.py, then tests/quant/test_triton.py (its ~560 kernel variants compile one by
+#                       tests/test_state.py, tests/quant/test_triton_finish.py, then tests/quant/test_triton.py (its ~560
+#                       kernel variants compile one by
 #                       one: the last ones may be cut), 60 s per test where pytest-timeout is installed.
 #   check       (70 s) slimact check of the zoo's tiny GPT-2 and Llama on the device, tempo and int8: one training
 #                       step against plain's (forward, every parameter gradient; exit 1 below the floors).
@@ -108,7 +109,7 @@ step tests 130 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}"
     tests/functional/test_attention.py::test_cuda_fully_masked_rows_give_zero_and_finite_gradients \
     tests/functional/test_attention.py::test_cuda_keeps_no_sequence_by_sequence_tensor \
     tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert tests/test_state.py \
-    tests/quant/test_triton.py
+    tests/quant/test_triton_finish.py tests/quant/test_triton.py
 # shellcheck disable=SC2016  # expanded by the inner bash
 step check 70 1 env PY="$PY" bash -c 'rc=0
 for model in gpt2 llama; do

@@ -1,14 +1,26 @@
 """``pack`` / ``unpack``: the one entry point every slimact Function uses to keep a tensor small.
 
-The steps shared by every backend live here: per-group range (this tensor's own), the NaN/inf check and
-the outlier decision (one host sync; a non-finite tensor is kept uncompressed), the running-estimate update
+The steps shared by every backend live here: per-group range (this tensor's own), the NaN/inf check, the clip
+and the outlier decision (one host sync; a non-finite tensor is kept uncompressed), the running-estimate update
 (a tensor is packed with the estimate it finds, then its range is folded in), the scale snapshot. The passes
 over the tensor (per-group range, quantise, dequantise) are dispatched: to the Triton kernels for CUDA tensors
 when Triton is installed, to ``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`,
 bit-identical to the reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the
-reference everywhere. Under a running estimate on the GPU the pack has no host sync at all
-(:func:`_pack_running`): one read of the tensor gives its codes and its range. :func:`pack_many` packs several
-tensors with one host sync for all (attention's ``q``, ``k``, ``v``).
+reference everywhere. A strided tensor is copied once, contiguous, for the range pass and the quantise both.
+
+On the Triton backend the decisions are made on the device (:func:`slimact.quant.triton.decide`): the range
+pass writes per-tile partials and one small kernel per tensor reduces them per group and computes, with the
+reference's float operations in the reference's order, the NaN/inf flag, the clip, the outlier threshold and
+flag, and :func:`slimact.quant.reference.scale_params`' ``lo``/``step`` (the same values bit for bit; the sum
+of ``sqrt|x|`` the threshold starts from is summed in fp64 in a fixed order, within float rounding of the
+reference's, as PyTorch's reduction of the partials was); it or-s the flags into an int32 buffer shared by the
+tensors of the call. A pack is then three launches (range pass, finish, quantise) and the host reads the flags
+once per :func:`pack_many` call. Where they say "outliers present" (or a running estimate is first set) the
+rare slow path keeps them apart and rescales with PyTorch ops, as the other backends do for every pack
+(their decisions are PyTorch ops on the per-group range, stacked and read at once). Under a running estimate
+on the GPU the pack has no host sync at all (:func:`_pack_running`): one read of the tensor gives its codes
+and its range.
+:func:`pack_many` packs several tensors with one host sync for all (attention's ``q``, ``k``, ``v``).
 
 Nothing is stored twice: when two consumers pack the same tensor in one step (the query, key and value
 projections all reading one hidden state; a LayerNorm's output that the next Linear also keeps), the
@@ -162,8 +174,9 @@ def pack_many(
 ) -> list[Packed]:
     """:func:`pack` of several tensors at once (attention's ``q``, ``k`` and ``v``): the same packs, the same
     stochastic-rounding seeds in the same order, with one host sync for all of them instead of one each (on
-    a GPU each sync drains the stream) and their scales computed in one go. A tensor given twice (``k is v``)
-    is packed once. Arguments as :func:`pack`, per item ``(x, cfg, state)``."""
+    a GPU each sync drains the stream) and their scales computed in one go (on the Triton backend, each by its
+    own finishing kernel before the sync). A tensor given twice (``k is v``) is packed once. Arguments as
+    :func:`pack`, per item ``(x, cfg, state)``."""
     compiling = torch.compiler.is_compiling()
     # Dynamo does not trace the weakly keyed cache reliably (an internal KeyError, seen once in the suite):
     # compiled graphs keep their own packs.
@@ -198,7 +211,7 @@ def pack_many(
     _decide([job for job in jobs if job.estimate is None], training)
     for job in jobs:  # in the items' order, so that the seeds are drawn as by one pack() each
         if job.estimate is not None:
-            packed = _pack_running(job.x, job.cfg, job.layout, job.state, job.estimate, training)
+            packed = _pack_running(job.data, job.cfg, job.layout, job.state, job.estimate, training)
         elif job.raw:
             packed = _raw(job.x)
         else:
@@ -217,17 +230,21 @@ class _Job:
     def __init__(self, index: int, x: Tensor, cfg: QuantConfig, layout: GroupLayout, state: RunningRange | None,
                  backend: Backend, estimate: tuple[Tensor, Tensor] | None) -> None:
         self.index, self.x, self.cfg, self.layout, self.state = index, x, cfg, layout, state
-        self.kernels, self.estimate = _kernels(backend), estimate
-        # What the kernels read: a strided tensor the compiled CPU loops take as a contiguous copy (one pass at
-        # copy bandwidth, transient), where the reference would take several passes and an fp64 reduction
-        # (attention's q, k, v are [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes.
+        self.backend, self.kernels, self.estimate = backend, _kernels(backend), estimate
+        # What the kernels read: a strided tensor the compiled CPU loops and the Triton kernels take as a
+        # contiguous copy (one pass at copy bandwidth, transient), made once for the range pass and the quantise
+        # both, where the reference would take several passes and an fp64 reduction (attention's q, k, v are
+        # [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes.
         self.data = x
-        if backend == "inductor" and not x.is_contiguous() and x.numel() >= self.kernels.MIN_NUMEL:
+        if not x.is_contiguous() and (
+            backend == "triton" or (backend == "inductor" and x.numel() >= self.kernels.MIN_NUMEL)
+        ):
             self.data = x.contiguous()
         self.aliases: list[int] = []
         self.raw = False
         self.outliers: tuple[Tensor, ...] = ()
         self.lo = self.hi = self.step = self.threshold = None
+        self.scaled: tuple[Tensor, Tensor] | None = None  # (lo, step) of (lo, hi) decided on the device
         self.clipped = False
 
     def finish(self) -> Packed:
@@ -244,44 +261,87 @@ def _clip(lo: Tensor, hi: Tensor, clip: float) -> tuple[Tensor, Tensor]:
 
 
 def _decide(jobs: list[_Job], training: bool) -> None:
-    """Range, NaN/inf and outlier decisions (one host sync for all the jobs), running estimates, and scales."""
+    """Range, NaN/inf, clip and outlier decisions (one host read per device for all the jobs), running estimates,
+    and scales.
+
+    On the triton backend the range pass and one finishing kernel per job (:func:`slimact.quant.triton.decide`)
+    give the job's scale and its three flags in an int32 buffer shared by the jobs of a device; elsewhere (and
+    where the range pass's grid would exceed the launch limits) PyTorch ops on the per-group range give 0-d flags.
+    The host reads each device's flags at once. A job whose flags say "outliers present" (or that has a running
+    estimate to update) is scaled on the host afterwards, as before: the rare, slower path.
+    """
     if not jobs:
         return
-    flags: list[Tensor] = []  # per job: "not finite", then "has outliers" where outliers are on
+    members: dict[torch.device, list[_Job]] = {}
     for job in jobs:
+        if job.backend == "triton":
+            members.setdefault(job.data.device, []).append(job)
+    buffers: dict[torch.device, Tensor] = {}  # per device: [3 * its triton jobs] int32 flags, zeroed, or-ed into
+    slots: dict[int, int] = {}  # id(job) -> where its three flags start in its device's buffer
+    for device, device_jobs in members.items():
+        flags = buffers[device] = torch.zeros(3 * len(device_jobs), dtype=torch.int32, device=device)
+        for n, job in enumerate(device_jobs):
+            decided = job.kernels.decide(job.data, job.layout, job.cfg.qmax, job.cfg.clip, flags[3 * n : 3 * n + 3])
+            if decided is not None:
+                lo, step, aux = decided  # aux: [4, groups] (clipped lo, clipped hi, sum sqrt|x|, threshold)
+                job.lo, job.hi, job.scaled = aux[0], aux[1], (lo, step)
+                job.threshold = aux[3] if job.cfg.outliers else None
+                slots[id(job)] = 3 * n
+    loose: dict[torch.device, list[Tensor]] = {}  # per device: 0-d bool flags of the jobs decided by PyTorch ops
+    where: dict[int, list[int | None]] = {}  # id(job) -> its flags' places there (not finite, clipped, outliers)
+    for job in jobs:
+        if id(job) in slots:
+            continue
         x, layout = job.data, job.layout
         if job.cfg.outliers:
             job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
             job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
         else:
             job.lo, job.hi = job.kernels.group_minmax(x, layout)
+        flags = loose.setdefault(x.device, [])
+        places: list[int | None] = [len(flags), None, None]
         # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
         flags.append((~torch.isfinite(job.lo) | ~torch.isfinite(job.hi - job.lo)).any())
         clip = job.cfg.clip
         if clip is not None:
+            places[1] = len(flags)
             flags.append(((job.lo < -clip) | (job.hi > clip)).any())
             job.lo, job.hi = _clip(job.lo, job.hi, clip)
         if job.threshold is not None:
+            places[2] = len(flags)
             flags.append((torch.maximum(job.lo.abs(), job.hi.abs()) > job.threshold).any())
-    if len({f.device for f in flags}) == 1:
-        decisions = iter(torch.stack(flags).tolist())  # the one host sync
-    else:
-        decisions = iter([f.item() for f in flags])
+        where[id(job)] = places
+    read: dict[torch.device, list] = {}
+    for device in {*buffers, *loose}:
+        parts = [buffers[device]] if device in buffers else []
+        if device in loose:
+            parts.append(torch.stack(loose[device]))
+        read[device] = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the one host read per device
     scaled: list[_Job] = []
     for job in jobs:
-        is_bad = next(decisions)
-        job.clipped = next(decisions) if job.cfg.clip is not None else False
-        heavy = next(decisions) if job.threshold is not None else False
+        device = job.data.device
+        if id(job) in slots:
+            at = slots[id(job)]
+            is_bad, clipped, heavy = read[device][at : at + 3]
+        else:
+            shift = len(buffers[device]) if device in buffers else 0
+            is_bad, clipped, heavy = (False if p is None else read[device][shift + p] for p in where[id(job)])
+        job.clipped = bool(clipped) if job.cfg.clip is not None else False
         if is_bad:
             job.raw = True
             continue
-        if heavy:
+        if heavy and job.threshold is not None:
+            job.scaled = None
             job.lo, job.hi, *job.outliers = reference.split_outliers(job.data, job.layout, job.threshold)
             if job.cfg.clip is not None:
                 job.lo, job.hi = _clip(job.lo, job.hi, job.cfg.clip)
         if job.cfg.scale == "running":
+            job.scaled = None
             job.lo, job.hi = job.state.update(job.lo, job.hi, job.cfg.decay, training)
-        scaled.append(job)
+        if job.scaled is not None:
+            job.lo, job.step = job.scaled
+        else:
+            scaled.append(job)
     _scale(scaled)
 
 

@@ -48,10 +48,20 @@ current stream is capturing, the seed drawn at capture would be frozen into the 
 a per-device counter that an in-graph ``add_(1)`` advances after each use: every replay draws new noise. The
 counter is created by the device's first stochastic pack outside capture (capture needs a warm-up pack anyway:
 Triton compiles there), the same kernel specialisation serves both.
+
+:func:`decide` is the range pass followed by one finishing kernel, one program per group, instead of PyTorch
+ops: the group's partials reduced (min and max exactly; the sum of ``sqrt|x|`` in fp64, in a fixed order), the
+NaN/inf and clip flags, :func:`slimact.quant.reference.outlier_threshold` and the outlier flag, and
+:func:`slimact.quant.reference.scale_params`' ``lo``/``step``, with the reference's float operations in its order
+(fp64 where it is fp64, every division in fp64, fp32 rounding where it rounds, ``nextafter`` on the bits, no FMA
+contraction), so the same ``lo``/``step`` bit for bit. The flags go to a buffer the host reads once for all the
+tensors of a :func:`slimact.quant.core.pack_many`.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import NamedTuple
 
 import torch
@@ -63,7 +73,7 @@ from slimact.quant import reference
 from slimact.quant.packing import packed_numel
 from slimact.quant.reference import GroupLayout, PackMeta, _group_reduce
 
-__all__ = ["dequantize", "group_minmax", "group_stats", "quantize", "quantize_stats"]
+__all__ = ["decide", "dequantize", "group_minmax", "group_stats", "quantize", "quantize_stats"]
 
 _TILE = 4096  # elements one program handles
 _GRID_MAX = (2**31 - 1, 65535, 65535)
@@ -281,10 +291,12 @@ def _seed_args(seed: int | None, device: torch.device) -> tuple[int, Tensor | No
 
 
 def _stats(
-    x: Tensor, layout: GroupLayout, quantize_with: tuple[Tensor, Tensor, int | None] | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    x: Tensor, layout: GroupLayout, quantize_with: tuple[Tensor, Tensor, int | None] | None = None,
+    partials: bool = False,
+) -> tuple[Tensor, ...] | None:
     """One read of ``x``: per-group (min, max, sum of ``sqrt|x|``), and the 8-bit codes for ``(lo, step, seed)``
-    when ``quantize_with`` is given (else ``None``). ``None`` where the grid would exceed the launch limit."""
+    when ``quantize_with`` is given (else ``None``). ``None`` where the grid would exceed the launch limit. With
+    ``partials``: ``(partials, codes)``, the kernel's ``[4, parts, size]`` fp32 partials unreduced (:func:`decide`)."""
     x = x.contiguous()
     numel = x.numel()
     size, inner = (1, numel) if layout.dim is None else (layout.size, layout.inner)
@@ -319,6 +331,8 @@ def _stats(
     )
     if advance is not None:
         advance.add_(1)
+    if partials:  # (for decide: the [4, parts, size] partials as they are)
+        return part, codes
     lo, hi, root, bad = part[0].amin(0), part[1].amax(0), part[2].sum(0), part[3].sum(0)  # [size] each
     bad = _group_reduce(bad, layout, "sum") > 0
     lo = _group_reduce(lo, layout, "amin").masked_fill(bad, float("nan"))
@@ -417,3 +431,150 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
         BITS=meta.bits, BF16_BITS=bf16, MODE=t.mode, R=t.r, BB=t.bb, WIDE=t.wide, enable_fp_fusion=False,
     )
     return out
+
+
+# The finishing work of a pack on the device (issue 19): partials -> per-group decisions and scale, in one launch.
+
+
+# (Scalars not specialised: a 1 would become a constexpr, which has no .to.)
+@triton.jit(do_not_specialize=["parts", "size", "groups", "per_index", "numel", "clip_bits"])
+def _finish_kernel(
+    part_ptr, lo_ptr, step_ptr, aux_ptr, flags_ptr, parts, size, groups, per_index, numel, clip_bits,
+    QMAX: tl.constexpr, ROOT: tl.constexpr, WHOLE: tl.constexpr, CLIP: tl.constexpr, BP: tl.constexpr,
+    BS: tl.constexpr,
+):
+    # One program per group g: its partials part[:, :, start:end] of _stats_kernel's [4, parts, size] fp32 buffer
+    # (min, max, sum sqrt|x|, non-finite count) -> lo[g], step[g] (scale_params' of the clipped range), aux[:, g] of
+    # a [4, groups] fp32 buffer (the clipped range's lo and hi, sum sqrt|x|, outlier threshold), and the pack's
+    # three flags (not finite, clipped, outliers present), or-ed over the groups into flags[0:3] (zeroed int32).
+    g = tl.program_id(0).to(tl.int64)
+    start = (g * size + groups - 1) // groups  # the indices i of the grouped dim with i * groups // size == g
+    end = ((g + 1) * size + groups - 1) // groups
+    rows = tl.arange(0, BP)[:, None]  # [BP, 1]
+    cols = tl.arange(0, BS)[None, :]  # [1, BS]
+    mn = tl.full([BP, BS], float("inf"), tl.float32)
+    mx = tl.full([BP, BS], float("-inf"), tl.float32)
+    root = tl.zeros([BP, BS], tl.float64)
+    bad = tl.zeros([BP, BS], tl.float32)
+    stride = parts.to(tl.int64) * size  # [parts, size] per statistic
+    for s0 in range(start, end, BS):
+        for p0 in range(0, parts, BP):
+            p = (p0 + rows).to(tl.int64)  # [BP, 1]
+            s = s0 + cols  # [1, BS]
+            mask = (p < parts) & (s < end)
+            at = part_ptr + p * size + s  # [BP, BS]
+            mn = tl.minimum(mn, tl.load(at, mask=mask, other=float("inf")))
+            mx = tl.maximum(mx, tl.load(at + stride, mask=mask, other=float("-inf")))
+            root += tl.load(at + 2 * stride, mask=mask, other=0.0).to(tl.float64)
+            bad = tl.maximum(bad, tl.load(at + 3 * stride, mask=mask, other=0.0))
+    t_lo = tl.min(tl.min(mn, axis=1), axis=0)
+    t_hi = tl.max(tl.max(mx, axis=1), axis=0)
+    # The partials' sum in fp64, in a fixed order (PyTorch's order, which the replaced path had, is its reduction
+    # kernel's: not reproducible, and not deterministic for scatter_reduce on CUDA); rounded to fp32 as the
+    # reference's group_magnitude is.
+    magnitude = tl.sum(tl.sum(root, axis=1), axis=0).to(tl.float32)
+    # Not finite: a NaN/inf in the group, or a range overflowing fp32 (hi - lo in fp32, as the host decided).
+    width = t_hi - t_lo
+    not_finite = (tl.max(tl.max(bad, axis=1), axis=0) > 0) | ~(tl.abs(width) < float("inf"))
+    if CLIP:
+        # lo.clamp(-clip, clip) of fp32 lo with the clip rounded to fp32, as PyTorch's clamp and compare do
+        c = clip_bits.to(tl.float32, bitcast=True)
+        clipped = (t_lo < -c) | (t_hi > c)
+        t_lo = tl.minimum(tl.maximum(t_lo, -c), c)
+        t_hi = tl.minimum(tl.maximum(t_hi, -c), c)
+        tl.atomic_max(flags_ptr + 1, clipped.to(tl.int32))
+    # reference.outlier_threshold, its float operations in its order: (Q * sqrt(K) / (n - 1 + sqrt(K)))**2 in
+    # fp64, where n - 1 + sqrt(K) is fp64 for the whole tensor (a Python float there) and fp32 per group (an int64
+    # tensor plus a Python float), then rounded to fp32.
+    if WHOLE:
+        den = (numel.to(tl.float64) - 1.0) + ROOT
+    else:
+        count = (end - start) * per_index.to(tl.int64)  # elements in the group
+        den = ((count - 1).to(tl.float32) + ROOT).to(tl.float64)
+    limit = magnitude.to(tl.float64) * ROOT / den
+    threshold = (limit * limit).to(tl.float32)
+    heavy = tl.maximum(tl.abs(t_lo), tl.abs(t_hi)) > threshold
+    # reference.scale_params, its float operations in its order (fp64, no NaN here but in a group that is not
+    # finite, whose pack is then kept exact and these values unused).
+    lo64 = t_lo.to(tl.float64)
+    hi64 = t_hi.to(tl.float64)
+    rng = hi64 - lo64
+    step64 = rng / QMAX
+    straddles = (lo64 < 0) & (hi64 > 0)
+    lo_out = t_lo
+    if QMAX >= 15:
+        tiny = tl.full([], 0x0010000000000000, tl.int64).to(tl.float64, bitcast=True)  # finfo(float64).tiny
+        z_star = -lo64 / tl.maximum(rng, tiny) * QMAX
+        z_lo = tl.minimum(tl.maximum(tl.floor(z_star), 1.0), QMAX - 1.0)
+        z_hi = tl.minimum(tl.maximum(tl.ceil(z_star), 1.0), QMAX - 1.0)
+        cand_lo = tl.maximum(-lo64 / z_lo, hi64 / (QMAX - z_lo))
+        cand_hi = tl.maximum(-lo64 / z_hi, hi64 / (QMAX - z_hi))
+        z = tl.where(cand_hi < cand_lo, z_hi, z_lo)
+        zero_step = tl.minimum(cand_lo, cand_hi)
+        step64 = tl.where(straddles, zero_step, step64)
+    step = step64.to(tl.float32)
+    # rounded up, never down: nextafter(step, inf) on the bits (step >= 0 here; 0 -> the smallest subnormal)
+    bits = step.to(tl.int32, bitcast=True)
+    up = tl.where(step == 0, 1, tl.where(step > 0, bits + 1, bits - 1)).to(tl.float32, bitcast=True)
+    step = tl.where(step.to(tl.float64) < step64, up, step)
+    ok = (rng > 0) & (step > 0)
+    if QMAX >= 15:
+        lo_out = tl.where(straddles & ok, -(z.to(tl.float32) * step), t_lo)
+    step = tl.where(ok, step, 1.0)
+    tl.store(lo_ptr + g, lo_out)
+    tl.store(step_ptr + g, step)
+    tl.store(aux_ptr + g, t_lo)
+    tl.store(aux_ptr + groups + g, t_hi)
+    tl.store(aux_ptr + 2 * groups + g, magnitude)
+    tl.store(aux_ptr + 3 * groups + g, threshold)
+    tl.atomic_max(flags_ptr, not_finite.to(tl.int32))
+    tl.atomic_max(flags_ptr + 2, heavy.to(tl.int32))
+
+
+def _f32_bits(v: float) -> int:
+    # The int32 bits of v rounded to fp32 (as PyTorch casts a Python scalar against an fp32 tensor).
+    try:
+        return struct.unpack("<i", struct.pack("<f", v))[0]
+    except OverflowError:
+        return struct.unpack("<i", struct.pack("<f", math.copysign(math.inf, v)))[0]
+
+
+def decide(
+    x: Tensor, layout: GroupLayout, qmax: int, clip: float | None, flags: Tensor
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The range pass and the pack's finishing work in two launches, nothing read back: ``(lo, step, aux)``.
+
+    ``lo``/``step`` (fp32 ``[groups]``) are :func:`slimact.quant.reference.scale_params` of the range clipped to
+    ``clip``; ``aux`` (fp32 ``[4, groups]``) holds that clipped range's lo and hi, the sum of ``sqrt|x|`` and the
+    :func:`slimact.quant.reference.outlier_threshold` per group; ``flags`` (int32 ``[3]``, zeroed by the caller, a
+    slice of one buffer for all the tensors of a ``pack_many``) gets whether the range is not finite, whether the
+    clip cut it, and whether some ``|x|`` lies beyond the threshold, or-ed over the groups: what the host then
+    reads, once. The same values as the host's float operations on :func:`group_stats` (the reference's min and
+    max; the sum of square roots as close as in :func:`group_stats`, so the outlier decision may differ from the
+    reference's only for a value within float rounding of the threshold). ``None`` where the range pass's grid
+    would exceed the launch limits."""
+    stats = _stats(x, layout, partials=True)
+    if stats is None:
+        return None
+    return _finish(stats[0], layout, x.numel(), qmax, clip, flags)
+
+
+def _finish(
+    part: Tensor, layout: GroupLayout, numel: int, qmax: int, clip: float | None, flags: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    # part: [4, parts, size] fp32 partials of _stats_kernel -> lo, step [groups], aux [4, groups]; flags [3] or-ed
+    parts, size = part.shape[1], part.shape[2]
+    groups = layout.groups
+    width = triton.cdiv(size, groups)  # the most indices a group has
+    bs = min(64, triton.next_power_of_2(width))
+    bp = max(1, min(triton.next_power_of_2(parts), 1024 // bs))
+    lo = torch.empty(groups, dtype=torch.float32, device=part.device)
+    step = torch.empty(groups, dtype=torch.float32, device=part.device)
+    aux = torch.empty(4, groups, dtype=torch.float32, device=part.device)
+    _finish_kernel[(groups,)](
+        part, lo, step, aux, flags, parts, size, groups, numel // max(size, 1), numel,
+        _f32_bits(clip) if clip is not None else 0,
+        QMAX=qmax, ROOT=math.sqrt(reference.OUTLIER_RATIO), WHOLE=layout.dim is None, CLIP=clip is not None,
+        BP=bp, BS=bs, enable_fp_fusion=False,
+    )
+    return lo, step, aux

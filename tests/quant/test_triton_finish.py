@@ -1,0 +1,342 @@
+"""The triton backend's pack decides and scales on the device: range pass, one finishing kernel, quantise (about
+three launches a tensor) and one host read per ``pack_many``, with the packs of the path it replaced (the
+reference's, bit for bit). On a CUDA device when there is one, else on CPU through TRITON_INTERPRET=1 (see
+conftest), the triton backend forced on CPU tensors."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _host import HostReads
+
+pytest.importorskip("triton")
+
+from triton.runtime.jit import KernelInterface
+
+from slimact.quant import QuantConfig, RunningRange, pack, pack_many, reference
+from slimact.quant import triton as kernels
+from slimact.quant.reference import Packed, PackMeta, group_layout, outlier_threshold, scale_params
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (The interpreter computes in numpy, which warns where the fp64 zero-point search overflows to inf, as the
+# reference's does silently on a zero range.)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+# Allocations, views and metadata queries: no kernel on a device.
+_FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "is_same_size", "sym_size",
+         "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "is_non_overlapping_and_dense",
+         "_local_scalar_dense", "lift_fresh"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts what a pack would launch on a device: every Triton kernel of :mod:`slimact.quant.triton` (its
+    launches wrapped) and every PyTorch op dispatched outside those launches but views, metadata and empty
+    allocations (the Triton interpreter's own copies, made inside a launch, are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.kernels: list[str] = []
+        self._inside = 0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        for name in dir(kernels):
+            fn = getattr(kernels, name)
+            if isinstance(fn, KernelInterface) and "run" not in vars(fn):
+                self._stack.enter_context(_wrapped(fn, self))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stack.close()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket.__name__
+        if not self._inside and not func.is_view and packet not in _FREE:
+            self.ops.append(packet)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def count(self) -> int:
+        return len(self.ops) + len(self.kernels)
+
+
+@contextlib.contextmanager
+def _wrapped(fn, counter: Launches):
+    run = fn.run
+
+    def counted(*args, **kwargs):
+        counter.kernels.append(fn.__name__)
+        counter._inside += 1
+        try:
+            return run(*args, **kwargs)
+        finally:
+            counter._inside -= 1
+
+    fn.run = counted
+    try:
+        yield
+    finally:
+        del fn.run
+
+
+def _qkv(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    # attention's q, k, v as a projection leaves them: [B, T, H, D] memory seen as [B, H, T, D] (strided)
+    q = torch.randn(2, 40, 8, 16, generator=gen).to(DEVICE).transpose(1, 2)
+    k, v = (torch.randn(2, 40, 2, 16, generator=gen).to(DEVICE).transpose(1, 2) for _ in range(2))
+    return q, k, v
+
+
+def test_a_pack_many_of_q_k_v_is_three_launches_a_tensor_and_one_host_read():
+    q, k, v = _qkv(torch.Generator().manual_seed(0))
+    per_head = QuantConfig(group_dim=1, groups=0)
+    pack_many([(t, per_head, None) for t in (q, k, v)], backend="triton", share=False)  # compile (on a GPU)
+    with Launches() as launches, HostReads() as reads:
+        packs = pack_many([(t, per_head, None) for t in (q, k, v)], backend="triton", share=False)
+    assert all(not p.raw and len(p.tensors) == 3 for p in packs)
+    assert reads.count == 1
+    # per tensor: one contiguous copy (strided q, k, v; item 9: the range pass and the quantise share it), the
+    # range pass, the finishing kernel, the quantise; per call: the zeroed flags
+    copies = [op for op in launches.ops if op.rstrip("_") in ("copy", "clone")]
+    assert len(copies) == 3, launches.ops
+    assert launches.count <= 4 * 3 + 2, (launches.ops, launches.kernels)
+    # each tensor's values read once by a Triton kernel for its range and once for its codes
+    assert launches.kernels.count("_stats_kernel") == 3 and launches.kernels.count("_quantize_kernel") == 3
+
+
+@pytest.mark.parametrize("cfg", [QuantConfig(groups=4), QuantConfig(groups=4, clip=1.0, outliers=False),
+                                 QuantConfig(group_dim=None)], ids=["channels", "clip", "whole"])
+def test_one_pack_is_about_three_launches_and_one_host_read(cfg):
+    x = torch.randn(64, 48, device=DEVICE)
+    pack(x, cfg, backend="triton", share=False)
+    with Launches() as launches, HostReads() as reads:
+        packed = pack(x, cfg, backend="triton", share=False)
+    assert not packed.raw and reads.count == 1
+    assert launches.count <= 4, (launches.ops, launches.kernels)
+
+
+def test_a_running_pack_has_no_host_read():
+    q, k, v = _qkv(torch.Generator().manual_seed(1))
+    running = QuantConfig(group_dim=1, groups=0, scale="running")
+    module = torch.nn.Module()
+    states = [RunningRange(module, f"_{name}") for name in "qkv"]
+    pack_many([(t, running, st) for t, st in zip((q, k, v), states, strict=True)], backend="triton", share=False)
+    with Launches(), HostReads(fail=True) as reads:
+        pack_many([(t * 1.1, running, st) for t, st in zip((q, k, v), states, strict=True)], backend="triton",
+                  share=False)
+    assert reads.count == 0
+
+
+# ---- the same packs as the path it replaced (the reference's: the same min/max, flags and float operations) ----
+
+LAYOUTS = [
+    ((1,), QuantConfig(group_dim=None)),  # one element
+    ((7,), QuantConfig(groups=0)),  # one element per group
+    ((1, 7), QuantConfig(groups=0)),
+    ((5, 13), QuantConfig(groups=4)),  # 4 does not divide 13
+    ((130, 70), QuantConfig(groups=8)),  # several row blocks of partials
+    ((3, 5, 16), QuantConfig(groups=0)),
+    ((2, 3, 9, 5), QuantConfig(group_dim=1, groups=0)),  # per head
+    ((2, 6, 9, 5), QuantConfig(group_dim=1, groups=4)),
+    ((4, 3, 11), QuantConfig(group_dim=None)),  # whole tensor
+    ((5000,), QuantConfig(group_dim=None)),  # several partials
+]
+
+
+def _assert_same_pack(a, b):
+    assert a.meta == b.meta and len(a.tensors) == len(b.tensors)
+    for s, t in zip(a.tensors, b.tensors, strict=True):
+        assert s.dtype == t.dtype and s.shape == t.shape
+        torch.testing.assert_close(s, t, rtol=0, atol=0, equal_nan=True)
+
+
+def _replaced_pack(x, cfg):
+    """The pack as the replaced path made it: the range pass's partials reduced by PyTorch ops
+    (``kernels.group_stats``), then the flags, threshold and scale by PyTorch ops, decided on the host."""
+    layout = group_layout(x.shape, cfg)
+    data = x.contiguous()
+    lo, hi, magnitude = kernels.group_stats(data, layout)
+    threshold = outlier_threshold(magnitude, layout, x.numel()) if cfg.outliers else None
+    if not (torch.isfinite(lo) & torch.isfinite(hi - lo)).all():
+        return Packed((x,), PackMeta(x.shape, x.dtype, 0, reference.GroupLayout(None, 1, 1, x.numel()), True))
+    clipped = False
+    if cfg.clip is not None:
+        clipped = bool(((lo < -cfg.clip) | (hi > cfg.clip)).any())
+        lo, hi = lo.clamp(-cfg.clip, cfg.clip), hi.clamp(-cfg.clip, cfg.clip)
+    kept = ()
+    if threshold is not None and (torch.maximum(lo.abs(), hi.abs()) > threshold).any():
+        lo, hi, *kept = reference.split_outliers(data, layout, threshold)
+        if cfg.clip is not None:
+            lo, hi = lo.clamp(-cfg.clip, cfg.clip), hi.clamp(-cfg.clip, cfg.clip)
+    lo, step = scale_params(lo, hi, cfg.qmax)
+    codes = kernels.quantize(data, layout, lo, step, cfg.bits, None)
+    return Packed((codes, lo, step, *kept), PackMeta(x.shape, x.dtype, cfg.bits, layout, False, clipped=clipped))
+
+
+def _packs(x, cfg):
+    """The new pack, checked against the replaced path's and returned with the reference's."""
+    tri = pack(x, cfg, backend="triton", share=False)
+    _assert_same_pack(_replaced_pack(x, cfg), tri)
+    return pack(x, cfg, backend="reference", share=False), tri
+
+
+def _knife_edge(x, cfg):
+    # One-element groups keeping outliers: the threshold is (sqrt|x|)**2, |x| itself up to rounding, so whether
+    # the element is its own outlier rests on the last bit of a square root, the reference's fp64 one or the range
+    # pass's fp32 one (which the replaced path had too). Only the replaced path's pack is compared there.
+    layout = group_layout(x.shape, cfg)
+    return cfg.outliers and x.numel() // layout.groups == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("outliers", [True, False], ids=["outliers", "no-outliers"])
+@pytest.mark.parametrize("clip", [None, 1.5], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("shape,cfg", LAYOUTS)
+def test_the_device_decided_pack_equals_the_references(shape, cfg, clip, outliers, dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen) * 2 + 0.3
+    if outliers and x.numel() > 8:
+        x.view(-1)[torch.randperm(x.numel(), generator=gen)[: max(1, x.numel() // 100)]] = 3e3
+    x = x.to(dtype).to(DEVICE)
+    for bits in (8, 4, 2) if dtype == torch.float32 else (8,):  # (the code width only matters to the scale)
+        c = QuantConfig(**{**cfg.__dict__, "bits": bits, "outliers": outliers, "clip": clip})
+        ref, tri = _packs(x, c)
+        if not _knife_edge(x, c):
+            _assert_same_pack(ref, tri)
+        assert not tri.raw
+        # the decisions were the device's: outliers kept apart where there were (within the clip, none), the clip
+        # seen where it cut
+        if bits == 8 and x.numel() > 8:
+            assert (len(tri.tensors) == 5) == (outliers and clip is None)
+            assert tri.meta.clipped == (clip is not None and bool((x.float().abs() > clip).any()))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), "overflow"])
+@pytest.mark.parametrize("shape,cfg", [((64, 48), QuantConfig(groups=8)), ((2, 3, 9, 5), QuantConfig(group_dim=1,
+                         groups=0)), ((5000,), QuantConfig(group_dim=None)), ((64, 48), QuantConfig(groups=8, clip=1.0,
+                         outliers=False))])
+def test_a_non_finite_tensor_is_kept_exact_as_the_reference_keeps_it(shape, cfg, bad):
+    x = torch.randn(shape)
+    if bad == "overflow":  # each value finite, the range not (fp32's hi - lo is inf)
+        x.view(-1)[3], x.view(-1)[4] = 3e38, -3e38
+    else:
+        x.view(-1)[3] = bad
+    x = x.to(DEVICE)
+    ref, tri = _packs(x, cfg)
+    assert tri.raw and tri.tensors[0] is x
+    _assert_same_pack(ref, tri)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("values", ["constant", "zero", "tiny", "denormal", "one-sided", "clip-edge"])
+def test_degenerate_groups_give_the_references_pack(values, dtype):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 10, generator=gen)
+    if values == "constant":
+        x[:, :5] = 2.5  # groups 0 and 1 of 4: zero range
+    elif values == "zero":
+        x[:, :5] = 0.0
+    elif values == "tiny":
+        x = x * 1e-4
+    elif values == "denormal":
+        x = x * (1e-40 if dtype == torch.float32 else 1e-7)
+    elif values == "one-sided":
+        x = x.abs() + 1.0
+    else:  # the largest value is the clip rounded to fp32: not beyond it, as PyTorch compares
+        x[2, 3] = torch.tensor(0.1, dtype=torch.float32).to(dtype).float()
+        x = x.clamp(-0.05, x[2, 3].item())
+    x = x.to(dtype).to(DEVICE)
+    for cfg in (QuantConfig(groups=4), QuantConfig(groups=0, bits=4), QuantConfig(group_dim=None, bits=2),
+                QuantConfig(groups=4, clip=0.1)):
+        ref, tri = _packs(x, cfg)
+        _assert_same_pack(ref, tri)
+        assert not tri.raw
+
+
+@pytest.mark.parametrize("qmax", [255, 15, 3])
+@pytest.mark.parametrize("clip", [None, 0.1, 7.0], ids=["no-clip", "clip0.1", "clip7"])
+@pytest.mark.parametrize("whole", [False, True], ids=["groups", "whole"])
+def test_the_finishing_kernel_reproduces_scale_params_and_outlier_threshold_bit_for_bit(qmax, clip, whole):
+    # Partials made up to reach every corner of the two formulas: ranges from denormal to fp32's largest,
+    # straddling zero or not, zero and one-sided; group sizes past 2**24 elements (fp32 counts round).
+    gen = torch.Generator().manual_seed(5)
+    n = 512  # groups (one interpreted program each)
+    mag = torch.exp2(torch.randint(-149, 127, (2, n), generator=gen).float()) * torch.rand(2, n, generator=gen)
+    sign = torch.randint(0, 3, (2, n), generator=gen).float() - 1  # -1, 0, 1
+    pair = (mag * sign).float()
+    lo, hi = pair.amin(0), pair.amax(0)
+    lo[:16], hi[:16] = 0.0, 0.0
+    lo[16:32] = hi[16:32]  # zero range
+    lo[32:48] = -hi[32:48].abs()  # straddling
+    root = torch.rand(n, generator=gen) * torch.exp2(torch.randint(-20, 60, (n,), generator=gen).float())
+    if whole:
+        lo, hi, root = lo[:1], hi[:1], root[:1]
+        layout = group_layout((2**27 + 5,), QuantConfig(group_dim=None))
+        numel = 2**27 + 5
+    else:
+        layout = reference.GroupLayout(0, n, n, 2**25 + 3)  # [n, 2**25 + 3], a group per index
+        numel = n * (2**25 + 3)
+    part = torch.stack([lo, hi, root, torch.zeros_like(lo)])[:, None, :].contiguous().to(DEVICE)  # [4, 1, n]
+    flags = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    out_lo, out_step, aux = kernels._finish(part, layout, numel, qmax, clip, flags)
+    t_lo, t_hi = part[0, 0], part[1, 0]
+    finite = torch.isfinite(t_hi - t_lo)  # (ranges overflowing fp32 make the pack raw: their scale is unused)
+    if clip is not None:
+        assert flags[1].item() == int(((t_lo < -clip) | (t_hi > clip)).any())
+        t_lo, t_hi = t_lo.clamp(-clip, clip), t_hi.clamp(-clip, clip)
+    assert torch.equal(aux[0], t_lo) and torch.equal(aux[1], t_hi)
+    ref_lo, ref_step = scale_params(t_lo, t_hi, qmax)
+    assert torch.equal(out_lo[finite], ref_lo[finite]) and torch.equal(out_step[finite], ref_step[finite])
+    assert torch.equal(aux[2], part[2, 0])  # one partial: its sum is itself
+    threshold = outlier_threshold(aux[2], layout, numel)
+    assert torch.equal(aux[3], threshold)
+    assert flags[0].item() == int((~finite).any())
+    assert flags[2].item() == int((torch.maximum(t_lo.abs(), t_hi.abs()) > threshold).any())
+
+
+def test_the_sum_of_square_roots_is_the_references_up_to_float_rounding():
+    # (the one quantity not reproduced bit for bit: the replaced path summed the partials in PyTorch's reduction
+    # order; both are within float rounding of the reference's fp64 sum)
+    gen = torch.Generator().manual_seed(6)
+    for shape, cfg in LAYOUTS:
+        x = (torch.randn(shape, generator=gen) * 4).to(DEVICE)
+        layout = group_layout(x.shape, cfg)
+        flags = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+        _, _, aux = kernels.decide(x, layout, 255, None, flags)
+        torch.testing.assert_close(aux[2], reference.group_magnitude(x, layout), rtol=5000 * 2**-24, atol=0)
+
+
+def test_a_strided_tensor_is_copied_once_for_its_range_and_its_codes():
+    x = torch.randn(48, 64, device=DEVICE).t()
+    with Launches() as launches:
+        packed = pack(x, QuantConfig(groups=4), backend="triton", share=False)
+    assert [op for op in launches.ops if op.rstrip("_") in ("copy", "clone", "contiguous")] == ["clone"]
+    _assert_same_pack(pack(x, QuantConfig(groups=4), backend="reference", share=False), packed)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="sizes the interpreter would take minutes over (benchmarks/gpu.sh runs "
+                    "this); the same equalities on small tensors are asserted above on any device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_on_the_gpu_model_sized_packs_equal_the_references(dtype):
+    gen = torch.Generator().manual_seed(7)
+    cases = [
+        ((8, 512, 4096), QuantConfig(groups=8)),
+        ((4, 32, 512, 128), QuantConfig(group_dim=1, groups=0)),
+        ((4, 8, 512, 128), QuantConfig(group_dim=1, groups=3)),
+        ((3_000_000,), QuantConfig(group_dim=None)),
+        ((8, 512, 4096), QuantConfig(groups=8, clip=3.0, outliers=False)),
+    ]
+    for shape, cfg in cases:
+        x = torch.randn(shape, generator=gen)
+        x.view(-1)[torch.randperm(x.numel(), generator=gen)[:50]] = 1e4
+        x = x.to(dtype).to(DEVICE)
+        ref, tri = _packs(x, cfg)
+        _assert_same_pack(ref, tri)
+        ref, tri = _packs(x.transpose(-1, -2) if x.dim() > 1 else x, cfg)
+        _assert_same_pack(ref, tri)
