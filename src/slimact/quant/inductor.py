@@ -48,8 +48,12 @@ MIN_NUMEL = 1 << 18
 #: The compiled loops that could not be compiled (no C++ compiler), each with its error: they run as the reference.
 _failed: dict[Callable, BaseException] = {}
 
-#: Errors (by class name, anywhere in the chain of causes) that mean "no working C++ compiler here".
-_NO_COMPILER = frozenset({"InvalidCxxCompiler", "CppCompileError"})
+#: Errors (by class name, anywhere in the chain of causes) raised by compiling, not by running, a loop: no working
+#: C++ compiler here, or the backend failing on the graph (``BackendCompilerFailed``: torch 2.11's inductor fails in
+#: ``tensorify_python_scalars`` on some of these loops on CUDA, seen on an H200). The loop's eager composition
+#: computes the same values, so such a loop warns once and runs eagerly from then on; an error raised by running
+#: the code is a bug, and is raised.
+_COMPILE_FAILED = frozenset({"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed"})
 
 
 def _runs(shape: torch.Size | tuple[int, ...], layout: GroupLayout) -> tuple[int, int, int] | None:
@@ -113,12 +117,13 @@ def _run(fn: Callable, dtype: torch.dtype, *args) -> object | None:
     return _call(_compiled(fn, dtype), args)
 
 
-def _compiler_missing(e: BaseException) -> bool:
-    """Whether ``e`` (or what caused it: dynamo wraps the backend's errors) says no C++ compiler works here."""
+def _compile_failed(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it: dynamo wraps the backend's errors) was raised by compiling the loop (see
+    :data:`_COMPILE_FAILED`)."""
     seen: set[int] = set()
     chain: BaseException | None = e
     while chain is not None and id(chain) not in seen:
-        if any(cls.__name__ in _NO_COMPILER for cls in type(chain).__mro__):
+        if any(cls.__name__ in _COMPILE_FAILED for cls in type(chain).__mro__):
             return True
         seen.add(id(chain))
         chain = chain.__cause__ or chain.__context__ or getattr(chain, "inner_exception", None)
@@ -136,11 +141,11 @@ def _call(compiled: Callable, args: tuple) -> object | None:
         with torch._C.DisableTorchFunction():
             return compiled(*args)
     except Exception as e:
-        if not _compiler_missing(e):
+        if not _compile_failed(e):
             raise
         _failed[compiled] = e
         warnings.warn(
-            f"slimact: the compiled CPU pack is unavailable ({type(e).__name__}: {e}); using the reference",
+            f"slimact: a compiled loop is unavailable ({type(e).__name__}: {str(e)[:300]}); it runs eagerly now",
             RuntimeWarning, stacklevel=3,
         )
         return None
