@@ -769,7 +769,7 @@ def test_cuda_fully_masked_rows_give_zero_and_finite_gradients(dtype, cfg):
     out, grads = _run(lambda *a: scaled_dot_product_attention(*a, attn_mask=mask, cfg=cfg), q, k, v, g)
     assert torch.equal(out[1, :, 5], torch.zeros_like(out[1, :, 5]))
     assert all(torch.isfinite(t).all() for t in (out, *grads))
-    _, exact = _run(lambda *a: scaled_dot_product_attention(*a, attn_mask=mask, cfg=None),
+    _, exact = _run(lambda *a: scaled_dot_product_attention(*a, attn_mask=mask.cpu(), cfg=None),
                     *(t.double().cpu() for t in (q, k, v)), g.double().cpu())  # CPU chunked float64
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for name, a, e in zip("qkv", grads, exact, strict=True):
