@@ -2,6 +2,8 @@
 a large error on the scores (QK-normalised, unscaled: Gemma 3n/4, EmbeddingGemma) keeps them exact, so its
 gradients stay within the int8 floor; ordinary attention stays 8-bit."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,8 @@ def test_normalised_unscaled_scores_keep_q_k_v_exact_and_ordinary_attention_stay
     q, k = 0.3 * torch.randn(2, 4, 32, 16), 0.3 * torch.randn(2, 2, 32, 16)  # GQA: 2 key heads
     assert score_safe_config(q, k, None, _cfg()) is _cfg()
     assert score_safe_config(q, k, None, None) is None
+    two_bit = dataclasses.replace(_cfg(), bits=2)  # a narrow width chosen by the policy is not overridden
+    assert score_safe_config(q, k, None, two_bit) is two_bit
 
 
 def test_qk_normalised_unscaled_attention_passes_the_int8_floor():

@@ -15,12 +15,15 @@ initialisation. Attention with QK normalisation and no ``1/sqrt(D)`` (Gemma 3n/4
 and 0.4 at ``D = 512``: every gradient above the attention then lost its cosine floor (0.96 for ``q_norm``,
 ``k_norm``, ``q_proj``, ``k_proj``, the embedding). Above :data:`MAX_SCORE_ERROR` the call keeps ``q``, ``k``, ``v``
 exact (the lossless path: the exact gradient, 4x the bytes of the codes for fp32) instead of a wrong one.
+The estimate is taken at 8 bits whatever the policy's width: it detects attention that amplifies the codes'
+error, not a narrower width a policy chose on purpose (that trade-off is the user's, judged by ``slimact.check``).
 
 Cost: a few reductions over ``q`` and ``k`` and one host sync per training call of a compressed attention.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -73,6 +76,8 @@ def score_safe_config(query: Tensor, key: Tensor, scale: float | None, cfg: Quan
     if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
         return cfg
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    error = score_error(query, key, scale, cfg)
+    # Judged at 8 bits: the guard finds attention that amplifies the codes' error, not a policy's chosen width
+    # (4- or 2-bit attention is the user's trade-off, and what ``slimact.check`` is there to judge).
+    error = score_error(query, key, scale, dataclasses.replace(cfg, bits=8))
     # NaN/inf in q or k: the packer keeps them exact anyway.
     return None if bool(error > MAX_SCORE_ERROR) else cfg
