@@ -1,0 +1,83 @@
+"""When 8-bit ``q``/``k`` would make attention's gradients wrong: the score error guard.
+
+The fused attention keeps ``q``, ``k``, ``v`` as codes and recomputes the scores ``s = scale * q k^T`` from the
+restored tensors in the backward. The error that puts on a score is absolute, in logits, and softmax turns an
+absolute logit error ``ds`` into a relative probability error ``ds``: it does not shrink with the scores' size.
+Per head, with ``step`` the code step of a group (``range / (2**bits - 1)``) and a rounding error of standard
+deviation ``step / sqrt(12)`` (nearest; ``step / sqrt(6)`` stochastic), the score error has standard deviation
+about::
+
+    ds = |scale| * sqrt(D) * (sd(dq) * rms(k) + rms(q) * sd(dk))
+
+For ordinary attention (``scale = D**-0.5``, ``q``/``k`` of modest size) that is ~4e-4 logits at random
+initialisation. Attention with QK normalisation and no ``1/sqrt(D)`` (Gemma 3n/4's ``scaling = 1.0`` after
+``q_norm``/``k_norm``: every ``q``, ``k`` element of size ~1, the scores of size ``D``) reaches 0.05 at ``D = 16``
+and 0.4 at ``D = 512``: every gradient above the attention then lost its cosine floor (0.96 for ``q_norm``,
+``k_norm``, ``q_proj``, ``k_proj``, the embedding). Above :data:`MAX_SCORE_ERROR` the call keeps ``q``, ``k``, ``v``
+exact (the lossless path: the exact gradient, 4x the bytes of the codes for fp32) instead of a wrong one.
+The estimate is taken at 8 bits whatever the policy's width: it detects attention that amplifies the codes'
+error, not a narrower width a policy chose on purpose (that trade-off is the user's, judged by ``slimact.check``).
+
+Cost: a few reductions over ``q`` and ``k`` and one host sync per training call of a compressed attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from slimact.quant import QuantConfig
+
+__all__ = ["MAX_SCORE_ERROR", "score_error", "score_safe_config"]
+
+#: Largest estimated score error (standard deviation, in logits) 8-bit ``q``/``k`` may put on a score. Passing
+#: attentions sit at 4e-4 (Llama, GPT-2 at initialisation) to 1.3e-2 (Qwen3's QK norm with ``1/sqrt(D)``);
+#: Gemma's unscaled QK-normed attention at 5e-2 and above fails the cosine floor.
+MAX_SCORE_ERROR = 0.02
+
+
+def _head_stats(x: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor]:
+    """Per head of ``x`` ``[B, H, T, D]``: (standard deviation of the rounding error, rms of ``x``), fp32."""
+    f = x.detach().float().transpose(0, 1).reshape(x.shape[1], -1)
+    lo, hi, rms = f.amin(1), f.amax(1), f.pow(2).mean(1).sqrt()
+    heads = x.shape[1]
+    if cfg.group_dim != 1:  # not grouped by heads: the whole tensor's range is each head's
+        lo, hi = lo.amin().expand(heads), hi.amax().expand(heads)
+    elif cfg.groups and cfg.groups < heads:  # head h is in group h * G // H, as the packer groups them
+        index = torch.arange(heads, device=x.device) * cfg.groups // heads
+        lo = torch.full((cfg.groups,), math.inf, device=x.device).scatter_reduce(0, index, lo, "amin")[index]
+        hi = torch.full((cfg.groups,), -math.inf, device=x.device).scatter_reduce(0, index, hi, "amax")[index]
+    step = (hi - lo) / (2**cfg.bits - 1)
+    return step / math.sqrt(6.0 if cfg.stochastic else 12.0), rms
+
+
+def score_error(query: Tensor, key: Tensor, scale: float, cfg: QuantConfig) -> Tensor:
+    """The largest over heads of the estimated score error (module docstring), a 0-dim fp32 tensor. ``key`` may
+    have fewer heads (grouped-query attention: ``H_kv`` divides ``H``)."""
+    sd_q, rms_q = _head_stats(query, cfg)
+    sd_k, rms_k = _head_stats(key, cfg)
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:
+        sd_k, rms_k = sd_k.repeat_interleave(rep), rms_k.repeat_interleave(rep)
+    return (abs(scale) * math.sqrt(query.shape[-1]) * (sd_q * rms_k + rms_q * sd_k)).amax()
+
+
+def score_safe_config(query: Tensor, key: Tensor, scale: float | None, cfg: QuantConfig | None) -> QuantConfig | None:
+    """``cfg``, or ``None`` (keep ``q``, ``k``, ``v`` exact) where 8-bit ``q``/``k`` would put more than
+    :data:`MAX_SCORE_ERROR` on the scores. Only for a training call that will pack: no check (and no host sync)
+    without a config, without a gradient, or under ``torch.compile``."""
+    if cfg is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return cfg
+    if query.dim() != 4 or key.dim() != 4 or not query.numel() or not key.numel():
+        return cfg
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        return cfg
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    # Judged at 8 bits: the guard finds attention that amplifies the codes' error, not a policy's chosen width
+    # (4- or 2-bit attention is the user's trade-off, and what ``slimact.check`` is there to judge).
+    error = score_error(query, key, scale, dataclasses.replace(cfg, bits=8))
+    # NaN/inf in q or k: the packer keeps them exact anyway.
+    return None if bool(error > MAX_SCORE_ERROR) else cfg

@@ -1,0 +1,74 @@
+"""The score error guard (:mod:`slimact.functional.attention_guard`): attention whose 8-bit ``q``/``k`` would put
+a large error on the scores (QK-normalised, unscaled: Gemma 3n/4, EmbeddingGemma) keeps them exact, so its
+gradients stay within the int8 floor; ordinary attention stays 8-bit."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import slimact
+from slimact.functional.attention_guard import MAX_SCORE_ERROR, score_error, score_safe_config
+from slimact.policy import PRESETS
+
+
+class _QKNormAttention(nn.Module):
+    """Self-attention with RMS-normalised q and k and the given score scale (Gemma 4: ``scale = 1.0``)."""
+
+    def __init__(self, dim=64, heads=4, scale=1.0):
+        super().__init__()
+        self.heads, self.scale = heads, scale
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.q_norm = nn.RMSNorm(dim // heads)
+        self.k_norm = nn.RMSNorm(dim // heads)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (y.reshape(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, -1))
+        o = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True, scale=self.scale)
+        return self.out(o.transpose(1, 2).reshape(b, t, e))
+
+
+def _cfg():
+    return PRESETS["int8"].quant_config("attention", 4)
+
+
+def test_normalised_unscaled_scores_keep_q_k_v_exact_and_ordinary_attention_stays_8bit():
+    torch.manual_seed(0)
+    q, k = F.rms_norm(torch.randn(2, 4, 32, 16), (16,)), F.rms_norm(torch.randn(2, 4, 32, 16), (16,))
+    assert score_error(q, k, 1.0, _cfg()) > MAX_SCORE_ERROR
+    assert score_safe_config(q, k, 1.0, _cfg()) is None
+    assert score_safe_config(q, k, 16**-0.5 / 8, _cfg()) is _cfg()  # the same tensors, a small scale
+    q, k = 0.3 * torch.randn(2, 4, 32, 16), 0.3 * torch.randn(2, 2, 32, 16)  # GQA: 2 key heads
+    assert score_safe_config(q, k, None, _cfg()) is _cfg()
+    assert score_safe_config(q, k, None, None) is None
+    two_bit = dataclasses.replace(_cfg(), bits=2)  # a narrow width chosen by the policy is not overridden
+    assert score_safe_config(q, k, None, two_bit) is two_bit
+
+
+def test_qk_normalised_unscaled_attention_passes_the_int8_floor():
+    # EmbeddingGemma2 (q_norm/k_norm, scaling 1.0): before the guard its q_norm, k_norm, q_proj, k_proj and
+    # embedding gradients were at cosine ~0.96 under "int8".
+    pytest.importorskip("transformers")
+    from slimact.zoo import build_auto, projection_loss, tiny_config, tiny_inputs
+
+    try:
+        model = build_auto("EmbeddingGemma2TextModel", tiny_config("embedding_gemma2_text")).train()
+    except (ImportError, KeyError, ValueError, AttributeError) as e:
+        pytest.skip(f"this transformers has no EmbeddingGemma2 at the tiny size: {e}")
+    report = slimact.check(model, tiny_inputs(model, "base"), "int8", loss_fn=projection_loss)
+    assert report.passed, report
+
+
+def test_ordinary_attention_keeps_its_codes():
+    # 1/sqrt(D) (here smaller still) and small q/k: not made exact for nothing.
+    torch.manual_seed(0)
+    x = torch.randn(2, 32, 64)
+    plain = _QKNormAttention(scale=0.02)
+    converted = slimact.convert(_QKNormAttention(scale=0.02), "int8")
+    converted.load_state_dict(plain.state_dict())
+    ratio = slimact.profile(converted, x).activation_bytes / slimact.profile(plain, x).activation_bytes
+    assert ratio < 0.5
