@@ -22,9 +22,9 @@
 #                       every dropout at 0 and at 0.1, 3 interleaved rounds; first_step_s (compilation included)
 #                       apart from the rounds (slimact bench --speed).
 #   tests      (130 s)  the CUDA tests of tests/functional/test_attention.py, tests/test_kinds.py's CUDA probe test,
-#                       tests/test_state.py, tests/quant/test_triton_finish.py, then tests/quant/test_triton.py (its ~560
-#                       kernel variants compile one by
-#                       one: the last ones may be cut), 60 s per test where pytest-timeout is installed.
+#                       tests/test_state.py, tests/quant/test_triton_finish.py, then tests/quant/test_triton.py (its
+#                       ~560 kernel variants compile one by one: the last ones may be cut), 60 s per test where
+#                       pytest-timeout is installed.
 #   check       (70 s) slimact check of the zoo's tiny GPT-2 and Llama on the device, tempo and int8: one training
 #                       step against plain's (forward, every parameter gradient; exit 1 below the floors).
 #   throughput  (40 s)  the same GPT-2 at a 24 GiB budget, each setup at the largest batch that fits

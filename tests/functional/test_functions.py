@@ -10,6 +10,7 @@ A Function added to slimact without a row in ``CASES`` fails ``test_every_functi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 from typing import NamedTuple
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import slimact
+from _emulated_attention import emulated_fused_attention
 from slimact import functional as sf
 from slimact._metrics import sqnr_db
 from slimact.functional._saving import SlimFunction
@@ -96,6 +98,10 @@ def _cases() -> list[Case]:
             Case(f"attention-flash-{tag}", lambda q, k, v, cfg=cfg: sf.scaled_dot_product_attention(q, k, v, cfg=cfg),
                  F.scaled_dot_product_attention,
                  (lambda n: (n, 2, 3, 4), lambda n: (n, 2, 5, 4), lambda n: (n, 2, 5, 4)), cfg is None),
+            # PyTorch's fused CUDA kernels, emulated on the CPU (tests/_emulated_attention.py; _context)
+            Case(f"attention-fused-{tag}", lambda q, k, v, cfg=cfg: sf.scaled_dot_product_attention(q, k, v, cfg=cfg),
+                 F.scaled_dot_product_attention,
+                 (lambda n: (n, 2, 3, 8), lambda n: (n, 2, 5, 8), lambda n: (n, 2, 5, 8)), cfg is None),
             # a learned additive mask (a position bias) takes the chunked path
             Case(f"attention-chunked-{tag}",
                  lambda q, k, v, m, cfg=cfg: sf.scaled_dot_product_attention(q, k, v, m, cfg=cfg),
@@ -141,9 +147,22 @@ def _run(fn, inputs, needs, *, inplace=False, seed=1):
     return y.detach(), [x.grad for x in xs]
 
 
+def _context(case: Case):
+    """Where ``case`` runs: the fused attention cases with the CUDA kernels emulated on the CPU."""
+    return emulated_fused_attention() if case.name.startswith("attention-fused") else contextlib.nullcontext()
+
+
+@pytest.fixture(autouse=True)
+def _case_context(request):
+    case = getattr(getattr(request.node, "callspec", None), "params", {}).get("case")
+    with _context(case) if isinstance(case, Case) else contextlib.nullcontext():
+        yield
+
+
 def _function_of(case: Case) -> type:
     xs = [t.requires_grad_() for t in _inputs(case, 2)]
-    return type(case.slim(*xs).grad_fn)._forward_cls
+    with _context(case):
+        return type(case.slim(*xs).grad_fn)._forward_cls
 
 
 def test_every_function_is_in_the_table():
