@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import itertools
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -81,6 +82,42 @@ def _leave_alone(pol: Policy, kind: str, name: str, module: nn.Module, filter_fn
     return reason
 
 
+_SCALE_FREE = (
+    "its output reaches a training-mode BatchNorm through a per-channel (depthwise) conv in the same block, which "
+    "removes any per-channel scale: its weight's exact gradient is the small remainder BatchNorm's eps leaves, "
+    "swamped by the 8-bit error of either layer's kept tensor (CvT: cosine 0.79-0.92); kept exact, as PyTorch does"
+)
+
+
+def _scale_free_chains(model: nn.Module) -> dict[str, str]:
+    """LayerNorms/RMSNorms whose per-channel scale a BatchNorm downstream removes, and those BatchNorms: a
+    depthwise conv (``groups == in == out channels``) registered right before a BatchNorm over the same channels,
+    and the norms of that width held by an enclosing block (a direct child of one of the pair's ancestors).
+    Found from the module tree at convert time (the data flow is not known before a forward);
+    a false match only costs memory (those layers keep what PyTorch keeps). ``{name: reason}``."""
+    pairs: list[tuple[str, str, int]] = []  # (parent, batch norm name, channels)
+    for pname, parent in model.named_modules():
+        kids = list(parent.named_children())
+        for (_, a), (bname, b) in itertools.pairwise(kids):
+            if (isinstance(a, nn.modules.conv._ConvNd) and isinstance(b, nn.modules.batchnorm._BatchNorm)
+                    and a.groups == a.in_channels == a.out_channels == b.num_features):
+                pairs.append((pname, f"{pname}.{bname}" if pname else bname, b.num_features))
+    if not pairs:
+        return {}
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        holder = name.rpartition(".")[0]
+        if not isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or not module.normalized_shape:
+            continue
+        width = module.normalized_shape[-1]
+        hits = [bn for parent, bn, c in pairs if c == width and (not holder or (parent + ".").startswith(holder + "."))]
+        if hits:
+            out[name] = _SCALE_FREE
+            out.update(dict.fromkeys(hits, "it removes the per-channel scale of a norm's output that reaches it "
+                                           "through a depthwise conv (see that norm): its input is kept exact"))
+    return out
+
+
 def _excluded(pol: Policy, name: str, module: nn.Module, filter_fn: FilterFn | None) -> bool:
     """Whether the user excluded ``module`` by name (a policy ``exclude`` pattern) or by ``filter_fn``: the calls
     in its code are then not routed either."""
@@ -125,6 +162,7 @@ def convert(
     skipped: dict[str, str] = {}
     seen: dict[str, int] = {}
     fused: set[str] = set()  # modules a converted parent computes itself
+    scale_free = _scale_free_chains(model) if pol.quantize else {}
     for name, module in model.named_modules():
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:
@@ -137,7 +175,7 @@ def convert(
             continue
         kind = found.kind
         index = seen[kind] = seen.get(kind, -1) + 1
-        reason = _leave_alone(pol, kind, name, module, filter_fn, index)
+        reason = scale_free.get(name) or _leave_alone(pol, kind, name, module, filter_fn, index)
         if reason is not None:
             detach(module)
             skipped[name] = reason

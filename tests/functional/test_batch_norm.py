@@ -103,3 +103,36 @@ def test_input_gradient_sums_to_zero_per_channel_under_int8():
     # ... and grad_x is orthogonal to the normalised input, as PyTorch's (BatchNorm removes a per-channel scale).
     xn = (x - x.mean(dim=(0, 2, 3), keepdim=True)).detach()
     assert ((x.grad * xn).sum(dim=(0, 2, 3)).abs() <= 1e-2 * (x.grad * xn).abs().sum(dim=(0, 2, 3))).all()
+
+
+class _ConvProjectionBlock(torch.nn.Module):
+    """CvT's pattern: LayerNorm -> depthwise conv -> training-mode BatchNorm (which removes the LayerNorm
+    weight's per-channel scale: its exact gradient is what BatchNorm's eps leaves) -> Linear."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(c)
+        self.proj = torch.nn.Module()
+        self.proj.conv = torch.nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False)
+        self.proj.bn = torch.nn.BatchNorm2d(c)
+        self.out = torch.nn.Linear(c, c)
+
+    def forward(self, x):  # [B, H*W, C], H = W = 8
+        b, _, c = x.shape
+        h = self.norm(x).transpose(1, 2).reshape(b, c, 8, 8)
+        h = self.proj.bn(self.proj.conv(h)).flatten(2).transpose(1, 2)
+        return self.out(h)
+
+
+def test_a_norm_whose_scale_a_batch_norm_removes_keeps_exact_tensors():
+    import slimact
+
+    torch.manual_seed(0)
+    model = _ConvProjectionBlock()
+    x = torch.randn(4, 64, 32)
+    report = slimact.check(model, x, "int8", loss_fn=lambda y: (y * torch.linspace(-1, 1, 32)).pow(2).sum())
+    assert report.passed, str(report)  # norm.weight at cosine 0.6 when either kept tensor is 8-bit
+    skipped = slimact.summary(slimact.convert(copy.deepcopy(model), "int8")).skipped
+    assert "removes any per-channel scale" in skipped["norm"]
+    assert "proj.bn" in skipped
+    assert not slimact.summary(slimact.convert(copy.deepcopy(model), "tempo")).skipped.get("norm")

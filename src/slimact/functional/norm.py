@@ -21,6 +21,17 @@ constant row). A layer any of whose channels (or, lossless, rows) fails (exact: 
 an 8-bit policy, Mesa's scheme) and the exact ``mean``/``rstd``; the gradients are then computed from it by
 the same formula. The forward is the replaced module's own code either way: identical output.
 
+A learned mix of streams (found in the autograd graph, not by class): where the norm's input is
+``h = sum_k a_k * x_k`` with mixing weights ``a_k`` that require a gradient (DeepSeek-V4's hyper-connection
+heads: ``(pre.unsqueeze(-1) * streams).sum(dim)``), the weights' gradient is ``grad_h . x_k``. The exact
+``grad_h`` is orthogonal to ``xn`` (RMSNorm; LayerNorm: to ``xn`` and to constants), and streams that start as
+copies of one hidden state stay nearly parallel to ``h``, so ``grad_h . x_k`` is the small remainder of a
+cancellation. An 8-bit ``xn`` leaves ``grad_h`` an error of about ``|grad_h| * step`` along ``h``, which swamps
+that remainder (measured: DeepSeek-V4's ``hc_head.hc_fn`` gradient at cosine 0.88 with the output kept 8-bit,
+1.0 with the norm's input exact). Restoring orthogonality to the restored ``xn`` does not help: the error is
+the restored ``xn``'s own direction error, ``grad_h . (xn - xn_hat)``, the same order. Such a norm keeps its
+input exact (plain PyTorch's bytes) under every policy (:func:`_learned_mix`).
+
 Bytes kept, fp32 model: plain PyTorch keeps ``x`` (4 per element) + mean and rstd (8 per row); slimact
 keeps 0 extra per element under a lossless policy (``y`` is kept by the next layer anyway) or 1 per element
 (+ 8 per channel) at 8 bits, + 4 per row. Tests: gradients equal PyTorch's to float rounding (lossless),
@@ -75,6 +86,22 @@ def _rows_recoverable(mean: Tensor, rstd: Tensor, dtype: torch.dtype) -> Tensor:
     return (mean.abs() * rstd * eps <= 16 * torch.finfo(dtype).eps).reshape(-1)
 
 
+def _learned_mix(x: Tensor) -> bool:
+    """Whether ``x`` is a sum over a dim of a product with a factor that requires a gradient (a learned mix of
+    streams: ``(weights.unsqueeze(-1) * streams).sum(dim)``), looking through dtype casts and views. Which
+    factor is the weights the graph does not say; a product of a learned tensor with a constant one (a masked
+    pooling) is taken for a mix too: its norm keeps plain PyTorch's bytes, never a wrong gradient."""
+    node = x.grad_fn
+    while node is not None and type(node).__name__.startswith(("ToCopyBackward", "ViewBackward", "CloneBackward")):
+        node = node.next_functions[0][0]
+    if node is None or not type(node).__name__.startswith("SumBackward"):
+        return False
+    inner = node.next_functions[0][0]
+    if inner is None or not type(inner).__name__.startswith("MulBackward"):
+        return False
+    return any(fn is not None for fn, _ in inner.next_functions)
+
+
 def _row_stats(x: Tensor, centered: bool, eps: float) -> tuple[Tensor | None, Tensor]:
     """Per-row fp32 ``(mean, rstd)`` over the last dim, shaped ``[..., 1]`` (``mean`` None if not centered)."""
     xf = x.float()
@@ -100,6 +127,9 @@ class _NormFunction(SlimFunction):
         # One host sync; under torch.compile (where it would break the graph) the input is kept whenever the
         # choice depends on the data.
         ctx.from_output = not checks or (not torch.compiler.is_compiling() and bool(torch.cat(checks).all()))
+        if cfg is not None and _learned_mix(x):
+            # See the module docstring: a learned mix of streams; keep the input exact.
+            ctx.from_output, cfg = False, None
         if ctx.from_output:
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=-1, groups=0)
             save(ctx, pack(y, per_channel, state), None, rstd, weight, bias)
