@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import slimact
 import slimact.functional.attention as attention_mod
-from _emulated_attention import _Emulated, emulated_fused_attention
+from _emulated_attention import _Emulated
 from slimact._metrics import cosine, sqnr_db
 from slimact.functional import scaled_dot_product_attention
 from slimact.functional.attention import softmax_dropout_matmul
@@ -423,9 +423,12 @@ def test_a_non_finite_query_key_or_value_keeps_all_three_exact(bad):
 
 
 @pytest.fixture
-def emulated():
-    with emulated_fused_attention() as emu:
-        yield emu
+def emulated(monkeypatch):
+    # (with monkeypatch, not emulated_fused_attention: a test undoes it to see the CPU's own choice)
+    emu = _Emulated()
+    monkeypatch.setattr(attention_mod, "_fused_device", lambda device: True)
+    monkeypatch.setattr(attention_mod, "FUSED_OPS", emu.ops())
+    return emu
 
 
 def _qkv(h=4, h_kv=4, t=24, s=24, d=16, dtype=torch.bfloat16, seed=0):
