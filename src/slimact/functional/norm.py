@@ -30,7 +30,10 @@ cancellation. An 8-bit ``xn`` leaves ``grad_h`` an error of about ``|grad_h| * s
 that remainder (measured: DeepSeek-V4's ``hc_head.hc_fn`` gradient at cosine 0.88 with the output kept 8-bit,
 1.0 with the norm's input exact). Restoring orthogonality to the restored ``xn`` does not help: the error is
 the restored ``xn``'s own direction error, ``grad_h . (xn - xn_hat)``, the same order. Such a norm keeps its
-input exact (plain PyTorch's bytes) under every policy (:func:`_learned_mix`).
+tensors exact under every policy (:func:`_learned_mix`, read from the autograd graph before the Function runs).
+Under ``torch.compile`` the traced graph has no autograd history to read: there the check is not made and the
+norm keeps its 8-bit tensor (a graph break per norm otherwise; a model of this form should be checked eagerly with
+``slimact.check``).
 
 Bytes kept, fp32 model: plain PyTorch keeps ``x`` (4 per element) + mean and rstd (8 per row); slimact
 keeps 0 extra per element under a lossless policy (``y`` is kept by the next layer anyway) or 1 per element
@@ -127,9 +130,6 @@ class _NormFunction(SlimFunction):
         # One host sync; under torch.compile (where it would break the graph) the input is kept whenever the
         # choice depends on the data.
         ctx.from_output = not checks or (not torch.compiler.is_compiling() and bool(torch.cat(checks).all()))
-        if cfg is not None and _learned_mix(x):
-            # See the module docstring: a learned mix of streams; keep the input exact.
-            ctx.from_output, cfg = False, None
         if ctx.from_output:
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=-1, groups=0)
             save(ctx, pack(y, per_channel, state), None, rstd, weight, bias)
@@ -210,4 +210,6 @@ def norm(
     # An empty batch keeps nothing: its row statistics would be reductions over nothing.
     if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)) or not x.numel():
         return fn(x)
+    if cfg is not None and not torch.compiler.is_compiling() and _learned_mix(x):
+        cfg = None  # see the module docstring: a learned mix of streams, kept exact
     return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, cfg, state)
