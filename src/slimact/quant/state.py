@@ -49,6 +49,12 @@ class RunningRange:
         self.module._buffers[self.range_name] = rng
         return lo, rng
 
+    def buffers(self, groups: int) -> tuple[Tensor, Tensor] | None:
+        """The live buffers ``(lo, range)``, fp32 ``[groups]`` (the module's own tensors: a kernel that reads
+        them or folds into them in place, as :meth:`fold` does, works on the module's state); ``None`` before the
+        first tensor of ``groups`` groups has been seen."""
+        return self._buffers(groups)
+
     def estimate(self, groups: int) -> tuple[Tensor, Tensor] | None:
         """The estimate ``(lo, hi)``, fp32 ``[groups]``, fresh tensors; ``None`` before the first tensor of
         ``groups`` groups has been seen."""
