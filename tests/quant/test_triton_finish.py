@@ -436,17 +436,17 @@ def _running_packs_agree(x, cfg, state, training):
 @pytest.mark.parametrize("shape,cfg", LAYOUTS)
 def test_the_device_running_pack_equals_the_replaced_paths(shape, cfg, clip, outliers, dtype):
     gen = torch.Generator().manual_seed(8)
-    cfg = QuantConfig(**{**cfg.__dict__, "outliers": outliers, "clip": clip, "scale": "running"})
-    state = RunningRange(torch.nn.Module(), "_x")
-    groups = group_layout(shape, cfg).groups
     xs = [(torch.randn(shape, generator=gen) * (1 + n) + 0.3 * n).to(dtype).to(DEVICE) for n in range(4)]
     if xs[1].numel() > 8:  # heavy tails: the fold cuts them at the outlier threshold
         xs[1].view(-1)[torch.randperm(xs[1].numel(), generator=gen)[: max(1, xs[1].numel() // 100)]] = 3e3
-    # the first pack (no estimate yet) sets it on the host path, as before
-    first = pack(xs[0], cfg, state, backend="triton", share=False)
-    assert not first.raw and state.buffers(groups) is not None
-    for n, x in enumerate(xs[1:]):
-        _running_packs_agree(x, cfg, state, training=n != 1)  # the second later pack in eval
+    for bits in (8, 4, 2) if dtype == torch.float32 else (8,):  # (8: codes from the range pass's read)
+        c = QuantConfig(**{**cfg.__dict__, "bits": bits, "outliers": outliers, "clip": clip, "scale": "running"})
+        state = RunningRange(torch.nn.Module(), "_x")
+        # the first pack (no estimate yet) sets it on the host path, as before
+        first = pack(xs[0], c, state, backend="triton", share=False)
+        assert not first.raw and state.buffers(group_layout(shape, c).groups) is not None
+        for n, x in enumerate(xs[1:]):
+            _running_packs_agree(x, c, state, training=n != 1)  # the second later pack in eval
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])

@@ -18,8 +18,9 @@ tensors of the call. A pack is then three launches (range pass, finish, quantise
 once per :func:`pack_many` call. Where they say "outliers present" (or a running estimate is first set) the
 rare slow path keeps them apart and rescales with PyTorch ops, as the other backends do for every pack
 (their decisions are PyTorch ops on the per-group range, stacked and read at once). Under a running estimate
-on the GPU the pack has no host sync at all (:func:`_pack_running`): one read of the tensor gives its codes
-and its range.
+on the GPU the pack has no host sync at all (:func:`_pack_running`) and is three launches: the estimate's scale,
+one read of the tensor that gives its codes and its range, and the fold of that range into the estimate's
+buffers, in place.
 :func:`pack_many` packs several tensors with one host sync for all (attention's ``q``, ``k``, ``v``).
 
 Nothing is stored twice: when two consumers pack the same tensor in one step (the query, key and value

@@ -9,7 +9,9 @@ checkpoints load both ways), named ``<prefix>_lo`` and ``<prefix>_range``, ``[gr
 initialised from the first tensor seen (or re-initialised when the group count changes), updated only
 when asked (training mode). A tensor is packed with the estimate as it finds it, and its own range is folded
 in afterwards: so the pack's codes need only the estimate, and on the GPU the range and the codes come from
-one read of the tensor (:func:`slimact.quant.triton.quantize_stats`). The fold is in place (the buffers keep
+one read of the tensor, the estimate's scale and the fold from one small kernel each
+(:func:`slimact.quant.triton.scale_estimate`, :func:`slimact.quant.triton.quantize_fold`, with :meth:`fold`'s
+float operations). The fold is in place (the buffers keep
 their storage: a captured CUDA graph updates the very tensors the module holds). ``slimact.state_dict`` /
 ``slimact.load_state_dict`` save and restore the buffers with a checkpoint. The estimate a tensor is
 packed with is a fresh copy, never a view of the buffers, snapshotted with the pack: a second call of the
