@@ -287,7 +287,7 @@ def test_a_group_index_past_int32_on_many_channels_and_int64_offsets_give_the_re
 
 def _launches(monkeypatch) -> list[tuple[str, dict]]:
     seen = []
-    for name in ("_quantize_kernel", "_dequantize_kernel", "_stats_kernel"):
+    for name in ("_quantize_kernel", "_dequantize_kernel", "_stats_kernel", "_estimate_kernel", "_fold_kernel"):
         kernel = getattr(kernels, name)
         run = kernel.run
 
@@ -310,7 +310,12 @@ def test_every_kernel_is_launched_without_fp_fusion(monkeypatch):
     kernels.dequantize(codes, PackMeta(x.shape, x.dtype, 4, layout, False), lo, step)
     kernels.group_stats(x, layout)
     kernels.quantize_stats(x, layout, lo, step, 8, 3)
-    assert {name for name, _ in seen} == {"_quantize_kernel", "_dequantize_kernel", "_stats_kernel"}
+    t_lo, t_hi = group_minmax(x, layout)
+    estimate = t_lo.clone(), t_hi - t_lo  # a running estimate's buffers
+    lo, step = kernels.scale_estimate(*estimate, 255)
+    kernels.quantize_fold(x, layout, lo, step, 8, 3, estimate, 0.9, 1.0, True, True)
+    assert {name for name, _ in seen} == {"_quantize_kernel", "_dequantize_kernel", "_stats_kernel",
+                                          "_estimate_kernel", "_fold_kernel"}
     assert all(kwargs.get("enable_fp_fusion") is False for _, kwargs in seen)
     # and in the source, every launch in the module (kernels added later included)
     source = Path(kernels.__file__).read_text()

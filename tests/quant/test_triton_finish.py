@@ -350,3 +350,120 @@ def test_on_the_gpu_model_sized_packs_equal_the_references(dtype):
         _assert_same_pack(ref, tri)
         ref, tri = _packs(x.transpose(-1, -2) if x.dim() > 1 else x, cfg)
         _assert_same_pack(ref, tri)
+
+
+# ---- the running pack (scale="running") on the device: a kernel before the pass over x, one after ----
+
+
+@pytest.mark.parametrize("bits,stochastic", [(8, False), (8, True), (4, False)], ids=["8", "8-stochastic", "4"])
+def test_a_running_pack_is_three_launches_and_no_host_read(bits, stochastic):
+    # (Before: the estimate's scale and the fold were PyTorch ops, 100 launches for this pack.)
+    x = torch.randn(256, 768, device=DEVICE)
+    cfg = QuantConfig(groups=4, scale="running", bits=bits, stochastic=stochastic)
+    state = RunningRange(torch.nn.Module(), "_x")
+    for _ in range(2):  # the first sets the estimate (on the host path), the second compiles (on a GPU)
+        pack_many([(x, cfg, state)], backend="triton", share=False)
+    # (A stochastic pack's seed is drawn from the CPU generator's state, which the detector sees as a read of a
+    # tensor: a host one, not the device's.)
+    with Launches() as launches, HostReads(fail=not stochastic) as reads:
+        packed = pack_many([(x * 1.1, cfg, state)], backend="triton", share=False)[0]
+    assert (stochastic or reads.count == 0) and not packed.raw
+    # x * 1.1 (the test's own op) aside: the estimate's scale, the range pass (with the 8-bit codes), the fold
+    assert launches.ops == ["mul"], launches.ops
+    quantize = ["_quantize_kernel"] if bits != 8 else []
+    assert launches.kernels == ["_estimate_kernel", "_stats_kernel", *quantize, "_fold_kernel"], launches.kernels
+
+
+def _estimate_copy(state, groups):
+    module = torch.nn.Module()
+    copy = RunningRange(module, "_x")
+    lo, rng = state.buffers(groups)
+    copy._set(lo, rng)
+    return copy
+
+
+def _replaced_running_pack(x, cfg, state, training, exact_sum):
+    """The running pack as the replaced path made it (PyTorch ops around ``kernels.quantize_stats``); with
+    ``exact_sum``, the sum of ``sqrt|x|`` from the range pass's partials summed in fp64 (exact for these few
+    partials: the new path's fixed-order fp64 sum rounds to the same fp32), else PyTorch's fp32 sum as before."""
+    layout = group_layout(x.shape, cfg)
+    data = x.contiguous()
+    lo, step = scale_params(*state.estimate(layout.groups), cfg.qmax)
+    codes, t_lo, t_hi, magnitude = kernels.quantize_stats(data, layout, lo, step, cfg.bits, None)
+    if exact_sum:
+        part = kernels._stats(data, layout, partials=True)[0]
+        magnitude = reference._group_reduce(part[2].double().sum(0), layout, "sum").float()
+    bad = ~torch.isfinite(t_lo) | ~torch.isfinite(t_hi - t_lo)
+    if training:
+        if cfg.clip is not None:
+            t_lo, t_hi = t_lo.clamp(-cfg.clip, cfg.clip), t_hi.clamp(-cfg.clip, cfg.clip)
+        if cfg.outliers:
+            limit = outlier_threshold(magnitude, layout, x.numel())
+            t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
+        state.fold(t_lo, t_hi, cfg.decay, skip=bad)
+    step = step.masked_fill(bad, float("nan"))
+    meta = PackMeta(x.shape, x.dtype, cfg.bits, layout, False, clipped=cfg.clip is not None)
+    return Packed((codes, lo, step), meta)
+
+
+def _running_packs_agree(x, cfg, state, training):
+    """The new running pack of ``x`` (no host read) against the replaced path's, on copies of the estimate: the
+    same pack and the same buffers after the fold, bit for bit (up to the fp32 sum of roots, within rounding)."""
+    groups = group_layout(x.shape, cfg).groups
+    exact, summed = _estimate_copy(state, groups), _estimate_copy(state, groups)
+    before = [t.clone() for t in state.buffers(groups)]
+    with HostReads(fail=True):
+        new = pack(x, cfg, state, training=training, backend="triton", share=False)
+    _assert_same_pack(_replaced_running_pack(x, cfg, exact, training, exact_sum=True), new)
+    _assert_same_pack(_replaced_running_pack(x, cfg, summed, training, exact_sum=False), new)
+    for got, want, near, old in zip(state.buffers(groups), exact.buffers(groups), summed.buffers(groups), before,
+                                    strict=True):
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, near, rtol=2**-20, atol=0)
+        if not cfg.outliers:
+            assert torch.equal(got, near)
+        if not training:  # eval never moves the estimate
+            assert torch.equal(got, old)
+    return new
+
+
+# (A one-element group whose element is its own outlier gets lo = inf, range = -inf from the first pack's host
+# path, as before; its estimate's hi, inf + -inf, is NaN, which the interpreter's numpy warns about.)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("outliers", [True, False], ids=["outliers", "no-outliers"])
+@pytest.mark.parametrize("clip", [None, 1.5], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("shape,cfg", LAYOUTS)
+def test_the_device_running_pack_equals_the_replaced_paths(shape, cfg, clip, outliers, dtype):
+    gen = torch.Generator().manual_seed(8)
+    xs = [(torch.randn(shape, generator=gen) * (1 + n) + 0.3 * n).to(dtype).to(DEVICE) for n in range(4)]
+    if xs[1].numel() > 8:  # heavy tails: the fold cuts them at the outlier threshold
+        xs[1].view(-1)[torch.randperm(xs[1].numel(), generator=gen)[: max(1, xs[1].numel() // 100)]] = 3e3
+    for bits in (8, 4, 2) if dtype == torch.float32 else (8,):  # (8: codes from the range pass's read)
+        c = QuantConfig(**{**cfg.__dict__, "bits": bits, "outliers": outliers, "clip": clip, "scale": "running"})
+        state = RunningRange(torch.nn.Module(), "_x")
+        # the first pack (no estimate yet) sets it on the host path, as before
+        first = pack(xs[0], c, state, backend="triton", share=False)
+        assert not first.raw and state.buffers(group_layout(shape, c).groups) is not None
+        for n, x in enumerate(xs[1:]):
+            _running_packs_agree(x, c, state, training=n != 1)  # the second later pack in eval
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), "overflow"])
+@pytest.mark.parametrize("shape,cfg", [((64, 48), QuantConfig(groups=8)), ((2, 3, 9, 5), QuantConfig(group_dim=1,
+                         groups=0)), ((5000,), QuantConfig(group_dim=None)), ((64, 48), QuantConfig(groups=8, clip=1.0,
+                         outliers=False))])
+def test_a_non_finite_group_of_a_device_running_pack_is_the_replaced_paths(shape, cfg, bad, training):
+    gen = torch.Generator().manual_seed(9)
+    cfg = QuantConfig(**{**cfg.__dict__, "scale": "running"})
+    state = RunningRange(torch.nn.Module(), "_x")
+    pack(torch.randn(shape, generator=gen).to(DEVICE), cfg, state, backend="triton", share=False)
+    x = torch.randn(shape, generator=gen)
+    if bad == "overflow":  # each value finite, the range not (fp32's hi - lo is inf)
+        x.view(-1)[3], x.view(-1)[4] = 3e38, -3e38
+    else:
+        x.view(-1)[3] = bad
+    new = _running_packs_agree(x.to(DEVICE), cfg, state, training)
+    step = new.tensors[2]  # the group holding it restored as NaN, the others not
+    assert torch.isnan(step).sum() == 1

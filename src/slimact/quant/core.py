@@ -18,8 +18,9 @@ tensors of the call. A pack is then three launches (range pass, finish, quantise
 once per :func:`pack_many` call. Where they say "outliers present" (or a running estimate is first set) the
 rare slow path keeps them apart and rescales with PyTorch ops, as the other backends do for every pack
 (their decisions are PyTorch ops on the per-group range, stacked and read at once). Under a running estimate
-on the GPU the pack has no host sync at all (:func:`_pack_running`): one read of the tensor gives its codes
-and its range.
+on the GPU the pack has no host sync at all (:func:`_pack_running`) and is three launches: the estimate's scale,
+one read of the tensor that gives its codes and its range, and the fold of that range into the estimate's
+buffers, in place.
 :func:`pack_many` packs several tensors with one host sync for all (attention's ``q``, ``k``, ``v``).
 
 Nothing is stored twice: when two consumers pack the same tensor in one step (the query, key and value
@@ -204,7 +205,11 @@ def pack_many(
             batch[key].aliases.append(i)
             continue
         chosen = backend or backend_for(x)
-        estimate = state.estimate(layout.groups) if cfg.scale == "running" and chosen == "triton" else None
+        estimate = None  # on the triton backend, the (lo, step) of the running estimate as this item finds it
+        if cfg.scale == "running" and chosen == "triton":
+            buffers = state.buffers(layout.groups)
+            if buffers is not None:  # (else the first tensor sets it, on the host path)
+                estimate = _kernels(chosen).scale_estimate(*buffers, cfg.qmax)
         job = _Job(i, x, cfg, layout, state, chosen, estimate)
         batch[key] = job
         jobs.append(job)
@@ -377,33 +382,48 @@ def _pack_traced(x: Tensor, cfg: QuantConfig, layout: GroupLayout) -> Packed:
 
 
 def _pack_running(
-    x: Tensor, cfg: QuantConfig, layout: GroupLayout, state: RunningRange, estimate: tuple[Tensor, Tensor],
+    x: Tensor, cfg: QuantConfig, layout: GroupLayout, state: RunningRange, scaled: tuple[Tensor, Tensor],
     training: bool,
 ) -> Packed:
-    """The pack under a running estimate on the GPU, with no host sync: one read of ``x`` gives its codes for
-    the estimate as it stands and its own per-group range (:func:`slimact.quant.triton.quantize_stats`), which is
-    folded into the estimate on the device. Nothing is decided on the host, so it runs ahead of the GPU and
-    can be captured in a CUDA graph. What the sync would have decided is decided per group instead:
+    """The pack under a running estimate on the GPU, with no host sync and three launches: the estimate's
+    ``lo``/``step`` (``scaled``, made by :func:`slimact.quant.triton.scale_estimate` from the state's buffers when
+    :func:`pack_many` took the item: one small kernel, :func:`slimact.quant.reference.scale_params` bit for bit),
+    then one read of ``x`` that gives its codes for that estimate and per-tile partials of its own range, then one
+    small kernel, a program per group, that reduces the partials and folds the range into the state's buffers in
+    place (:func:`slimact.quant.triton.quantize_fold`). Nothing is decided on the host and nothing is allocated
+    but the outputs, so it runs ahead of the GPU and can be captured in a CUDA graph (the buffers the graph
+    updates are the module's own). What the sync would have decided is decided per group instead:
 
     * a group holding NaN/inf is restored as NaN, whole (its step is NaN), and leaves its estimate unchanged;
     * values beyond the estimate saturate (outliers are not kept apart: their number is known only after the
       pass); with ``cfg.outliers``, the range folded in is clipped to the outlier threshold of the tensor's own
       typical magnitude, so heavy tails do not drag the estimate out to them.
+
+    The values are those of PyTorch ops on :func:`slimact.quant.triton.quantize_stats` (kept below for a range
+    pass whose grid would exceed the launch limits): the same codes, ``lo``, ``step`` and folded buffers, but for
+    the sum of ``sqrt|x|`` the outlier threshold starts from, summed in fp64 in a fixed order as in
+    :func:`slimact.quant.triton.decide` (the ops' fp32 sum in PyTorch's order is within float rounding of it).
     """
-    lo, step = scale_params(*estimate, cfg.qmax)
+    lo, step = scaled
     seed = reference.draw_seed() if cfg.stochastic else None
     from slimact.quant import triton as kernels
 
-    codes, t_lo, t_hi, magnitude = kernels.quantize_stats(x, layout, lo, step, cfg.bits, seed)
-    bad = ~torch.isfinite(t_lo) | ~torch.isfinite(t_hi - t_lo)  # [groups]
-    if training:
-        if cfg.clip is not None:
-            t_lo, t_hi = _clip(t_lo, t_hi, cfg.clip)
-        if cfg.outliers:
-            limit = reference.outlier_threshold(magnitude, layout, x.numel())
-            t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
-        state.fold(t_lo, t_hi, cfg.decay, skip=bad)
-    step = step.masked_fill(bad, float("nan"))
+    buffers = state.buffers(layout.groups)
+    codes = None
+    if buffers is not None:
+        codes = kernels.quantize_fold(x, layout, lo, step, cfg.bits, seed, buffers, cfg.decay, cfg.clip,
+                                      cfg.outliers, training)
+    if codes is None:  # the PyTorch ops on the range
+        codes, t_lo, t_hi, magnitude = kernels.quantize_stats(x, layout, lo, step, cfg.bits, seed)
+        bad = ~torch.isfinite(t_lo) | ~torch.isfinite(t_hi - t_lo)  # [groups]
+        if training:
+            if cfg.clip is not None:
+                t_lo, t_hi = _clip(t_lo, t_hi, cfg.clip)
+            if cfg.outliers:
+                limit = reference.outlier_threshold(magnitude, layout, x.numel())
+                t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
+            state.fold(t_lo, t_hi, cfg.decay, skip=bad)
+        step = step.masked_fill(bad, float("nan"))
     # (Whether anything lay beyond the clip is not known without a sync: assumed.)
     return Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False, clipped=cfg.clip is not None))
 

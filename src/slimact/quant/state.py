@@ -9,7 +9,9 @@ checkpoints load both ways), named ``<prefix>_lo`` and ``<prefix>_range``, ``[gr
 initialised from the first tensor seen (or re-initialised when the group count changes), updated only
 when asked (training mode). A tensor is packed with the estimate as it finds it, and its own range is folded
 in afterwards: so the pack's codes need only the estimate, and on the GPU the range and the codes come from
-one read of the tensor (:func:`slimact.quant.triton.quantize_stats`). The fold is in place (the buffers keep
+one read of the tensor, the estimate's scale and the fold from one small kernel each
+(:func:`slimact.quant.triton.scale_estimate`, :func:`slimact.quant.triton.quantize_fold`, with :meth:`fold`'s
+float operations). The fold is in place (the buffers keep
 their storage: a captured CUDA graph updates the very tensors the module holds). ``slimact.state_dict`` /
 ``slimact.load_state_dict`` save and restore the buffers with a checkpoint. The estimate a tensor is
 packed with is a fresh copy, never a view of the buffers, snapshotted with the pack: a second call of the
@@ -48,6 +50,12 @@ class RunningRange:
         self.module._buffers[self.lo_name] = lo
         self.module._buffers[self.range_name] = rng
         return lo, rng
+
+    def buffers(self, groups: int) -> tuple[Tensor, Tensor] | None:
+        """The live buffers ``(lo, range)``, fp32 ``[groups]`` (the module's own tensors: a kernel that reads
+        them or folds into them in place, as :meth:`fold` does, works on the module's state); ``None`` before the
+        first tensor of ``groups`` groups has been seen."""
+        return self._buffers(groups)
 
     def estimate(self, groups: int) -> tuple[Tensor, Tensor] | None:
         """The estimate ``(lo, hi)``, fp32 ``[groups]``, fresh tensors; ``None`` before the first tensor of

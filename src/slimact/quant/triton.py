@@ -38,8 +38,12 @@ coalesced along channels), along ``inner`` otherwise (per head, the whole tensor
 actual extents (the whole tensor, ``outer == 1``, gets ``[1, _TILE]`` tiles, no masked rows).
 
 :func:`quantize_stats` is that pass with the 8-bit codes written from the same read, for a given ``lo``/``step``
-(a running estimate's): the pack under a running estimate reads ``x`` once and never waits for the host
-(:func:`slimact.quant.core._pack_running`).
+(a running estimate's). The pack under a running estimate (:func:`slimact.quant.core._pack_running`) is three
+launches and never waits for the host: :func:`scale_estimate` (the estimate's buffers -> ``scale_params``'
+``lo``/``step``), that pass with its partials left unreduced, and :func:`quantize_fold`'s per-group kernel
+(partials -> range, NaN/inf, clip, outlier-threshold cut, the EMA fold into the estimate's buffers in place, a NaN
+step for a group that is not finite), built from the same ``@triton.jit`` helpers as :func:`decide`'s finishing
+kernel, so the same values as the PyTorch ops they replace, bit for bit but for the fp64 sum of ``sqrt|x|`` below.
 
 Stochastic keys: the kernels take the seed as a value plus an offset read from a device tensor, and use
 ``key = fmix32(seed + offset)`` (``reference.seed_key(seed)`` when the offset is 0). Outside CUDA-graph capture
@@ -73,7 +77,10 @@ from slimact.quant import reference
 from slimact.quant.packing import packed_numel
 from slimact.quant.reference import GroupLayout, PackMeta, _group_reduce
 
-__all__ = ["decide", "dequantize", "group_minmax", "group_stats", "quantize", "quantize_stats"]
+__all__ = [
+    "decide", "dequantize", "group_minmax", "group_stats", "quantize", "quantize_fold", "quantize_stats",
+    "scale_estimate",
+]
 
 _TILE = 4096  # elements one program handles
 _GRID_MAX = (2**31 - 1, 65535, 65535)
@@ -436,20 +443,18 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
 # The finishing work of a pack on the device (issue 19): partials -> per-group decisions and scale, in one launch.
 
 
-# (Scalars not specialised: a 1 would become a constexpr, which has no .to.)
-@triton.jit(do_not_specialize=["parts", "size", "groups", "per_index", "numel", "clip_bits"])
-def _finish_kernel(
-    part_ptr, lo_ptr, step_ptr, aux_ptr, flags_ptr, parts, size, groups, per_index, numel, clip_bits,
-    QMAX: tl.constexpr, ROOT: tl.constexpr, WHOLE: tl.constexpr, CLIP: tl.constexpr, BP: tl.constexpr,
-    BS: tl.constexpr,
-):
-    # One program per group g: its partials part[:, :, start:end] of _stats_kernel's [4, parts, size] fp32 buffer
-    # (min, max, sum sqrt|x|, non-finite count) -> lo[g], step[g] (scale_params' of the clipped range), aux[:, g] of
-    # a [4, groups] fp32 buffer (the clipped range's lo and hi, sum sqrt|x|, outlier threshold), and the pack's
-    # three flags (not finite, clipped, outliers present), or-ed over the groups into flags[0:3] (zeroed int32).
-    g = tl.program_id(0).to(tl.int64)
-    start = (g * size + groups - 1) // groups  # the indices i of the grouped dim with i * groups // size == g
-    end = ((g + 1) * size + groups - 1) // groups
+@triton.jit
+def _group_bounds(g, size, groups):
+    # The indices i of the grouped dim with i * groups // size == g: start <= i < end (g int64).
+    return (g * size + groups - 1) // groups, ((g + 1) * size + groups - 1) // groups
+
+
+@triton.jit
+def _reduce_partials(part_ptr, parts, size, start, end, BP: tl.constexpr, BS: tl.constexpr):
+    # A group's partials part[:, :, start:end] of _stats_kernel's [4, parts, size] fp32 buffer (min, max, sum
+    # sqrt|x|, non-finite count) -> (min, max, sum sqrt|x| as fp32, not finite). Min and max exactly; the sum in
+    # fp64, in a fixed order (PyTorch's order is its reduction kernel's: not reproducible, and not deterministic
+    # for scatter_reduce on CUDA), rounded to fp32 as the reference's group_magnitude is.
     rows = tl.arange(0, BP)[:, None]  # [BP, 1]
     cols = tl.arange(0, BS)[None, :]  # [1, BS]
     mn = tl.full([BP, BS], float("inf"), tl.float32)
@@ -469,20 +474,24 @@ def _finish_kernel(
             bad = tl.maximum(bad, tl.load(at + 3 * stride, mask=mask, other=0.0))
     t_lo = tl.min(tl.min(mn, axis=1), axis=0)
     t_hi = tl.max(tl.max(mx, axis=1), axis=0)
-    # The partials' sum in fp64, in a fixed order (PyTorch's order, which the replaced path had, is its reduction
-    # kernel's: not reproducible, and not deterministic for scatter_reduce on CUDA); rounded to fp32 as the
-    # reference's group_magnitude is.
     magnitude = tl.sum(tl.sum(root, axis=1), axis=0).to(tl.float32)
     # Not finite: a NaN/inf in the group, or a range overflowing fp32 (hi - lo in fp32, as the host decided).
     width = t_hi - t_lo
     not_finite = (tl.max(tl.max(bad, axis=1), axis=0) > 0) | ~(tl.abs(width) < float("inf"))
-    if CLIP:
-        # lo.clamp(-clip, clip) of fp32 lo with the clip rounded to fp32, as PyTorch's clamp and compare do
-        c = clip_bits.to(tl.float32, bitcast=True)
-        clipped = (t_lo < -c) | (t_hi > c)
-        t_lo = tl.minimum(tl.maximum(t_lo, -c), c)
-        t_hi = tl.minimum(tl.maximum(t_hi, -c), c)
-        tl.atomic_max(flags_ptr + 1, clipped.to(tl.int32))
+    return t_lo, t_hi, magnitude, not_finite
+
+
+@triton.jit
+def _clip_range(t_lo, t_hi, clip_bits):
+    # (lo, hi).clamp(-clip, clip) of fp32 lo/hi with the clip rounded to fp32, as PyTorch's clamp and compare
+    # do -> (clipped lo, clipped hi, whether the clip cut).
+    c = clip_bits.to(tl.float32, bitcast=True)
+    clipped = (t_lo < -c) | (t_hi > c)
+    return tl.minimum(tl.maximum(t_lo, -c), c), tl.minimum(tl.maximum(t_hi, -c), c), clipped
+
+
+@triton.jit
+def _outlier_threshold(magnitude, start, end, per_index, numel, ROOT: tl.constexpr, WHOLE: tl.constexpr):
     # reference.outlier_threshold, its float operations in its order: (Q * sqrt(K) / (n - 1 + sqrt(K)))**2 in
     # fp64, where n - 1 + sqrt(K) is fp64 for the whole tensor (a Python float there) and fp32 per group (an int64
     # tensor plus a Python float), then rounded to fp32.
@@ -492,10 +501,14 @@ def _finish_kernel(
         count = (end - start) * per_index.to(tl.int64)  # elements in the group
         den = ((count - 1).to(tl.float32) + ROOT).to(tl.float64)
     limit = magnitude.to(tl.float64) * ROOT / den
-    threshold = (limit * limit).to(tl.float32)
-    heavy = tl.maximum(tl.abs(t_lo), tl.abs(t_hi)) > threshold
-    # reference.scale_params, its float operations in its order (fp64, no NaN here but in a group that is not
-    # finite, whose pack is then kept exact and these values unused).
+    return (limit * limit).to(tl.float32)
+
+
+@triton.jit
+def _scale_params(t_lo, t_hi, QMAX: tl.constexpr):
+    # reference.scale_params of fp32 (lo, hi) (scalars or blocks), its float operations in its order (fp64, every
+    # division in fp64, nextafter on the bits) -> fp32 (lo, step). (No NaN here but in a group that is not finite,
+    # whose values the caller then leaves unused.)
     lo64 = t_lo.to(tl.float64)
     hi64 = t_hi.to(tl.float64)
     rng = hi64 - lo64
@@ -521,6 +534,29 @@ def _finish_kernel(
     if QMAX >= 15:
         lo_out = tl.where(straddles & ok, -(z.to(tl.float32) * step), t_lo)
     step = tl.where(ok, step, 1.0)
+    return lo_out, step
+
+
+# (Scalars not specialised: a 1 would become a constexpr, which has no .to.)
+@triton.jit(do_not_specialize=["parts", "size", "groups", "per_index", "numel", "clip_bits"])
+def _finish_kernel(
+    part_ptr, lo_ptr, step_ptr, aux_ptr, flags_ptr, parts, size, groups, per_index, numel, clip_bits,
+    QMAX: tl.constexpr, ROOT: tl.constexpr, WHOLE: tl.constexpr, CLIP: tl.constexpr, BP: tl.constexpr,
+    BS: tl.constexpr,
+):
+    # One program per group g: its partials part[:, :, start:end] of _stats_kernel's [4, parts, size] fp32 buffer
+    # (min, max, sum sqrt|x|, non-finite count) -> lo[g], step[g] (scale_params' of the clipped range), aux[:, g] of
+    # a [4, groups] fp32 buffer (the clipped range's lo and hi, sum sqrt|x|, outlier threshold), and the pack's
+    # three flags (not finite, clipped, outliers present), or-ed over the groups into flags[0:3] (zeroed int32).
+    g = tl.program_id(0).to(tl.int64)
+    start, end = _group_bounds(g, size, groups)
+    t_lo, t_hi, magnitude, not_finite = _reduce_partials(part_ptr, parts, size, start, end, BP, BS)
+    if CLIP:
+        t_lo, t_hi, clipped = _clip_range(t_lo, t_hi, clip_bits)
+        tl.atomic_max(flags_ptr + 1, clipped.to(tl.int32))
+    threshold = _outlier_threshold(magnitude, start, end, per_index, numel, ROOT, WHOLE)
+    heavy = tl.maximum(tl.abs(t_lo), tl.abs(t_hi)) > threshold
+    lo_out, step = _scale_params(t_lo, t_hi, QMAX)
     tl.store(lo_ptr + g, lo_out)
     tl.store(step_ptr + g, step)
     tl.store(aux_ptr + g, t_lo)
@@ -559,15 +595,20 @@ def decide(
     return _finish(stats[0], layout, x.numel(), qmax, clip, flags)
 
 
+def _partial_blocks(parts: int, size: int, groups: int) -> tuple[int, int]:
+    # The [BP, BS] tile a program per group reads its partials by (_reduce_partials).
+    width = triton.cdiv(size, groups)  # the most indices a group has
+    bs = min(64, triton.next_power_of_2(width))
+    return max(1, min(triton.next_power_of_2(parts), 1024 // bs)), bs
+
+
 def _finish(
     part: Tensor, layout: GroupLayout, numel: int, qmax: int, clip: float | None, flags: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     # part: [4, parts, size] fp32 partials of _stats_kernel -> lo, step [groups], aux [4, groups]; flags [3] or-ed
     parts, size = part.shape[1], part.shape[2]
     groups = layout.groups
-    width = triton.cdiv(size, groups)  # the most indices a group has
-    bs = min(64, triton.next_power_of_2(width))
-    bp = max(1, min(triton.next_power_of_2(parts), 1024 // bs))
+    bp, bs = _partial_blocks(parts, size, groups)
     lo = torch.empty(groups, dtype=torch.float32, device=part.device)
     step = torch.empty(groups, dtype=torch.float32, device=part.device)
     aux = torch.empty(4, groups, dtype=torch.float32, device=part.device)
@@ -578,3 +619,101 @@ def _finish(
         BP=bp, BS=bs, enable_fp_fusion=False,
     )
     return lo, step, aux
+
+
+# The pack under a running estimate on the device (:func:`slimact.quant.core._pack_running`): one small kernel
+# before the pass over x (the estimate's lo/step), one after (x's range folded into the estimate, in place).
+
+
+@triton.jit(do_not_specialize=["groups"])
+def _estimate_kernel(est_lo_ptr, est_rng_ptr, lo_ptr, step_ptr, groups, QMAX: tl.constexpr, B: tl.constexpr):
+    # The running estimate's buffers (lo, range), fp32 [groups] -> scale_params(lo, lo + range) into fresh lo, step:
+    # RunningRange.estimate's hi (an fp32 add) and the reference's scale, bit for bit.
+    g = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    keep = g < groups
+    e_lo = tl.load(est_lo_ptr + g, mask=keep, other=0.0)
+    e_hi = e_lo + tl.load(est_rng_ptr + g, mask=keep, other=0.0)
+    lo, step = _scale_params(e_lo, e_hi, QMAX)
+    tl.store(lo_ptr + g, lo, mask=keep)
+    tl.store(step_ptr + g, step, mask=keep)
+
+
+@triton.jit(do_not_specialize=["parts", "size", "groups", "per_index", "numel", "clip_bits", "decay_bits",
+                               "rest_bits"])
+def _fold_kernel(
+    part_ptr, step_ptr, est_lo_ptr, est_rng_ptr, parts, size, groups, per_index, numel, clip_bits, decay_bits,
+    rest_bits, ROOT: tl.constexpr, WHOLE: tl.constexpr, CLIP: tl.constexpr, OUTLIERS: tl.constexpr,
+    TRAINING: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr,
+):
+    # One program per group g: its partials (as _finish_kernel's) -> step[g] set to NaN where the group is not
+    # finite; when TRAINING, the group's range, clipped (CLIP) and cut to its outlier threshold (OUTLIERS), folded
+    # into the estimate's buffers in place with RunningRange.fold's float operations in its order
+    # (lo <- lo * decay + t_lo * (1 - decay), range likewise with t_hi - t_lo; decay and 1 - decay rounded to fp32
+    # as PyTorch rounds a Python scalar against an fp32 tensor), a group that is not finite keeping its estimate.
+    g = tl.program_id(0).to(tl.int64)
+    start, end = _group_bounds(g, size, groups)
+    t_lo, t_hi, magnitude, not_finite = _reduce_partials(part_ptr, parts, size, start, end, BP, BS)
+    step = tl.load(step_ptr + g)
+    tl.store(step_ptr + g, tl.where(not_finite, float("nan"), step))
+    if TRAINING:
+        if CLIP:
+            t_lo, t_hi, _ = _clip_range(t_lo, t_hi, clip_bits)
+        if OUTLIERS:
+            limit = _outlier_threshold(magnitude, start, end, per_index, numel, ROOT, WHOLE)
+            t_lo = tl.maximum(t_lo, -limit)
+            t_hi = tl.minimum(t_hi, limit)
+        decay = decay_bits.to(tl.float32, bitcast=True)
+        rest = rest_bits.to(tl.float32, bitcast=True)
+        old_lo = tl.load(est_lo_ptr + g)
+        old_rng = tl.load(est_rng_ptr + g)
+        new_lo = old_lo * decay + t_lo * rest  # two roundings each (launched without fp fusion), as PyTorch's ops
+        new_rng = old_rng * decay + (t_hi - t_lo) * rest
+        tl.store(est_lo_ptr + g, tl.where(not_finite, old_lo, new_lo))
+        tl.store(est_rng_ptr + g, tl.where(not_finite, old_rng, new_rng))
+
+
+def scale_estimate(est_lo: Tensor, est_rng: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """:func:`slimact.quant.reference.scale_params` of a running estimate's ``(lo, lo + range)`` in one launch,
+    from its buffers (fp32 ``[groups]``, read on the device, not copied): fresh fp32 ``[groups]`` ``lo``/``step``,
+    the same bits as ``scale_params(*RunningRange.estimate(groups), qmax)``."""
+    groups = est_lo.numel()
+    lo = torch.empty(groups, dtype=torch.float32, device=est_lo.device)
+    step = torch.empty(groups, dtype=torch.float32, device=est_lo.device)
+    block = min(1024, triton.next_power_of_2(groups))
+    _estimate_kernel[(triton.cdiv(groups, block),)](
+        est_lo, est_rng, lo, step, groups, QMAX=qmax, B=block, enable_fp_fusion=False,
+    )
+    return lo, step
+
+
+def quantize_fold(
+    x: Tensor, layout: GroupLayout, lo: Tensor, step: Tensor, bits: int, seed: int | None,
+    estimate: tuple[Tensor, Tensor], decay: float, clip: float | None, outliers: bool, training: bool,
+) -> Tensor | None:
+    """The codes of ``x`` for ``lo``/``step`` (a running estimate's, :func:`scale_estimate`) and ``x``'s own range
+    folded into that estimate's buffers ``estimate`` (fp32 ``[groups]`` lo and range, updated in place when
+    ``training``), nothing read back: the range pass with the 8-bit codes from the same read (4- and 2-bit codes
+    from a :func:`quantize`), then one program per group (:func:`_fold_kernel`), which also sets ``step`` to NaN
+    in place for a group holding NaN/inf (or whose range overflows fp32). ``None`` where the range pass's grid
+    would exceed the launch limits (nothing launched)."""
+    if bits == 8:
+        stats = _stats(x, layout, (lo, step, seed), partials=True)
+        if stats is None:
+            return None
+        part, codes = stats
+    else:
+        stats = _stats(x, layout, partials=True)
+        if stats is None:
+            return None
+        part, codes = stats[0], quantize(x, layout, lo, step, bits, seed)
+    parts, size = part.shape[1], part.shape[2]
+    groups = layout.groups
+    bp, bs = _partial_blocks(parts, size, groups)
+    numel = x.numel()
+    _fold_kernel[(groups,)](
+        part, step, estimate[0], estimate[1], parts, size, groups, numel // max(size, 1), numel,
+        _f32_bits(clip) if clip is not None else 0, _f32_bits(decay), _f32_bits(1.0 - decay),
+        ROOT=math.sqrt(reference.OUTLIER_RATIO), WHOLE=layout.dim is None, CLIP=clip is not None,
+        OUTLIERS=outliers, TRAINING=training, BP=bp, BS=bs, enable_fp_fusion=False,
+    )
+    return codes
