@@ -323,3 +323,35 @@ def test_a_norm_that_scales_its_input_first_is_not_taken_for_gemmas_rmsnorm():
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
     assert norm_form(GemmaRMSNorm(16)) == {"centered": False, "offset": 1.0, "eps": 1e-6}
+
+
+class _GatedNorm(torch.nn.Module):
+    """An RMSNorm whose forward needs a second input it declares optional (LaraMini's: ``gate=None``, then
+    ``gate.to(...)``): called as ``f(x)`` by the probe, it raises AttributeError."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x, gate=None):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight
+        return x * torch.nn.functional.silu(gate.to(x.dtype))
+
+
+def test_a_norm_whose_forward_needs_an_optional_argument_is_left_alone():
+    # The sweep's LaraMini crashed in convert: the probe's call raised AttributeError from the model's own code.
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = _GatedNorm(16)
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.proj(self.norm(x, gate=x))
+
+    model = Block()
+    slimact.convert(model, "int8")
+    assert type(model.norm) is _GatedNorm  # left alone, not taken for an RMSNorm
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    model(x).sum().backward()

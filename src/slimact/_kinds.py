@@ -59,8 +59,9 @@ class Recognised:
     parts: tuple[str, ...] = ()
 
 
-#: Failures of a module's own forward on a probe that mean "not this form" (wrong rank, arguments, dtype).
-_PROBE_ERRORS = (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError)
+#: Failures of a module's own forward on a probe that mean "not this form" (wrong rank, arguments, dtype; an optional
+#: argument the probe does not pass, which the forward needs: LaraMini's gated RMSNorm reads `gate.to(...)`).
+_PROBE_ERRORS = (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError, AttributeError)
 
 #: Hugging Face's names for a gated MLP's parts: separate gate and up (Llama, Mistral, Qwen2, Gemma) or one
 #: fused ``gate_up_proj`` (Phi-3); the down projection; the activation module.
