@@ -41,9 +41,11 @@ MAX_SCORE_ERROR = 0.02
 
 def _head_stats(x: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor]:
     """Per head of ``x`` ``[B, H, T, D]``: (standard deviation of the rounding error, rms of ``x``), fp32."""
-    f = x.detach().float().transpose(0, 1).reshape(x.shape[1], -1)
-    lo, hi, rms = f.amin(1), f.amax(1), f.pow(2).mean(1).sqrt()
-    heads = x.shape[1]
+    # Reductions over every dim but the heads, on x as it is (q, k are often [B, T, H, D] memory seen as
+    # [B, H, T, D]: a per-head copy first cost 4x these reads).
+    x, dims, heads = x.detach(), (0, 2, 3), x.shape[1]
+    lo, hi = x.amin(dims).float(), x.amax(dims).float()
+    rms = torch.linalg.vector_norm(x, dim=dims, dtype=torch.float32) / math.sqrt(x.numel() // heads)
     if cfg.group_dim != 1:  # not grouped by heads: the whole tensor's range is each head's
         lo, hi = lo.amin().expand(heads), hi.amax().expand(heads)
     elif cfg.groups and cfg.groups < heads:  # head h is in group h * G // H, as the packer groups them
