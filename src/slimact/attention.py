@@ -29,7 +29,6 @@ import torch
 from torch import Tensor, nn
 
 from slimact.functional.attention import _additive, scaled_dot_product_attention
-from slimact.functional.attention_guard import score_safe_config
 from slimact.functional.dropout import dropout as _dropout
 from slimact.functional.matmul import matmul
 from slimact.functional.softmax import softmax
@@ -220,8 +219,7 @@ def attention_forward(
         state = {n: RunningRange(module, f"_slimact_{n}") for n in ("q", "k", "v", "o")}
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=p, is_causal=is_causal,
                                        scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
-                                       cfg=score_safe_config(query, key, scaling, policy.quant_config("attention", 4)),
-                                       state=state)
+                                       cfg=policy.quant_config("attention", 4), state=state)
     return out.transpose(1, 2).contiguous(), None
 
 

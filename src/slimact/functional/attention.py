@@ -75,6 +75,7 @@ import torch
 from torch import Tensor
 
 from slimact.functional._saving import Mask, SlimFunction, load, save
+from slimact.functional.attention_guard import score_safe_config
 from slimact.functional.softmax import pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
@@ -436,6 +437,14 @@ def _max_head_dim(device: torch.device) -> int:
     return 256 if torch.cuda.get_device_capability(device) in ((8, 0), (9, 0)) else 128
 
 
+def _finite(query: Tensor, key: Tensor) -> bool:
+    """Whether ``query`` and ``key`` hold no NaN/inf (one host sync for both; detached, so that it records no
+    graph). Under torch.compile, where the sync would break the graph, ``True``: the kernel is taken as it is."""
+    if torch.compiler.is_compiling():
+        return True
+    return bool(torch.isfinite(query.detach()).all() & torch.isfinite(key.detach()).all())
+
+
 def fused_kernel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
                  is_causal: bool, mask_grad: bool) -> str | None:
     """Which fused CUDA kernel :func:`scaled_dot_product_attention` runs: ``"flash"`` (fp16/bf16, no mask),
@@ -464,10 +473,8 @@ def fused_kernel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | 
         except RuntimeError:
             return None
     # A NaN/inf in a query or key: how the kernels' running max treats NaN scores is theirs (fmax drops NaN);
-    # the chunked path gives NaN where the math does. One host sync for both (none under torch.compile).
-    finite = (torch.compiler.is_compiling()
-              or bool(torch.isfinite(query.detach()).all() & torch.isfinite(key.detach()).all()))
-    if not finite:
+    # the chunked path gives NaN where the math does.
+    if not _finite(query, key):
         return None
     # FlashAttention's is_causal is bottom-right aligned for T != S; PyTorch's (and the efficient kernel's) is
     # top-left: only a square causal attention runs flash.
@@ -636,6 +643,8 @@ def scaled_dot_product_attention(
         with torch.autocast(device, enabled=False):
             return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                 cfg=cfg, state=state)
+    # Attention that would amplify 8-bit q/k errors on its scores keeps q, k, v exact (functional.attention_guard).
+    cfg = score_safe_config(query, key, scale, cfg)
     kind = fused_kernel(query, key, value, attn_mask, dropout_p, is_causal, mask_grad)
     if kind is not None:
         return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state)
@@ -644,7 +653,6 @@ def scaled_dot_product_attention(
     # NaN/inf takes the chunked path, whose output is NaN there, as the math path's. (On the CPU this check costs
     # a pass over each, no device sync; detached, so that it records no graph.)
     flash = dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad
-    # Under torch.compile the check would be a host sync in the graph: the flash kernel is taken as it is.
-    if flash and (torch.compiler.is_compiling() or all(bool(torch.isfinite(t.detach()).all()) for t in (query, key))):
+    if flash and _finite(query, key):
         return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)

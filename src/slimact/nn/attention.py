@@ -15,7 +15,6 @@ import torch
 from torch import Tensor, nn
 
 from slimact.functional.attention import scaled_dot_product_attention
-from slimact.functional.attention_guard import score_safe_config
 from slimact.functional.linear import linear
 from slimact.nn._base import SlimModule, slim_class
 
@@ -67,7 +66,7 @@ class _MultiheadAttentionMixin(SlimModule):
         out = scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=bool(is_causal and mask is None),
-            cfg=score_safe_config(q, k, None, self._slimact_policy.quant_config("attention", 4)),
+            cfg=self._slimact_policy.quant_config("attention", 4),
             state=None if state() is None else {n: state(n) for n in ("q", "k", "v", "o")},
         )
         # [B, H, T, D] -> time-major [T * B, E], as nn.MultiheadAttention lays its output out: a later dropout

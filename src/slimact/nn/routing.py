@@ -62,7 +62,6 @@ from torch.overrides import TorchFunctionMode
 from slimact.functional._saving import Mask
 from slimact.functional.activation import activation
 from slimact.functional.attention import scaled_dot_product_attention
-from slimact.functional.attention_guard import score_safe_config
 from slimact.functional.dropout import dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
@@ -359,7 +358,7 @@ class Routing:
         if h_kv != h and not enable_gqa:
             return None
         return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                            cfg=score_safe_config(query, key, scale, self._cfg("attention", query)))
+                                            cfg=self._cfg("attention", query))
 
     # Under torch.compile the mode is never entered (see _enter): nothing to exclude. The counter bumped in these
     # hooks would be a side effect for dynamo to replay, and around a module applying a slimact Function (Llama's
