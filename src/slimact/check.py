@@ -202,16 +202,21 @@ def _floats(output: Any) -> Iterator[Tensor]:
             yield from _floats(value)
 
 
+def _map_tensors(inputs: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``inputs`` (a tensor, or dicts, tuples and lists of them) with ``fn`` applied to every tensor."""
+    if isinstance(inputs, Tensor):
+        return fn(inputs)
+    if isinstance(inputs, dict):
+        return {k: _map_tensors(v, fn) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_map_tensors(v, fn) for v in inputs)
+    return inputs
+
+
 def _fresh_inputs(inputs: Any) -> Any:
     """``inputs`` with every tensor that requires a gradient replaced by a detached copy (so that neither step
     accumulates into the caller's tensors)."""
-    if isinstance(inputs, Tensor):
-        return inputs.detach().clone().requires_grad_() if inputs.requires_grad else inputs
-    if isinstance(inputs, dict):
-        return {k: _fresh_inputs(v) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_fresh_inputs(v) for v in inputs)
-    return inputs
+    return _map_tensors(inputs, lambda t: t.detach().clone().requires_grad_() if t.requires_grad else t)
 
 
 def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None,
@@ -287,14 +292,8 @@ class _Float32Draws(TorchFunctionMode):
 
 def _widened(inputs: Any) -> Any:
     """``inputs`` with every floating tensor in float64."""
-    if isinstance(inputs, Tensor):
-        return inputs.detach().double().requires_grad_(inputs.requires_grad) if inputs.is_floating_point() \
-            else inputs
-    if isinstance(inputs, dict):
-        return {k: _widened(v) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_widened(v) for v in inputs)
-    return inputs
+    return _map_tensors(inputs, lambda t: t.detach().double().requires_grad_(t.requires_grad)
+                        if t.is_floating_point() else t)
 
 
 def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None,
