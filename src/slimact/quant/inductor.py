@@ -19,10 +19,9 @@ group count divides the grouped dim; everything else (smaller tensors, where a c
 exceeds the eager passes; sub-byte codes; stochastic rounding; odd groupings; strided tensors; code running
 under ``torch.compile``, where inductor fuses the reference itself) goes to the reference. Each loop is
 compiled on first use for each dtype (a few seconds, then cached on disk by inductor); if that loop cannot be
-compiled for want of a working C++ compiler (``InvalidCxxCompiler``, ``CppCompileError``, or dynamo's
-``BackendCompilerFailed`` caused by one), a warning, and the reference for that loop from then on (the other
-loops are tried on their own); any other error is a bug and is raised. ``SLIMACT_BACKEND=reference`` turns it
-off.
+compiled (:data:`_COMPILE_FAILED`: no working C++ compiler, or the backend failing on the graph), a warning, and
+the reference (or the eager composition) for that loop from then on (the other loops are tried on their own);
+an error raised by running a loop is a bug and is raised. ``SLIMACT_BACKEND=reference`` turns it off.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ __all__ = [
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
 MIN_NUMEL = 1 << 18
 
-#: The compiled loops that could not be compiled (no C++ compiler), each with its error: they run as the reference.
+#: The compiled loops that could not be compiled (:data:`_COMPILE_FAILED`), each with its error: they run eagerly.
 _failed: dict[Callable, BaseException] = {}
 
 #: Errors (by class name, anywhere in the chain of causes) raised by compiling, not by running, a loop: no working
