@@ -97,6 +97,7 @@ _POLICY_FIELDS: dict[str, _Check] = {
     "include": (tuple, _every(str.__instancecheck__), "a sequence of fnmatch patterns (strings)"),
     "exclude": (tuple, _every(str.__instancecheck__), "a sequence of fnmatch patterns (strings)"),
     "exclude_index": (tuple, _every(_is_kind_index), "a sequence of 'kind:index' strings with a known kind"),
+    "keep_logits": (bool, bool.__instancecheck__, "a bool"),
 }
 _KIND_FIELDS: dict[str, _Check] = {
     **_COMMON, "groups": (int, lambda v: v >= 0, "an int >= 0 (0 = one per channel or head)"),
@@ -223,6 +224,10 @@ class Policy:
             in ``model.named_modules()`` order, as Mesa's ``by_index`` does).
         per_kind: settings of single kinds overriding the ones above, ``{"attention": {"bits": 4},
             "gelu": {"quantize": False}}`` (:class:`KindSettings` or dicts; stored as sorted pairs).
+        keep_logits: a language model called in training with labels computes its logits in the forward and
+            returns them, as the plain model does. By default (``False``) its head and the loss run together
+            in chunks and ``output.logits`` is a :class:`slimact.nn.lm_loss.LazyLogits` that computes them only
+            if read (see :mod:`slimact.nn.lm_loss`). Either way the loss keeps no logits for the backward.
     """
 
     name: str = "custom"
@@ -238,6 +243,7 @@ class Policy:
     exclude: tuple[str, ...] = field(default=())
     exclude_index: tuple[str, ...] = field(default=())
     per_kind: tuple[tuple[str, KindSettings], ...] = field(default=())
+    keep_logits: bool = False
 
     def __post_init__(self) -> None:
         _set_checked(self, "Policy")

@@ -34,6 +34,7 @@ loss a float64 sum of per-chunk sums.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,19 +44,17 @@ from slimact.functional._saving import Gradient, SlimFunction, load, save
 
 __all__ = ["linear_cross_entropy"]
 
-#: Logit elements materialised at once (per chunk of tokens): 64 MiB in fp32. Larger chunks make fewer, larger
+#: Logit elements computed at once (per chunk of tokens): 64 MiB in fp32. Larger chunks make fewer, larger
 #: weight-gradient products (each chunk's reads and writes the whole ``[V, C]`` accumulator).
 CHUNK_ELEMENTS = 1 << 24
 
 
 def _chunks(n: int, vocab: int):
-    rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    """``(start, end)`` rows of the chunks: :data:`CHUNK_ELEMENTS` logits each, and never all ``n`` tokens at
+    once (at least two chunks from two tokens on), so that no ``[tokens, vocab]`` tensor is ever built."""
+    rows = max(1, min(CHUNK_ELEMENTS // max(vocab, 1), -(-n // 2)))
     for start in range(0, n, rows):
         yield start, min(n, start + rows)
-
-
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return F.linear(h, weight, bias).float()
 
 
 def _narrow(g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -77,13 +76,14 @@ def _narrow(g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     return (g / scale).to(dtype), scale
 
 
-def _exp_and_lse(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _exp_and_lse(z: Tensor, *, in_place: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(exp(z - max), sum, lse)`` over the last dim: ``softmax = exp / sum`` and ``lse = log(sum) + max``, as
     ``F.cross_entropy``'s log-softmax computes them (shifted by the row's max), so a row holding +inf (or only
-    -inf) gives NaN, as there. (``torch.logsumexp`` gives inf: the loss was inf where PyTorch's is NaN.) One
-    ``[rows, V]`` temporary, which becomes the gradient."""
+    -inf) gives NaN, as there. (``torch.logsumexp`` gives inf: the loss was inf where PyTorch's is NaN.) The
+    exponentials, which become the gradient, overwrite ``z`` where ``in_place`` (``z`` is then the chunk's one
+    ``[rows, V]`` temporary), else are one more."""
     m = z.amax(-1, keepdim=True)
-    e = (z - m).exp_()
+    e = (z.sub_(m) if in_place else z - m).exp_()
     total = e.sum(-1, keepdim=True)
     return e, total, (total.log() + m).squeeze(-1)
 
@@ -92,7 +92,7 @@ class _LinearCrossEntropy(SlimFunction):
     layer = "LM head and loss"
 
     @staticmethod
-    def forward(ctx, h_in, weight, bias, target, ignore_index, smoothing, divisor, logits):
+    def forward(ctx, h_in, weight, bias, target, ignore_index, smoothing, divisor, logits, transform):
         h = h_in.reshape(-1, h_in.shape[-1])  # [N, C]
         n, vocab = h.shape[0], weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -107,14 +107,27 @@ class _LinearCrossEntropy(SlimFunction):
         # divisor: a 0-d float64 tensor on h's device (no host sync); 1 / divisor rounded once to fp32 (inf for 0).
         inverse = (1.0 / divisor).float()
         for a, b in _chunks(n, vocab):
-            z = logits[a:b].float() if logits is not None else _chunk_logits(h[a:b], weight, bias)  # [rows, V]
-            e, norm, lse = _exp_and_lse(z)
+            raw = None
+            if logits is not None:
+                z = logits[a:b].float()  # [rows, V]; a view of the caller's tensor where it is fp32
+            elif transform is None:
+                z = F.linear(h[a:b], weight, bias).float()  # [rows, V], ours
+            else:  # the model's own elementwise ops on its logits (a cast, a soft cap), differentiated locally
+                raw = F.linear(h[a:b], weight, bias).requires_grad_(need_h or need_w or need_b)
+                with torch.enable_grad():
+                    z = transform(raw).float()
             t = target[a:b]
             keep = t != ignore_index
             t_safe = t.clamp(0, vocab - 1).unsqueeze(1)
-            loss = (1 - smoothing) * (lse - z.gather(1, t_safe).squeeze(1))
+            # What the loss needs of z before z becomes exp(z - max) in place (where z is ours to overwrite).
+            picked = z.gather(1, t_safe).squeeze(1)
+            mean = z.mean(-1) if smoothing else None
+            # z is overwritten only where it is ours and nothing else reads it (not a caller's logits, not the output
+            # of the model's ops, which their local graph may keep).
+            e, norm, lse = _exp_and_lse(z.detach(), in_place=logits is None and raw is None)
+            loss = (1 - smoothing) * (lse - picked)
             if smoothing:
-                loss = loss + smoothing * (lse - z.mean(-1))
+                loss = loss + smoothing * (lse - mean)
             total += torch.where(keep, loss, 0).sum()
             if not (need_h or need_w or need_b):
                 continue
@@ -124,6 +137,9 @@ class _LinearCrossEntropy(SlimFunction):
             dz.scatter_add_(1, t_safe, (smoothing - 1.0) * s)
             if smoothing:
                 dz -= (smoothing / vocab) * s
+            if raw is not None:  # through the model's ops back to the head's product
+                dz = torch.autograd.grad(z, raw, dz)[0].float()
+                del z, raw
             if need_h:
                 grad_h[a:b] = (dz @ w32).to(h.dtype)
             if need_w:
@@ -145,7 +161,7 @@ class _LinearCrossEntropy(SlimFunction):
                  g.dtype) for g, s in zip((grad_h, grad_w, grad_b), (None, scale_w, scale_b), strict=True)]
         if grads[0] is not None:
             grads[0] = grads[0].reshape(ctx.in_shape)
-        return *grads, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -159,8 +175,10 @@ def linear_cross_entropy(
     reduction: str = "mean",
     divisor: float | Tensor | None = None,
     logits: Tensor | None = None,
+    transform: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
-    """``F.cross_entropy(F.linear(h, weight, bias), target, ...)`` without keeping ``[tokens, vocab]``.
+    """``F.cross_entropy(transform(F.linear(h, weight, bias)), target, ...)`` without keeping (or, unless
+    ``logits`` are given, ever building) ``[tokens, vocab]``.
 
     Args:
         h: ``[..., C]`` hidden states (``N`` tokens in all); ``weight``: ``[V, C]``; ``bias``: ``[V]`` or ``None``;
@@ -170,7 +188,12 @@ def linear_cross_entropy(
         logits: ``[N, V]``, ``F.linear(h, weight, bias)`` if the caller has it already (the model's own head
             output, rows in ``h``'s token order): the loss and gradients are computed from it, as
             ``F.cross_entropy`` on it would, and the head's product is not done twice.
+        transform: elementwise ops of the model's between its head and the loss (``.float()``, Gemma 2's soft
+            cap ``c * tanh(z / c)``), applied to each chunk of the head's product and differentiated through
+            (a function of its tensor argument only: no parameters of its own). Not with ``logits``.
     """
+    if logits is not None and transform is not None:
+        raise ValueError("give logits or a transform of the head's product, not both")
     if logits is not None and logits.shape != (target.shape[0], weight.shape[0]):
         want = [target.shape[0], weight.shape[0]]
         raise ValueError(f"logits must be [tokens, vocab] = {want}, got {list(logits.shape)}")
@@ -184,5 +207,6 @@ def linear_cross_entropy(
     if reduction == "mean":
         divisor = torch.where(divisor == 0, math.nan, divisor)  # as F.cross_entropy: the mean over no tokens
     return _LinearCrossEntropy.apply(
-        h, weight, bias, target, ignore_index, label_smoothing, divisor, None if logits is None else logits.detach()
+        h, weight, bias, target, ignore_index, label_smoothing, divisor, None if logits is None else logits.detach(),
+        transform,
     )

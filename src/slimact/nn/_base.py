@@ -66,8 +66,10 @@ class SlimModule:
 
     def _slimact_active(self, *inputs: Tensor) -> bool:
         """Compression only where a backward will need it (never in eval mode), and only of the dtypes it
-        compresses: float64 (or integer) inputs run the module's own forward, exact."""
-        return self.training and all(  # type: ignore[attr-defined]
+        compresses: float64 (or integer) inputs run the module's own forward, exact. A module whose work
+        something else does for this call (``_slimact_deferred``: the LM head whose product the fused loss
+        computes, :mod:`slimact.nn.lm_loss`) runs its own forward too."""
+        return self.training and "_slimact_deferred" not in self.__dict__ and all(  # type: ignore[attr-defined]
             not isinstance(x, Tensor) or x.dtype in COMPRESSIBLE_DTYPES for x in inputs
         )
 

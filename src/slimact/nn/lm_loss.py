@@ -2,25 +2,50 @@
 
 Models compute ``F.cross_entropy(head(h), labels)`` in code slimact does not own (Hugging Face's
 ``ForCausalLMLoss``, BERT's inline ``CrossEntropyLoss``). While a converted model runs its forward, the
-``TorchFunctionMode`` of :mod:`slimact.nn.routing` watches for the output of its head (the output-embedding
-Linear) and for aliases of it that keep the token order (``float``, ``view``/``reshape``/``flatten``,
-``contiguous``); when ``F.cross_entropy`` gets one of those with plain arguments, it computes the loss and
-its gradients from those logits, the head's input and weight, keeping the gradients instead of the logits.
+``TorchFunctionMode`` of :mod:`slimact.nn.routing` follows the head's output to the loss, in one of two ways.
+
+**Called with labels** (a ``labels`` argument of the model's ``forward`` that is not ``None``, in training with
+grad on, ``Policy.keep_logits`` off): the head does not compute its product. It returns a :class:`LazyLogits`,
+a tensor of the logits' shape, dtype and device that holds no data, only the head's input ``h``, weight and
+bias, and the model's elementwise ops applied to it since (``float``, a cast, ``/ c``, ``tanh``, ``* c``: Gemma
+2's soft cap, Cohere's and Granite's logit scales) and its views that keep the token order (``view``,
+``reshape``, ``flatten``, ``contiguous``). ``F.cross_entropy`` on it runs the head's product and the loss
+together over chunks of tokens (:mod:`slimact.functional.lm_loss`): no ``[tokens, vocab]`` tensor is ever
+allocated, in the forward or the backward. Any other use computes the logits then and there, exactly as the
+head would have (``F.linear`` under the autocast state of the head's call, then the recorded ops), with their
+autograd graph to ``h``, the weight and the bias: reading ``output.logits`` after the step works and costs
+the head's product once. That read raises if the head's weight or bias was changed in place since (an
+optimizer step): the logits it would give are not the ones the forward had. A custom autograd Function
+handed the lazy tensor itself (DDP's ``_DDPSink`` with ``find_unused_parameters``) gets a node that
+recomputes the logits in its backward, so gradients through it are exact too.
+
+**Without labels** (or ``keep_logits``): the head computes its logits as usual; if ``F.cross_entropy`` then
+gets them, or an alias of them in the same token order (``float``, ``view``/``reshape``/``flatten``,
+``contiguous``), the loss and its gradients are computed from those logits, the head's input and weight,
+keeping the gradients instead of the logits.
+
 Anything else (class weights, ``reduction="none"``, a logits tensor the head did not produce, ops that
 reorder tokens) runs exactly as written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import numbers
 import weakref
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from slimact.functional.lm_loss import linear_cross_entropy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
-__all__ = ["LossTracker"]
+__all__ = ["NOT_LAZY", "LazyLogits", "LossTracker", "labels_position", "lazy_call"]
 
 # Ops whose output has the same elements in the same row-major order as their input.
 _ALIASES = {
@@ -28,16 +53,237 @@ _ALIASES = {
     torch.flatten,
 }
 
+# What a LazyLogits answers without computing anything: its metadata.
+_METADATA = {
+    Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point, Tensor.is_complex,
+    Tensor.element_size, Tensor.is_contiguous, Tensor.stride, Tensor.get_device, Tensor.__hash__,
+}
+_METADATA_PROPERTIES = {
+    "shape", "dtype", "device", "ndim", "requires_grad", "grad_fn", "is_leaf", "layout", "is_cuda", "is_cpu",
+    "is_meta", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes", "_version", "_base",
+}
+# Views in token order (the last dim stays the vocabulary), and elementwise ops with numbers (a cast, a soft
+# cap, a logit scale), applied to each chunk of the head's product by the fused loss.
+_VIEWS = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten, Tensor.contiguous}
+_ELEMENTWISE = {
+    Tensor.float, Tensor.half, Tensor.bfloat16, Tensor.to, Tensor.__truediv__, Tensor.div, torch.div,
+    Tensor.__mul__, Tensor.__rmul__, Tensor.mul, torch.mul, torch.tanh, Tensor.tanh,
+}
+
+
+def _is_metadata(func: Callable) -> bool:
+    if func in _METADATA:
+        return True
+    owner = getattr(func, "__self__", None)  # Tensor.shape.__get__: its getset descriptor
+    return getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", None) in _METADATA_PROPERTIES
+
+
+def _step(func: Callable, rest: tuple, kwargs: dict, t: Tensor) -> Tensor:
+    return func(t, *rest, **kwargs)
+
+
+class _Spec:
+    """What a :class:`LazyLogits` stands for: ``steps(F.linear(h, weight, bias))`` viewed as ``shape``, with
+    ``F.linear`` under the autocast state ``autocast`` (``(device type, dtype)`` or ``None``)."""
+
+    __slots__ = ("autocast", "dtype", "shape", "steps", "versions")
+
+    def __init__(self, shape, dtype, steps, autocast, versions) -> None:
+        self.shape, self.dtype, self.steps, self.autocast, self.versions = shape, dtype, steps, autocast, versions
+
+    def derived(self, func: Callable, rest: tuple, kwargs: dict) -> _Spec | None:
+        """The spec of ``func(lazy, *rest, **kwargs)`` where that is a view in token order or an elementwise op
+        with numbers; ``None`` where it is not (the logits are then computed)."""
+        flat, _ = tree_flatten((rest, kwargs))
+        if any(isinstance(x, Tensor) for x in flat) or (func in (torch.div, Tensor.div) and "rounding_mode" in kwargs):
+            return None
+        if func in _ELEMENTWISE and not all(
+            isinstance(x, (numbers.Real, torch.dtype)) and not isinstance(x, bool) for x in flat
+        ):
+            return None  # .to(device), .to(other_tensor), ...: computed
+        try:
+            out = func(torch.empty(self.shape, dtype=self.dtype, device="meta"), *rest, **kwargs)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        if not isinstance(out, Tensor) or out.dim() < 1 or out.shape[-1] != self.shape[-1]:
+            return None
+        if func in _VIEWS:
+            return _Spec(out.shape, self.dtype, self.steps, self.autocast, self.versions)
+        if not out.dtype.is_floating_point or out.shape != self.shape:
+            return None
+        step = functools.partial(_step, func, rest, kwargs)
+        return _Spec(self.shape, out.dtype, (*self.steps, step), self.autocast, self.versions)
+
+    def transform(self, raw: Tensor) -> Tensor:
+        for step in self.steps:
+            raw = step(raw)
+        return raw
+
+    @contextlib.contextmanager
+    def autocast_state(self):
+        if self.autocast is None:
+            yield
+        else:
+            with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
+                yield
+
+    def compute(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        changed = [t for t, v in zip((weight, bias), self.versions, strict=True) if t is not None and t._version != v]
+        if changed:
+            raise RuntimeError(
+                "slimact: these logits were never computed (the fused LM loss did not need them) and the head's "
+                "weight has been changed in place since the forward (an optimizer step?), so they can no longer be "
+                "computed as the forward had them. Read output.logits before the step, or convert with "
+                "Policy(keep_logits=True)."
+            )
+        with self.autocast_state():
+            z = self.transform(F.linear(h, weight, bias))
+        return z.reshape(self.shape)
+
+
+class _Lazy(torch.autograd.Function):
+    """Makes a :class:`LazyLogits`; its backward (reached only where a custom Function took the lazy tensor
+    itself) recomputes the logits and differentiates them."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, spec):
+        # The inputs are held on ctx, not saved: nothing here is kept for a backward that normally never runs
+        # (the LazyLogits holds them anyway, for reading the logits).
+        ctx.inputs, ctx.spec = (h, weight, bias), spec
+        return LazyLogits(h, weight, bias, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaves = [None if t is None else t.detach().requires_grad_(n) for t, n in
+                  zip(ctx.inputs, ctx.needs_input_grad[:3], strict=True)]
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        with torch.enable_grad():
+            z = ctx.spec.compute(*leaves)
+        grads = iter(torch.autograd.grad(z, wanted, grad))
+        return *(next(grads) if t is not None and t.requires_grad else None for t in leaves), None
+
+
+class LazyLogits(Tensor):
+    """A language-model head's logits that were not computed: the fused LM loss did not need them.
+
+    A tensor of their shape, dtype and device with no data; metadata (``shape``, ``dtype``, ``requires_grad``,
+    ...) answers at once, the views and elementwise ops listed in :mod:`slimact.nn.lm_loss` give another
+    ``LazyLogits``, and any other use (printing, ``argmax``, ``.cpu()``, a loss of your own) computes them
+    then, with their autograd graph, exactly as the head would have: a ``[tokens, vocab]`` tensor, once per
+    ``LazyLogits`` (cached). Convert with ``Policy(keep_logits=True)`` to have the head compute them in the
+    forward instead.
+    """
+
+    @staticmethod
+    def __new__(cls, h: Tensor, weight: Tensor, bias: Tensor | None, spec: _Spec):
+        t = Tensor._make_wrapper_subclass(cls, spec.shape, dtype=spec.dtype, device=h.device)
+        t._inputs, t._spec, t._value = (h, weight, bias), spec, None
+        return t
+
+    @classmethod
+    def make(cls, h: Tensor, weight: Tensor, bias: Tensor | None, spec: _Spec) -> LazyLogits:
+        return _Lazy.apply(h, weight, bias, spec)
+
+    def materialise(self) -> Tensor:
+        """The logits, computed on first use (cached)."""
+        if self._value is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                self._value = self._spec.compute(*self._inputs)
+        return self._value
+
+    def fused(self) -> tuple[Tensor, Tensor, Tensor | None, _Spec] | None:
+        """``(h, weight, bias, spec)`` for the fused loss, or ``None`` once the logits exist (use them)."""
+        return None if self._value is not None else (*self._inputs, self._spec)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out, args, kwargs = lazy_call(func, args, kwargs or {})
+        return func(*args, **kwargs) if out is NOT_LAZY else out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"slimact: {func} reached a LazyLogits below torch functions; please report this")
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return repr(self.materialise())
+
+
+NOT_LAZY = object()
+
+
+def _materialised(tree):
+    return tree_map(lambda x: x.materialise() if isinstance(x, LazyLogits) else x, tree)
+
+
+def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple, dict]:
+    """``(result, args, kwargs)`` of a torch function whose arguments may hold :class:`LazyLogits`: the result
+    where the call is answered lazily (metadata, a view in token order, an elementwise op), else
+    ``NOT_LAZY`` with every ``LazyLogits`` in the arguments replaced by its computed logits."""
+    cls = LazyLogits
+    flat, _ = tree_flatten((args, kwargs))
+    if not any(isinstance(x, cls) for x in flat):
+        return NOT_LAZY, args, kwargs
+    if _is_metadata(func) and args and isinstance(args[0], cls):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs), args, kwargs
+    first = args[0] if args else None
+    if isinstance(first, cls) and first._value is None and (func in _VIEWS or func in _ELEMENTWISE):
+        if func is Tensor.contiguous or (func in (Tensor.float, Tensor.to) and _same_dtype(func, first, args, kwargs)):
+            return first, args, kwargs  # as PyTorch: the tensor itself
+        spec = first._spec.derived(func, args[1:], kwargs)
+        if spec is not None:
+            h, weight, bias = first._inputs
+            return LazyLogits.make(h, weight, bias, spec), args, kwargs
+    return NOT_LAZY, _materialised(args), _materialised(kwargs)
+
+
+def _same_dtype(func: Callable, t: Tensor, args: tuple, kwargs: dict) -> bool:
+    if func is Tensor.float:
+        return t.dtype == torch.float32
+    wanted = [x for x in (*args[1:], *kwargs.values()) if isinstance(x, torch.dtype)]
+    return len(wanted) == 1 and len(args) + len(kwargs) == 2 and wanted[0] == t.dtype
+
+
+def labels_position(model: nn.Module) -> int | None:
+    """The position of a ``labels`` parameter among the positional arguments of ``model.forward`` (``None``
+    where it has none, or takes it by keyword only)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional.index("labels") if "labels" in positional else None
+
 
 class LossTracker:
     """Tracks the output of a model's head (and its aliases) during a forward, and computes
-    ``F.cross_entropy`` on them from the head's input. Driven by :class:`slimact.nn.routing.Routing`."""
+    ``F.cross_entropy`` on them from the head's input. Driven by :class:`slimact.nn.routing.Routing`.
 
-    def __init__(self, head: nn.Linear) -> None:
+    ``lazy``: whether, in a forward called with labels, the head returns :class:`LazyLogits`."""
+
+    def __init__(self, head: nn.Linear, *, lazy: bool = True) -> None:
         self.head = head
+        self.lazy = lazy
         self._sources: dict[int, tuple[weakref.ref, Tensor]] = {}
         self.active = False
-        self.handle = head.register_forward_hook(self._head_output)
+        #: This forward was called with labels: the head is to return LazyLogits.
+        self.lazy_now = False
+        #: A LazyLogits was made in this forward (the mode then looks for them in every call's arguments).
+        self.lazy_made = False
+        self._in_head = False
+        self.handles = [
+            head.register_forward_pre_hook(self._head_input),
+            head.register_forward_hook(self._head_output, always_call=True),
+        ]
+
+    def start(self, labelled: bool) -> None:
+        """A forward of the model starts (in training, grad on): ``labelled`` if it got labels."""
+        self.active = True
+        self.lazy_now = self.lazy and labelled
+
+    def stop(self) -> None:
+        self.active = self.lazy_now = self.lazy_made = self._in_head = False
+        self.clear()
 
     def seen(self, func, args, out) -> None:
         """Follow ``out = func(*args)`` if it is an alias of a tracked tensor in the same token order."""
@@ -48,9 +294,32 @@ class LossTracker:
     def clear(self) -> None:
         self._sources.clear()
 
+    def _head_input(self, module, args):
+        # A converted (slimact) head runs its parent's forward for this call: the plain F.linear that
+        # lazy_head answers.
+        if self.active and self.lazy_now:
+            self._in_head = True
+            module.__dict__["_slimact_deferred"] = True
+
     def _head_output(self, module, args, output):
-        if self.active and isinstance(output, Tensor) and args:
+        if self._in_head:
+            self._in_head = False
+            module.__dict__.pop("_slimact_deferred", None)
+        if self.active and isinstance(output, Tensor) and not isinstance(output, LazyLogits) and args:
             self._track(output, args[0])
+
+    def lazy_head(self, x, weight, bias=None):
+        """The head's ``F.linear`` in a forward called with labels: a :class:`LazyLogits` (``None``: computed)."""
+        if (not self._in_head or weight is not self.head.weight or not isinstance(x, Tensor) or x.dim() < 1
+                or x.dtype not in COMPRESSIBLE_DTYPES or (weight.dtype != x.dtype and not _autocasting(x))):
+            return None
+        device = x.device.type
+        autocast = (device, torch.get_autocast_dtype(device)) if _autocasting(x) else None
+        dtype = autocast[1] if autocast is not None else torch.result_type(x, weight)
+        versions = (weight._version, None if bias is None else bias._version)
+        spec = _Spec((*x.shape[:-1], weight.shape[0]), dtype, (), autocast, versions)
+        self.lazy_made = True
+        return LazyLogits.make(x, weight, bias, spec)
 
     def _track(self, t: Tensor, h: Tensor) -> None:
         key = id(t)
@@ -66,7 +335,8 @@ class LossTracker:
 
     def fused_loss(self, logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
-        h = self.source(logits)
+        lazy = logits.fused() if isinstance(logits, LazyLogits) else None
+        h = lazy[0] if lazy is not None else self.source(logits)
         head = self.head
         if (
             h is None or weight is not None or size_average is not None or reduce is not None
@@ -76,15 +346,26 @@ class LossTracker:
             return None
         if h.numel() // h.shape[-1] != logits.shape[0]:
             return None
-        if not (h.requires_grad or head.weight.requires_grad) or h.dtype not in COMPRESSIBLE_DTYPES:
+        if lazy is None and (not (h.requires_grad or head.weight.requires_grad) or h.dtype not in COMPRESSIBLE_DTYPES):
             return None  # nothing will be kept (or float64, kept exact): the loss as written
-        loss = linear_cross_entropy(
-            h, head.weight, head.bias, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-            reduction=reduction, logits=logits,
-        )
+        kwargs = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction}
+        if lazy is None:
+            loss = linear_cross_entropy(h, head.weight, head.bias, target, logits=logits, **kwargs)
+        else:
+            h, w, b, spec = lazy
+            with spec.autocast_state():
+                loss = linear_cross_entropy(h, w, b, target, transform=spec.transform if spec.steps else None,
+                                            **kwargs)
         # Autocast runs cross_entropy in fp32 (its fp32 op list): the loss is fp32 whatever the logits' dtype.
         return loss.float() if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)
 
     def remove(self) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
+        self.head.__dict__.pop("_slimact_deferred", None)
         self._sources.clear()
+
+
+def _autocasting(x: Tensor) -> bool:
+    device = x.device.type
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype

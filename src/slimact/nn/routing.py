@@ -67,7 +67,7 @@ from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.norm import norm, rms_default_eps
 from slimact.functional.softmax import softmax
-from slimact.nn.lm_loss import LossTracker
+from slimact.nn.lm_loss import NOT_LAZY, LossTracker, labels_position, lazy_call
 from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, QuantConfig
 
@@ -136,15 +136,26 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         routing = self.routing
+        loss = routing.loss
+        # A head's LazyLogits: answered lazily where it can be, else computed here, before any handler sees it
+        # (F.cross_entropy, the fused loss's own handler, takes it as it is).
+        if loss is not None and loss.lazy_made and func is not F.cross_entropy:
+            out, args, kwargs = lazy_call(func, args, kwargs)
+            if out is not NOT_LAZY:
+                return out
         handler = routing.handlers.get(func)
-        if handler is not None and args and not routing.excluded_depth:
+        # The head's product is the LM loss's, which is on wherever the head itself is left alone.
+        if handler is not None and args and (not routing.excluded_depth or func is F.linear):
             out = handler(*args, **kwargs)
             if out is not None:
                 return out
-        out = func(*args, **kwargs)
-        if routing.loss is not None:
-            routing.loss.seen(func, args, out)
-        return out
+        if loss is not None:
+            if loss.lazy_made:
+                _, args, kwargs = lazy_call(func, args, kwargs)
+            out = func(*args, **kwargs)
+            loss.seen(func, args, out)
+            return out
+        return func(*args, **kwargs)
 
 
 class _NoteDropout(TorchFunctionMode):
@@ -170,7 +181,9 @@ class Routing:
         (their products and softmaxes are routed as far as the policy wants them, by name)."""
         self.policy = policy
         self.excluded_depth = 0
-        self.loss = LossTracker(head) if head is not None and self._on("lmloss") else None
+        self.loss = (LossTracker(head, lazy=not policy.keep_logits) if head is not None and self._on("lmloss")
+                     else None)
+        self._labels_at = labels_position(model)
         routes = {
             F.dropout: ("dropout", self._dropout),
             F.relu: ("relu", self._relu),
@@ -184,9 +197,10 @@ class Routing:
         self.kinds = sorted({kind for kind, _ in routes.values() if self._on(kind)})
         if self.loss is not None:
             self.handlers[F.cross_entropy] = self.loss.fused_loss
+            self.handlers[F.linear] = self.loss.lazy_head
         self._mode: _Mode | None = None
         self.handles = [
-            model.register_forward_pre_hook(self._enter),
+            model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._exit, always_call=True),
         ]
         self._watch(attention)
@@ -432,12 +446,14 @@ class Routing:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
 
-    def _enter(self, module, args):
+    def _enter(self, module, args, kwargs):
         if torch.compiler.is_compiling():
             return  # dynamo does not trace a mode entered in a hook: compiled models run the calls as written
         if module.training and torch.is_grad_enabled() and self._mode is None and self.handlers:
             if self.loss is not None:
-                self.loss.active = True
+                at = self._labels_at
+                labels = kwargs.get("labels", args[at] if at is not None and at < len(args) else None)
+                self.loss.start(labels is not None)
             self._mode = _Mode(self)
             self._mode.__enter__()
 
@@ -446,8 +462,7 @@ class Routing:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
         if self.loss is not None:
-            self.loss.active = False
-            self.loss.clear()
+            self.loss.stop()
 
     def remove(self) -> None:
         for handle in self.handles:

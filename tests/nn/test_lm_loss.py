@@ -1,0 +1,244 @@
+"""The LM head and loss of a converted model called with labels never build the ``[tokens, vocab]`` logits
+(:mod:`slimact.nn.lm_loss`): per model family, judged from every tensor the step allocates, and the loss
+and gradients against the plain model's; without labels or in eval mode the logits are the plain model's."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import slimact
+from _harness import assert_gradients_close, assert_gradients_equal, loss_grads
+from slimact import zoo
+from slimact.nn.lm_loss import LazyLogits
+
+VOCAB, BATCH, SEQ = 1000, 2, 48
+N = BATCH * SEQ  # tokens
+
+FAMILIES = {
+    "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "opt": "OPTForCausalLM",
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "distilbert": "DistilBertForMaskedLM",
+}
+
+
+def _model(family: str):
+    config = zoo.tiny_config(family)
+    config.vocab_size = VOCAB
+    model = zoo.build_auto(FAMILIES[family], config)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[:, :5] = -100  # ignored positions
+    return model.train(), ids, labels
+
+
+class _Allocations(TorchDispatchMode):
+    """The shapes of every tensor an aten op returns (forward and backward), and whether one holds the logits:
+    a ``[tokens, vocab]`` (or ``[batch, seq, vocab]``) tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits_sized: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.dim() >= 2 and t.shape[-1] == VOCAB:
+                if t.shape[:-1].numel() == N:
+                    self.logits_sized.append((str(func), tuple(t.shape)))
+        return out
+
+
+def _step_allocations(model, *, count_bytes=False, **inputs):
+    """Run one step (forward with ``inputs``, backward); ``(output, tensors of the logits' size seen, largest
+    single allocation in bytes if count_bytes)``."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with (torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) if count_bytes
+          else contextlib.nullcontext()) as prof, _Allocations() as seen:
+        out = model(**inputs)
+        out.loss.backward()
+    if not count_bytes:
+        return out, seen.logits_sized, None
+    return out, seen.logits_sized, max(e.nbytes() for e in prof.profiler.kineto_results.events()
+                                       if e.name() == "[memory]")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_logits_are_built_and_the_step_matches_plain(family):
+    plain, ids, labels = _model(family)
+    _, plain_seen, _ = _step_allocations(plain, input_ids=ids, labels=labels)
+    assert plain_seen  # the detector sees the plain model's logits: the assertions below could fail
+    loss0, g0 = loss_grads(plain, {"input_ids": ids, "labels": labels})
+
+    tempo = slimact.convert(copy.deepcopy(plain), "tempo")
+    out1, seen, largest = _step_allocations(tempo, count_bytes=True, input_ids=ids, labels=labels)
+    assert isinstance(out1.logits, LazyLogits)
+    assert not seen, seen
+    # Every allocation of the step (chunks, gradients computed ahead) is below one [tokens, vocab] fp32 tensor
+    # (the allocator's own events: what no op returns is seen too).
+    assert largest < N * VOCAB * 4, largest
+    loss1, g1 = loss_grads(tempo, {"input_ids": ids, "labels": labels})
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_equal(g0, g1)
+
+    int8 = slimact.convert(copy.deepcopy(plain), "int8")
+    _, seen, _ = _step_allocations(int8, input_ids=ids, labels=labels)
+    assert not seen, seen
+    loss2, g2 = loss_grads(int8, {"input_ids": ids, "labels": labels})
+    torch.testing.assert_close(loss2, loss0)  # the forward is exact under int8 too
+    assert_gradients_close(g0, g2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_without_labels_or_in_eval_the_logits_are_the_plain_models(family):
+    plain, ids, _ = _model(family)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    for train in (True, False):
+        plain.train(train)
+        slim.train(train)
+        torch.manual_seed(1)
+        ref = plain(input_ids=ids).logits
+        torch.manual_seed(1)
+        got = slim(input_ids=ids).logits
+        assert type(got) is torch.Tensor
+        torch.testing.assert_close(got, ref)
+    # In eval mode with labels too: the plain model's logits and loss.
+    torch.manual_seed(1)
+    ref = plain(input_ids=ids, labels=ids)
+    torch.manual_seed(1)
+    got = slim(input_ids=ids, labels=ids)
+    assert type(got.logits) is torch.Tensor
+    torch.testing.assert_close(got.logits, ref.logits)
+    torch.testing.assert_close(got.loss, ref.loss)
+
+
+def _pair(family="gpt2", policy="tempo"):
+    plain, ids, labels = _model(family)
+    return plain, slimact.convert(copy.deepcopy(plain), policy), ids, labels
+
+
+def test_reading_the_lazy_logits_computes_the_plain_models_with_their_graph():
+    plain, slim, ids, labels = _pair()
+    torch.manual_seed(1)
+    ref = plain(input_ids=ids, labels=labels)
+    torch.manual_seed(1)
+    out = slim(input_ids=ids, labels=labels)
+    lazy = out.logits
+    assert lazy.shape == ref.logits.shape and lazy.dtype == ref.logits.dtype and lazy.requires_grad
+    assert lazy.fused() is not None  # nothing computed by asking for metadata
+    # A loss of the user's own on the logits (here with label smoothing, which Hugging Face's loss does not
+    # take) is the plain model's, gradients included.
+    mine = F.cross_entropy(lazy.view(-1, VOCAB), labels.view(-1), label_smoothing=0.1)
+    ref_mine = F.cross_entropy(ref.logits.view(-1, VOCAB), labels.view(-1), label_smoothing=0.1)
+    torch.testing.assert_close(mine, ref_mine)
+    g = torch.autograd.grad(mine, slim.lm_head.weight)[0]
+    g_ref = torch.autograd.grad(ref_mine, plain.lm_head.weight)[0]
+    assert_gradients_equal({"lm_head.weight": g_ref}, {"lm_head.weight": g})
+    torch.testing.assert_close(lazy, ref.logits)
+    assert lazy.argmax(-1).equal(ref.logits.argmax(-1))
+
+
+def test_reading_the_logits_after_an_optimizer_step_raises():
+    _, slim, ids, labels = _pair()
+    out = slim(input_ids=ids, labels=labels)
+    out.loss.backward()
+    torch.optim.SGD(slim.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match="changed in place since the forward"):
+        out.logits.sum()
+
+
+def test_a_custom_function_given_the_lazy_logits_backpropagates_exactly():
+    # DDP with find_unused_parameters passes every output through its _DDPSink Function: the lazy tensor's own
+    # node recomputes the logits in the backward.
+    class Sink(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    plain, slim, ids, labels = _pair()
+    torch.manual_seed(1)
+    ref = plain(input_ids=ids, labels=labels).logits
+    torch.manual_seed(1)
+    lazy = slim(input_ids=ids, labels=labels).logits
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
+    g_ref = torch.autograd.grad((ref * weights).sum(), plain.lm_head.weight)[0]
+    g = torch.autograd.grad((Sink.apply(lazy) * weights).sum(), slim.lm_head.weight)[0]
+    assert_gradients_equal({"lm_head.weight": g_ref}, {"lm_head.weight": g})  # through the whole model
+
+
+def test_gemma2_soft_cap_is_applied_per_chunk_and_differentiated():
+    plain, slim, ids, labels = _pair("gemma2")
+    assert plain.config.final_logit_softcapping
+    torch.manual_seed(1)
+    ref = plain(input_ids=ids, labels=labels)
+    torch.manual_seed(1)
+    out = slim(input_ids=ids, labels=labels)
+    assert isinstance(out.logits, LazyLogits) and len(out.logits._spec.steps) == 3  # / c, tanh, * c
+    torch.testing.assert_close(out.logits, ref.logits)  # within the soft cap, as the plain model's
+    assert ref.logits.abs().max() <= plain.config.final_logit_softcapping
+
+
+def test_num_items_in_batch_divides_the_summed_loss_as_in_plain():
+    plain, slim, ids, labels = _pair("llama")
+    items = torch.tensor(57)
+    ref = plain(input_ids=ids, labels=labels, num_items_in_batch=items)
+    out = slim(input_ids=ids, labels=labels, num_items_in_batch=items)
+    torch.testing.assert_close(out.loss, ref.loss)
+    g_ref = torch.autograd.grad(ref.loss, plain.lm_head.weight)[0]
+    g = torch.autograd.grad(out.loss, slim.lm_head.weight)[0]
+    assert_gradients_equal({"lm_head.weight": g_ref}, {"lm_head.weight": g})
+
+
+def test_keep_logits_returns_them_computed_and_still_keeps_no_logits():
+    plain, ids, labels = _model("gpt2")
+    slim = slimact.convert(copy.deepcopy(plain), slimact.Policy(name="t", quantize=False, keep_logits=True,
+                                                                 kinds=slimact.policy.LOSSLESS_KINDS))
+    torch.manual_seed(1)
+    out = slim(input_ids=ids, labels=labels)
+    assert type(out.logits) is torch.Tensor
+    torch.manual_seed(1)
+    torch.testing.assert_close(out.logits, plain(input_ids=ids, labels=labels).logits)
+    kept = slimact.profile(slim, {"input_ids": ids, "labels": labels})
+    assert all(e.nbytes < N * VOCAB * 4 for e in kept.entries)
+
+
+def test_labels_given_positionally_are_seen():
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, 32)
+            self.head = torch.nn.Linear(32, VOCAB)
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def forward(self, ids, labels=None):
+            logits = self.head(self.embed(ids))
+            loss = None if labels is None else F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+            return loss, logits
+
+    model = LM()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    ref_loss, _ = model(ids, ids)
+    slim = slimact.convert(copy.deepcopy(model), "tempo")
+    loss, logits = slim(ids, ids)
+    assert isinstance(logits, LazyLogits)
+    torch.testing.assert_close(loss, ref_loss)
+    g_ref = torch.autograd.grad(ref_loss, model.head.weight)[0]
+    torch.testing.assert_close(torch.autograd.grad(loss, slim.head.weight)[0], g_ref)
+    _, logits = slim(ids)
+    assert type(logits) is torch.Tensor
