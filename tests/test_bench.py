@@ -79,12 +79,12 @@ def test_speed_rows_are_interleaved_ratios_with_memory():
 def test_ops_rows():
     from slimact.bench import ops
 
-    rows = list(ops(mib=4, rounds=2))
+    rows = list(ops(mib=4, rounds=2, lm_tokens=16))
     names = [r["op"] for r in rows]
     assert names[:4] == ["pack 4 MiB fp32", "pack (running estimate) 4 MiB fp32", "unpack 4 MiB fp32",
                          "unpack 4 MiB fp32"]
     assert [r["vs"] for r in rows[:4]] == ["Tensor.copy_", "Tensor.copy_", "Tensor.copy_", "Tensor.clone"]
-    assert {"linear fwd+bwd", "gelu fwd+bwd", "attention fwd+bwd"} <= set(names)
+    assert {"linear fwd+bwd", "gelu fwd+bwd", "attention fwd+bwd", "lm head + loss fwd+bwd"} <= set(names)
     assert all(r["time_ratio_median"] > 0 for r in rows)
     # Bandwidth per layout: copy_, pack and unpack, GB/s counting bytes read and written.
     per_layout = [r for r in rows if "gb_per_s" in r]

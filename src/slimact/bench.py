@@ -654,8 +654,9 @@ def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str 
     return times
 
 
-def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
-    """Rows of per-op micro-benchmarks (see the module docstring): ratios measured interleaved."""
+def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu", lm_tokens: int = 1024) -> Iterator[dict[str, Any]]:
+    """Rows of per-op micro-benchmarks (see the module docstring): ratios measured interleaved; the LM head and
+    loss at ``lm_tokens`` tokens."""
 
     from slimact.quant import QuantConfig, RunningRange, backend_for, pack, unpack
 
@@ -684,7 +685,7 @@ def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict
                "bandwidth_vs_copy": round(1 / ratios["time_ratio_median"], 4), "rounds": rounds,
                "backend": backend_for(x), **env}
     yield from bandwidth(mib=mib, rounds=rounds, device=device)
-    yield from _function_rows(rounds, device)
+    yield from _function_rows(rounds, device, lm_tokens)
 
 
 def _layouts(numel: int) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -817,12 +818,14 @@ def _ratios(times: list[float], base: list[float], name: str = "time_ratio") -> 
             f"{name}_max": round(max(ratios), 4)}
 
 
-def _function_rows(rounds: int, device: str) -> Iterator[dict[str, Any]]:
+def _function_rows(rounds: int, device: str, lm_tokens: int) -> Iterator[dict[str, Any]]:
     """Each slimact Function's forward + backward against its PyTorch counterpart, at Transformer sizes."""
 
     import torch.nn.functional as F
 
-    from slimact.functional import activation, dropout, linear, norm, scaled_dot_product_attention
+    from slimact.functional import (
+        activation, dropout, linear, linear_cross_entropy, norm, scaled_dot_product_attention,
+    )
     from slimact.policy import Policy
 
     pol = Policy()
@@ -830,6 +833,10 @@ def _function_rows(rounds: int, device: str) -> Iterator[dict[str, Any]]:
     w = torch.randn(3072, 768, device=device, requires_grad=True)
     ln_w = torch.ones(768, device=device, requires_grad=True)
     q, k, v = (torch.randn(4, 12, 256, 64, device=device, requires_grad=True) for _ in range(3))
+    # GPT-2's head and loss: [tokens, 768] hidden states, a [50257, 768] output embedding.
+    h = torch.randn(lm_tokens, 768, device=device, requires_grad=True)
+    head = (torch.randn(50257, 768, device=device) * 0.02).requires_grad_()
+    target = torch.randint(0, 50257, (lm_tokens,), device=device)
     cases = {
         "linear": (lambda: F.linear(x, w), lambda: linear(x, w, None, pol.quant_config("linear", 3))),
         "gelu": (lambda: F.gelu(x), lambda: activation(x, "gelu", pol.quant_config("gelu", 3), fn=F.gelu)),
@@ -840,6 +847,8 @@ def _function_rows(rounds: int, device: str) -> Iterator[dict[str, Any]]:
         "attention": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                       lambda: scaled_dot_product_attention(q, k, v, is_causal=True,
                                                            cfg=pol.quant_config("attention", 4))),
+        "lm head + loss": (lambda: F.cross_entropy(F.linear(h, head), target),
+                           lambda: linear_cross_entropy(h, head, None, target)),
     }
     for name, (plain, slim) in cases.items():
         # A dense upstream gradient, as a model's next layer hands back (sum().backward() would give an expanded
