@@ -824,7 +824,12 @@ def _function_rows(rounds: int, device: str, lm_tokens: int) -> Iterator[dict[st
     import torch.nn.functional as F
 
     from slimact.functional import (
-        activation, dropout, linear, linear_cross_entropy, norm, scaled_dot_product_attention,
+        activation,
+        dropout,
+        linear,
+        linear_cross_entropy,
+        norm,
+        scaled_dot_product_attention,
     )
     from slimact.policy import Policy
 
