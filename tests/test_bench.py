@@ -19,7 +19,12 @@ def test_memory_rows_and_result_files(tmp_path):
         ("vit-b16", "bf16", "tempo"), ("vit-b16", "bf16", "mesa"),
     ]
     for r in rows:
-        assert 0 < r["converted_mib"] < r["plain_mib"] and r["ratio"] < 1, r
+        assert 0 < r["kept_mib"] < r["plain_kept_mib"] and r["kept_ratio"] < 1, r
+        # kept: activations and the LM loss's gradients computed ahead (GPT-2's); the step's peak holds more
+        assert r["kept_ratio"] >= r["activation_ratio"] and (r["gradients_ahead_mib"] > 0) == (r["model"] == "gpt2")
+        for side in ("plain_", ""):
+            assert 0 < r[f"{side}peak_less_grads_mib"] <= r[f"{side}peak_mib"], r
+        assert r["peak_in"] in ("forward", "backward")
         assert r["torch"] and r["date"] and r["machine"]
     assert rows[0]["tokens"] == 32 and rows[4]["tokens"] == "images"
     path = write_results(rows, "memory", tmp_path)

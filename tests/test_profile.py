@@ -85,3 +85,148 @@ def test_a_tensor_three_linears_keep_is_packed_once():
     assert plain.by_kind["linear"] == 2 * 5 * 16 * 4
     assert conv.by_module["q"] == 2 * 5 * 16 + 2 * 8 * 4
     assert "k" not in conv.by_module and "v" not in conv.by_module
+
+
+# The step's peak (profile(..., peak=True)): what was alive at the forward's and the backward's high-water marks.
+
+
+def _chain():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 64, bias=False), nn.Linear(64, 8, bias=False))
+
+
+def _square_sum(y):
+    return y.square().sum()
+
+
+def test_peak_of_a_linear_chain_matches_hand_count():
+    # x [4, 16] exists before the step (in no figure, though Linear 0 keeps it); h1 [4, 32], h2 [4, 64] and
+    # y [4, 8] fp32 are allocated by the step and kept (by Linears 1 and 2 and by square). Forward's highest
+    # point: the loss (4 bytes) allocated while y^2 [4, 8] is alive.
+    x = torch.randn(4, 16)
+    report = slimact.profile(_chain(), x, loss_fn=_square_sum, peak=True)
+    h1, h2, y, scalar = 4 * 32 * 4, 4 * 64 * 4, 4 * 8 * 4, 4
+    assert report.forward_peak == slimact.Live(kept=h1 + h2 + y, transients=y + scalar)
+    assert report.kept_bytes == x.nbytes + h1 + h2 + y == report.activation_bytes
+    # Backward's highest point: Linear 0's weight gradient allocated; alive then: the three weight gradients,
+    # the gradient of h1 it is computed from, the loss and the backward's seed (ones, 4 bytes). Nothing kept.
+    weights = (32 * 16 + 64 * 32 + 8 * 64) * 4
+    assert report.backward_peak == slimact.Live(parameter_gradients=weights, transients=h1 + 2 * scalar)
+    assert report.peak_bytes == weights + h1 + 2 * scalar
+    # Less the parameter gradients the highest point is in Linear 2's backward, as it allocates the gradient of
+    # h2: h1 and h2 still kept, the gradient of y, the gradient of h2, the loss and the seed.
+    assert report.peak_less_parameter_gradients == h1 + h2 + y + h2 + 2 * scalar
+
+
+def test_peak_of_a_converted_chain_counts_its_codes_and_the_full_precision_outputs():
+    x = torch.randn(4, 16)
+    plain = slimact.profile(_chain(), x, loss_fn=_square_sum, peak=True)
+    conv = slimact.profile(slimact.convert(_chain(), "int8"), x, loss_fn=_square_sum, peak=True)
+    # Every byte a converted step keeps is allocated by it (even x's codes), and all of it is alive at the
+    # forward's end, where the loss is.
+    assert conv.forward_peak.kept <= conv.kept_bytes < plain.kept_bytes
+    assert conv.forward_peak.parameter_gradients == conv.forward_peak.gradients_ahead == 0
+    assert conv.backward_peak.parameter_gradients <= plain.backward_peak.parameter_gradients == (32 * 16 + 64 * 32
+                                                                                                 + 8 * 64) * 4
+
+
+def _oracle_peak(model, inputs, loss_fn):
+    """The step's peak from torch.profiler's memory events directly: the running sum of the allocations and frees
+    of blocks allocated within the step, at its highest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from slimact.quant import _hugepages
+
+    model.zero_grad(set_to_none=True)
+    with _hugepages.off(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss_fn(model(**inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    events = sorted((e.start_ns(), e.nbytes(), i) for i, e in enumerate(prof.profiler.kineto_results.events())
+                    if e.name() == "[memory]")
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    nodes, ptrs = list(tree), {}
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        f = node.extra_fields
+        if type(f).__name__ == "_ExtraFields_Allocation" and f.device.type == "cpu":
+            ptrs[(node.start_time_ns, f.alloc_size)] = f.ptr
+    live, running, peak = set(), 0, 0
+    for t, n, _ in sorted(events, key=lambda e: (e[0], e[1] > 0)):
+        ptr = ptrs[(t, n)]
+        if n > 0:
+            live.add(ptr)
+        elif ptr in live:
+            live.discard(ptr)
+        else:
+            continue
+        running += n
+        peak = max(peak, running)
+    return peak
+
+
+def test_peak_figures_agree_with_the_profiler_and_with_each_other():
+    from slimact import zoo
+    from slimact.profile import peak_bytes
+
+    torch.manual_seed(0)
+    model = zoo.build("gpt2", tiny=True).train()
+    inputs = zoo.example_inputs(model, 2, 32)
+    for policy in (None, "int8"):
+        if policy:
+            slimact.convert(model, policy)
+        report = slimact.profile(model, inputs, peak=True)
+        fw, bw = report.forward_peak, report.backward_peak
+        assert report.peak_bytes == max(fw.total, bw.total) == _oracle_peak(model, inputs, lambda out: out.loss)
+        assert report.peak_bytes == peak_bytes(model, inputs)  # the same measurement, without the hooks
+        assert fw.total <= report.peak_bytes and bw.total <= report.peak_bytes
+        assert fw.total == fw.kept + fw.gradients_ahead + fw.parameter_gradients + fw.transients
+        assert fw.parameter_gradients == 0 < bw.parameter_gradients <= sum(p.nbytes for p in model.parameters())
+        assert fw.kept + fw.gradients_ahead <= report.kept_bytes
+        assert fw.total - fw.parameter_gradients <= report.peak_less_parameter_gradients <= report.peak_bytes
+        assert report.kept_bytes == report.activation_bytes + report.gradient_bytes
+        assert (report.gradient_bytes > 0) == (policy is not None)  # the LM loss computes its gradients ahead
+
+
+def test_gradients_computed_ahead_are_counted_apart_at_the_peak():
+    from slimact.functional.lm_loss import linear_cross_entropy
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 32)
+            self.head = nn.Parameter(torch.randn(512, 32) / 8)
+
+        def forward(self, x, target):
+            return linear_cross_entropy(self.proj(x), self.head, None, target)
+
+    torch.manual_seed(0)
+    x, target = torch.randn(8, 16), torch.randint(0, 512, (8,))
+    report = slimact.profile(Head(), (x, target), loss_fn=lambda loss: loss, peak=True)
+    # The loss allocates its gradients (h: [8, 32], the head's weight: [512, 32], fp32) before its first chunk of
+    # logits, so all of them are alive at the forward's highest point, and they are all it keeps.
+    ahead = (8 * 32 + 512 * 32) * 4
+    assert report.gradient_bytes == ahead == report.forward_peak.gradients_ahead
+    assert report.activation_bytes == x.nbytes  # Linear's input, allocated before the step
+    assert report.forward_peak.kept == 0 and report.forward_peak.transients >= 8 * 512 * 4  # a chunk's logits
+    text = report.table()
+    assert "grads ahead" in text and "forward high-water mark" in text and "kept for the backward" in text
+
+
+def test_peak_is_measured_only_when_asked_and_the_tables_show_it():
+    model = _chain()
+    x = torch.randn(4, 16)
+    quick = slimact.profile(model, x)
+    assert quick.forward_peak is quick.backward_peak is quick.peak_less_parameter_gradients is None
+    assert quick.peak_bytes is None and "high-water" not in quick.table()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    full = slimact.profile(model, x, peak=True)
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[1].weight.grad is None
+    assert full.entries == quick.entries
+    conv = slimact.profile(slimact.convert(_chain(), "int8"), x, peak=True)
+    text = full.compare(conv)
+    for row in ("step peak", "peak less parameter gradients", "forward high-water mark", "backward high-water mark",
+                "  parameter gradients", "  transients"):
+        assert row in text, row
+    assert f"{full.peak_bytes / 2**20:.2f} MiB" in full.table()
+    assert "high-water" not in quick.compare(conv)  # one side unmeasured: the kept bytes only

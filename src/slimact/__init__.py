@@ -9,7 +9,7 @@ initialises CUDA and does not import Triton or transformers.
 from slimact.check import CheckReport, check
 from slimact.convert import Summary, convert, revert, summary
 from slimact.policy import PRESETS, KindSettings, Policy, PolicyError
-from slimact.profile import Report, profile
+from slimact.profile import Live, Report, profile
 from slimact.state import load_state_dict, state_dict
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ __all__ = [
     "PRESETS",
     "CheckReport",
     "KindSettings",
+    "Live",
     "Policy",
     "PolicyError",
     "Report",

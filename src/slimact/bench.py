@@ -4,8 +4,10 @@ Every table is a list of rows (dicts) written by :func:`write_results` as ``<nam
 under ``benchmarks/results/``, each row stamped with the machine, the torch version and the date, so a
 committed result says where it came from and a rerun on another machine sits beside it.
 
-``memory``: bytes kept for backward (:func:`slimact.profile`) by zoo models, plain and under each policy,
-in fp32 and under bf16/fp16 autocast. It is the README's headline table.
+``memory``: bytes kept for backward (:func:`slimact.profile`: activations and the gradients computed ahead,
+everything the forward leaves for the backward) and the step's peak (``profile(..., peak=True)``: above what was
+allocated before the step, so the parameters are not in it; and less the parameter gradients) by zoo models, plain
+and under each policy, in fp32 and under bf16/fp16 autocast. It is the README's headline table.
 
 ``zoo``: per model family, what ``convert`` replaced, the coverage (:func:`slimact.summary` with inputs) and
 the bytes kept under ``"int8"`` and ``"tempo"`` (``docs/models.md``).
@@ -89,41 +91,61 @@ def memory(
     device: str = "cpu",
     extra: Iterable[tuple[str, str, str]] = (),
     tiny: bool = False,
+    layers: int | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Rows of activation bytes, plain and converted, for each model, dtype and policy (plus the
-    ``(model, dtype, policy)`` triples of ``extra``). Models are the zoo's, at their default size; vision
-    models take ``batch`` images at their own size and ignore ``seq``; ``tiny``: the zoo's test sizes."""
+    """Rows of bytes kept for the backward and of the step's peak, plain and converted, for each model, dtype and
+    policy (plus the ``(model, dtype, policy)`` triples of ``extra``). Models are the zoo's, at their default size
+    (``layers``: that many layers); vision models take ``batch`` images at their own size and ignore ``seq``;
+    ``tiny``: the zoo's test sizes.
+
+    Columns: ``kept_*`` everything the forward leaves for the backward (:attr:`slimact.profile.Report.kept_bytes`:
+    activations and the LM loss's gradients computed ahead, ``gradients_ahead_mib`` of it; ``activation_ratio``
+    without them); ``peak_*`` the step's peak above what was allocated before it (parameters and inputs are not in
+    it; on CUDA the allocator's); ``peak_less_grads_*`` the highest of (alive - parameter gradients alive) over the
+    step, what issue 20's targets are about; ``peak_in``: the phase of the converted step's peak."""
     import slimact
     from slimact.zoo import build, example_inputs
 
+    def mib(n: int) -> float:
+        return round(n / 2**20, 2)
+
     dtypes, policies, extra = tuple(dtypes), tuple(policies), tuple(extra)
     for name in models:
-        model = build(name, tiny=tiny).to(device)
+        model = build(name, layers=layers, tiny=tiny).to(device)
         inputs = example_inputs(model, batch, seq)
         wanted = [(d, p) for d in dtypes for p in policies] + [(d, p) for m, d, p in extra if m == name]
         for dtype in dict.fromkeys(d for d, _ in wanted):
             with autocast(device, dtype):
-                plain = slimact.profile(model, inputs)
+                plain = slimact.profile(model, inputs, peak=True)
             for dt, policy in wanted:
                 if dt != dtype:
                     continue
                 slimact.convert(model, policy)
                 with autocast(device, dtype):
-                    converted = slimact.profile(model, inputs)
+                    slimact.profile(model, inputs)  # one-time allocations (tables, caches) out of the peak
+                    converted = slimact.profile(model, inputs, peak=True)
                 slimact.revert(model)
+                less, plain_less = converted.peak_less_parameter_gradients, plain.peak_less_parameter_gradients
                 yield {
                     "model": name,
                     "batch": batch,
                     "tokens": "images" if "pixel_values" in inputs else seq,
                     "dtype": dtype,
                     "policy": policy,
-                    "plain_mib": round(plain.activation_bytes / 2**20, 2),
-                    "converted_mib": round(converted.activation_bytes / 2**20, 2),
-                    "ratio": round(converted.activation_bytes / plain.activation_bytes, 4),
-                    # The LM loss's gradients, computed in the forward (not activations; see slimact.profile).
-                    "gradients_ahead_mib": round(converted.gradient_bytes / 2**20, 2),
-                    **({"cuda_peak_mib": round(converted.cuda_peak_bytes / 2**20, 2)}
-                       if converted.cuda_peak_bytes is not None else {}),
+                    "plain_kept_mib": mib(plain.kept_bytes),
+                    "kept_mib": mib(converted.kept_bytes),
+                    "kept_ratio": round(converted.kept_bytes / plain.kept_bytes, 4),
+                    # The LM loss's gradients, computed in the forward (in kept_mib; see slimact.profile).
+                    "gradients_ahead_mib": mib(converted.gradient_bytes),
+                    "activation_ratio": round(converted.activation_bytes / plain.activation_bytes, 4),
+                    "plain_peak_mib": mib(plain.peak_bytes),
+                    "peak_mib": mib(converted.peak_bytes),
+                    "peak_ratio": round(converted.peak_bytes / plain.peak_bytes, 4),
+                    "plain_peak_less_grads_mib": mib(plain_less),
+                    "peak_less_grads_mib": mib(less),
+                    "peak_less_grads_ratio": round(less / plain_less, 4),
+                    "peak_in": "forward" if converted.forward_peak.total >= converted.backward_peak.total
+                    else "backward",
                     **environment(device),
                 }
         del model

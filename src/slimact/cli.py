@@ -47,12 +47,12 @@ def _profile(args: argparse.Namespace) -> int:
     device_type = torch.device(args.device).type
     autocast = (lambda: torch.autocast(device_type, dtype=getattr(torch, low))) if low else contextlib.nullcontext
     with autocast():
-        plain = profile(model, inputs)
+        plain = profile(model, inputs, peak=True)
     convert(model, args.policy)
     with autocast():
-        converted = profile(model, inputs)
+        converted = profile(model, inputs, peak=True)
     revert(model)
-    print(f"\nbytes kept for backward, plain PyTorch vs slimact policy {args.policy!r}:")
+    print(f"\nbytes kept for backward and the step's peak, plain PyTorch vs slimact policy {args.policy!r}:")
     print(plain.compare(converted, by="kind"))
     if args.by_module:
         print()
@@ -134,6 +134,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     if _dry(args, "bench"):
         return 0
+    if args.layers is None and not args.memory:  # --memory: the models' own depth unless asked
+        args.layers = 4
     rows = []
     if args.kernels:
         # Needs no transformers; on CPU, Triton's interpreter (chosen before triton is imported).
@@ -196,9 +198,11 @@ def _bench(args: argparse.Namespace) -> int:
         extra = [tuple(e.split(":")) for e in args.extra]
         models = args.models or ["bert-base", "gpt2", "llama", "vit-b16"]
         for row in memory(models, args.dtypes, args.policies, batch=args.batch or 4, seq=args.seq or 512,
-                          device=args.device, extra=extra):
-            print(f"{row['model']:>10} {row['dtype']:>5} {row['policy']:>6}: {row['plain_mib']:>10.2f} MiB -> "
-                  f"{row['converted_mib']:>9.2f} MiB  {row['ratio']:.3f}x", flush=True)
+                          device=args.device, extra=extra, tiny=args.tiny, layers=args.layers):
+            print(f"{row['model']:>10} {row['dtype']:>5} {row['policy']:>6}: kept {row['plain_kept_mib']:>10.2f} MiB"
+                  f" -> {row['kept_mib']:>9.2f} MiB {row['kept_ratio']:.3f}x; peak {row['plain_peak_mib']:>10.2f} MiB"
+                  f" -> {row['peak_mib']:>9.2f} MiB {row['peak_ratio']:.3f}x, less parameter gradients "
+                  f"{row['peak_less_grads_ratio']:.3f}x", flush=True)
             rows.append(row)
     default = ("speed" if args.speed else "throughput" if args.throughput else "ops" if args.ops
                else "zoo" if args.zoo else "memory")
@@ -227,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slimact", description="Activation-memory compression for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("profile", help="bytes kept for backward by a model, plain vs converted")
+    p = sub.add_parser("profile", help="bytes kept for backward and the step's peak, plain vs converted")
     p.add_argument("--model", default="gpt2", help=model_help)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
@@ -276,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure and write result files (benchmarks/results/)")
     what = b.add_mutually_exclusive_group(required=True)
     what.add_argument("--memory", action="store_true",
-                      help="activation bytes, plain vs each policy, per model and dtype (the README's headline table)")
+                      help="bytes kept for backward and the step's peak, plain vs each policy, per model and dtype "
+                           "(the README's headline table)")
     what.add_argument("--zoo", action="store_true",
                       help="per model family: what is converted, coverage, bytes under int8 and tempo (2 layers)")
     what.add_argument("--speed", action="store_true",
@@ -288,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--kernels", action="store_true",
                       help="the Triton kernels against the reference: mismatching codes and restored values per "
                            "case (on CPU under TRITON_INTERPRET=1; exit 1 on any mismatch)")
-    b.add_argument("--tiny", action="store_true", help="--kernels: small shapes (for Triton's CPU interpreter)")
+    b.add_argument("--tiny", action="store_true",
+                   help="--kernels: small shapes (for Triton's CPU interpreter); --memory: the zoo's test sizes")
     b.add_argument("--dropout", nargs="+", type=float, default=None,
                    help="--speed: set every dropout probability of the model to each value in turn (default: as "
                         "built)")
@@ -298,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--timeout", type=float, default=120.0, help="--zoo --all: seconds per architecture")
     b.add_argument("--resume", action="store_true", help="--zoo --all: keep the rows already in zoo_all.csv")
     b.add_argument("--docs", default="docs/models.md", help="--zoo --all: the document its table goes into")
-    b.add_argument("--layers", type=int, default=4, help="--speed, --throughput: layers of each model")
+    b.add_argument("--layers", type=int, default=None,
+                   help="--speed, --throughput: layers of each model (default 4); --memory: (default: the model's)")
     b.add_argument("--budget", default=None, help="--throughput: the memory budget, e.g. 24GiB")
     b.add_argument("--max-batch", type=int, default=None, help="--throughput: the largest batch to time")
     b.add_argument("--rounds", type=int, default=7,

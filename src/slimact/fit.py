@@ -1,13 +1,14 @@
 """``slimact fit``: the largest batch that fits a memory budget, plainly and under each policy.
 
 Training memory = static bytes (weights and optimizer state: counted from the parameters) + the peak of one
-forward and backward (:func:`slimact.bench.peak_bytes`: everything allocated at the step's highest point,
-the parameter gradients, the bytes kept for the backward and the temporaries alive then), which is affine in
+forward and backward (``slimact.profile(..., peak=True).peak_bytes``: everything allocated at the step's highest
+point, the parameter gradients, the bytes kept for the backward and the temporaries alive then), which is affine in
 the batch size: ``p(b) = fixed + per_sample * b``. Both coefficients come from measured steps at two batch
 sizes; a third checks the affine model (the report says when it does not hold). The largest batch is then
 ``floor((budget - static - fixed) / per_sample)``. ``policy="auto"`` picks the least lossy policy (``"tempo"``,
 then ``"int8"``) whose largest batch reaches the requested one. The bytes kept for the backward
-(:func:`slimact.profile`) are reported beside, per sample.
+(:attr:`slimact.profile.Report.kept_bytes`: activations and gradients computed ahead, measured in the same steps)
+are reported beside, per sample.
 
 Why the peak and not the bytes kept: a layer's output exists at full precision until the next layer has read
 it, and the backward restores each kept tensor at full precision, so a converted model's peak holds a few
@@ -60,7 +61,7 @@ class FitRow:
     per_sample: int  # peak bytes of a step per sample (between one probe and max_batch where both are measured)
     affine_error: float  # relative error of the affine model at the check batch
     max_batch: int  # 0 if not even one sample fits
-    kept_per_sample: int = 0  # bytes kept for the backward per sample (slimact.profile)
+    kept_per_sample: int = 0  # bytes kept for the backward per sample (Report.kept_bytes)
     measured_peak: int | None = None  # the peak of a step at max_batch, measured (None: not measured)
 
     def predicted(self, batch: int) -> int:
@@ -184,7 +185,7 @@ def fit(
             which may be optimistic (``FitRow.measured_peak`` is then ``None``).
     """
     import slimact
-    from slimact.profile import peak_bytes
+    from slimact.profile import profile
 
     if optimizer not in _OPTIMIZER_STATE:
         raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZER_STATE)}")
@@ -199,10 +200,11 @@ def fit(
         for policy in policies:
             if policy != "plain":
                 slimact.convert(model, policy)
-            peak_bytes(model, make_inputs(b1))  # one-time allocations (caches, tables) out of the probes
-            peak_at = functools.cache(lambda b: peak_bytes(model, make_inputs(b)))
+            profile(model, make_inputs(b1), peak=True)  # one-time allocations (caches, tables) out of the probes
+            step_at = functools.cache(lambda b: profile(model, make_inputs(b), peak=True))
+            peak_at = lambda b, step_at=step_at: step_at(b).peak_bytes  # noqa: E731
             p1, p2, p3 = (peak_at(b) for b in (b1, b2, b3))
-            k1, k2 = (slimact.profile(model, make_inputs(b)).activation_bytes for b in (b1, b2))
+            k1, k2 = (step_at(b).kept_bytes for b in (b1, b2))
             per_sample = (p2 - p1) // (b2 - b1)
             fixed = p1 - per_sample * b1
             error = abs(fixed + per_sample * b3 - p3) / p3

@@ -11,11 +11,26 @@ training mode, gradients, buffers (running estimates, BatchNorm statistics) and 
 
 On CUDA the report also carries ``torch.cuda.max_memory_allocated`` over the step, minus what was
 allocated before it (``cuda_peak_bytes``).
+
+The step's peak (``profile(..., peak=True)``, and :func:`peak_bytes`, which runs the same measurement without the
+saved-tensor hooks): the step runs under ``torch.profiler`` with its memory events, each allocation and free the
+allocator makes (CPU, or the CUDA caching allocator, block sizes, for a model on a GPU), with its address. Matching
+each free to the allocation at its address gives every block the step allocated and how long it lived (a free of
+a block allocated before the step is left out: figures are above what was allocated before it). A running sum over
+them gives the forward's high-water mark (the loss included) and the backward's, and at each what was alive, by
+what it was: a storage saved for the backward (alive at the end of the forward at its address) is ``kept`` or, if
+saved as a gradient computed ahead, ``gradients_ahead``; a block that is a parameter's ``.grad`` when the backward
+ends is ``parameter_gradients``; everything else (layer outputs not yet read, the tensors a backward restores, the
+model's logits, the loss's chunks, gradients of activations) is ``transients``. A tensor allocated before the step
+(the inputs, the parameters) is in none of them, even where the forward saves it. On CUDA the overall peak is the
+allocator's own ``max_memory_allocated`` (the events' breakdown beside it). Unpack buffers that would go on huge
+pages go through the allocator while it is measured (the profiler would not see them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +41,13 @@ from torch import Tensor, nn
 from slimact._kinds import kind_of
 from slimact.functional._saving import is_gradient
 
-__all__ = ["Report", "SavedTensor", "peak_bytes", "profile"]
+__all__ = ["Live", "Report", "SavedTensor", "peak_bytes", "profile"]
 
 ROOT = "(model)"
 LOSS = "(loss)"
 _AHEAD = "+ gradients computed ahead"
+_KEPT = "kept for the backward"
+_BACKWARD = "slimact.profile: backward"
 
 
 @dataclass(frozen=True)
@@ -58,12 +75,58 @@ def _sum_by(entries: list[SavedTensor], key: str) -> dict[str, int]:
     return out
 
 
+@dataclass(frozen=True)
+class Live:
+    """Bytes alive at one high-water mark of a step, allocated by the step (what was allocated before it, such as
+    parameters and inputs, is in none of them), by what they are (module docstring)."""
+
+    #: Storages saved for the backward (activations, packed or not).
+    kept: int = 0
+    #: Gradients computed in the forward and saved for the backward (the LM loss's; :attr:`Report.gradient_bytes`).
+    gradients_ahead: int = 0
+    #: Parameters' ``.grad`` (as the backward leaves them).
+    parameter_gradients: int = 0
+    #: Everything else: outputs not yet read, restored tensors, logits, the loss's chunks, activation gradients.
+    transients: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.kept + self.gradients_ahead + self.parameter_gradients + self.transients
+
+    def _parts(self) -> tuple[int, int, int, int]:
+        return self.kept, self.gradients_ahead, self.parameter_gradients, self.transients
+
+
+_PARTS = ("kept", "gradients ahead", "parameter gradients", "transients")
+_SHORT = ("kept", "grads ahead", "param grads", "transients")
+
+
 @dataclass
 class Report:
-    """What one training step keeps for its backward pass."""
+    """What one training step keeps for its backward pass; with ``profile(..., peak=True)`` also its peak."""
 
     entries: list[SavedTensor] = field(default_factory=list)
     cuda_peak_bytes: int | None = None
+    #: What was alive at the forward's high-water mark (the loss included); ``None`` unless the peak was measured.
+    forward_peak: Live | None = None
+    #: What was alive at the backward's high-water mark; ``None`` unless the peak was measured.
+    backward_peak: Live | None = None
+    #: The highest of (bytes alive - parameter gradients alive) over the step; ``None`` unless measured.
+    peak_less_parameter_gradients: int | None = None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The step's peak above what was allocated before it: the higher of the forward's and the backward's
+        high-water marks (on CUDA the allocator's ``max_memory_allocated``); ``None`` unless measured."""
+        if self.cuda_peak_bytes is not None:
+            return self.cuda_peak_bytes
+        marks = [m.total for m in (self.forward_peak, self.backward_peak) if m is not None]
+        return max(marks) if marks else None
+
+    @property
+    def kept_bytes(self) -> int:
+        """Everything the forward leaves for the backward: :attr:`activation_bytes` + :attr:`gradient_bytes`."""
+        return sum(e.nbytes for e in self.entries)
 
     @property
     def activation_bytes(self) -> int:
@@ -110,8 +173,22 @@ class Report:
         lines.append(f"{'total':<{width}}{_mib(total):>14}{'100.0%':>8}")
         if self.gradient_bytes:
             lines.append(f"{_AHEAD:<{width}}{_mib(self.gradient_bytes):>14}")
+            lines.append(f"{_KEPT:<{width}}{_mib(self.kept_bytes):>14}")
         if self.cuda_peak_bytes is not None:
             lines.append(f"{'cuda peak':<{width}}{_mib(self.cuda_peak_bytes):>14}")
+        if self.forward_peak is not None:
+            lines += ["", self._peak_table()]
+        return "\n".join(lines)
+
+    def _peak_table(self) -> str:
+        head = "step peak, above what was allocated before it"
+        width = len(head) + 2
+        lines = [f"{head:<{width}}{'total':>14}" + "".join(f"{p:>14}" for p in _SHORT)]
+        for name, mark in (("forward high-water mark", self.forward_peak), ("backward high-water mark",
+                                                                             self.backward_peak)):
+            lines.append(f"{name:<{width}}{_mib(mark.total):>14}" + "".join(f"{_mib(n):>14}" for n in mark._parts()))
+        lines.append(f"{'peak':<{width}}{_mib(self.peak_bytes):>14}")
+        lines.append(f"{'peak less parameter gradients':<{width}}{_mib(self.peak_less_parameter_gradients):>14}")
         return "\n".join(lines)
 
     def compare(self, other: Report, by: str = "kind") -> str:
@@ -119,7 +196,8 @@ class Report:
         mine, theirs = self._rows(by), other._rows(by)
         names = sorted(set(mine) | set(theirs), key=lambda k: (-max(mine.get(k, 0), theirs.get(k, 0)), k))
         ahead = self.gradient_bytes or other.gradient_bytes
-        width = max([len(by), *(len(k) for k in names), len(_AHEAD) if ahead else 0]) + 2
+        peaks = self.forward_peak is not None and other.forward_peak is not None
+        width = max([len(by), *(len(k) for k in names), len(_AHEAD) if ahead else 0, 29 if peaks else 0]) + 2
 
         def row(name: str, a: int, b: int) -> str:
             ratio = f"{b / a:>7.3f}x" if a else f"{'-':>8}"
@@ -130,6 +208,16 @@ class Report:
         lines.append(row("total", self.activation_bytes, other.activation_bytes))
         if ahead:
             lines.append(row(_AHEAD, self.gradient_bytes, other.gradient_bytes))
+            lines.append(row(_KEPT, self.kept_bytes, other.kept_bytes))
+        if peaks:
+            lines.append("")
+            lines.append(row("step peak", self.peak_bytes, other.peak_bytes))
+            lines.append(row("peak less parameter gradients", self.peak_less_parameter_gradients,
+                             other.peak_less_parameter_gradients))
+            for phase in ("forward", "backward"):
+                a, b = getattr(self, f"{phase}_peak"), getattr(other, f"{phase}_peak")
+                lines.append(row(f"{phase} high-water mark", a.total, b.total))
+                lines += [row(f"  {p}", x, y) for p, x, y in zip(_PARTS, a._parts(), b._parts(), strict=True)]
         return "\n".join(lines)
 
 
@@ -219,11 +307,108 @@ def _restoring(model: nn.Module):
                     m._non_persistent_buffers_set.discard(n)
 
 
+class _Meter:
+    """The step's allocations and frees from ``torch.profiler``'s memory events (module docstring); on CUDA also the
+    allocator's own peak. Use as a context around the step, with :meth:`backward` around its backward."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.cuda_peak: int | None = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _Meter:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        from slimact.quant import _hugepages
+
+        self._stack.enter_context(_hugepages.off())
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        # CPU activity suffices: the allocators (the CUDA caching one too) report to the profiler from the host.
+        self.prof = self._stack.enter_context(torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+        return self
+
+    def backward(self) -> contextlib.AbstractContextManager:
+        """Marks the backward's start in the event stream."""
+        return torch.profiler.record_function(_BACKWARD)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.cuda_peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        self._stack.close()
+
+    def _events(self) -> tuple[list[tuple[int, int, int]], float]:
+        """``(time, address, bytes)`` of this device's allocations (``bytes > 0``) and frees, in time order (a free
+        before an allocation at the same time), and the time the backward began (infinity if it did not)."""
+        from torch._C._profiler import _ExtraFields_Allocation
+
+        events, backward = [], math.inf
+        nodes = list(self.prof.profiler.kineto_results.experimental_event_tree())
+        while nodes:
+            node = nodes.pop()
+            nodes.extend(node.children)
+            f = node.extra_fields
+            if isinstance(f, _ExtraFields_Allocation):
+                if f.device.type == self.device.type and (not self.cuda or f.device.index == self.device.index):
+                    events.append((node.start_time_ns, f.ptr, f.alloc_size))
+            elif node.name == _BACKWARD:
+                backward = min(backward, node.start_time_ns)
+        events.sort(key=lambda e: (e[0], e[2] > 0))
+        return events, backward
+
+    def marks(self, saved: dict[int, bool], grads: set[int]) -> tuple[Live, Live, int]:
+        """The forward's and the backward's high-water marks, with what was alive at each, and the highest of
+        (alive - parameter gradients alive). ``saved``: address -> whether it is a gradient computed ahead, of
+        each storage saved for the backward; ``grads``: addresses of the parameters' gradients after the step."""
+        events, t_backward = self._events()
+        # Every block the step allocated: [start, end) (end None: alive at the end), matched by address.
+        blocks: list[list] = []
+        open_at: dict[int, list] = {}
+        for t, ptr, n in events:
+            if n > 0:
+                open_at[ptr] = block = [t, None, ptr, n, 3]
+                blocks.append(block)
+            elif ptr in open_at:  # else a block allocated before the step
+                open_at.pop(ptr)[1] = t
+        for block in blocks:  # its part: 0 kept, 1 gradients ahead, 2 parameter gradients, 3 transients
+            start, end, ptr = block[0], block[1], block[2]
+            if ptr in saved and start < t_backward and (end is None or end >= t_backward):
+                block[4] = 1 if saved[ptr] else 0
+            elif ptr in grads and end is None:
+                block[4] = 2
+        timeline = sorted([(b[0], 1, b) for b in blocks] + [(b[1], 0, b) for b in blocks if b[1] is not None],
+                          key=lambda e: (e[0], e[1]))
+        alive = [0, 0, 0, 0]
+        best = {False: (0, Live()), True: (0, Live())}  # in the backward? -> (total, parts) at its highest
+        less = 0
+        for t, is_alloc, block in timeline:
+            n = block[3] if is_alloc else -block[3]
+            alive[block[4]] += n
+            if is_alloc:
+                total = sum(alive)
+                phase = t >= t_backward
+                if total > best[phase][0]:
+                    best[phase] = (total, Live(*alive))
+                less = max(less, total - alive[2])
+        return best[False][1], best[True][1], less
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def profile(
     model: nn.Module,
     inputs: Any,
     *,
     loss_fn: Callable[[Any], Tensor] | None = None,
+    peak: bool = False,
 ) -> Report:
     """Measure what one training forward of ``model`` keeps for the backward, then run the backward.
 
@@ -231,11 +416,23 @@ def profile(
         model: any module (converted or not); run in training mode, then restored to its mode.
         inputs: a dict (``model(**inputs)``), a tuple (``model(*inputs)``) or a tensor (``model(inputs)``).
         loss_fn: ``loss_fn(output) -> scalar``; default: ``output.loss`` if present, else the sum of the output.
+        peak: also measure the step's peak (:attr:`Report.peak_bytes`, :attr:`Report.forward_peak`,
+            :attr:`Report.backward_peak`; module docstring). The step then runs under ``torch.profiler``: slower,
+            so off by default.
     """
+    return _step(model, inputs, loss_fn, keep=True, peak=peak)
+
+
+def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None, *, keep: bool,
+          peak: bool) -> Report:
+    """One training step of ``model``: with ``keep``, under the saved-tensor hooks that count what is kept; with
+    ``peak``, under the :class:`_Meter`."""
     excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
     seen: set[tuple[str, int]] = set()
     entries: list[SavedTensor] = []
-    stack = _ModuleStack(model)
+    saved: dict[int, bool] = {}  # address -> gradient computed ahead?, of this device's saved storages
+    device = _device_of(model)
+    stack = _ModuleStack(model) if keep else None
 
     def pack_hook(t: Tensor) -> Tensor:
         key = _storage_key(t)
@@ -244,67 +441,48 @@ def profile(
         seen.add(key)
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
-        entries.append(
-            SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), is_gradient(t))
-        )
+        gradient = is_gradient(t)
+        entries.append(SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), gradient))
+        if t.device == device:
+            saved[key[1]] = gradient
         return t
 
-    use_cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+    use_cuda = torch.cuda.is_available() and device.type == "cuda"
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t) if keep else contextlib.nullcontext()
+    meter = _Meter(device) if peak else None
     with _restoring(model):
-        if use_cuda:
+        if use_cuda and not peak:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        model.train()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
-                output = _call(model, inputs)
-                stack.names.clear()
-                stack.modules.clear()
-                loss = (loss_fn or _default_loss)(output)
-        finally:
-            stack.remove()
-        del output
-        if loss.requires_grad:  # nothing needs a gradient (frozen model, integer inputs): nothing was kept
-            loss.backward()
-        peak = torch.cuda.max_memory_allocated() - base if use_cuda else None
-    return Report(entries, peak)
+        with meter or contextlib.nullcontext():
+            model.train()
+            try:
+                with hooks:
+                    output = _call(model, inputs)
+                    if stack is not None:
+                        stack.names.clear()
+                        stack.modules.clear()
+                    loss = (loss_fn or _default_loss)(output)
+            finally:
+                if stack is not None:
+                    stack.remove()
+            del output
+            if loss.requires_grad:  # nothing needs a gradient (frozen model, integer inputs): nothing was kept
+                with meter.backward() if meter else contextlib.nullcontext():
+                    loss.backward()
+            grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+        if meter is not None:
+            forward, backward, less = meter.marks(saved, grads)
+            return Report(entries, meter.cuda_peak, forward, backward, less)
+        return Report(entries, torch.cuda.max_memory_allocated() - base if use_cuda else None)
 
 
 def peak_bytes(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], Tensor] | None = None) -> int:
     """Peak bytes allocated during one training forward and backward of ``model`` (inputs and loss as
-    :func:`profile` takes them), above what was allocated before it: on CPU the running sum of the allocations
-    and frees ``torch.profiler`` records, at its highest; on CUDA ``torch.cuda.max_memory_allocated``. Unlike
-    :func:`profile` it sees every temporary (the logits a model's head produces, a loss's chunks, the
-    parameter gradients the backward allocates), so it is the number a memory budget is about. (Large unpacks go
-    through the allocator here, not onto huge pages, which the profiler would not see.) The model is left as
-    found, as by :func:`profile`."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    from slimact.quant import _hugepages
-
-    def step() -> None:
-        model.train()
-        loss = (loss_fn or _default_loss)(_call(model, inputs))
-        if loss.requires_grad:
-            loss.backward()
-
-    with _restoring(model):
-        if any(p.is_cuda for p in model.parameters()):  # the allocator's own peak
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - base
-        with _hugepages.off(), torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak
+    :func:`profile` takes them), above what was allocated before it: :attr:`Report.peak_bytes` of
+    ``profile(..., peak=True)``, measured the same way but without the saved-tensor hooks (so it also measures
+    compiled models, whose graphs the hooks would change). Unlike the bytes kept it sees every temporary (the logits
+    a model's head produces, a loss's chunks, the parameter gradients the backward allocates), so it is the number
+    a memory budget is about. The model is left as found, as by :func:`profile`."""
+    return _step(model, inputs, loss_fn, keep=False, peak=True).peak_bytes
