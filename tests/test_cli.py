@@ -52,4 +52,6 @@ def test_profile_local_model_directory_under_bf16_autocast(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["t5", "swin", "torch-encoder"])
 def test_profile_accepts_every_family(name, capsys):
     assert main(["profile", "--model", name, "--tiny", "--batch", "1", "--seq", "16"]) == 0
-    assert _ratio(capsys.readouterr().out, "total") < 1.0
+    out = capsys.readouterr().out
+    assert _ratio(out, "total") < 1.0
+    assert _ratio(out, "step peak") > 0 and "backward high-water mark" in out  # the step's peak, measured

@@ -230,3 +230,26 @@ def test_peak_is_measured_only_when_asked_and_the_tables_show_it():
         assert row in text, row
     assert f"{full.peak_bytes / 2**20:.2f} MiB" in full.table()
     assert "high-water" not in quick.compare(conv)  # one side unmeasured: the kept bytes only
+
+
+def test_allocation_events_are_put_back_in_the_allocator_order():
+    from slimact.profile import _in_allocator_order
+
+    # A true sequence (address, bytes) with the allocator's total after each event; then the times of two threads
+    # that disagree (the second thread's, addresses 2 and 4, 1.5 events early) and a coarse clock (ties): the totals
+    # restore it. The step starts on the first thread.
+    steps = [(1, 100), (3, 400), (2, 50), (1, -100), (2, -50), (4, 8), (3, -400), (5, 100), (4, -8), (5, -100)]
+    total, true = 1000, []
+    for i, (ptr, n) in enumerate(steps):
+        total += n
+        true.append((10 * i, ptr, n, total))
+    skewed = [(t - 15 if ptr in (2, 4) else t, ptr, n, after) for t, ptr, n, after in true]
+    assert sorted(skewed) != true and _in_allocator_order(skewed) == skewed_order(skewed, true)
+    coarse = [(t // 40, ptr, n, after) for t, ptr, n, after in true]
+    assert [e[1:] for e in _in_allocator_order(coarse)] == [e[1:] for e in true]
+
+
+def skewed_order(skewed, true):
+    """``skewed``'s events in ``true``'s order."""
+    by_rest = {e[1:]: e for e in skewed}
+    return [by_rest[e[1:]] for e in true]

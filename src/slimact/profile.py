@@ -14,17 +14,19 @@ allocated before it (``cuda_peak_bytes``).
 
 The step's peak (``profile(..., peak=True)``, and :func:`peak_bytes`, which runs the same measurement without the
 saved-tensor hooks): the step runs under ``torch.profiler`` with its memory events, each allocation and free the
-allocator makes (CPU, or the CUDA caching allocator, block sizes, for a model on a GPU), with its address. Matching
-each free to the allocation at its address gives every block the step allocated and how long it lived (a free of
-a block allocated before the step is left out: figures are above what was allocated before it). A running sum over
-them gives the forward's high-water mark (the loss included) and the backward's, and at each what was alive, by
-what it was: a storage saved for the backward (alive at the end of the forward at its address) is ``kept`` or, if
-saved as a gradient computed ahead, ``gradients_ahead``; a block that is a parameter's ``.grad`` when the backward
-ends is ``parameter_gradients``; everything else (layer outputs not yet read, the tensors a backward restores, the
-model's logits, the loss's chunks, gradients of activations) is ``transients``. A tensor allocated before the step
-(the inputs, the parameters) is in none of them, even where the forward saves it. On CUDA the overall peak is the
-allocator's own ``max_memory_allocated`` (the events' breakdown beside it). Unpack buffers that would go on huge
-pages go through the allocator while it is measured (the profiler would not see them).
+allocator makes (CPU, or the CUDA caching allocator, in its block sizes, for a model on a GPU), with its address
+and the allocator's total after it. The bytes alive after an event are that total less the total before the step
+(so the parameters, the inputs and whatever else was allocated before it are in no figure, even where the forward
+saves them); its highest in the forward (the loss included) and in the backward are the two high-water marks. At
+each, what was alive, by what it was: pairing each free with the allocation at its address (events in the
+allocator's order: :func:`_in_allocator_order`) gives each block's lifetime; a storage saved for the backward
+(the block alive at its address when the backward begins) is ``kept`` or, if saved as a gradient computed ahead,
+``gradients_ahead``; a block that is a parameter's ``.grad`` when the backward ends is ``parameter_gradients``;
+the rest (layer outputs not yet read, tensors being packed or restored, the model's logits, the loss's chunks,
+gradients of activations, the allocator's rounding on CUDA) is ``transients``. On CUDA the overall peak is also the
+allocator's own ``max_memory_allocated`` (equal on an H200 with torch 2.11: GPT-2, Llama, plain and converted).
+Unpack buffers that would go on huge pages go through the allocator while it is measured (the profiler would not
+see them).
 """
 
 from __future__ import annotations
@@ -342,9 +344,10 @@ class _Meter:
             self.cuda_peak = torch.cuda.max_memory_allocated(self.device) - self._base
         self._stack.close()
 
-    def _events(self) -> tuple[list[tuple[int, int, int]], float]:
-        """``(time, address, bytes)`` of this device's allocations (``bytes > 0``) and frees, in time order (a free
-        before an allocation at the same time), and the time the backward began (infinity if it did not)."""
+    def _events(self) -> tuple[list[tuple[int, int, int, int]], float]:
+        """``(time, address, bytes, bytes allocated after it)`` of this device's allocations (``bytes > 0``) and
+        frees, in the order the allocator made them (:func:`_in_allocator_order`), and the time the backward began
+        (infinity if it did not)."""
         from torch._C._profiler import _ExtraFields_Allocation
 
         events, backward = [], math.inf
@@ -355,47 +358,88 @@ class _Meter:
             f = node.extra_fields
             if isinstance(f, _ExtraFields_Allocation):
                 if f.device.type == self.device.type and (not self.cuda or f.device.index == self.device.index):
-                    events.append((node.start_time_ns, f.ptr, f.alloc_size))
+                    events.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated))
             elif node.name == _BACKWARD:
                 backward = min(backward, node.start_time_ns)
-        events.sort(key=lambda e: (e[0], e[2] > 0))
-        return events, backward
+        return _in_allocator_order(events), backward
 
     def marks(self, saved: dict[int, bool], grads: set[int]) -> tuple[Live, Live, int]:
         """The forward's and the backward's high-water marks, with what was alive at each, and the highest of
         (alive - parameter gradients alive). ``saved``: address -> whether it is a gradient computed ahead, of
-        each storage saved for the backward; ``grads``: addresses of the parameters' gradients after the step."""
+        each storage saved for the backward; ``grads``: addresses of the parameters' gradients after the step.
+
+        The bytes alive after an event are the allocator's own total then, less its total before the step; kept,
+        gradients ahead and parameter gradients are the blocks identified as such, transients the rest."""
         events, t_backward = self._events()
-        # Every block the step allocated: [start, end) (end None: alive at the end), matched by address.
-        blocks: list[list] = []
+        if not events:
+            return Live(), Live(), 0
+        base = events[0][3] - events[0][2]
+        first_backward = next((i for i, e in enumerate(events) if e[0] >= t_backward), len(events))
+        # Every block the step allocated, [start, end) in event indices (end None: alive at the end), paired by
+        # address; a block whose free was not seen ends where its address is allocated again.
+        blocks: list[list] = []  # [start, end, address, bytes, part]: 0 kept, 1 gradients ahead, 2 parameter
+        # gradients, 3 transients
+        changes: list[list] = [[] for _ in events]  # per event: (block, +1 or -1)
         open_at: dict[int, list] = {}
-        for t, ptr, n in events:
+        for i, (_, ptr, n, _) in enumerate(events):
             if n > 0:
-                open_at[ptr] = block = [t, None, ptr, n, 3]
+                old = open_at.get(ptr)
+                if old is not None:
+                    old[1] = i
+                    changes[i].append((old, -1))
+                open_at[ptr] = block = [i, None, ptr, n, 3]
                 blocks.append(block)
+                changes[i].append((block, 1))
             elif ptr in open_at:  # else a block allocated before the step
-                open_at.pop(ptr)[1] = t
-        for block in blocks:  # its part: 0 kept, 1 gradients ahead, 2 parameter gradients, 3 transients
+                block = open_at.pop(ptr)
+                block[1] = i
+                changes[i].append((block, -1))
+        for block in blocks:
             start, end, ptr = block[0], block[1], block[2]
-            if ptr in saved and start < t_backward and (end is None or end >= t_backward):
+            if ptr in saved and start < first_backward and (end is None or end >= first_backward):
                 block[4] = 1 if saved[ptr] else 0
             elif ptr in grads and end is None:
                 block[4] = 2
-        timeline = sorted([(b[0], 1, b) for b in blocks] + [(b[1], 0, b) for b in blocks if b[1] is not None],
-                          key=lambda e: (e[0], e[1]))
-        alive = [0, 0, 0, 0]
-        best = {False: (0, Live()), True: (0, Live())}  # in the backward? -> (total, parts) at its highest
+        parts = [0, 0, 0, 0]
+        best = [(-math.inf, Live()), (-math.inf, Live())]  # forward, backward: (bytes alive, Live) at its highest
         less = 0
-        for t, is_alloc, block in timeline:
-            n = block[3] if is_alloc else -block[3]
-            alive[block[4]] += n
-            if is_alloc:
-                total = sum(alive)
-                phase = t >= t_backward
-                if total > best[phase][0]:
-                    best[phase] = (total, Live(*alive))
-                less = max(less, total - alive[2])
-        return best[False][1], best[True][1], less
+        for i, (_, _, n, after) in enumerate(events):
+            for block, sign in changes[i]:
+                parts[block[4]] += sign * block[3]
+            if n <= 0:
+                continue
+            alive = after - base
+            kept, ahead, param = parts[:3]
+            phase = int(i >= first_backward)
+            if alive > best[phase][0]:
+                best[phase] = (alive, Live(kept, ahead, param, alive - kept - ahead - param))
+            less = max(less, alive - param)
+        return best[0][1], best[1][1], less
+
+
+def _in_allocator_order(events: list[tuple[int, int, int, int]], window: int = 32) -> list[tuple[int, int, int, int]]:
+    """``(time, address, bytes, total after)`` events in the order the allocator made them.
+
+    By time, but the threads' clocks do not order events of different threads exactly (on CUDA the backward runs
+    on autograd's device thread: a time-sorted H200 step had 18 events out of order in 267), and a coarse clock
+    gives ties. The allocator's own total after each event fixes the order: the next event is the first, among
+    the next ``window`` in time order, whose total before it (``total - bytes``) is the running total (the first
+    in time, frees first among equal times, where none is)."""
+    pending = sorted(events, key=lambda e: (e[0], e[2] > 0))
+    out: list[tuple[int, int, int, int]] = []
+    head: list[tuple[int, int, int, int]] = []
+    nxt = 0
+    while head or nxt < len(pending):
+        while len(head) < window and nxt < len(pending):
+            head.append(pending[nxt])
+            nxt += 1
+        if out:
+            k = next((k for k, e in enumerate(head) if e[3] - e[2] == out[-1][3]), 0)
+        else:  # the first in time; among ties, one that none of them leads to
+            ties = [e for e in head if e[0] == head[0][0]]
+            k = next((k for k, e in enumerate(ties) if e[3] - e[2] not in {t[3] for t in ties}), 0)
+        out.append(head.pop(k))
+    return out
 
 
 def _device_of(model: nn.Module) -> torch.device:
