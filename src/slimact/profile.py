@@ -119,7 +119,8 @@ class Report:
     @property
     def peak_bytes(self) -> int | None:
         """The step's peak above what was allocated before it: the higher of the forward's and the backward's
-        high-water marks (on CUDA the allocator's ``max_memory_allocated``); ``None`` unless measured."""
+        high-water marks; on CUDA the allocator's ``max_memory_allocated`` (:attr:`cuda_peak_bytes`, measured even
+        without ``peak=True``). ``None`` where not measured."""
         if self.cuda_peak_bytes is not None:
             return self.cuda_peak_bytes
         marks = [m.total for m in (self.forward_peak, self.backward_peak) if m is not None]
