@@ -26,7 +26,8 @@
 #                       launched it, top kernels and CPU ops, each synchronizing call by its line of Python
 #                       (benchmarks/gpu_profile.py, to profile.md).
 #   tests       (70 s)  the CUDA tests of tests/functional/test_attention.py, tests/test_kinds.py's CUDA probe test,
-#                       tests/test_state.py, tests/quant/test_triton_finish.py, then tests/quant/test_triton.py (its
+#                       the launch-count and model-sized tests of tests/quant/test_triton_finish.py first, then
+#                       tests/test_state.py, the rest of tests/quant/test_triton_finish.py, then tests/quant/test_triton.py (its
 #                       ~560 kernel variants compile one by one: the last ones are cut; SLIMACT_GPU_TRITON_TESTS=0
 #                       leaves the file out), 60 s per test where pytest-timeout is installed.
 #   check       (45 s) slimact check of the zoo's tiny GPT-2 and Llama on the device, tempo and int8: one training
@@ -118,8 +119,13 @@ step tests 70 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}" 
     tests/functional/test_attention.py::test_cuda_int8_gradients \
     tests/functional/test_attention.py::test_cuda_fully_masked_rows_give_zero_and_finite_gradients \
     tests/functional/test_attention.py::test_cuda_keeps_no_sequence_by_sequence_tensor \
-    tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert tests/test_state.py \
-    tests/quant/test_triton_finish.py "${TRITON_TESTS[@]}"
+    tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert \
+    tests/quant/test_triton_finish.py::test_a_pack_many_of_q_k_v_is_three_launches_a_tensor_and_one_host_read \
+    tests/quant/test_triton_finish.py::test_one_pack_is_about_three_launches_and_one_host_read \
+    tests/quant/test_triton_finish.py::test_a_running_pack_has_no_host_read \
+    tests/quant/test_triton_finish.py::test_a_running_pack_is_three_launches_and_no_host_read \
+    tests/quant/test_triton_finish.py::test_on_the_gpu_model_sized_packs_equal_the_references \
+    tests/test_state.py tests/quant/test_triton_finish.py "${TRITON_TESTS[@]}"
 # shellcheck disable=SC2016  # expanded by the inner bash
 step check 45 1 env PY="$PY" bash -c 'rc=0
 for model in gpt2 llama; do
