@@ -41,7 +41,8 @@ FAMILIES = (
     ("slimact Triton", ("_quantize_kernel", "_dequantize_kernel", "_stats_kernel", "_finish_kernel",
                         "_estimate_kernel", "_fold_kernel")),
     ("inductor loops", ("triton_",)),
-    ("fused attention", ("flash", "fmha", "attention", "cutlass::Kernel")),
+    ("fused attention", ("flash", "fmha", "sdpa", "attention")),
+    ("matrix products, fp32 SIMT", ("simt_sgemm",)),
     ("matrix products", ("gemm", "sm90_", "cutlass", "cublas", "nvjet", "xmma", "matmul")),
     ("optimizer", ("multi_tensor_apply", "fused_adam", "FusedAdam")),
     ("softmax", ("softmax",)),
@@ -154,10 +155,11 @@ def sync_sources(step) -> list[str]:
         if "synchroniz" not in str(msg.message):
             return
         stack = traceback.extract_stack()[:-1]
-        ours = [f for f in stack if "/slimact/" in f.filename.replace("\\", "/")]
-        mine = ours or [f for f in stack if "/torch/" not in f.filename] or stack
-        f = mine[-1]
-        where[f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"] += 1
+        # slimact's frames but its routing mode's __torch_function__ (which every torch call passes through)
+        ours = [f for f in stack if "/slimact/" in f.filename.replace("\\", "/") and "routing" not in f.filename]
+        mine = ours[-2:] or [f for f in stack if "/torch/" not in f.filename and "warnings" not in f.filename][-1:]
+        where[" < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+                         for f in reversed(mine))] += 1
 
     old = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True):
