@@ -531,6 +531,8 @@ def _fused_backward(kind: str, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bi
     cq, ck, seed, offset = aux
     if kind == "flash":
         return _op(kind, 1)(grad, q, k, v, out, lse, cq, ck, *sizes, dropout_p, is_causal, seed, offset, scale=scale)
+    if not out.transpose(1, 2).is_contiguous():  # the layout the kernel returned it in, which its backward reads
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
     gq, gk, gv, _ = _op(kind, 1)(grad, q, k, v, bias, out, lse, seed, offset, dropout_p, [True, True, True, False],
                                  is_causal, scale=scale)
     return gq, gk, gv
@@ -571,7 +573,10 @@ class _FusedAttention(SlimFunction):
                                               dropout_p, is_causal, scale)
         del bias
         if dead is not None:
-            out = out.masked_fill(dead, 0)
+            # In place: the kernel's layout ([B, T, H, D] memory) is kept, which the memory-efficient fp16/bf16
+            # backward reads the kept output with (out of place, masked_fill made it contiguous: on an H200 the
+            # q and k gradients of tempo's bf16 attention with a fully masked row were 80% off).
+            out.masked_fill_(dead, 0)
         ctx.args = (kind, is_causal, scale, dropout_p, q.dtype, shape, sizes if exact else None)
         kept = (out, lse, *aux) if exact else (None,) * 6
         save(ctx, *_pack_qkv(q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask), dead, rng)
