@@ -11,21 +11,26 @@
 # seconds, last lines), so a run cut short still leaves its results; at the end OUTDIR holds those two files only.
 #
 #   device      (15 s)  the device, torch / triton / transformers versions, nvidia-smi.
-#   kernels     (35 s)  the Triton kernels (quantize, dequantize, group_stats, quantize_stats) against the reference,
+#   kernels     (30 s)  the Triton kernels (quantize, dequantize, group_stats, quantize_stats) against the reference,
 #                       [8192, 768] bf16/fp32 whole tensor and channel groups, [8, 12, 1024, 64] per head; 8-bit
 #                       nearest, stochastic (seed 1234), 4-bit: mismatching codes and restored values per case
 #                       (slimact bench --kernels; exit 1 on any mismatch).
-#   ops         (50 s)  pack/unpack against copy_ on 64 MiB fp32: ratios, GB/s per layout (whole tensor, channel
+#   ops         (45 s)  pack/unpack against copy_ on 64 MiB fp32: ratios, GB/s per layout (whole tensor, channel
 #                       groups, per head; CUDA-event medians), each Function's forward + backward against
 #                       PyTorch's (slimact bench --ops).
-#   speed      (140 s)  GPT-2 (12 layers, bf16, batch 8 x 1024) training step, plain vs "tempo" and "int8", with
+#   speed      (160 s)  GPT-2 (12 layers, bf16, batch 8 x 1024) training step, plain vs "tempo" and "int8", with
 #                       every dropout at 0 and at 0.1, 3 interleaved rounds; first_step_s (compilation included)
 #                       apart from the rounds (slimact bench --speed).
-#   tests      (130 s)  the CUDA tests of tests/functional/test_attention.py, tests/test_kinds.py's CUDA probe test,
-#                       tests/test_state.py, tests/quant/test_triton_finish.py, then tests/quant/test_triton.py (its
-#                       ~560 kernel variants compile one by one: the last ones may be cut), 60 s per test where
-#                       pytest-timeout is installed.
-#   check       (70 s) slimact check of the zoo's tiny GPT-2 and Llama on the device, tempo and int8: one training
+#   profile     (75 s)  the same GPT-2 step (dropout 0.1) under torch.profiler, plain, tempo and int8: GPU busy time,
+#                       kernel launches and host syncs per step, GPU time by kernel family and by the op that
+#                       launched it, top kernels and CPU ops, each synchronizing call by its line of Python
+#                       (benchmarks/gpu_profile.py, to profile.md).
+#   tests       (70 s)  the CUDA tests of tests/functional/test_attention.py, tests/test_kinds.py's CUDA probe test,
+#                       the launch-count and model-sized tests of tests/quant/test_triton_finish.py first, then
+#                       tests/test_state.py, the rest of tests/quant/test_triton_finish.py, then tests/quant/test_triton.py (its
+#                       ~560 kernel variants compile one by one: the last ones are cut; SLIMACT_GPU_TRITON_TESTS=0
+#                       leaves the file out), 60 s per test where pytest-timeout is installed.
+#   check       (45 s) slimact check of the zoo's tiny GPT-2 and Llama on the device, tempo and int8: one training
 #                       step against plain's (forward, every parameter gradient; exit 1 below the floors).
 #   throughput  (40 s)  the same GPT-2 at a 24 GiB budget, each setup at the largest batch that fits
 #                       (slimact bench --throughput); the first to cut when time is short.
@@ -95,23 +100,34 @@ if ! grep -q '^device: ' "$STEPS/device.log" || grep -q '^device: no device' "$S
 if [ "$DRY" = 1 ]; then
     step kernels 40 0 env TRITON_INTERPRET=1 "$PY" -m slimact bench --kernels --device cpu --tiny --out "$STEPS" --name kernels
 else
-    step kernels 35 0 "$PY" -m slimact bench --kernels --device cuda --out "$STEPS" --name kernels
+    step kernels 30 0 "$PY" -m slimact bench --kernels --device cuda --out "$STEPS" --name kernels
 fi
-step ops 50 1 "$PY" -m slimact bench --ops --device cuda --rounds 7 --out "$STEPS" --name ops
-step speed 140 1 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
+step ops 45 1 "$PY" -m slimact bench --ops --device cuda --rounds 7 --out "$STEPS" --name ops
+step speed 160 1 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
     --dtypes bf16 --rounds 3 --policies tempo int8 --dropout 0 0.1 --out "$STEPS" --name speed
+PROFILE_ARGS=()
+[ "$DRY" = 1 ] && PROFILE_ARGS=(--dry)
+step profile 75 1 "$PY" benchmarks/gpu_profile.py --model gpt2 --layers 12 --batch 8 --seq 1024 --dtype bf16 \
+    --dropout 0.1 --setups plain tempo int8 --steps 3 --out "$STEPS/profile.md" "${PROFILE_ARGS[@]}"
+TRITON_TESTS=(tests/quant/test_triton.py)
+[ "${SLIMACT_GPU_TRITON_TESTS:-1}" = 0 ] && TRITON_TESTS=()
 PYTEST_ARGS=()
 grep -q '^pytest_timeout yes ' "$STEPS/device.log" && PYTEST_ARGS=(--timeout 60)
 [ "$DRY" = 1 ] && PYTEST_ARGS+=(--collect-only)  # dry: the files collect; their CUDA tests would skip here
-step tests 130 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}" --junitxml "$STEPS/tests.xml" \
+step tests 70 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}" --junitxml "$STEPS/tests.xml" \
     tests/functional/test_attention.py::test_cuda_tempo_equals_torch \
     tests/functional/test_attention.py::test_cuda_int8_gradients \
     tests/functional/test_attention.py::test_cuda_fully_masked_rows_give_zero_and_finite_gradients \
     tests/functional/test_attention.py::test_cuda_keeps_no_sequence_by_sequence_tensor \
-    tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert tests/test_state.py \
-    tests/quant/test_triton_finish.py tests/quant/test_triton.py
+    tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert \
+    tests/quant/test_triton_finish.py::test_a_pack_many_of_q_k_v_is_three_launches_a_tensor_and_one_host_read \
+    tests/quant/test_triton_finish.py::test_one_pack_is_about_three_launches_and_one_host_read \
+    tests/quant/test_triton_finish.py::test_a_running_pack_has_no_host_read \
+    tests/quant/test_triton_finish.py::test_a_running_pack_is_three_launches_and_no_host_read \
+    tests/quant/test_triton_finish.py::test_on_the_gpu_model_sized_packs_equal_the_references \
+    tests/test_state.py tests/quant/test_triton_finish.py "${TRITON_TESTS[@]}"
 # shellcheck disable=SC2016  # expanded by the inner bash
-step check 70 1 env PY="$PY" bash -c 'rc=0
+step check 45 1 env PY="$PY" bash -c 'rc=0
 for model in gpt2 llama; do
     for policy in tempo int8; do
         "$PY" -m slimact check --model $model --tiny --policy $policy --device cuda || rc=1

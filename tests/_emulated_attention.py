@@ -94,11 +94,18 @@ class _Emulated:
     def efficient_forward(self, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                           *, scale=None):
         assert compute_log_sumexp
-        return self._forward("efficient", query, key, value, attn_bias, dropout_p, is_causal, scale)
+        out, lse, seed, offset = self._forward("efficient", query, key, value, attn_bias, dropout_p, is_causal, scale)
+        # as the kernel returns it: [B, H, T, D] seen on [B, T, H, D] memory
+        return out.transpose(1, 2).contiguous().transpose(1, 2), lse, seed, offset
 
     def efficient_backward(self, grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
                            dropout_p, grad_input_mask, is_causal=False, *, scale=None):
         assert list(grad_input_mask) == [True, True, True, False]
+        # The fp16/bf16 kernel computes rowsum(dO * O) itself, reading the output with the strides of the layout its
+        # forward returned (an output made contiguous, by an out-of-place masked_fill say, was misread on an H200:
+        # q and k gradients 80% off, v's right); the fp32 kernel takes it as it is.
+        if query.dtype != torch.float32:
+            assert out.transpose(1, 2).is_contiguous(), out.stride()
         grads = self._backward("efficient", grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed,
                                philox_offset, dropout_p, is_causal, scale)
         return (*grads, None)

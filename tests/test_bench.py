@@ -156,7 +156,7 @@ def test_peak_bytes_counts_temporaries_and_a_converted_gpt2_peaks_lower():
     assert report.activation_bytes + report.gradient_bytes <= converted < plain
 
 
-GPU_STEPS = ("device", "kernels", "ops", "speed", "tests", "check", "throughput")
+GPU_STEPS = ("device", "kernels", "ops", "speed", "profile", "tests", "check", "throughput")
 
 
 def test_gpu_script_is_valid_bash_its_commands_parse_and_its_timeouts_fit_8_minutes():
@@ -210,6 +210,8 @@ def test_gpu_script_dry_run_starts_every_step_and_packs_one_tarball(tmp_path):
     for s in GPU_STEPS:
         assert f"== {s:<10} exit 0 " in summary, summary
     assert summary.count("no device") >= 4  # ops, speed, throughput skipped; the device step says so
+    with tarfile.open(out / "gpu-results.tar.gz") as tar:
+        assert "no device" in tar.extractfile("steps/profile.md").read().decode()  # written in dry mode too
 
 
 def test_throughput_rows_time_each_setup_at_the_batch_measured_to_fit_the_budget():

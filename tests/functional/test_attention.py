@@ -475,6 +475,23 @@ def test_fused_dispatch_picks_the_kernel(case, emulated, monkeypatch):
     assert attention_mod.fused_kernel(q.detach(), k, v, m, p, causal, False) is None
 
 
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_fused_call_reads_the_host_once_for_the_score_guard_and_the_nan_check(cfg, emulated):
+    # On CUDA each host read drains the stream: the score guard's flag and the fused kernels' NaN/inf check of q
+    # and k are read together (were two reads), then the pack of q, k, v reads its flags once (int8 only).
+    from _host import HostReads
+
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.bfloat16))
+    with HostReads() as reads:
+        out = scaled_dot_product_attention(q, k, v, cfg=cfg)
+    assert type(out.grad_fn).__name__ == "_FusedAttentionBackward"
+    assert reads.count == (1 if cfg is None else 2)
+    q2 = q.detach().clone()
+    q2[0, 1, 2, 3] = float("nan")  # the same read still keeps the fused kernels out
+    out = scaled_dot_product_attention(q2.requires_grad_(), k, v, cfg=cfg)
+    assert type(out.grad_fn).__name__ != "_FusedAttentionBackward"
+
+
 def _exact_grads(q, k, v, g, mask, keep, p, causal):
     """float64 attention (grouped-query by repeating k, v: autograd sums their gradients back) with ``keep``."""
     rep = q.shape[1] // k.shape[1]

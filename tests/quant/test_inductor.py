@@ -227,3 +227,53 @@ def test_an_error_raised_by_running_the_loop_is_raised_not_hidden(monkeypatch, m
     with pytest.raises(Exception, match="a bug in"):
         inductor.group_minmax(x, group_layout(x.shape, QuantConfig(groups=4)))
     assert not inductor._failed
+
+
+@pytest.mark.parametrize(("name", "loops"), [
+    # the norm backward (its offset), the in-place GELU's (its table's left end and spacing), the 8-bit GELU
+    # gradient's restore-in-its-loop (math.pi and the tanh form's constants)
+    ("gpt2", {"_backward", "_inplace_gradient", "_restore_map"}),
+    # RMSNorm with offset 1.0, the gated MLP's backward
+    ("gemma", {"_backward", "_elementwise_backward_eager"}),
+])
+def test_python_floats_are_constants_of_the_compiled_loops_not_symbolic_inputs(monkeypatch, name, loops):
+    # With dynamic=True, dynamo made every Python float a loop reads (a norm's offset, the in-place GELU table's
+    # left end, module globals such as math.pi in the GELU gradient) a symbolic input of the graph; torch 2.11's
+    # inductor then failed in tensorify_python_scalars on CUDA (BackendCompilerFailed, an H200 run), and the loops
+    # fell back to eager ops. Recorded here through a backend that keeps each traced graph's inputs.
+    import functools
+
+    import slimact
+    from slimact import zoo
+
+    traced = {}
+
+    def recording(gm, example_inputs):
+        inputs = []
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                arg = node.meta.get("grapharg")
+                value = node.meta.get("example_value")
+                inputs.append((node.name, type(value).__name__, bool(getattr(arg, "pass_arg_as_tensor", False))))
+        traced[gm.forward.__code__.co_filename + str(len(traced))] = inputs
+        return gm.forward
+
+    names = set()
+    original = inductor._compiled.__wrapped__
+
+    @functools.cache
+    def compiled(fn, key):
+        names.add(fn.__name__)
+        return original(fn, key)
+
+    monkeypatch.setattr(inductor, "_BACKEND", recording)
+    monkeypatch.setattr(inductor, "_compiled", compiled)
+    monkeypatch.setattr(inductor, "_failed", {})
+    for policy in ("tempo", "int8"):
+        model = slimact.convert(zoo.build(name, tiny=True).train(), policy=policy)
+        model(**zoo.example_inputs(model, 32, 128)).loss.backward()  # 4096 tokens: MIN_NUMEL
+    assert traced
+    for inputs in traced.values():
+        floats = [n for n, kind, as_tensor in inputs if as_tensor or kind in ("SymFloat", "float")]
+        assert not floats, inputs
+    assert loops <= names  # the loops that read floats were among those traced

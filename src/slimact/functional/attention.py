@@ -75,7 +75,7 @@ import torch
 from torch import Tensor
 
 from slimact.functional._saving import Mask, SlimFunction, load, save
-from slimact.functional.attention_guard import score_safe_config
+from slimact.functional.attention_guard import score_unsafe
 from slimact.functional.softmax import pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
@@ -449,7 +449,21 @@ def fused_kernel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | 
                  is_causal: bool, mask_grad: bool) -> str | None:
     """Which fused CUDA kernel :func:`scaled_dot_product_attention` runs: ``"flash"`` (fp16/bf16, no mask),
     ``"efficient"`` (fp32 too, an additive bias), or ``None`` for the chunked path (or, on CPU, its flash
-    kernel). Conservative: anything the kernels may not take, or may take wrongly, is ``None``."""
+    kernel). Conservative: anything the kernels may not take, or may take wrongly, is ``None``: also a NaN/inf
+    in a query or key (how the kernels' running max treats NaN scores is theirs (fmax drops NaN); the chunked
+    path gives NaN where the math does)."""
+    kind = _fused_kind(query, key, value, attn_mask, dropout_p, is_causal, mask_grad)
+    return kind if kind is None or _finite(query, key) else None
+
+
+def _not_finite(query: Tensor, key: Tensor) -> Tensor:
+    """A 0-dim bool tensor on their device: whether ``query`` or ``key`` holds a NaN/inf (not read)."""
+    return ~(torch.isfinite(query.detach()).all() & torch.isfinite(key.detach()).all())
+
+
+def _fused_kind(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                is_causal: bool, mask_grad: bool) -> str | None:
+    """:func:`fused_kernel` but for the NaN/inf check (which reads the device: the caller reads it)."""
     if mask_grad or not _fused_device(query.device):
         return None
     dtype = query.dtype
@@ -472,10 +486,6 @@ def fused_kernel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | 
                 return None
         except RuntimeError:
             return None
-    # A NaN/inf in a query or key: how the kernels' running max treats NaN scores is theirs (fmax drops NaN);
-    # the chunked path gives NaN where the math does.
-    if not _finite(query, key):
-        return None
     # FlashAttention's is_causal is bottom-right aligned for T != S; PyTorch's (and the efficient kernel's) is
     # top-left: only a square causal attention runs flash.
     if attn_mask is None and dtype != torch.float32 and not (is_causal and t != s):
@@ -521,6 +531,8 @@ def _fused_backward(kind: str, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bi
     cq, ck, seed, offset = aux
     if kind == "flash":
         return _op(kind, 1)(grad, q, k, v, out, lse, cq, ck, *sizes, dropout_p, is_causal, seed, offset, scale=scale)
+    if not out.transpose(1, 2).is_contiguous():  # the layout the kernel returned it in, which its backward reads
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
     gq, gk, gv, _ = _op(kind, 1)(grad, q, k, v, bias, out, lse, seed, offset, dropout_p, [True, True, True, False],
                                  is_causal, scale=scale)
     return gq, gk, gv
@@ -561,7 +573,10 @@ class _FusedAttention(SlimFunction):
                                               dropout_p, is_causal, scale)
         del bias
         if dead is not None:
-            out = out.masked_fill(dead, 0)
+            # In place: the kernel's layout ([B, T, H, D] memory) is kept, which the memory-efficient fp16/bf16
+            # backward reads the kept output with (out of place, masked_fill made it contiguous: on an H200 the
+            # q and k gradients of tempo's bf16 attention with a fully masked row were 80% off).
+            out.masked_fill_(dead, 0)
         ctx.args = (kind, is_causal, scale, dropout_p, q.dtype, shape, sizes if exact else None)
         kept = (out, lse, *aux) if exact else (None,) * 6
         save(ctx, *_pack_qkv(q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask), dead, rng)
@@ -643,9 +658,18 @@ def scaled_dot_product_attention(
         with torch.autocast(device, enabled=False):
             return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                                 cfg=cfg, state=state)
-    # Attention that would amplify 8-bit q/k errors on its scores keeps q, k, v exact (functional.attention_guard).
-    cfg = score_safe_config(query, key, scale, cfg)
-    kind = fused_kernel(query, key, value, attn_mask, dropout_p, is_causal, mask_grad)
+    # Attention that would amplify 8-bit q/k errors on its scores keeps q, k, v exact (functional.attention_guard);
+    # a NaN/inf in q or k keeps the fused kernels out (fused_kernel). The two flags read in one host sync (each
+    # drains a CUDA stream).
+    kind = _fused_kind(query, key, value, attn_mask, dropout_p, is_causal, mask_grad)
+    flags = {"unsafe": score_unsafe(query, key, scale, cfg)}
+    if kind is not None and not torch.compiler.is_compiling():
+        flags["not_finite"] = _not_finite(query, key)
+    flags = {name: flag for name, flag in flags.items() if flag is not None}
+    if flags:
+        read = dict(zip(flags, torch.stack(list(flags.values())).tolist(), strict=True))
+        cfg = None if read.get("unsafe") else cfg
+        kind = None if read.get("not_finite") else kind
     if kind is not None:
         return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state)
     # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN (a NaN in the query,

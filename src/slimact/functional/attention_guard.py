@@ -18,7 +18,8 @@ exact (the lossless path: the exact gradient, 4x the bytes of the codes for fp32
 The estimate is taken at 8 bits whatever the policy's width: it detects attention that amplifies the codes'
 error, not a narrower width a policy chose on purpose (that trade-off is the user's, judged by ``slimact.check``).
 
-Cost: a few reductions over ``q`` and ``k`` and one host sync per training call of a compressed attention.
+Cost: a few reductions over ``q`` and ``k`` and one host read per training call of a compressed attention (on
+CUDA the same read as the fused kernels' NaN/inf check of ``q`` and ``k``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from slimact.quant import QuantConfig
 
-__all__ = ["MAX_SCORE_ERROR", "score_error", "score_safe_config"]
+__all__ = ["MAX_SCORE_ERROR", "score_error", "score_safe_config", "score_unsafe"]
 
 #: Largest estimated score error (standard deviation, in logits) 8-bit ``q``/``k`` may put on a score. Passing
 #: attentions sit at 4e-4 (Llama, GPT-2 at initialisation) to 1.3e-2 (Qwen3's QK norm with ``1/sqrt(D)``);
@@ -67,19 +68,27 @@ def score_error(query: Tensor, key: Tensor, scale: float, cfg: QuantConfig) -> T
     return (abs(scale) * math.sqrt(query.shape[-1]) * (sd_q * rms_k + rms_q * sd_k)).amax()
 
 
-def score_safe_config(query: Tensor, key: Tensor, scale: float | None, cfg: QuantConfig | None) -> QuantConfig | None:
-    """``cfg``, or ``None`` (keep ``q``, ``k``, ``v`` exact) where 8-bit ``q``/``k`` would put more than
-    :data:`MAX_SCORE_ERROR` on the scores. Only for a training call that will pack: no check (and no host sync)
-    without a config, without a gradient, or under ``torch.compile``."""
+def score_unsafe(query: Tensor, key: Tensor, scale: float | None, cfg: QuantConfig | None) -> Tensor | None:
+    """Whether 8-bit ``q``/``k`` would put more than :data:`MAX_SCORE_ERROR` on the scores, as a 0-dim bool tensor
+    on their device (not read: a caller reads it with its other flags, in one host sync), or ``None`` where no
+    check applies: without a config, without a gradient, under ``torch.compile``, or for shapes it does not take."""
     if cfg is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return cfg
+        return None
     if query.dim() != 4 or key.dim() != 4 or not query.numel() or not key.numel():
-        return cfg
+        return None
     if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
-        return cfg
+        return None
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     # Judged at 8 bits: the guard finds attention that amplifies the codes' error, not a policy's chosen width
     # (4- or 2-bit attention is the user's trade-off, and what ``slimact.check`` is there to judge).
-    error = score_error(query, key, scale, dataclasses.replace(cfg, bits=8))
-    # NaN/inf in q or k: the packer keeps them exact anyway.
-    return None if bool(error > MAX_SCORE_ERROR) else cfg
+    # NaN/inf in q or k compare False: the packer keeps them exact anyway.
+    return score_error(query, key, scale, dataclasses.replace(cfg, bits=8)) > MAX_SCORE_ERROR
+
+
+def score_safe_config(query: Tensor, key: Tensor, scale: float | None, cfg: QuantConfig | None) -> QuantConfig | None:
+    """``cfg``, or ``None`` (keep ``q``, ``k``, ``v`` exact) where 8-bit ``q``/``k`` would put more than
+    :data:`MAX_SCORE_ERROR` on the scores (:func:`score_unsafe`, read here: one host sync). Only for a training
+    call that will pack: no check (and no host sync) without a config, without a gradient, or under
+    ``torch.compile``."""
+    unsafe = score_unsafe(query, key, scale, cfg)
+    return None if unsafe is not None and bool(unsafe) else cfg

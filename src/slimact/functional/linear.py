@@ -12,6 +12,9 @@ fp32 or 2 in bf16, plus 8 bytes per scale group; shared with any other layer tha
 and a reference to ``W``. ``x`` is packed only if ``W`` needs a gradient; ``W`` is kept only if ``x``
 needs one (a frozen weight needs no saved input).
 
+Under autocast both backward products run in the forward's dtype (bf16/fp16), as PyTorch's do; the weight
+gradient comes back in that dtype and autograd casts it to the weight's.
+
 Error: ``grad_x`` is exact. ``grad_W`` uses ``x_hat`` with ``|x - x_hat| <= step/2`` per element
 (round-to-nearest; ``< step`` and unbiased with stochastic rounding), ``step = range_g / 255`` for the
 element's channel group; the tests assert SQNR >= 30 dB against the exact ``grad_W``.
@@ -39,6 +42,10 @@ class _LinearFunction(SlimFunction):
         save(ctx, pack(x, cfg, state) if need_w_grad else None, weight if need_x_grad else None)
         ctx.transposed = transposed
         ctx.has_bias = bias is not None
+        # The dtype the product ran in (autocast's: bf16 for an fp32 x, such as a LayerNorm's output): the
+        # backward's products run in it too, as PyTorch's do (its weight gradient is the product of the
+        # autocast copies; an fp32 x_hat made it an fp32 SIMT GEMM on an H200: 40 of GPT-2's 191 ms int8 step).
+        ctx.compute_dtype = y.dtype
         return y
 
     @staticmethod
@@ -50,8 +57,9 @@ class _LinearFunction(SlimFunction):
             w = weight.t() if ctx.transposed else weight  # [out, in]
             grad_x = grad_y.matmul(w.to(grad_y.dtype))
         if ctx.needs_input_grad[1]:
-            x2 = x_hat.reshape(-1, x_hat.shape[-1])  # [N, in]
-            g2 = grad_y.reshape(-1, out_features).to(x2.dtype)  # [N, out]
+            dtype = ctx.compute_dtype
+            x2 = x_hat.reshape(-1, x_hat.shape[-1]).to(dtype)  # [N, in]
+            g2 = grad_y.reshape(-1, out_features).to(dtype)  # [N, out]
             grad_w = x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_y.reshape(-1, out_features).sum(0)

@@ -18,7 +18,8 @@ Taken for 8-bit round-to-nearest codes of contiguous CPU tensors of at least :da
 group count divides the grouped dim; everything else (smaller tensors, where a compiled call's fixed cost
 exceeds the eager passes; sub-byte codes; stochastic rounding; odd groupings; strided tensors; code running
 under ``torch.compile``, where inductor fuses the reference itself) goes to the reference. Each loop is
-compiled on first use for each dtype (a few seconds, then cached on disk by inductor); if that loop cannot be
+compiled on first use for each dtype (a few seconds, then cached on disk by inductor), with dynamic sizes and the
+Python floats it reads (arguments, module globals) as constants; if that loop cannot be
 compiled (:data:`_COMPILE_FAILED`: no working C++ compiler, or the backend failing on the graph), a warning, and
 the reference (or the eager composition) for that loop from then on (the other loops are tried on their own);
 an error raised by running a loop is a bug and is raised. ``SLIMACT_BACKEND=reference`` turns it off.
@@ -48,8 +49,9 @@ MIN_NUMEL = 1 << 18
 _failed: dict[Callable, BaseException] = {}
 
 #: Errors (by class name, anywhere in the chain of causes) raised by compiling, not by running, a loop: no working
-#: C++ compiler here, or the backend failing on the graph (``BackendCompilerFailed``: torch 2.11's inductor fails in
-#: ``tensorify_python_scalars`` on some of these loops on CUDA, seen on an H200). The loop's eager composition
+#: C++ compiler here, or the backend failing on the graph (``BackendCompilerFailed``: torch 2.11's inductor failed in
+#: ``tensorify_python_scalars`` on the loops' symbolic floats on an H200, which :func:`_compiled` now makes
+#: constants). The loop's eager composition
 #: computes the same values, so such a loop warns once and runs eagerly from then on; an error raised by running
 #: the code is a bug, and is raised.
 _COMPILE_FAILED = frozenset({"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed"})
@@ -104,12 +106,27 @@ def _restore_into(c3: Tensor, lo: Tensor, step: Tensor, out3: Tensor) -> Tensor:
     return out3.copy_((c3.float() * step + lo).to(out3.dtype))
 
 
+#: The backend the loops are compiled with (a test records the traced graphs through its own).
+_BACKEND: str | Callable = "inductor"
+
+
 @functools.cache
 def _compiled(fn: Callable, key: object) -> Callable:
     # A copy of fn with its own code object per key (a dtype; a consumer and a dtype): dynamo's cache (and its
     # recompile limit) is per code object, and each dtype needs its own loops.
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(fresh, dynamic=True)
+    compiled = torch.compile(fresh, dynamic=True, backend=_BACKEND)
+
+    def call(*args):
+        # Python floats (arguments such as a norm's offset or a table's left end, and module globals such as
+        # math.pi or a table's spacing) are constants of the graph, as in eager code, not symbolic inputs: sizes
+        # stay dynamic, a float is guarded by its value (each loop sees one or two). Symbolic floats reach
+        # inductor's tensorify_python_scalars pass, which raised BackendCompilerFailed on torch 2.11 (an H200 run:
+        # math.pi in the GELU gradient's restore-in-its-loop). Patched per call (dynamo reads it while tracing).
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return call
 
 
 def _run(fn: Callable, dtype: torch.dtype, *args) -> object | None:
