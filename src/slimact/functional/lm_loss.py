@@ -44,11 +44,13 @@ from slimact.functional._saving import Gradient, SlimFunction, load, save
 
 __all__ = ["linear_cross_entropy"]
 
-#: Logit elements computed at once (per chunk of tokens): 128 MiB in fp32, about the size of GPT-2's weight
-#: gradient (``[V, C]`` = 50257 x 768 fp32, 147 MiB), which the loss holds anyway. Each chunk's weight-gradient
-#: product reads and writes that whole accumulator: at 64 MiB chunks the head and loss of GPT-2 at 2048 tokens
-#: took 1.02x plain PyTorch's time on 2 CPU cores, at 128 MiB 0.97x, at 256 MiB 0.90x (interleaved medians).
-CHUNK_ELEMENTS = 1 << 25
+#: Logit elements computed at once (per chunk of tokens): 64 MiB in fp32. Each chunk's weight-gradient product
+#: reads and writes the whole ``[V, C]`` accumulator (147 MiB for GPT-2), so larger chunks are faster (GPT-2's
+#: head and loss at 2048 tokens on 2 CPU cores: 1.02x plain PyTorch's time at 64 MiB, 0.97x at 128 MiB, 0.90x
+#: at 256 MiB, interleaved medians) but raise the step's peak where the loss is its highest point (GPT-2, 12
+#: layers, 4 x 512, "int8": the forward's high point is in the loss from 128 MiB chunks on, 620 MiB against
+#: 557 MiB in the blocks).
+CHUNK_ELEMENTS = 1 << 24
 
 
 def _chunks(n: int, vocab: int):
@@ -109,7 +111,8 @@ class _LinearCrossEntropy(SlimFunction):
         # divisor: a 0-d float64 tensor on h's device (no host sync); 1 / divisor rounded once to fp32 (inf for 0).
         inverse = (1.0 / divisor).float()
         for a, b in _chunks(n, vocab):
-            raw = None
+            # The previous chunk's [rows, V] tensors are freed before this one's are built (one chunk alive).
+            z = e = dz = raw = None
             if logits is not None:
                 z = logits[a:b].float()  # [rows, V]; a view of the caller's tensor where it is fp32
             elif transform is None:
