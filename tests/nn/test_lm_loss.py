@@ -242,3 +242,35 @@ def test_labels_given_positionally_are_seen():
     torch.testing.assert_close(torch.autograd.grad(loss, slim.head.weight)[0], g_ref)
     _, logits = slim(ids)
     assert type(logits) is torch.Tensor
+
+
+def test_logits_computed_in_the_forward_are_the_converted_heads():
+    # Bart and its kin add a bias buffer to the head's output before the loss: the lazy logits are computed
+    # there, by the head module itself, so a converted head keeps its input 8-bit as without lazy logits.
+    class BiasedLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, 32)
+            self.head = torch.nn.Linear(32, VOCAB)
+            self.register_buffer("final_logits_bias", torch.randn(VOCAB))
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def forward(self, ids, labels=None):
+            logits = self.head(self.embed(ids)) + self.final_logits_bias
+            return F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1)), logits
+
+    model = BiasedLM()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    ref_loss, ref_logits = model(ids, ids)
+    kept = {}
+    for keep in (False, True):
+        policy = slimact.Policy(name="p", keep_logits=keep)
+        slim = slimact.convert(copy.deepcopy(model), policy)
+        loss, logits = slim(ids, ids)
+        assert type(logits) is torch.Tensor
+        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(logits, ref_logits)
+        kept[keep] = slimact.profile(slim, (ids, ids), loss_fn=lambda out: out[0]).activation_bytes
+    assert kept[False] == kept[True]

@@ -84,12 +84,18 @@ def _step(func: Callable, rest: tuple, kwargs: dict, t: Tensor) -> Tensor:
 
 class _Spec:
     """What a :class:`LazyLogits` stands for: ``steps(F.linear(h, weight, bias))`` viewed as ``shape``, with
-    ``F.linear`` under the autocast state ``autocast`` (``(device type, dtype)`` or ``None``)."""
+    ``F.linear`` under the autocast state ``autocast`` (``(device type, dtype)`` or ``None``). ``head``: the
+    head module's own call on ``h``, for computing the logits in the graph (a converted head keeps its input
+    as the policy says, as it would have in the forward)."""
 
-    __slots__ = ("autocast", "dtype", "shape", "steps", "versions")
+    __slots__ = ("autocast", "dtype", "head", "shape", "steps", "versions")
 
-    def __init__(self, shape, dtype, steps, autocast, versions) -> None:
+    def __init__(self, shape, dtype, steps, autocast, versions, head) -> None:
         self.shape, self.dtype, self.steps, self.autocast, self.versions = shape, dtype, steps, autocast, versions
+        self.head = head
+
+    def _with(self, shape, dtype, steps) -> _Spec:
+        return _Spec(shape, dtype, steps, self.autocast, self.versions, self.head)
 
     def derived(self, func: Callable, rest: tuple, kwargs: dict) -> _Spec | None:
         """The spec of ``func(lazy, *rest, **kwargs)`` where that is a view in token order or an elementwise op
@@ -108,11 +114,11 @@ class _Spec:
         if not isinstance(out, Tensor) or out.dim() < 1 or out.shape[-1] != self.shape[-1]:
             return None
         if func in _VIEWS:
-            return _Spec(out.shape, self.dtype, self.steps, self.autocast, self.versions)
+            return self._with(out.shape, self.dtype, self.steps)
         if not out.dtype.is_floating_point or out.shape != self.shape:
             return None
         step = functools.partial(_step, func, rest, kwargs)
-        return _Spec(self.shape, out.dtype, (*self.steps, step), self.autocast, self.versions)
+        return self._with(self.shape, out.dtype, (*self.steps, step))
 
     def transform(self, raw: Tensor) -> Tensor:
         for step in self.steps:
@@ -127,7 +133,8 @@ class _Spec:
             with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
                 yield
 
-    def compute(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def compute(self, h: Tensor, weight: Tensor, bias: Tensor | None, *, by_head: bool = False) -> Tensor:
+        """The logits: ``F.linear`` on the given tensors, or (``by_head``) the head module's call on ``h``."""
         changed = [t for t, v in zip((weight, bias), self.versions, strict=True) if t is not None and t._version != v]
         if changed:
             raise RuntimeError(
@@ -137,7 +144,7 @@ class _Spec:
                 "Policy(keep_logits=True)."
             )
         with self.autocast_state():
-            z = self.transform(F.linear(h, weight, bias))
+            z = self.transform(self.head(h) if by_head else F.linear(h, weight, bias))
         return z.reshape(self.shape)
 
 
@@ -188,7 +195,7 @@ class LazyLogits(Tensor):
         """The logits, computed on first use (cached)."""
         if self._value is None:
             with torch._C.DisableTorchFunctionSubclass():
-                self._value = self._spec.compute(*self._inputs)
+                self._value = self._spec.compute(*self._inputs, by_head=True)
         return self._value
 
     def fused(self) -> tuple[Tensor, Tensor, Tensor | None, _Spec] | None:
@@ -271,6 +278,7 @@ class LossTracker:
         #: A LazyLogits was made in this forward (the mode then looks for them in every call's arguments).
         self.lazy_made = False
         self._in_head = False
+        self._computing = False  # the head is called to compute a LazyLogits' values: not lazily again
         self.handles = [
             head.register_forward_pre_hook(self._head_input),
             head.register_forward_hook(self._head_output, always_call=True),
@@ -297,7 +305,7 @@ class LossTracker:
     def _head_input(self, module, args):
         # A converted (slimact) head runs its parent's forward for this call: the plain F.linear that
         # lazy_head answers.
-        if self.active and self.lazy_now:
+        if self.active and self.lazy_now and not self._computing:
             self._in_head = True
             module.__dict__["_slimact_deferred"] = True
 
@@ -317,9 +325,16 @@ class LossTracker:
         autocast = (device, torch.get_autocast_dtype(device)) if _autocasting(x) else None
         dtype = autocast[1] if autocast is not None else torch.result_type(x, weight)
         versions = (weight._version, None if bias is None else bias._version)
-        spec = _Spec((*x.shape[:-1], weight.shape[0]), dtype, (), autocast, versions)
+        spec = _Spec((*x.shape[:-1], weight.shape[0]), dtype, (), autocast, versions, self._head_call)
         self.lazy_made = True
         return LazyLogits.make(x, weight, bias, spec)
+
+    def _head_call(self, h: Tensor) -> Tensor:
+        self._computing = True
+        try:
+            return self.head(h)
+        finally:
+            self._computing = False
 
     def _track(self, t: Tensor, h: Tensor) -> None:
         key = id(t)
