@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from slimact._kinds import kind_of
-from slimact.functional._saving import is_gradient
+from slimact.functional._saving import is_gradient, is_parameter_gradient
 
 __all__ = ["Live", "Report", "SavedTensor", "peak_bytes", "profile"]
 
@@ -84,9 +84,11 @@ class Live:
 
     #: Storages saved for the backward (activations, packed or not).
     kept: int = 0
-    #: Gradients computed in the forward and saved for the backward (the LM loss's; :attr:`Report.gradient_bytes`).
+    #: Activations' gradients computed in the forward and saved for the backward (the LM loss's gradient of its
+    #: input; with the parameters' ones below, :attr:`Report.gradient_bytes`).
     gradients_ahead: int = 0
-    #: Parameters' ``.grad`` (as the backward leaves them).
+    #: Parameters' gradients: their ``.grad`` as the backward leaves them, and those computed ahead in the forward
+    #: (the LM loss's weight gradient of the head, which becomes that ``.grad``).
     parameter_gradients: int = 0
     #: Everything else: outputs not yet read, restored tensors, logits, the loss's chunks, activation gradients.
     transients: int = 0
@@ -364,10 +366,11 @@ class _Meter:
                 backward = min(backward, node.start_time_ns)
         return _in_allocator_order(events), backward
 
-    def marks(self, saved: dict[int, bool], grads: set[int]) -> tuple[Live, Live, int]:
+    def marks(self, saved: dict[int, int], grads: set[int]) -> tuple[Live, Live, int]:
         """The forward's and the backward's high-water marks, with what was alive at each, and the highest of
-        (alive - parameter gradients alive). ``saved``: address -> whether it is a gradient computed ahead, of
-        each storage saved for the backward; ``grads``: addresses of the parameters' gradients after the step.
+        (alive - parameter gradients alive). ``saved``: address -> what it is (0 kept, 1 a gradient computed
+        ahead, 2 a parameter's gradient computed ahead), of each storage saved for the backward; ``grads``:
+        addresses of the parameters' gradients after the step.
 
         The bytes alive after an event are the allocator's own total then, less its total before the step; kept,
         gradients ahead and parameter gradients are the blocks identified as such, transients the rest."""
@@ -398,7 +401,7 @@ class _Meter:
         for block in blocks:
             start, end, ptr = block[0], block[1], block[2]
             if ptr in saved and start < first_backward and (end is None or end >= first_backward):
-                block[4] = 1 if saved[ptr] else 0
+                block[4] = saved[ptr]
             elif ptr in grads and end is None:
                 block[4] = 2
         parts = [0, 0, 0, 0]
@@ -475,7 +478,9 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
     seen: set[tuple[str, int]] = set()
     entries: list[SavedTensor] = []
-    saved: dict[int, bool] = {}  # address -> gradient computed ahead?, of this device's saved storages
+    # address -> what it is (0 kept, 1 gradient computed ahead, 2 a parameter's gradient computed ahead), of this
+    # device's saved storages
+    saved: dict[int, int] = {}
     device = _device_of(model)
     stack = _ModuleStack(model) if keep else None
 
@@ -489,7 +494,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         gradient = is_gradient(t)
         entries.append(SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), gradient))
         if t.device == device:
-            saved[key[1]] = gradient
+            saved[key[1]] = (2 if is_parameter_gradient(t) else 1) if gradient else 0
         return t
 
     use_cuda = torch.cuda.is_available() and device.type == "cuda"

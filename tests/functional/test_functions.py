@@ -122,6 +122,9 @@ def _targets(h: torch.Tensor) -> torch.Tensor:
 
 CASES = _cases()
 IDS = [c.name for c in CASES]
+# Functions whose output is no tensor of values the checks below can run on, with the same checks where they are:
+# _Lazy makes a LazyLogits (no data; any op computes the logits outside it).
+TESTED_ELSEWHERE = {"_Lazy": "tests/nn/test_lm_loss.py::test_a_custom_function_given_the_lazy_logits_*"}
 
 
 def _inputs(case: Case, n: int, *, strided: bool = False, seed: int = 0) -> list[torch.Tensor]:
@@ -180,7 +183,8 @@ def test_every_function_is_in_the_table():
     not_slim = sorted(c.__qualname__ for c in found if not issubclass(c, SlimFunction))
     assert not not_slim, f"not SlimFunction subclasses (no double-backward guard, views): {not_slim}"
     covered = {_function_of(c) for c in CASES}
-    assert found <= covered, f"Functions without a row in CASES: {sorted(c.__qualname__ for c in found - covered)}"
+    missing = sorted(c.__qualname__ for c in found - covered if c.__qualname__ not in TESTED_ELSEWHERE)
+    assert not missing, f"Functions without a row in CASES: {missing}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

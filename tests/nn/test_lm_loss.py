@@ -176,8 +176,11 @@ def test_a_custom_function_given_the_lazy_logits_backpropagates_exactly():
     lazy = slim(input_ids=ids, labels=labels).logits
     weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
     g_ref = torch.autograd.grad((ref * weights).sum(), plain.lm_head.weight)[0]
-    g = torch.autograd.grad((Sink.apply(lazy) * weights).sum(), slim.lm_head.weight)[0]
+    g = torch.autograd.grad((Sink.apply(lazy) * weights).sum(), slim.lm_head.weight, retain_graph=True)[0]
     assert_gradients_equal({"lm_head.weight": g_ref}, {"lm_head.weight": g})  # through the whole model
+    # First order only, as every slimact Function: a second-order gradient through it is refused, not wrong.
+    with pytest.raises(RuntimeError, match=r"\(_Lazy\) cannot be differentiated twice"):
+        torch.autograd.grad((Sink.apply(lazy) * weights).sum(), slim.lm_head.weight, create_graph=True)
 
 
 def test_gemma2_soft_cap_is_applied_per_chunk_and_differentiated():

@@ -7,7 +7,8 @@ shape and dtype and masks to booleans. Keeping every tensor in ``save_for_backwa
 ``saved_tensors_hooks`` (the profiler, CPU offloading) and checkpointing see all of them.
 
 A Function that computes gradients during its forward (the LM loss) saves them as :class:`Gradient` items,
-so that :func:`slimact.profile` reports them apart from activations (:func:`is_gradient`).
+so that :func:`slimact.profile` reports them apart from activations (:func:`is_gradient`), and a parameter's
+gradient (the head's weight gradient) as the parameter gradient it is (:func:`is_parameter_gradient`).
 
 Every slimact Function subclasses :class:`SlimFunction`, which holds what all of them must do alike: refuse a
 backward that records a graph (``create_graph=True``: second-order gradients would be wrong) and never return a
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 
-__all__ = ["Gradient", "Mask", "SlimFunction", "is_gradient", "load", "save"]
+__all__ = ["Gradient", "Mask", "SlimFunction", "is_gradient", "is_parameter_gradient", "load", "save"]
 
 
 class Mask(NamedTuple):
@@ -41,24 +42,36 @@ class Mask(NamedTuple):
 
 
 class Gradient(NamedTuple):
-    """A gradient computed ahead, in the forward, and kept until the backward hands it on (scaled)."""
+    """A gradient computed ahead, in the forward, and kept until the backward hands it on (scaled); ``parameter``:
+    a parameter's gradient (it becomes that parameter's ``.grad``), not an activation's."""
 
     tensor: Tensor
+    parameter: bool = False
 
 
-# id -> weak reference, dropped with the tensor (a WeakSet would compare tensors with ``==``).
-_gradients: dict[int, weakref.ref] = {}
+# id -> (weak reference, a parameter's gradient?), dropped with the tensor (a WeakSet would compare with ``==``).
+_gradients: dict[int, tuple[weakref.ref, bool]] = {}
 
 
-def _mark_gradient(t: Tensor) -> None:
+def _mark_gradient(t: Tensor, parameter: bool) -> None:
     key = id(t)
-    _gradients[key] = weakref.ref(t, lambda _r, key=key: _gradients.pop(key, None))
+    _gradients[key] = (weakref.ref(t, lambda _r, key=key: _gradients.pop(key, None)), parameter)
+
+
+def _gradient_entry(t: Tensor) -> tuple[weakref.ref, bool] | None:
+    entry = _gradients.get(id(t))
+    return entry if entry is not None and entry[0]() is t else None
 
 
 def is_gradient(t: Tensor) -> bool:
     """Whether ``t`` was saved as a :class:`Gradient` (a gradient computed ahead, not an activation)."""
-    ref = _gradients.get(id(t))
-    return ref is not None and ref() is t
+    return _gradient_entry(t) is not None
+
+
+def is_parameter_gradient(t: Tensor) -> bool:
+    """Whether ``t`` was saved as a parameter's :class:`Gradient` (``parameter=True``)."""
+    entry = _gradient_entry(t)
+    return entry is not None and entry[1]
 
 
 def save(ctx: Any, *items: Packed | Mask | Gradient | Tensor | None) -> None:
@@ -72,7 +85,7 @@ def save(ctx: Any, *items: Packed | Mask | Gradient | Tensor | None) -> None:
             flat.append(item.bits)
             layout.append(("mask", 1, item.shape))
         elif isinstance(item, Gradient):
-            _mark_gradient(item.tensor)
+            _mark_gradient(item.tensor, item.parameter)
             flat.append(item.tensor)
             layout.append(("tensor", 1, None))
         else:

@@ -155,7 +155,8 @@ class _LinearCrossEntropy(SlimFunction):
         grad_w, scale_w = _narrow(grad_w, weight.dtype) if grad_w is not None else (None, None)
         grad_b, scale_b = _narrow(grad_b, bias.dtype) if grad_b is not None else (None, None)
         # The scales are tensors (decided on the device): saved, not ctx attributes.
-        save(ctx, *(Gradient(g) if g is not None else None for g in (grad_h, grad_w, grad_b)), scale_w, scale_b)
+        save(ctx, *(Gradient(g, parameter) if g is not None else None
+                    for g, parameter in ((grad_h, False), (grad_w, True), (grad_b, True))), scale_w, scale_b)
         return (total / divisor).to(h.dtype)
 
     @staticmethod

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from slimact.functional._saving import SlimFunction
 from slimact.functional.lm_loss import linear_cross_entropy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
@@ -56,7 +57,7 @@ _ALIASES = {
 # What a LazyLogits answers without computing anything: its metadata.
 _METADATA = {
     Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point, Tensor.is_complex,
-    Tensor.element_size, Tensor.is_contiguous, Tensor.stride, Tensor.get_device, Tensor.__hash__,
+    Tensor.element_size, Tensor.is_contiguous, Tensor.stride, Tensor.get_device, Tensor.__hash__, Tensor._is_view,
 }
 _METADATA_PROPERTIES = {
     "shape", "dtype", "device", "ndim", "requires_grad", "grad_fn", "is_leaf", "layout", "is_cuda", "is_cpu",
@@ -144,13 +145,15 @@ class _Spec:
                 "Policy(keep_logits=True)."
             )
         with self.autocast_state():
-            z = self.transform(self.head(h) if by_head else F.linear(h, weight, bias))
+            z = self.transform(self.head(h) if by_head and self.head is not None else F.linear(h, weight, bias))
         return z.reshape(self.shape)
 
 
-class _Lazy(torch.autograd.Function):
+class _Lazy(SlimFunction):
     """Makes a :class:`LazyLogits`; its backward (reached only where a custom Function took the lazy tensor
-    itself) recomputes the logits and differentiates them."""
+    itself) recomputes the logits and differentiates them (first order only, as every slimact Function)."""
+
+    layer = "LM head (lazy logits)"
 
     @staticmethod
     def forward(ctx, h, weight, bias, spec):
