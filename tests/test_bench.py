@@ -81,6 +81,44 @@ def test_speed_rows_are_interleaved_ratios_with_memory():
         assert 0 < r["memory_ratio"] < 1
 
 
+def test_speed_vocab_sets_the_vocabulary_and_rows_record_the_load():
+    from slimact.bench import speed
+
+    rows = list(speed(["gpt2", "llama"], ("tempo",), layers=None, batch=2, seq=16, rounds=1, warmup=1, tiny=True,
+                      vocab=50))
+    assert [(r["model"], r["setup"]) for r in rows] == [("gpt2", "plain"), ("gpt2", "tempo"), ("llama", "plain"),
+                                                        ("llama", "tempo")]
+    assert all(r["vocab"] == 50 for r in rows)
+    assert all(isinstance(r["load_start"], float) and isinstance(r["load_end"], float) for r in rows)
+    default = next(speed(["gpt2"], (), layers=None, batch=2, seq=16, rounds=1, warmup=1, tiny=True))
+    assert default["vocab"] == 96  # the zoo's tiny vocabulary, as built
+
+
+def test_block_ops_table_has_per_op_times_and_calls_per_setup(tmp_path):
+    from slimact.bench import block_ops
+    from slimact.cli import main
+
+    rows = list(block_ops(("tempo", "int8"), batch=2, seq=16, rounds=2, warmup=1, tiny=True))
+    assert [r["op"] for r in rows[:3]] == ["(wall)", "(total)", "(not in ops)"]
+    for r in rows:
+        assert {"plain_ms", "plain_calls", "tempo_ms", "tempo_calls", "int8_ms", "int8_calls"} <= r.keys()
+    ops = {r["op"]: r for r in rows[3:]}
+    # The plain block runs PyTorch's ops only; the converted ones run slimact's Functions (profiled by name).
+    assert any(r["plain_calls"] > 0 for name, r in ops.items() if name.startswith("aten::"))
+    slim = [r for name, r in ops.items() if name.startswith("_") and name.endswith("Function")]
+    assert slim and all(r["plain_calls"] == 0 for r in slim)
+    assert any(r["tempo_calls"] > 0 for r in slim) and any(r["int8_calls"] > 0 for r in slim)
+    assert all(r[f"{k}_ms"] >= 0 for r in rows[1:] for k in ("plain", "tempo", "int8"))
+    # Ordered by the largest excess over plain.
+    excess = [max(r["tempo_ms"], r["int8_ms"], r["plain_ms"]) - r["plain_ms"] for r in rows[3:]]
+    assert excess == sorted(excess, reverse=True)
+    assert main(["bench", "--speed", "--ops-table", "--tiny", "--batch", "2", "--seq", "16", "--rounds", "1",
+                 "--policies", "tempo", "--out", str(tmp_path)]) == 0
+    with (tmp_path / "speed_ops.csv").open() as f:
+        written = list(csv.DictReader(f))
+    assert written[0]["op"] == "(wall)" and "tempo_ms" in written[0] and "int8_ms" not in written[0]
+
+
 def test_ops_rows():
     from slimact.bench import ops
 

@@ -18,7 +18,12 @@ setup 1, setup 2, ..., plain; ...: each round starts one later) after warm-up: p
 setup's time to that round's plain time, reported as the median and the spread (min, max) over the rounds,
 with the activation bytes of each setup and the peak
 of its forward and backward (:func:`peak_bytes`), so time and memory sit on one plane. Shared machines are
-noisy: only ratios measured this way are reported, never an absolute time on its own.
+noisy: only ratios measured this way are reported, never an absolute time on its own. ``vocab`` times the
+blocks alone (a small vocabulary: the head and loss, at plain's speed under slimact, no longer hide them).
+
+``speed --ops-table`` (:func:`block_ops`): one GPT-2 block's forward and backward, plain and under each policy,
+op by op from ``torch.profiler``'s table (self CPU time and calls per op, medians of interleaved rounds), with
+the time outside any op (Python and dispatch): where a converted block's overhead is (``docs/speed.md``).
 
 ``throughput``: samples per second at one memory budget. :func:`slimact.fit` gives each setup (plain, each
 policy) its largest batch under the budget, measured (weights, optimizer state and the step's
@@ -54,8 +59,9 @@ from torch import Tensor
 
 from slimact.profile import peak_bytes
 
-__all__ = ["SWEEP_COLUMNS", "bandwidth", "environment", "held_bytes", "kernels", "memory", "ops", "peak_bytes",
-           "set_dropout", "speed", "sweep_one", "throughput", "write_results", "write_sweep_docs", "zoo", "zoo_all"]
+__all__ = ["SWEEP_COLUMNS", "bandwidth", "block_ops", "environment", "held_bytes", "kernels", "memory", "ops",
+           "peak_bytes", "set_dropout", "speed", "sweep_one", "throughput", "write_results", "write_sweep_docs", "zoo",
+           "zoo_all"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -494,13 +500,17 @@ def speed(
     tiny: bool = False,
     dtype: str = "fp32",
     dropout: float | None = None,
+    vocab: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Rows per model and setup: the median and spread of (setup step time / plain step time) over
     ``rounds`` interleaved rounds, the same for an inference forward (eval mode, ``no_grad``: ``eval_ratio_*``),
     and the activation bytes of each; ``dtype`` ``"bf16"``/``"fp16"`` runs the forwards under autocast.
     ``dropout`` sets every dropout probability of the model (its config's and its modules'; ``None``: as
-    built). ``first_step_s`` is each setup's first step, apart from the rounds: it includes compilation (Triton
-    kernels, inductor loops) and the allocator's warm-up."""
+    built). ``vocab`` sets the vocabulary (``None``: the model's real one); a small one leaves the head and loss,
+    which slimact runs at plain's speed, a small share of the step, so the blocks' overhead shows.
+    ``first_step_s`` is each setup's first step, apart from the rounds: it includes compilation (Triton
+    kernels, inductor loops) and the allocator's warm-up. ``load_start``/``load_end``: the machine's 1-minute
+    load average before and after the model's timing (a shared machine's noise, recorded with the ratios)."""
     import statistics
 
     import slimact
@@ -508,17 +518,19 @@ def speed(
 
     names = ["plain", *setups]
     for name in models:
-        base = build(name, layers=layers, tiny=tiny).to(device)
+        base = build(name, layers=layers, tiny=tiny, vocab=vocab).to(device)
         if dropout is not None:
             set_dropout(base, dropout)
         inputs = example_inputs(base, batch, seq)
         runs = _setups(base, names)
         first: dict[str, float] = {}
+        load_start = _load()
         times = _interleaved({key: _train_step(m, inputs, device, dtype) for key, m in runs.items()}, rounds,
                              max(warmup, 1), device, first=first)
         # Inference (eval mode, no_grad): a converted model must cost what the plain one does.
         evals = _interleaved({key: _eval_forward(m, inputs, device, dtype) for key, m in runs.items()}, rounds,
                              warmup, device)
+        load_end = _load()
         with autocast(device, dtype):
             plain_bytes = slimact.profile(runs["plain"], inputs).activation_bytes
             plain_peak = peak_bytes(runs["plain"], inputs)
@@ -527,7 +539,8 @@ def speed(
                 kept = plain_bytes if key == "plain" else slimact.profile(runs[key], inputs).activation_bytes
                 peak = plain_peak if key == "plain" else peak_bytes(runs[key], inputs)
             yield {
-                "model": name, "layers": layers, "batch": batch, "tokens": seq, "dtype": dtype,
+                "model": name, "layers": layers, "vocab": getattr(getattr(base, "config", None), "vocab_size", ""),
+                "batch": batch, "tokens": seq, "dtype": dtype,
                 "dropout": "as built" if dropout is None else dropout, "setup": key,
                 **_ratios(times[key], times["plain"]),
                 "plain_step_ms_median": round(1000 * statistics.median(times["plain"]), 1),
@@ -536,8 +549,17 @@ def speed(
                 **_ratios(evals[key], evals["plain"], "eval_ratio"),
                 "rounds": rounds, "activation_mib": round(kept / 2**20, 2),
                 "memory_ratio": round(kept / plain_bytes, 4), "peak_mib": round(peak / 2**20, 2),
-                "peak_ratio": round(peak / plain_peak, 4), **environment(device),
+                "peak_ratio": round(peak / plain_peak, 4), "load_start": load_start, "load_end": load_end,
+                **environment(device),
             }
+
+
+def _load() -> float | str:
+    """The 1-minute load average (``""`` where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return ""
 
 
 def throughput(
@@ -908,3 +930,107 @@ def write_results(rows: list[dict[str, Any]], name: str, folder: str | os.PathLi
     lines += ["| " + " | ".join(str(row.get(k, "")) for k in keys) + " |" for row in rows]
     (folder / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def block_ops(
+    setups: Iterable[str] = ("tempo", "int8"),
+    *,
+    batch: int = 4,
+    seq: int = 256,
+    rounds: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+    tiny: bool = False,
+    dropout: float | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Per op, the self CPU time and the call count of one GPT-2 block's forward + backward (the block alone,
+    on a ``[batch, seq, hidden]`` input, a dense upstream gradient), plain and under each setup, from
+    ``torch.profiler``'s op table: per setup the median over ``rounds`` interleaved profiled calls of each op's
+    self time (ms) and its calls per block. Rows are ordered by the largest excess over plain; a ``(total)``
+    row sums the ops, a ``(wall)`` row is the median wall time of the profiled calls and ``(not in ops)`` their
+    difference (Python and dispatch outside any op: the cost of slimact's Functions' own code)."""
+    import copy
+    import statistics
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    import slimact
+    from slimact.zoo import build
+
+    base = build("gpt2", layers=1, tiny=tiny, vocab=128).to(device)
+    if dropout is not None:
+        set_dropout(base, dropout)
+    names = ["plain", *setups]
+    blocks = {}
+    for key in names:
+        m = copy.deepcopy(base)
+        if key != "plain":
+            slimact.convert(m, key)
+        blocks[key] = m.train().transformer.h[0]
+    hidden = base.config.n_embd
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, seq, hidden, generator=gen).to(device).requires_grad_()
+    grad = torch.randn(batch, seq, hidden, generator=gen).to(device)
+
+    # The model's step counter (a pre-hook on the model, not on the block) brackets each call as the model's
+    # forward would: without it every call of the block would be a new call site with a fresh estimate.
+    counters = {id(b): next((c for m in b.modules() if (c := m.__dict__.get("_slimact_steps")) is not None), None)
+                for b in blocks.values()}
+
+    def step(block: torch.nn.Module) -> None:
+        counter = counters[id(block)]
+        if counter is not None:
+            counter(block, ())
+        out = block(x)
+        if counter is not None:
+            counter.end(block, (), out)
+        (out[0] if isinstance(out, tuple) else out).backward(grad)
+
+    for _ in range(warmup):
+        for block in blocks.values():
+            step(block)
+    self_ms: dict[str, dict[str, list[float]]] = {k: {} for k in names}
+    calls: dict[str, dict[str, int]] = {k: {} for k in names}
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for key in names[r % len(names):] + names[: r % len(names)]:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                step(blocks[key])
+                wall[key].append(1000 * (time.perf_counter() - start))
+            seen = set()
+            for e in prof.key_averages():
+                seen.add(e.key)
+                self_ms[key].setdefault(e.key, [0.0] * r).append(e.self_cpu_time_total / 1000)
+                calls[key][e.key] = e.count
+            for op, times in self_ms[key].items():
+                if op not in seen:
+                    times.append(0.0)
+    ops_all = list(dict.fromkeys(op for k in names for op in self_ms[k]))
+
+    def med(key: str, op: str) -> float:
+        return statistics.median(self_ms[key].get(op, [0.0]))
+
+    env = environment(device)
+    common = {"batch": batch, "tokens": seq, "dropout": "as built" if dropout is None else dropout,
+              "rounds": rounds, "load_end": _load()}
+    rows = []
+    for op in ops_all:
+        row: dict[str, Any] = {"op": op}
+        for key in names:
+            row[f"{key}_ms"] = round(med(key, op), 3)
+            row[f"{key}_calls"] = calls[key].get(op, 0)
+        rows.append(row)
+    rows.sort(key=lambda r: -max(r[f"{k}_ms"] - r["plain_ms"] for k in names))
+    totals: dict[str, Any] = {"op": "(total)"}
+    walls: dict[str, Any] = {"op": "(wall)"}
+    gaps: dict[str, Any] = {"op": "(not in ops)"}
+    for key in names:
+        per_round = [sum(times[r] for times in self_ms[key].values()) for r in range(rounds)]
+        totals[f"{key}_ms"], totals[f"{key}_calls"] = round(statistics.median(per_round), 3), sum(calls[key].values())
+        walls[f"{key}_ms"], walls[f"{key}_calls"] = round(statistics.median(wall[key]), 3), ""
+        gaps[f"{key}_ms"] = round(statistics.median(w - t for w, t in zip(wall[key], per_round, strict=True)), 3)
+        gaps[f"{key}_calls"] = ""
+    for row in [walls, totals, gaps, *rows]:
+        yield {**row, **common, **env}

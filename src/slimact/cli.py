@@ -165,13 +165,23 @@ def _bench(args: argparse.Namespace) -> int:
     from slimact.zoo import MODELS
 
     transformers.logging.set_verbosity_error()
-    if args.speed:
+    if args.speed and args.ops_table:
+        from slimact.bench import block_ops
+
+        for p in args.dropout or [None]:
+            ops_setups = ["tempo", "int8"] if args.policies == ["int8", "tempo"] else args.policies
+            for row in block_ops(ops_setups, batch=args.batch or 4, seq=args.seq or 256, rounds=args.rounds,
+                                 device=args.device, dropout=p, tiny=args.tiny):
+                cells = "  ".join(f"{k.removesuffix('_ms')} {row[k]:.2f} ms" for k in row if k.endswith("_ms"))
+                print(f"{row['op'][:40]:>40}: {cells}", flush=True)
+                rows.append(row)
+    elif args.speed:
         setups = args.policies if args.policies != ["int8", "tempo"] else ["tempo", "int8", "checkpoint",
                                                                           "checkpoint+int8"]
         for p in args.dropout or [None]:
             for row in speed(args.models or ["gpt2", "llama"], setups, layers=args.layers, batch=args.batch or 4,
                              seq=args.seq or 256, rounds=args.rounds, device=args.device, dtype=args.dtypes[0],
-                             dropout=p):
+                             dropout=p, vocab=args.vocab):
                 print(f"{row['model']:>8} {row['setup']:>16} dropout {row['dropout']}: time "
                       f"{row['time_ratio_median']:.3f}x [{row['time_ratio_min']:.3f}, {row['time_ratio_max']:.3f}]  "
                       f"memory {row['memory_ratio']:.3f}x  inference {row['eval_ratio_median']:.3f}x  "
@@ -209,8 +219,8 @@ def _bench(args: argparse.Namespace) -> int:
                   f" -> {row['peak_mib']:>9.2f} MiB {row['peak_ratio']:.3f}x, less parameter gradients "
                   f"{row['peak_less_grads_ratio']:.3f}x", flush=True)
             rows.append(row)
-    default = ("speed" if args.speed else "throughput" if args.throughput else "ops" if args.ops
-               else "zoo" if args.zoo else "memory")
+    default = ("speed_ops" if args.speed and args.ops_table else "speed" if args.speed
+               else "throughput" if args.throughput else "ops" if args.ops else "zoo" if args.zoo else "memory")
     print(f"wrote {write_results(rows, args.name or default, args.out)}")
     return 0
 
@@ -299,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the Triton kernels against the reference: mismatching codes and restored values per "
                            "case (on CPU under TRITON_INTERPRET=1; exit 1 on any mismatch)")
     b.add_argument("--tiny", action="store_true",
-                   help="--kernels: small shapes (for Triton's CPU interpreter); --memory: the zoo's test sizes")
+                   help="--kernels: small shapes (for Triton's CPU interpreter); --memory: the zoo's test sizes; "
+                        "--ops-table: a tiny block")
     b.add_argument("--dropout", nargs="+", type=float, default=None,
                    help="--speed: set every dropout probability of the model to each value in turn (default: as "
                         "built)")
@@ -311,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--docs", default="docs/models.md", help="--zoo --all: the document its table goes into")
     b.add_argument("--layers", type=int, default=None,
                    help="--speed, --throughput: layers of each model (default 4); --memory: (default: the model's)")
+    b.add_argument("--vocab", type=int, default=None,
+                   help="--speed: the models' vocabulary size (default: their real one; a small one times the "
+                        "blocks alone)")
+    b.add_argument("--ops-table", action="store_true",
+                   help="with --speed: one GPT-2 block's forward and backward op by op (torch.profiler), plain and "
+                        "under each of --policies (default int8 tempo); writes speed_ops")
     b.add_argument("--budget", default=None, help="--throughput: the memory budget, e.g. 24GiB")
     b.add_argument("--max-batch", type=int, default=None, help="--throughput: the largest batch to time")
     b.add_argument("--rounds", type=int, default=7,

@@ -205,13 +205,17 @@ _FULL_SIZE: dict[str, dict[str, int]] = {
 }
 
 
-def build(name: str, *, layers: int | None = None, attn: str = "sdpa", seed: int = 0, tiny: bool = False) -> nn.Module:
+def build(
+    name: str, *, layers: int | None = None, attn: str = "sdpa", seed: int = 0, tiny: bool = False,
+    vocab: int | None = None,
+) -> nn.Module:
     """A randomly initialised model of family ``name`` (see :data:`MODELS`).
 
     Args:
         layers: override the number of layers (blocks per stage for Swin; encoder and decoder layers for T5).
         attn: the Hugging Face attention implementation (``"sdpa"`` or ``"eager"``).
         tiny: width 64 and 2 layers instead of GPT-2-small size.
+        vocab: override the vocabulary size (token models; the speed benchmark's blocks-alone shape).
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
@@ -219,6 +223,8 @@ def build(name: str, *, layers: int | None = None, attn: str = "sdpa", seed: int
     changes = {} if tiny else dict(_FULL_SIZE.get(name, {}))
     if layers is not None and name != "swin":
         changes["layers"] = layers
+    if vocab is not None:
+        changes["vocab"] = vocab
     if changes:
         dims = _Dims(**{**dims.__dict__, **changes})
     torch.manual_seed(seed)

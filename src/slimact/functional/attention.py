@@ -294,6 +294,10 @@ def _replayed_noise(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p
     In fp32 that is the draw's own output for an input of ones, and ``x * noise`` is bit for bit
     ``(x * mask) * scale`` (``x * mask`` is exact); for a half-precision draw, the mask converted."""
     with _replaying(state, device):
+        if dtype == torch.float32 and torch.device(device).type == "cpu" and p < 1:
+            # What the CPU's native_dropout does for fp32 (mask = empty.bernoulli_(1 - p); out = x * mask *
+            # scale), the same draw, without its tensor of ones, its multiply by them and its bool mask.
+            return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - p).mul_(1.0 / (1.0 - p))
         out, mask = torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)
     if dtype == torch.float32:
         return out
@@ -354,9 +358,10 @@ class _ChunkedAttention(SlimFunction):
         kf, vf = k.float(), v.float()
         kt, vg = kf.unsqueeze(2).transpose(-1, -2), vf.unsqueeze(2)
         g = grad_out.float()
-        gq = torch.empty_like(qg)
-        gk = torch.zeros(b, h_kv, rep, s, d, dtype=torch.float32, device=q.device)
-        gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
+        # Each block's products are new tensors: the first block's are the sums' start (0 + a is a, exactly),
+        # and a single block's q gradient is the whole one (no zeros, no copy into a buffer).
+        gq = torch.empty_like(qg) if t > CHUNK_ROWS else None
+        gk = gv = None
         gg = g.reshape(b, h_kv, rep, t, v.shape[-1])
         # [B, H, T, S], fp32 (the rows are recomputed in fp32), drawn as the forward drew it (in p_dtype)
         noise_all = _replayed_noise(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
@@ -373,7 +378,8 @@ class _ChunkedAttention(SlimFunction):
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
             noise = None if noise_all is None else noise_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
             dropped, ds = _fused_rows(_rows_backward, scores, dp, noise)
-            gv += dropped.transpose(-1, -2).matmul(gblk)
+            gv_blk = dropped.transpose(-1, -2).matmul(gblk)
+            gv = gv_blk if gv is None else gv.add_(gv_blk)
             if gmask is not None:
                 gm = ds.reshape(b, h, t1 - t0, s)
                 dims = [i for i in range(3) if m4.shape[i] == 1 and gm.shape[i] != 1]
@@ -382,24 +388,37 @@ class _ChunkedAttention(SlimFunction):
                     gmask += gm.sum(2, keepdim=True)
                 else:
                     gmask[:, :, t0:t1] += gm
-            gq[..., t0:t1, :] = ds.matmul(kf.unsqueeze(2)) * scale
-            gk += ds.transpose(-1, -2).matmul(qg[..., t0:t1, :]) * scale
+            gq_blk = ds.matmul(kf.unsqueeze(2)).mul_(scale)
+            if gq is None:
+                gq = gq_blk
+            else:
+                gq[..., t0:t1, :] = gq_blk
+            gk_blk = ds.transpose(-1, -2).matmul(qg[..., t0:t1, :]).mul_(scale)
+            gk = gk_blk if gk is None else gk.add_(gk_blk)
+        if gk is None:  # no query rows
+            gq = torch.empty_like(qg)
+            gk = torch.zeros(b, h_kv, rep, s, d, dtype=torch.float32, device=q.device)
+            gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
         grad_mask = gmask.reshape(mask.shape).to(mask.dtype) if gmask is not None else None
-        return (gq.reshape(b, h, t, d).to(q.dtype), gk.sum(2).to(k.dtype), gv.sum(2).to(v.dtype),
+        # Summed over each group's heads (a dim of one without grouping: a view, not a summing copy).
+        gk, gv = (x.squeeze(2) if rep == 1 else x.sum(2) for x in (gk, gv))
+        return (gq.reshape(b, h, t, d).to(q.dtype), gk.to(k.dtype), gv.to(v.dtype),
                 grad_mask, None, None, None, None, None, None)
 
 
 def _block_scores(qg, kt, add, is_causal, scale, shape, t0, t1) -> Tensor:
     """fp32 scores of query rows ``t0:t1``: ``[B, H_kv, rep, rows, S]`` flattened to ``[B, H, rows, S]``."""
     b, h, t, s = shape
-    scores = torch.matmul(qg.float(), kt.float()).reshape(b, h, t1 - t0, s) * scale
+    # The product is a new tensor: scaled, masked and offset in place (no copy of [B, H, rows, S] per step).
+    scores = torch.matmul(qg.float(), kt.float()).reshape(b, h, t1 - t0, s).mul_(scale)
     if add is not None:
         m = add if add.dim() == 4 else add.view(*(1,) * (4 - add.dim()), *add.shape)
         rows = m[..., t0:t1, :] if m.shape[-2] == t else m
-        scores = scores + rows
+        fits = torch.broadcast_shapes(rows.shape, scores.shape) == scores.shape
+        scores = scores.add_(rows) if fits else scores + rows
     if is_causal:
-        causal = torch.ones(t1 - t0, s, dtype=torch.bool, device=scores.device).tril(diagonal=t0)
-        scores = scores.masked_fill(~causal, float("-inf"))
+        future = torch.ones(t1 - t0, s, dtype=torch.bool, device=scores.device).triu_(diagonal=t0 + 1)
+        scores = scores.masked_fill_(future, float("-inf"))
     return scores
 
 

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -51,9 +53,32 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
     return fields.reshape(-1)[:numel]
 
 
+# Masks as bits, 8 bytes at a time (the same bytes as pack_bits(mask, 1)): the 8 bools of a byte read as one
+# little-endian int64 (one 0/1 per byte); multiplying by _GATHER puts bool j at bit 56 + j and nothing else
+# there (every product term lands on its own bit: no carries), so the top byte is the packed byte. Unpacking
+# spreads the byte to all 8 bytes (times _SPREAD), keeps bit j in byte j (_SELECT), turns a nonzero byte's
+# high bit on (+ 0x7F per byte, no carry between bytes) and moves it to bit 0. A few int64 passes over n/8
+# elements instead of uint8 passes broadcast over [n/8, 8]: on the CPU about 10x faster for a dropout mask.
+_GATHER = 0x0102040810204080
+_SPREAD = 0x0101010101010101
+_SELECT = 0x8040201008040201 - (1 << 64)  # as a signed int64
+_HIGH = 0x7F7F7F7F7F7F7F7F
+
+
+def _words() -> bool:
+    """Whether the int64 route applies: a little-endian host, and not while dynamo traces (dtype views)."""
+    return sys.byteorder == "little" and not torch.compiler.is_compiling()
+
+
 def pack_mask(mask: Tensor) -> Tensor:
     """A boolean tensor as bits, 8 per byte (its shape is the caller's to keep)."""
-    return pack_bits(mask.reshape(-1), 1)
+    flat = mask.reshape(-1)
+    if flat.dtype != torch.bool or not _words():
+        return pack_bits(flat, 1)
+    n = flat.numel()
+    if n % 8 or flat.storage_offset() % 8:
+        flat = torch.cat([flat, flat.new_zeros((-n) % 8)])
+    return ((flat.view(torch.uint8).view(torch.int64) * _GATHER) >> 56).to(torch.uint8)
 
 
 def unpack_mask(packed: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
@@ -61,4 +86,8 @@ def unpack_mask(packed: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
     numel = 1
     for s in shape:
         numel *= s
-    return unpack_bits(packed, 1, numel).reshape(shape).bool()
+    if not _words():
+        return unpack_bits(packed, 1, numel).reshape(shape).bool()
+    words = packed.reshape(-1).to(torch.int64).mul_(_SPREAD).bitwise_and_(_SELECT).add_(_HIGH)
+    words = words.bitwise_right_shift_(7).bitwise_and_(_SPREAD)
+    return words.view(torch.uint8)[:numel].view(torch.bool).reshape(shape)
