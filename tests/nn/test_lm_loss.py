@@ -219,22 +219,29 @@ def test_keep_logits_returns_them_computed_and_still_keeps_no_logits():
     assert all(e.nbytes < N * VOCAB * 4 for e in kept.entries)
 
 
+class _TinyLM(torch.nn.Module):
+    """An embedding, a head and the loss in its own forward, labels a positional argument; ``logits_bias``: a
+    buffer added to the head's output first (Bart's ``final_logits_bias``)."""
+
+    def __init__(self, logits_bias: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+        self.register_buffer("final_logits_bias", torch.randn(VOCAB) if logits_bias else None)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, ids, labels=None):
+        logits = self.head(self.embed(ids))
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias
+        loss = None if labels is None else F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+        return loss, logits
+
+
 def test_labels_given_positionally_are_seen():
-    class LM(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(VOCAB, 32)
-            self.head = torch.nn.Linear(32, VOCAB)
-
-        def get_output_embeddings(self):
-            return self.head
-
-        def forward(self, ids, labels=None):
-            logits = self.head(self.embed(ids))
-            loss = None if labels is None else F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
-            return loss, logits
-
-    model = LM()
+    model = _TinyLM()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     ref_loss, _ = model(ids, ids)
     slim = slimact.convert(copy.deepcopy(model), "tempo")
@@ -250,21 +257,7 @@ def test_labels_given_positionally_are_seen():
 def test_logits_computed_in_the_forward_are_the_converted_heads():
     # Bart and its kin add a bias buffer to the head's output before the loss: the lazy logits are computed
     # there, by the head module itself, so a converted head keeps its input 8-bit as without lazy logits.
-    class BiasedLM(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(VOCAB, 32)
-            self.head = torch.nn.Linear(32, VOCAB)
-            self.register_buffer("final_logits_bias", torch.randn(VOCAB))
-
-        def get_output_embeddings(self):
-            return self.head
-
-        def forward(self, ids, labels=None):
-            logits = self.head(self.embed(ids)) + self.final_logits_bias
-            return F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1)), logits
-
-    model = BiasedLM()
+    model = _TinyLM(logits_bias=True)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     ref_loss, ref_logits = model(ids, ids)
     kept = {}

@@ -48,12 +48,6 @@ from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = ["NOT_LAZY", "LazyLogits", "LossTracker", "labels_position", "lazy_call"]
 
-# Ops whose output has the same elements in the same row-major order as their input.
-_ALIASES = {
-    Tensor.float, Tensor.view, Tensor.reshape, Tensor.contiguous, torch.reshape, Tensor.to, Tensor.flatten,
-    torch.flatten,
-}
-
 # What a LazyLogits answers without computing anything: its metadata.
 _METADATA = {
     Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point, Tensor.is_complex,
@@ -70,6 +64,9 @@ _ELEMENTWISE = {
     Tensor.float, Tensor.half, Tensor.bfloat16, Tensor.to, Tensor.__truediv__, Tensor.div, torch.div,
     Tensor.__mul__, Tensor.__rmul__, Tensor.mul, torch.mul, torch.tanh, Tensor.tanh,
 }
+# Ops whose output has the same elements in the same row-major order as their input (followed from computed
+# logits to the loss).
+_ALIASES = _VIEWS | {Tensor.float, Tensor.to}
 
 
 def _is_metadata(func: Callable) -> bool:

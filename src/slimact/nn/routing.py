@@ -150,7 +150,7 @@ class _Mode(TorchFunctionMode):
             if out is not None:
                 return out
         if loss is not None:
-            if loss.lazy_made:
+            if loss.lazy_made and func is F.cross_entropy:  # one the fused loss did not take: computed now
                 _, args, kwargs = lazy_call(func, args, kwargs)
             out = func(*args, **kwargs)
             loss.seen(func, args, out)
