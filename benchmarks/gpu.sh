@@ -15,8 +15,9 @@
 #                       [8192, 768] bf16/fp32 whole tensor and channel groups, [8, 12, 1024, 64] per head; 8-bit
 #                       nearest, stochastic (seed 1234), 4-bit: mismatching codes and restored values per case
 #                       (slimact bench --kernels; exit 1 on any mismatch).
-#   ops         (45 s)  pack/unpack against copy_ on 64 MiB fp32: ratios, GB/s per layout (whole tensor, channel
-#                       groups, per head; CUDA-event medians), each Function's forward + backward against
+#   ops         (45 s)  pack/unpack against copy_ on 64 MiB fp32: ratios; per layout (whole tensor, channel groups,
+#                       per head) at 64 and 512 MiB, GB/s from CUDA-event medians (host work included) and from the
+#                       kernels' own device time (torch.profiler); each Function's forward + backward against
 #                       PyTorch's (slimact bench --ops).
 #   speed      (160 s)  GPT-2 (12 layers, bf16, batch 8 x 1024) training step, plain vs "tempo" and "int8", with
 #                       every dropout at 0 and at 0.1, 3 interleaved rounds; first_step_s (compilation included)
@@ -120,6 +121,7 @@ step tests 70 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}" 
     tests/functional/test_attention.py::test_cuda_fully_masked_rows_give_zero_and_finite_gradients \
     tests/functional/test_attention.py::test_cuda_keeps_no_sequence_by_sequence_tensor \
     tests/test_kinds.py::test_probes_recognise_a_model_moved_to_cuda_before_convert \
+    tests/test_bench.py::test_on_a_gpu_bandwidth_rows_have_the_kernels_device_time \
     tests/quant/test_triton_finish.py::test_a_pack_many_of_q_k_v_is_three_launches_a_tensor_and_one_host_read \
     tests/quant/test_triton_finish.py::test_one_pack_is_about_three_launches_and_one_host_read \
     tests/quant/test_triton_finish.py::test_a_running_pack_has_no_host_read \

@@ -137,6 +137,18 @@ def test_ops_rows():
     assert all(r["gb_per_s"] > 0 for r in per_layout)
     assert per_layout[6]["shape"] == "1x16x1024x64"
     assert all(per_layout[i]["time_ratio_median"] == 1.0 for i in (0, 3, 6))  # copy_, the base of each layout
+    assert not any("kernel_ms" in r for r in per_layout)  # the kernels' own device time: on a GPU only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_bandwidth_rows_have_the_kernels_device_time():
+    from slimact.bench import bandwidth
+
+    rows = list(bandwidth(mib=4, rounds=2, device="cuda"))
+    assert len(rows) == 9 and all(r["kernel_ms"] > 0 and r["kernel_gb_per_s"] > 0 for r in rows)
+    assert all(rows[i]["kernel_ratio"] == 1.0 for i in (0, 3, 6))
+    # The kernels alone are never slower than the wall time around them.
+    assert all(r["kernel_ms"] <= r["ms_median"] * 1.05 for r in rows)
 
 
 def test_kernel_probe_finds_the_triton_kernels_equal_to_the_reference():

@@ -731,6 +731,9 @@ def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu", lm_tokens: int =
                "bandwidth_vs_copy": round(1 / ratios["time_ratio_median"], 4), "rounds": rounds,
                "backend": backend_for(x), **env}
     yield from bandwidth(mib=mib, rounds=rounds, device=device)
+    if torch.device(device).type == "cuda":
+        # At 64 MiB the H200 copies in ~40 us, less than a pack's host work: 8x larger, the kernels dominate.
+        yield from bandwidth(mib=8 * mib, rounds=rounds, device=device)
     yield from _function_rows(rounds, device, lm_tokens)
 
 
@@ -770,10 +773,30 @@ def _median_seconds(fn: Any, rounds: int, device: str) -> float:
     return statistics.median(times)
 
 
+def _kernel_seconds(fn: Any, rounds: int, device: str) -> float | None:
+    """On a GPU, the device time of ``fn``'s kernels and copies per call (``torch.profiler``, summed over
+    ``rounds`` calls after one warm-up): the bandwidth the kernels reach, apart from the host's launch work and
+    syncs that the wall time (:func:`_median_seconds`) includes. ``None`` elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            fn()
+        torch.cuda.synchronize()
+    micros = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return micros / 1e6 / rounds
+
+
 def bandwidth(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
     """Per layout (:func:`_layouts`), the bandwidth of ``Tensor.copy_``, pack and unpack of a ``mib`` MiB fp32
     tensor: GB/s counting the bytes read plus the bytes written (copy: 4 + 4 per element; pack: 4 read, 1
-    written; unpack: 1 read, 4 written; the per-group scales are negligible), from the median time."""
+    written; unpack: 1 read, 4 written; the per-group scales are negligible), from the median time; on a GPU
+    also from the kernels' own device time (``kernel_*`` columns: :func:`_kernel_seconds`)."""
     from slimact.quant import backend_for
 
     numel = mib * 2**20 // 4
@@ -782,11 +805,16 @@ def bandwidth(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterato
         x = torch.randn(numel, device=device).reshape(shape)
         cases = _copy_pack_unpack(x, cfg)
         seconds = {op: _median_seconds(fn, rounds, device) for op, (fn, _) in cases.items()}
+        kernels = {op: _kernel_seconds(fn, rounds, device) for op, (fn, _) in cases.items()}
         for op, (_, nbytes) in cases.items():
-            yield {"op": f"{op} {mib} MiB fp32, {layout}", "vs": "Tensor.copy_",
+            row = {"op": f"{op} {mib} MiB fp32, {layout}", "vs": "Tensor.copy_",
                    "time_ratio_median": round(seconds[op] / seconds["copy_"], 4),
                    "gb_per_s": round(nbytes / seconds[op] / 1e9, 2), "ms_median": round(1000 * seconds[op], 4),
                    "shape": "x".join(map(str, x.shape)), "rounds": rounds, "backend": backend_for(x), **env}
+            if kernels[op] is not None:
+                row.update(kernel_ms=round(1000 * kernels[op], 4), kernel_gb_per_s=round(nbytes / kernels[op] / 1e9, 2),
+                           kernel_ratio=round(kernels[op] / kernels["copy_"], 4))
+            yield row
         del x, cases
 
 
