@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,12 +21,16 @@ class Ops(TorchDispatchMode):
     """Records every aten op dispatched while active: ``counts`` by op name (views apart: :attr:`work`), and the
     dtypes of each matrix product's tensor arguments in ``products``."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: Callable[[], bool] | None = None) -> None:
+        """``skip``: while it returns True, ops are not recorded (a stand-in kernel's own ops)."""
         super().__init__()
+        self.skip = skip
         self.counts: collections.Counter[str] = collections.Counter()
         self.products: list[tuple[torch.dtype, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.skip is not None and self.skip():
+            return func(*args, **(kwargs or {}))
         self.counts[func.overloadpacket.__name__] += 1
         if func in _PRODUCTS:
             self.products.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
