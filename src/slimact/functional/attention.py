@@ -76,7 +76,7 @@ import torch
 from torch import Tensor
 
 from slimact.functional._saving import Mask, SlimFunction, load, save
-from slimact.functional.attention_guard import score_unsafe
+from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
 from slimact.functional.softmax import pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
@@ -694,10 +694,13 @@ def scaled_dot_product_attention(
     # a NaN/inf in q or k keeps the fused kernels out (fused_kernel). The two flags read in one host sync (each
     # drains a CUDA stream).
     kind = _fused_kind(query, key, value, attn_mask, dropout_p, is_causal, mask_grad)
-    flags = {"unsafe": score_unsafe(query, key, scale, cfg)}
+    flags = {}
+    error = checked_score_error(query, key, scale, cfg)
+    if error is not None:
+        flags["unsafe"] = error > MAX_SCORE_ERROR
     if kind is not None and not torch.compiler.is_compiling():
-        flags["not_finite"] = _not_finite(query, key)
-    flags = {name: flag for name, flag in flags.items() if flag is not None}
+        # A NaN/inf in q or k makes the guard's error non-finite (its norms), where it has one: no pass of its own.
+        flags["not_finite"] = _not_finite(query, key) if error is None else (error - error) != 0
     if flags:
         values = list(flags.values())
         both = values[0].reshape(1) if len(values) == 1 else torch.stack(values)  # (a lone flag: a view, no launch)
