@@ -494,6 +494,27 @@ def test_a_fused_call_reads_the_host_once_for_the_score_guard_and_the_nan_check(
         assert type(out.grad_fn).__name__ != "_FusedAttentionBackward", (which, bad)
 
 
+@pytest.mark.parametrize("dead_row", [False, True], ids=["padding", "a-fully-masked-row"])
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_masked_fused_call_reads_the_host_once_too(cfg, dead_row, emulated):
+    # Whether the mask has fully masked rows was a read of its own (two per masked call, three under int8): it is
+    # read with the guard's and the NaN/inf check's flags. The rows are still zeroed where there are any.
+    from _host import HostReads
+
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.bfloat16))
+    mask = torch.ones(2, 1, 24, 24, dtype=torch.bool)
+    mask[:, :, :, 20:] = False  # padded keys
+    if dead_row:
+        mask[1, :, 5] = False
+    with HostReads() as reads:
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, cfg=cfg)
+    assert type(out.grad_fn).__name__ == "_FusedAttentionBackward"
+    assert reads.count == (1 if cfg is None else 2)
+    ref = F.scaled_dot_product_attention(q.detach().float(), k.float(), v.float(), attn_mask=mask).nan_to_num(0)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(out[1, :, 5] == 0, torch.full_like(out[1, :, 5], dead_row, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
 def test_a_fused_call_launches_few_ops_of_its_own(cfg, emulated):
     # On CUDA each aten op is at least one launch. Outside the pack and the kernels, the fused path's forward runs the
