@@ -486,10 +486,95 @@ def test_a_fused_call_reads_the_host_once_for_the_score_guard_and_the_nan_check(
         out = scaled_dot_product_attention(q, k, v, cfg=cfg)
     assert type(out.grad_fn).__name__ == "_FusedAttentionBackward"
     assert reads.count == (1 if cfg is None else 2)
-    q2 = q.detach().clone()
-    q2[0, 1, 2, 3] = float("nan")  # the same read still keeps the fused kernels out
-    out = scaled_dot_product_attention(q2.requires_grad_(), k, v, cfg=cfg)
-    assert type(out.grad_fn).__name__ != "_FusedAttentionBackward"
+    # The same read still keeps the fused kernels out of a NaN/inf in q or k (int8: read off the guard's error)
+    for which, bad in (("q", float("nan")), ("k", float("inf")), ("q", -float("inf")), ("k", float("nan"))):
+        q2, k2 = q.detach().clone(), k.detach().clone()
+        (q2 if which == "q" else k2)[0, 1, 2, 3] = bad
+        out = scaled_dot_product_attention(q2.requires_grad_(), k2, v, cfg=cfg)
+        assert type(out.grad_fn).__name__ != "_FusedAttentionBackward", (which, bad)
+
+
+@pytest.mark.parametrize("dead_row", [False, True], ids=["padding", "a-fully-masked-row"])
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_masked_fused_call_reads_the_host_once_too(cfg, dead_row, emulated):
+    # Whether the mask has fully masked rows was a read of its own (two per masked call, three under int8): it is
+    # read with the guard's and the NaN/inf check's flags. The rows are still zeroed where there are any.
+    from _host import HostReads
+
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.bfloat16))
+    mask = torch.ones(2, 1, 24, 24, dtype=torch.bool)
+    mask[:, :, :, 20:] = False  # padded keys
+    if dead_row:
+        mask[1, :, 5] = False
+    with HostReads() as reads:
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, cfg=cfg)
+    assert type(out.grad_fn).__name__ == "_FusedAttentionBackward"
+    assert reads.count == (1 if cfg is None else 2)
+    ref = F.scaled_dot_product_attention(q.detach().float(), k.float(), v.float(), attn_mask=mask).nan_to_num(0)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(out[1, :, 5] == 0, torch.full_like(out[1, :, 5], dead_row, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_fused_call_launches_few_ops_of_its_own(cfg, emulated):
+    # On CUDA each aten op is at least one launch. Outside the pack and the kernels, the fused path's forward runs the
+    # NaN/inf check (one fp32 sum of q and of k: 5 ops, was isfinite of both and their all: 12 ops, 8 of them
+    # full-size; under int8 read off the score guard's error instead: 2 ops), the score guard (int8: 16 ops, was
+    # 24) and their one read; its backward only makes grad_out contiguous.
+    import sys
+
+    from _ops import Ops
+
+    def skipped():  # the emulated kernels' own ops, and the pack's (slimact.quant: not this Function's)
+        frame = sys._getframe(2)
+        while frame is not None and not frame.f_globals.get("__name__", "").startswith("slimact.quant"):
+            frame = frame.f_back
+        return emulated.inside or frame is not None
+
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.bfloat16))
+    with Ops(skipped) as forward:
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, cfg=cfg)
+    grad = torch.ones_like(out)
+    with Ops(skipped) as backward:
+        out.backward(grad)
+    assert type(out.grad_fn).__name__ == "_FusedAttentionBackward"
+    assert sum(forward.work.values()) <= (6 if cfg is None else 20), forward.work  # were 14 and 38
+    assert sum(backward.work.values()) <= 3, backward.work
+
+
+@pytest.mark.parametrize("case", ["finite", "nan-q", "inf-k", "-inf-q", "inf-q-and--inf-k", "huge"])
+def test_the_nan_check_flags_every_non_finite_query_or_key(case):
+    # The check sums each in fp32: a NaN/inf makes the total non-finite, also +inf in one and -inf in the other
+    # (their sum is NaN). Finite values whose sum overflows fp32 are flagged too: they take the exact chunked path.
+    q, k, _ = _qkv(dtype=torch.bfloat16)
+    if case == "nan-q":
+        q[1, 2, 3, 4] = float("nan")
+    elif case == "inf-k":
+        k[0, 0, 0, 0] = float("inf")
+    elif case == "-inf-q":
+        q[0, 3, 1, 2] = -float("inf")
+    elif case == "inf-q-and--inf-k":
+        q[0, 0, 0, 0], k[1, 1, 1, 1] = float("inf"), -float("inf")
+    elif case == "huge":
+        q = torch.full_like(q, 3e38)
+    assert attention_mod._not_finite(q, k).dim() == 0
+    assert bool(attention_mod._not_finite(q, k)) == (case != "finite")
+
+
+def test_the_device_capability_is_asked_once_per_device(monkeypatch):
+    # Asked twice per attention call before (the fused-device and head-size checks), each a Python call into CUDA.
+    from unittest import mock
+
+    attention_mod._capability.cache_clear()
+    asked = mock.Mock(return_value=(9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", asked)
+    try:
+        device = torch.device("cuda", 0)
+        for _ in range(3):
+            assert attention_mod._fused_device(device) and attention_mod._max_head_dim(device) == 256
+        assert asked.call_count == 1
+    finally:
+        attention_mod._capability.cache_clear()
 
 
 def _exact_grads(q, k, v, g, mask, keep, p, causal):

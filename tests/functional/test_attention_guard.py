@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import slimact
-from slimact.functional.attention_guard import MAX_SCORE_ERROR, score_error, score_safe_config
+from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error, score_error, score_safe_config
 from slimact.policy import PRESETS
+from slimact.quant import QuantConfig
 
 
 class _QKNormAttention(nn.Module):
@@ -72,3 +73,16 @@ def test_ordinary_attention_keeps_its_codes():
     converted.load_state_dict(plain.state_dict())
     ratio = slimact.profile(converted, x).activation_bytes / slimact.profile(plain, x).activation_bytes
     assert ratio < 0.5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["query", "key"])
+@pytest.mark.parametrize("cfg", [QuantConfig(group_dim=1, groups=0), QuantConfig(group_dim=1, groups=2),
+                                 QuantConfig(groups=1)], ids=["per-head", "head-groups", "whole"])
+def test_a_non_finite_query_or_key_makes_the_error_non_finite(bad, where, cfg):
+    # The fused attention's NaN/inf check under an 8-bit policy is read off this error (no pass of its own).
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 8, 16, generator=gen), torch.randn(2, 2, 8, 16, generator=gen)  # grouped-query too
+    (q if where == "query" else k)[1, 1, 3, 5] = bad
+    assert not torch.isfinite(checked_score_error(q, k, 0.25, cfg))
+    assert torch.isfinite(checked_score_error(torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), 0.25, cfg))

@@ -144,15 +144,7 @@ def test_under_autocast_the_backward_products_run_in_the_autocast_dtype_as_torch
     # An fp32 input (a LayerNorm's output under autocast) multiplied in bf16: PyTorch's weight gradient is the bf16
     # product of the autocast copies. slimact's was an fp32 product of x_hat and the gradient (on an H200, fp32 SIMT
     # GEMMs took 40 ms of GPT-2's 191 ms int8 step).
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    products = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-                products.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
-            return func(*args, **(kwargs or {}))
+    from _ops import Ops
 
     torch.manual_seed(0)
     x = torch.randn(4, 64, 96, requires_grad=True)
@@ -162,8 +154,9 @@ def test_under_autocast_the_backward_products_run_in_the_autocast_dtype_as_torch
         y = linear(x, w, b, cfg, transposed=transposed)
         plain = F.linear(x, w.t() if transposed else w, b)
     g = torch.randn_like(y)
-    with Record():
+    with Ops() as ops:
         (gw,) = torch.autograd.grad(y, w, g)
+    products = ops.products
     (gw0,) = torch.autograd.grad(plain, w, g)
     assert products and all(d == (torch.bfloat16, torch.bfloat16) for d in products), products
     assert gw.dtype == torch.float32  # the weight's

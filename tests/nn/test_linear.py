@@ -70,3 +70,26 @@ def test_an_activation_input_beyond_the_clamp_is_not_shared():
     x = torch.randn(4, 16, 32, requires_grad=True)
     check_against_plain(mlp, x)
     assert slimact.profile(slimact.convert(mlp), x).by_module["2"] > 0
+
+
+def test_a_call_sets_no_attribute_through_module_setattr(monkeypatch):
+    # nn.Module.__setattr__ searches the module's parameters, buffers and submodules on every write: a converted
+    # module's per-call bookkeeping (its call site) writes its plain attributes into __dict__ instead. The call
+    # sites still count up within a forward pass and restart with the next.
+    model = slimact.convert(nn.Sequential(nn.Linear(8, 8)), "int8").train()
+    linear = model[0]
+    writes = []
+    original = nn.Module.__setattr__
+    monkeypatch.setattr(nn.Module, "__setattr__", lambda self, name, value: writes.append(name) or original(
+        self, name, value))
+    x = torch.randn(2, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert not [w for w in writes if w.startswith("_slimact_")], writes
+    sites = []
+    for _ in range(2):
+        linear._slimact_steps(model, ())  # the model's step counter, as its hooks call it
+        for _ in range(3):
+            linear._slimact_begin()
+            sites.append(linear._slimact_site)
+        linear._slimact_steps.end(model, (), None)
+    assert sites == [0, 1, 2, 0, 1, 2]

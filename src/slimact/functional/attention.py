@@ -68,6 +68,7 @@ is within its documented error (tests assert SQNR >= 30 dB).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 
@@ -75,7 +76,7 @@ import torch
 from torch import Tensor
 
 from slimact.functional._saving import Mask, SlimFunction, load, save
-from slimact.functional.attention_guard import score_unsafe
+from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
 from slimact.functional.softmax import pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
@@ -209,13 +210,18 @@ def _fused_rows(fn, scores: Tensor, *args: Tensor | None):
     return fn(scores, *args)
 
 
+def _dead(mask: Tensor) -> Tensor:
+    """``[..., T, 1]``: the query rows a mask allows nothing in (all False, or all -inf), not read."""
+    return (~mask.any(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)).unsqueeze(-1)
+
+
 def _dead_rows(mask: Tensor | None) -> Tensor | None:
     """Query rows a mask allows nothing in (all False, or all -inf): PyTorch gives them 0, and 0 gradients."""
     if mask is None:
         return None
-    dead = ~mask.any(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)
+    dead = _dead(mask)
     # Under torch.compile the mask is applied whether or not a row is dead (no host sync in the graph).
-    return dead.unsqueeze(-1) if torch.compiler.is_compiling() or bool(dead.any()) else None  # [..., T, 1]
+    return dead if torch.compiler.is_compiling() or bool(dead.any()) else None  # [..., T, 1]
 
 
 def _saved_mask(mask: Tensor | None):
@@ -442,10 +448,16 @@ def _op(kind: str, which: int) -> Callable:
     return getattr(torch.ops.aten, op) if isinstance(op, str) else op
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability``, asked once per device (a tensor's: its index given), not twice per call."""
+    return torch.cuda.get_device_capability(device)
+
+
 def _fused_device(device: torch.device) -> bool:
     """Whether PyTorch's fused CUDA kernels are taken on ``device``: CUDA, compute capability 8.0 or more (the
     flash kernel's bf16 needs it; older devices take the chunked path)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cuda" and _capability(device) >= (8, 0)
 
 
 def _max_head_dim(device: torch.device) -> int:
@@ -453,7 +465,7 @@ def _max_head_dim(device: torch.device) -> int:
     (FlashAttention-2's backward takes no head size above 192 on sm86/sm89)."""
     if device.type != "cuda":
         return 256
-    return 256 if torch.cuda.get_device_capability(device) in ((8, 0), (9, 0)) else 128
+    return 256 if _capability(device) in ((8, 0), (9, 0)) else 128
 
 
 def _finite(query: Tensor, key: Tensor) -> bool:
@@ -476,8 +488,14 @@ def fused_kernel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | 
 
 
 def _not_finite(query: Tensor, key: Tensor) -> Tensor:
-    """A 0-dim bool tensor on their device: whether ``query`` or ``key`` holds a NaN/inf (not read)."""
-    return ~(torch.isfinite(query.detach()).all() & torch.isfinite(key.detach()).all())
+    """A 0-dim bool tensor on their device: whether ``query`` or ``key`` holds a NaN/inf (not read).
+
+    From one fp32 sum of each: a NaN/inf anywhere makes the total NaN or +-inf, and ``t - t`` is 0 only for a
+    finite ``t``. Five launches reading each tensor once (``isfinite`` of both and their ``all`` were twelve, with
+    eight full-size passes). Where a sum of finite values overflows fp32 (``|total| > 3.4e38``) finite tensors are
+    flagged too: they take the chunked path, exact, as non-finite ones do (slower, never wrong)."""
+    total = query.detach().sum(dtype=torch.float32) + key.detach().sum(dtype=torch.float32)
+    return (total - total) != 0
 
 
 def _fused_kind(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -580,11 +598,11 @@ class _FusedAttention(SlimFunction):
     layer = "attention (CUDA fused)"
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, kind, cfg_q, cfg_kv, state):
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, kind, cfg_q, cfg_kv, state, dead):
+        # dead: the mask's fully masked rows [..., T, 1] where there are any (read by the caller with its other flags)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         rep = q.shape[1] // k.shape[1]
         shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        dead = _dead_rows(mask)
         exact = cfg_q is None  # lossless: keep the output, lse and seed/offset; 8-bit: recompute them
         rng = _rng_state(q.device) if dropout_p > 0 and not exact else None  # before the kernel draws
         bias = _aligned_bias(mask, q.dtype, dead, shape)
@@ -616,7 +634,7 @@ class _FusedAttention(SlimFunction):
             grad_out = grad_out.masked_fill(dead, 0)
         gq, gk, gv = _fused_backward(kind, grad_out.contiguous(), q, ke, ve, bias, out, lse, aux, sizes, dropout_p,
                                      is_causal, scale)
-        return (gq, _sum_heads(gk, rep), _sum_heads(gv, rep), None, None, None, None, None, None, None, None)
+        return (gq, _sum_heads(gk, rep), _sum_heads(gv, rep), None, None, None, None, None, None, None, None, None)
 
 
 def scaled_dot_product_attention(
@@ -681,16 +699,29 @@ def scaled_dot_product_attention(
     # a NaN/inf in q or k keeps the fused kernels out (fused_kernel). The two flags read in one host sync (each
     # drains a CUDA stream).
     kind = _fused_kind(query, key, value, attn_mask, dropout_p, is_causal, mask_grad)
-    flags = {"unsafe": score_unsafe(query, key, scale, cfg)}
+    flags = {}
+    error = checked_score_error(query, key, scale, cfg)
+    if error is not None:
+        flags["unsafe"] = error > MAX_SCORE_ERROR
+    dead = None
     if kind is not None and not torch.compiler.is_compiling():
-        flags["not_finite"] = _not_finite(query, key)
-    flags = {name: flag for name, flag in flags.items() if flag is not None}
+        # A NaN/inf in q or k makes the guard's error non-finite (its norms), where it has one: no pass of its own.
+        flags["not_finite"] = _not_finite(query, key) if error is None else (error - error) != 0
+        if attn_mask is not None:  # whether the mask has fully masked rows: in the same read (was one of its own)
+            dead = _dead(attn_mask)
+            flags["dead"] = dead.any()
+    elif kind is not None:
+        dead = _dead_rows(attn_mask)  # (compiling: no read; the rows are masked whether or not any is dead)
     if flags:
-        read = dict(zip(flags, torch.stack(list(flags.values())).tolist(), strict=True))
+        values = list(flags.values())
+        both = values[0].reshape(1) if len(values) == 1 else torch.stack(values)  # (a lone flag: a view, no launch)
+        read = dict(zip(flags, both.tolist(), strict=True))
         cfg = None if read.get("unsafe") else cfg
         kind = None if read.get("not_finite") else kind
+        dead = dead if read.get("dead", True) else None
     if kind is not None:
-        return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state)
+        return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state,
+                                     dead)
     # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN (a NaN in the query,
     # or in the key of a one-key row: F.scaled_dot_product_attention's too, torch 2.13): a query or key holding
     # NaN/inf takes the chunked path, whose output is NaN there, as the math path's. (On the CPU this check costs

@@ -25,6 +25,7 @@ CUDA the same read as the fused kernels' NaN/inf check of ``q`` and ``k``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from slimact.quant import QuantConfig
 
-__all__ = ["MAX_SCORE_ERROR", "score_error", "score_safe_config", "score_unsafe"]
+__all__ = ["MAX_SCORE_ERROR", "checked_score_error", "score_error", "score_safe_config", "score_unsafe"]
 
 #: Largest estimated score error (standard deviation, in logits) 8-bit ``q``/``k`` may put on a score. Passing
 #: attentions sit at 4e-4 (Llama, GPT-2 at initialisation) to 1.3e-2 (Qwen3's QK norm with ``1/sqrt(D)``);
@@ -41,37 +42,53 @@ MAX_SCORE_ERROR = 0.02
 
 
 def _head_stats(x: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor]:
-    """Per head of ``x`` ``[B, H, T, D]``: (standard deviation of the rounding error, rms of ``x``), fp32."""
+    """Per head of ``x`` ``[B, H, T, D]``: (the range ``hi - lo`` of its scale group, the L2 norm of ``x``), fp32.
+    The constants (``1 / (2**bits - 1)``, ``1 / sqrt(12)``, ``1 / sqrt(n)``) are :func:`score_error`'s, applied once
+    to the 0-dim result (each op here is a kernel launch on CUDA, on a tensor of ``H`` elements)."""
     # Reductions over every dim but the heads, on x as it is (q, k are often [B, T, H, D] memory seen as
     # [B, H, T, D]: a per-head copy first cost 4x these reads).
     x, dims, heads = x.detach(), (0, 2, 3), x.shape[1]
-    lo, hi = x.amin(dims).float(), x.amax(dims).float()
-    rms = torch.linalg.vector_norm(x, dim=dims, dtype=torch.float32) / math.sqrt(x.numel() // heads)
+    lo, hi = x.amin(dims), x.amax(dims)  # [H], x's dtype (exact)
+    norm = torch.linalg.vector_norm(x, dim=dims, dtype=torch.float32)
     if cfg.group_dim != 1:  # not grouped by heads: the whole tensor's range is each head's
         lo, hi = lo.amin().expand(heads), hi.amax().expand(heads)
     elif cfg.groups and cfg.groups < heads:  # head h is in group h * G // H, as the packer groups them
         index = torch.arange(heads, device=x.device) * cfg.groups // heads
-        lo = torch.full((cfg.groups,), math.inf, device=x.device).scatter_reduce(0, index, lo, "amin")[index]
-        hi = torch.full((cfg.groups,), -math.inf, device=x.device).scatter_reduce(0, index, hi, "amax")[index]
-    step = (hi - lo) / (2**cfg.bits - 1)
-    return step / math.sqrt(6.0 if cfg.stochastic else 12.0), rms
+        lo = torch.full((cfg.groups,), math.inf, device=x.device).scatter_reduce(0, index, lo.float(), "amin")[index]
+        hi = torch.full((cfg.groups,), -math.inf, device=x.device).scatter_reduce(0, index, hi.float(), "amax")[index]
+    return hi.float() - lo, norm  # (the subtraction in fp32: lo is promoted inside it)
 
 
 def score_error(query: Tensor, key: Tensor, scale: float, cfg: QuantConfig) -> Tensor:
     """The largest over heads of the estimated score error (module docstring), a 0-dim fp32 tensor. ``key`` may
-    have fewer heads (grouped-query attention: ``H_kv`` divides ``H``)."""
-    sd_q, rms_q = _head_stats(query, cfg)
-    sd_k, rms_k = _head_stats(key, cfg)
+    have fewer heads (grouped-query attention: ``H_kv`` divides ``H``). A NaN/inf in ``query`` or ``key`` makes it
+    NaN or inf (through the norms), as does a norm overflowing fp32."""
+    range_q, norm_q = _head_stats(query, cfg)
+    range_k, norm_k = _head_stats(key, cfg)
     rep = query.shape[1] // key.shape[1]
     if rep > 1:
-        sd_k, rms_k = sd_k.repeat_interleave(rep), rms_k.repeat_interleave(rep)
-    return (abs(scale) * math.sqrt(query.shape[-1]) * (sd_q * rms_k + rms_q * sd_k)).amax()
+        range_k, norm_k = range_k.repeat_interleave(rep), norm_k.repeat_interleave(rep)
+    # sd = range / ((2**bits - 1) sqrt(12)) (sqrt(6) stochastic), rms = norm / sqrt(n) per head, n its elements:
+    # |scale| sqrt(D) (sd_q rms_k + rms_q sd_k) = c (range_q norm_k + norm_q range_k sqrt(n_k / n_q)),
+    # c = |scale| sqrt(D) / ((2**bits - 1) sqrt(12) sqrt(n_k)) >= 0, which commutes with the max over heads.
+    n_q, n_k = query.numel() // query.shape[1], key.numel() // key.shape[1]
+    c = abs(scale) * math.sqrt(query.shape[-1]) / (
+        (2**cfg.bits - 1) * math.sqrt(6.0 if cfg.stochastic else 12.0) * math.sqrt(n_k))
+    return torch.add(range_q * norm_k, norm_q * range_k, alpha=math.sqrt(n_k / n_q)).amax() * c
 
 
 def score_unsafe(query: Tensor, key: Tensor, scale: float | None, cfg: QuantConfig | None) -> Tensor | None:
     """Whether 8-bit ``q``/``k`` would put more than :data:`MAX_SCORE_ERROR` on the scores, as a 0-dim bool tensor
     on their device (not read: a caller reads it with its other flags, in one host sync), or ``None`` where no
     check applies: without a config, without a gradient, under ``torch.compile``, or for shapes it does not take."""
+    error = checked_score_error(query, key, scale, cfg)
+    return None if error is None else error > MAX_SCORE_ERROR
+
+
+def checked_score_error(query: Tensor, key: Tensor, scale: float | None, cfg: QuantConfig | None) -> Tensor | None:
+    """:func:`score_error` at 8 bits where :func:`score_unsafe` checks (else ``None``): a caller that also needs to
+    know whether ``q`` or ``k`` holds a NaN/inf reads it off this 0-dim tensor (non-finite then), with no pass of
+    its own."""
     if cfg is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return None
     if query.dim() != 4 or key.dim() != 4 or not query.numel() or not key.numel():
@@ -81,8 +98,13 @@ def score_unsafe(query: Tensor, key: Tensor, scale: float | None, cfg: QuantConf
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     # Judged at 8 bits: the guard finds attention that amplifies the codes' error, not a policy's chosen width
     # (4- or 2-bit attention is the user's trade-off, and what ``slimact.check`` is there to judge).
-    # NaN/inf in q or k compare False: the packer keeps them exact anyway.
-    return score_error(query, key, scale, dataclasses.replace(cfg, bits=8)) > MAX_SCORE_ERROR
+    # NaN/inf in q or k make it NaN/inf: NaN compares False (the packer keeps such tensors exact anyway).
+    return score_error(query, key, scale, _at_8_bits(cfg))
+
+
+@functools.cache
+def _at_8_bits(cfg: QuantConfig) -> QuantConfig:
+    return dataclasses.replace(cfg, bits=8)  # (once per config: dataclasses.replace costs microseconds a call)
 
 
 def score_safe_config(query: Tensor, key: Tensor, scale: float | None, cfg: QuantConfig | None) -> QuantConfig | None:

@@ -19,6 +19,7 @@ __all__ = ["dropout"]
 
 class _DropoutFunction(SlimFunction):
     layer = "dropout"
+    routed = True  # its native_dropout is noted by the routing mode where it drops a routed softmax's output
 
     @staticmethod
     def forward(ctx, x, p):

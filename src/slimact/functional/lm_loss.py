@@ -27,8 +27,11 @@ end of the forward does not raise the step's peak. ``slimact.profile`` reports t
 ``gradient_bytes``, apart from activations. The one pattern where they cost memory is several forwards before
 one backward (each forward holds its own ``grad_W`` until then).
 
+Under autocast the two gradient products of each chunk (``dz W`` and ``dz^T h``) run in autocast's dtype, on
+``dz`` cast once, as PyTorch's own head's backward runs them; the chunks' weight gradients are summed in fp32.
+
 Exact up to float rounding: the weight gradient is a sum of per-chunk products (fp32 accumulation), and the
-loss a float64 sum of per-chunk sums.
+loss a float64 sum of the tokens' losses.
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ def _narrow(g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     return (g / scale).to(dtype), scale
 
 
+def _product_dtype(device: torch.device) -> torch.dtype:
+    """Autocast's dtype where autocast is on for ``device``'s type, else fp32."""
+    kind = device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
+
+
 def _exp_and_lse(z: Tensor, *, in_place: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(exp(z - max), sum, lse)`` over the last dim: ``softmax = exp / sum`` and ``lse = log(sum) + max``, as
     ``F.cross_entropy``'s log-softmax computes them (shifted by the row's max), so a row holding +inf (or only
@@ -101,56 +110,83 @@ class _LinearCrossEntropy(SlimFunction):
         n, vocab = h.shape[0], weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
+        need_grad = need_h or need_w or need_b
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_b else None
-        w32 = weight.float() if need_h else None
-        # The chunks' sums are added one after another: in float64, so that many chunks do not drift by a
-        # rounding each (PyTorch sums all tokens' losses at once, pairwise).
-        total = torch.zeros((), dtype=torch.float64, device=h.device)
-        # divisor: a 0-d float64 tensor on h's device (no host sync); 1 / divisor rounded once to fp32 (inf for 0).
-        inverse = (1.0 / divisor).float()
+        grad_w = grad_b = None  # [V, C] and [V] fp32: the first chunk's, then the others' added
+        # The gradient products' dtype: autocast's (bf16/fp16) under autocast, as PyTorch's own head's backward
+        # runs them (on the autocast copies of W and h), else fp32. (In fp32 the chunked weight gradient was 24
+        # fp32 SIMT GEMMs, 14.4 ms of GPT-2's bf16 8 x 1024 step on an H200.)
+        dtype = _product_dtype(h.device)
+        w_c = weight.to(dtype) if need_h else None  # [V, C], cast once per call, not once per chunk
+        # What depends on the labels only, for all N tokens at once (not once per chunk: each is a kernel launch).
+        keep = target != ignore_index  # [N]
+        t_safe = target.clamp(0, vocab - 1).unsqueeze(1)  # [N, 1]
+        # Each token's loss (0 where ignored), summed once at the end in float64 (PyTorch sums all tokens' losses
+        # at once, pairwise; a sum per chunk added one after another drifted by a rounding each).
+        losses = torch.empty(n, dtype=torch.float32, device=h.device)
+        zero = losses.new_zeros(())  # (where's out= form takes no Python scalar)
+        if need_grad:
+            # s = [kept] / divisor per token (1 / divisor rounded once to fp32, inf for 0; divisor is a 0-d float64
+            # tensor on h's device: no host sync), and the one-hot term's weight -(1 - eps) s.
+            s_all = torch.where(keep, (1.0 / divisor).float(), 0.0).unsqueeze(1)  # [N, 1]
+            onehot_all = (smoothing - 1.0) * s_all
         for a, b in _chunks(n, vocab):
             # The previous chunk's [rows, V] tensors are freed before this one's are built (one chunk alive).
-            z = e = dz = raw = None
+            z = e = dz = dz_c = raw = None
+            # [rows, C]: under autocast cast once, for the head's product (what autocast would cast) and grad_W's
+            h_c = h[a:b] if dtype == torch.float32 or (logits is not None and not need_w) else h[a:b].to(dtype)
             if logits is not None:
                 z = logits[a:b].float()  # [rows, V]; a view of the caller's tensor where it is fp32
             elif transform is None:
-                z = F.linear(h[a:b], weight, bias).float()  # [rows, V], ours
+                z = F.linear(h_c, weight, bias).float()  # [rows, V], ours
             else:  # the model's own elementwise ops on its logits (a cast, a soft cap), differentiated locally
-                raw = F.linear(h[a:b], weight, bias).requires_grad_(need_h or need_w or need_b)
+                raw = F.linear(h_c, weight, bias).requires_grad_(need_grad)
                 with torch.enable_grad():
                     z = transform(raw).float()
-            t = target[a:b]
-            keep = t != ignore_index
-            t_safe = t.clamp(0, vocab - 1).unsqueeze(1)
+            t_rows = t_safe[a:b]
             # What the loss needs of z before z becomes exp(z - max) in place (where z is ours to overwrite).
-            picked = z.gather(1, t_safe).squeeze(1)
+            picked = z.gather(1, t_rows).squeeze(1)
             mean = z.mean(-1) if smoothing else None
             # z is overwritten only where it is ours and nothing else reads it (not a caller's logits, not the output
             # of the model's ops, which their local graph may keep).
             e, norm, lse = _exp_and_lse(z.detach(), in_place=logits is None and raw is None)
-            loss = (1 - smoothing) * (lse - picked)
+            loss = lse - picked
             if smoothing:
-                loss = loss + smoothing * (lse - mean)
-            total += torch.where(keep, loss, 0).sum()
-            if not (need_h or need_w or need_b):
+                loss = (1 - smoothing) * loss + smoothing * (lse - mean)
+            torch.where(keep[a:b], loss, zero, out=losses[a:b])
+            if not need_grad:
                 continue
-            # dz = (softmax - (1 - eps) onehot - eps / V) * s, s = [kept] / divisor per token.
-            s = torch.where(keep, inverse, 0.0).unsqueeze(1)  # [rows, 1]
+            # dz = (softmax - (1 - eps) onehot - eps / V) * s
+            s = s_all[a:b]  # [rows, 1]
             dz = e.mul_(s / norm)  # [rows, V]
-            dz.scatter_add_(1, t_safe, (smoothing - 1.0) * s)
+            dz.scatter_add_(1, t_rows, onehot_all[a:b])
             if smoothing:
                 dz -= (smoothing / vocab) * s
             if raw is not None:  # through the model's ops back to the head's product
                 dz = torch.autograd.grad(z, raw, dz)[0].float()
                 del z, raw
+            dz_c = dz.to(dtype)  # [rows, V]; dz itself where dtype is fp32
             if need_h:
-                grad_h[a:b] = (dz @ w32).to(h.dtype)
+                rows = grad_h[a:b]  # [rows, C], contiguous
+                if rows.dtype == dtype:
+                    torch.mm(dz_c, w_c, out=rows)
+                else:
+                    rows.copy_(dz_c @ w_c)
             if need_w:
-                grad_w.addmm_(dz.t(), h[a:b].float())
+                h_c = h_c.to(dtype)  # (fp32: h's rows as they are, or their fp32 copy for a half-precision h)
+                if grad_w is None:
+                    grad_w = (dz_c.t() @ h_c).float()
+                elif dtype == torch.float32:
+                    grad_w.addmm_(dz_c.t(), h_c)
+                else:  # the chunk's [V, C] product in dtype (fp32 accumulation inside), summed over chunks in fp32
+                    grad_w += dz_c.t() @ h_c
             if need_b:
-                grad_b += dz.sum(0)
+                grad_b = dz.sum(0) if grad_b is None else grad_b.add_(dz.sum(0))
+        if need_w and grad_w is None:  # no tokens
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if need_b and grad_b is None:
+            grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device)
+        total = losses.sum(dtype=torch.float64)
         ctx.in_shape = h_in.shape
         grad_w, scale_w = _narrow(grad_w, weight.dtype) if grad_w is not None else (None, None)
         grad_b, scale_b = _narrow(grad_b, bias.dtype) if grad_b is not None else (None, None)

@@ -69,21 +69,26 @@ class SlimModule:
         compresses: float64 (or integer) inputs run the module's own forward, exact. A module whose work
         something else does for this call (``_slimact_deferred``: the LM head whose product the fused loss
         computes, :mod:`slimact.nn.lm_loss`) runs its own forward too."""
-        return self.training and "_slimact_deferred" not in self.__dict__ and all(  # type: ignore[attr-defined]
-            not isinstance(x, Tensor) or x.dtype in COMPRESSIBLE_DTYPES for x in inputs
-        )
+        if not self.training or "_slimact_deferred" in self.__dict__:  # type: ignore[attr-defined]
+            return False
+        for x in inputs:  # (a loop, not all() of a generator: this runs once per module call)
+            if isinstance(x, Tensor) and x.dtype not in COMPRESSIBLE_DTYPES:
+                return False
+        return True
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""
-        steps = self.__dict__.get("_slimact_steps")
+        # Plain attributes written into __dict__ directly: nn.Module.__setattr__ first searches the module's
+        # parameters, buffers and submodules for the name, on every call.
+        d = self.__dict__
+        steps = d.get("_slimact_steps")
         if steps is None:
-            self._slimact_site = 0
-            return
-        if self.__dict__.get("_slimact_step") != steps.value:
-            self._slimact_step = steps.value
-            self._slimact_site = 0
+            d["_slimact_site"] = 0
+        elif d.get("_slimact_step") != steps.value:
+            d["_slimact_step"] = steps.value
+            d["_slimact_site"] = 0
         else:
-            self._slimact_site = min(self._slimact_site + 1, MAX_CALL_SITES - 1)
+            d["_slimact_site"] = min(d["_slimact_site"] + 1, MAX_CALL_SITES - 1)
 
     def _slimact_cfg(self, x: Tensor) -> QuantConfig:
         return self._slimact_policy.quant_config(self._slimact_kind, x.dim())

@@ -129,6 +129,9 @@ class _Notes:
 
 
 class _Mode(TorchFunctionMode):
+    # slimact's Functions run their forwards with this mode off (functional._saving): their ops are no model code.
+    _slimact_routes_model_code = True
+
     def __init__(self, routing: Routing) -> None:
         super().__init__()
         self.routing = routing
