@@ -251,11 +251,39 @@ class _Job:
         self.lo = self.hi = self.step = self.threshold = None
         self.scaled: tuple[Tensor, Tensor] | None = None  # (lo, step) of (lo, hi) decided on the device
         self.clipped = False
+        self.fused = None  # the inductor backend's one-call pack (inductor.pack8), where it applies
+        self.codes: Tensor | None = None  # codes made before finish() (by that pack)
+
+    def _take_fused(self, heavy: bool, training: bool) -> bool:
+        """Whether the codes and scale of the compiled pack (:attr:`fused`) are this job's, once the host has
+        read its decisions; if so, also updates the running estimate. They are, unless outliers present
+        (``heavy``) change the range the scale comes from: never under a running estimate, whose scale is that of
+        the estimate; with its own range, whenever they are kept apart. Under a running estimate the pack's range
+        (``lo``/``hi``, outliers apart) is then folded in when ``training``, as :meth:`RunningRange.update` does:
+        from the compiled pack's folded buffers, copied into place, unless outliers changed the range."""
+        fused = self.fused
+        state = self.state
+        if self.cfg.scale == "running":
+            if fused.folded is None:  # no estimate was read: the first tensor sets it (or the same state twice)
+                if heavy or state.buffers(self.layout.groups) is not None:
+                    return False  # (the host path updates the estimate, scales and quantises, as elsewhere)
+                state.update(self.lo, self.hi, self.cfg.decay, training)  # sets it to this range: this scale
+            elif training and heavy:
+                state.fold(self.lo, self.hi, self.cfg.decay)
+            elif training:
+                for buffer, value in zip(state.buffers(self.layout.groups), fused.folded, strict=True):
+                    buffer.copy_(value)
+        elif heavy:
+            return False
+        self.lo, self.step, self.codes = fused.lo, fused.step, fused.codes
+        return True
 
     def finish(self) -> Packed:
         x, cfg = self.x, self.cfg
-        seed = reference.draw_seed() if cfg.stochastic else None
-        codes = self.kernels.quantize(self.data, self.layout, self.lo, self.step, cfg.bits, seed)
+        codes = self.codes
+        if codes is None:
+            seed = reference.draw_seed() if cfg.stochastic else None
+            codes = self.kernels.quantize(self.data, self.layout, self.lo, self.step, cfg.bits, seed)
         meta = PackMeta(x.shape, x.dtype, cfg.bits, self.layout, False, clipped=self.clipped)
         return Packed((codes, self.lo, self.step, *self.outliers), meta)
 
@@ -293,34 +321,47 @@ def _decide(jobs: list[_Job], training: bool) -> None:
                 job.threshold = aux[3] if job.cfg.outliers else None
                 slots[id(job)] = 3 * n
     loose: dict[torch.device, list[Tensor]] = {}  # per device: 0-d bool flags of the jobs decided by PyTorch ops
-    where: dict[int, list[int | None]] = {}  # id(job) -> its flags' places there (not finite, clipped, outliers)
+    fused: dict[torch.device, list[Tensor]] = {}  # per device: [3] bool flags of the jobs packed in one call
+    where: dict[int, tuple[bool, list[int | None]]] = {}  # id(job) -> (in fused?, its flags' places there)
+    estimated: set[int] = set()  # the states whose estimate a compiled pack of this call has read
     for job in jobs:
         if id(job) in slots:
             continue
-        x, layout = job.data, job.layout
-        if job.cfg.outliers:
+        x, layout, cfg = job.data, job.layout, job.cfg
+        if job.backend == "inductor":
+            # One compiled call: range, decisions, scale and codes (inductor.pack8). Under a running estimate,
+            # with the estimate's scale, unless an earlier job of this call folds into the same state (it would
+            # move the estimate this one must find).
+            estimate = None
+            if cfg.scale == "running" and id(job.state) not in estimated:
+                estimate = job.state.buffers(layout.groups)
+                estimated.add(id(job.state))
+            job.fused = job.kernels.pack8(x, layout, cfg, estimate)
+            if job.fused is not None:
+                job.lo, job.hi, job.threshold = job.fused.range_lo, job.fused.range_hi, job.fused.threshold
+                part = fused.setdefault(x.device, [])
+                where[id(job)] = (True, [3 * len(part), 3 * len(part) + 1, 3 * len(part) + 2])
+                part.append(job.fused.flags)
+                continue
+        if cfg.outliers:
             job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
             job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
         else:
             job.lo, job.hi = job.kernels.group_minmax(x, layout)
+        job.lo, job.hi, *decided = reference.range_decisions(job.lo, job.hi, cfg.clip, job.threshold)
         flags = loose.setdefault(x.device, [])
-        places: list[int | None] = [len(flags), None, None]
-        # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
-        flags.append((~torch.isfinite(job.lo) | ~torch.isfinite(job.hi - job.lo)).any())
-        clip = job.cfg.clip
-        if clip is not None:
-            places[1] = len(flags)
-            flags.append(((job.lo < -clip) | (job.hi > clip)).any())
-            job.lo, job.hi = _clip(job.lo, job.hi, clip)
-        if job.threshold is not None:
-            places[2] = len(flags)
-            flags.append((torch.maximum(job.lo.abs(), job.hi.abs()) > job.threshold).any())
-        where[id(job)] = places
+        places: list[int | None] = []
+        for flag in decided:
+            places.append(None if flag is None else len(flags))
+            if flag is not None:
+                flags.append(flag)
+        where[id(job)] = (False, places)
     read: dict[torch.device, list] = {}
-    for device in {*buffers, *loose}:
+    for device in {*buffers, *loose, *fused}:
         parts = [buffers[device]] if device in buffers else []
         if device in loose:
             parts.append(torch.stack(loose[device]))
+        parts.extend(fused.get(device, ()))
         read[device] = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the one host read per device
     scaled: list[_Job] = []
     for job in jobs:
@@ -329,17 +370,23 @@ def _decide(jobs: list[_Job], training: bool) -> None:
             at = slots[id(job)]
             is_bad, clipped, heavy = read[device][at : at + 3]
         else:
+            in_fused, places = where[id(job)]
             shift = len(buffers[device]) if device in buffers else 0
-            is_bad, clipped, heavy = (False if p is None else read[device][shift + p] for p in where[id(job)])
+            if in_fused:
+                shift += len(loose.get(device, ()))
+            is_bad, clipped, heavy = (False if p is None else read[device][shift + p] for p in places)
         job.clipped = bool(clipped) if job.cfg.clip is not None else False
         if is_bad:
             job.raw = True
             continue
-        if heavy and job.threshold is not None:
+        heavy = bool(heavy) and job.threshold is not None
+        if heavy:
             job.scaled = None
             job.lo, job.hi, *job.outliers = reference.split_outliers(job.data, job.layout, job.threshold)
             if job.cfg.clip is not None:
                 job.lo, job.hi = _clip(job.lo, job.hi, job.cfg.clip)
+        if job.fused is not None and job._take_fused(heavy, training):
+            continue
         if job.cfg.scale == "running":
             job.scaled = None
             job.lo, job.hi = job.state.update(job.lo, job.hi, job.cfg.decay, training)
