@@ -321,8 +321,7 @@ def _decide(jobs: list[_Job], training: bool) -> None:
                 job.threshold = aux[3] if job.cfg.outliers else None
                 slots[id(job)] = 3 * n
     loose: dict[torch.device, list[Tensor]] = {}  # per device: 0-d bool flags of the jobs decided by PyTorch ops
-    fused: dict[torch.device, list[Tensor]] = {}  # per device: [3] bool flags of the jobs packed in one call
-    where: dict[int, tuple[bool, list[int | None]]] = {}  # id(job) -> (in fused?, its flags' places there)
+    where: dict[int, list[int | None]] = {}  # id(job) -> its flags' places there (not finite, clipped, outliers)
     estimated: set[int] = set()  # the states whose estimate a compiled pack of this call has read
     for job in jobs:
         if id(job) in slots:
@@ -337,31 +336,29 @@ def _decide(jobs: list[_Job], training: bool) -> None:
                 estimate = job.state.buffers(layout.groups)
                 estimated.add(id(job.state))
             job.fused = job.kernels.pack8(x, layout, cfg, estimate)
-            if job.fused is not None:
-                job.lo, job.hi, job.threshold = job.fused.range_lo, job.fused.range_hi, job.fused.threshold
-                part = fused.setdefault(x.device, [])
-                where[id(job)] = (True, [3 * len(part), 3 * len(part) + 1, 3 * len(part) + 2])
-                part.append(job.fused.flags)
-                continue
-        if cfg.outliers:
-            job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
-            job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
+        if job.fused is not None:
+            fused = job.fused
+            job.lo, job.hi, job.threshold = fused.range_lo, fused.range_hi, fused.threshold
+            decided = (fused.bad, fused.clipped, fused.heavy)
         else:
-            job.lo, job.hi = job.kernels.group_minmax(x, layout)
-        job.lo, job.hi, *decided = reference.range_decisions(job.lo, job.hi, cfg.clip, job.threshold)
+            if cfg.outliers:
+                job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
+                job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
+            else:
+                job.lo, job.hi = job.kernels.group_minmax(x, layout)
+            job.lo, job.hi, *decided = reference.range_decisions(job.lo, job.hi, cfg.clip, job.threshold)
         flags = loose.setdefault(x.device, [])
         places: list[int | None] = []
         for flag in decided:
             places.append(None if flag is None else len(flags))
             if flag is not None:
                 flags.append(flag)
-        where[id(job)] = (False, places)
+        where[id(job)] = places
     read: dict[torch.device, list] = {}
-    for device in {*buffers, *loose, *fused}:
+    for device in {*buffers, *loose}:
         parts = [buffers[device]] if device in buffers else []
         if device in loose:
             parts.append(torch.stack(loose[device]))
-        parts.extend(fused.get(device, ()))
         read[device] = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the one host read per device
     scaled: list[_Job] = []
     for job in jobs:
@@ -370,11 +367,8 @@ def _decide(jobs: list[_Job], training: bool) -> None:
             at = slots[id(job)]
             is_bad, clipped, heavy = read[device][at : at + 3]
         else:
-            in_fused, places = where[id(job)]
             shift = len(buffers[device]) if device in buffers else 0
-            if in_fused:
-                shift += len(loose.get(device, ()))
-            is_bad, clipped, heavy = (False if p is None else read[device][shift + p] for p in places)
+            is_bad, clipped, heavy = (False if p is None else read[device][shift + p] for p in where[id(job)])
         job.clipped = bool(clipped) if job.cfg.clip is not None else False
         if is_bad:
             job.raw = True

@@ -106,15 +106,15 @@ def _pack8(x3: Tensor, den: Tensor | None, est_lo: Tensor | None, est_rng: Tenso
     # est_rng where one is given, else of the clipped range) and the codes, and with an estimate the buffers
     # after folding the clipped range in (state.folded). Inductor makes it a reduction loop over x3, a few
     # loops over [groups] and the codes' loop: no eager op in between.
-    lo, hi = (t.float() for t in _minmax(x3))
-    lo, hi = lo.amin(0), hi.amax(0)  # [groups] each
+    # One reduction over (outer, run) per group (no [outer, groups] partials reduced again in their own loops)
+    lo, hi = x3.amin((0, 2)).float(), x3.amax((0, 2)).float()  # [groups] each
     threshold = None
     if den is not None:
-        magnitude = x3.abs().float().sqrt().sum(-1).sum(0)  # [groups], fp32 sums, as group_stats
+        magnitude = x3.abs().float().sqrt().sum((0, 2))  # [groups], fp32 sums, as group_stats
         threshold = (magnitude.double() * reference._ROOT / den).square().float()
     lo, hi, bad, clipped, heavy = reference.range_decisions(lo, hi, clip, threshold)
-    no = torch.zeros((), dtype=torch.bool, device=x3.device)
-    flags = torch.stack([bad, no if clipped is None else clipped, no if heavy is None else heavy])  # [3] bool
+    # (The flags are returned apart, not stacked: each copy into a stack is one more serial step of the loop nest.)
+    flags = tuple(flag for flag in (bad, clipped, heavy) if flag is not None)
     if est_lo is None or est_rng is None:
         scale_lo, step = reference.scale_params(lo, hi, 255)
         folded: tuple[Tensor, ...] = ()
@@ -122,13 +122,14 @@ def _pack8(x3: Tensor, den: Tensor | None, est_lo: Tensor | None, est_rng: Tenso
         scale_lo, step = reference.scale_params(est_lo, est_lo + est_rng, 255)
         folded = state.folded(est_lo, est_rng, lo, hi - lo, decay)
     codes = _codes(x3, scale_lo.view(-1, 1), step.view(-1, 1))
-    return codes, scale_lo, step, lo, hi, flags, *(() if threshold is None else (threshold,)), *folded
+    return codes, scale_lo, step, lo, hi, *flags, *(() if threshold is None else (threshold,)), *folded
 
 
 class Packed8(NamedTuple):
     """What :func:`pack8` gives: the codes (``x``'s shape, for the scale ``lo``/``step``), the tensor's own
-    per-group range (clipped), the three decisions of :func:`slimact.quant.reference.range_decisions` as a
-    ``[3]`` bool tensor (NaN/inf, clipped, outliers present: to be read by the host), the outlier threshold
+    per-group range (clipped), the decisions of :func:`slimact.quant.reference.range_decisions` (0-d bool tensors:
+    NaN/inf; clipped, ``None`` without a clip; outliers present, ``None`` without outliers; to be read by the
+    host), the outlier threshold
     (``None`` without outliers) and, with a running estimate, the estimate's buffers after the fold (``None``
     without)."""
 
@@ -137,7 +138,9 @@ class Packed8(NamedTuple):
     step: Tensor
     range_lo: Tensor
     range_hi: Tensor
-    flags: Tensor
+    bad: Tensor
+    clipped: Tensor | None
+    heavy: Tensor | None
     threshold: Tensor | None
     folded: tuple[Tensor, Tensor] | None
 
@@ -164,9 +167,12 @@ def pack8(x: Tensor, layout: GroupLayout, cfg: QuantConfig, estimate: tuple[Tens
     out = _call(_compiled(_pack8, key), (x.view(runs), den, est_lo, est_rng, cfg.clip, cfg.decay))
     if out is None:
         return None
-    codes, lo, step, range_lo, range_hi, flags, *rest = out
-    threshold = rest.pop(0) if den is not None else None
-    return Packed8(codes.view(x.shape), lo, step, range_lo, range_hi, flags, threshold,
+    codes, lo, step, range_lo, range_hi, bad, *rest = out
+    clipped = rest.pop(0) if cfg.clip is not None else None
+    heavy = threshold = None
+    if den is not None:
+        heavy, threshold = rest.pop(0), rest.pop(0)
+    return Packed8(codes.view(x.shape), lo, step, range_lo, range_hi, bad, clipped, heavy, threshold,
                    (rest[0], rest[1]) if rest else None)
 
 
