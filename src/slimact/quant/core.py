@@ -236,15 +236,7 @@ class _Job:
                  backend: Backend, estimate: tuple[Tensor, Tensor] | None) -> None:
         self.index, self.x, self.cfg, self.layout, self.state = index, x, cfg, layout, state
         self.backend, self.kernels, self.estimate = backend, _kernels(backend), estimate
-        # What the kernels read: a strided tensor the compiled CPU loops and the Triton kernels take as a
-        # contiguous copy (one pass at copy bandwidth, transient), made once for the range pass and the quantise
-        # both, where the reference would take several passes and an fp64 reduction (attention's q, k, v are
-        # [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes.
-        self.data = x
-        if not x.is_contiguous() and (
-            backend == "triton" or (backend == "inductor" and x.numel() >= self.kernels.MIN_NUMEL)
-        ):
-            self.data = x.contiguous()
+        self._data: Tensor | None = None
         self.aliases: list[int] = []
         self.raw = False
         self.outliers: tuple[Tensor, ...] = ()
@@ -253,6 +245,23 @@ class _Job:
         self.clipped = False
         self.fused = None  # the inductor backend's one-call pack (inductor.pack8), where it applies
         self.codes: Tensor | None = None  # codes made before finish() (by that pack)
+
+    @property
+    def data(self) -> Tensor:
+        """What the kernels read: a strided tensor the compiled CPU loops and the Triton kernels take as a
+        contiguous copy (one pass at copy bandwidth, transient), made once (on first use) for the range pass and
+        the quantise both, where the reference would take several passes and an fp64 reduction (attention's q,
+        k, v are [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes. The compiled CPU pack
+        (:func:`slimact.quant.inductor.pack8`) reads such a tensor in its memory order instead, with no copy: the
+        copy is then made only where a rare path needs it (outliers to gather)."""
+        if self._data is None:
+            x = self.x
+            self._data = x
+            if not x.is_contiguous() and (
+                self.backend == "triton" or (self.backend == "inductor" and x.numel() >= self.kernels.MIN_NUMEL)
+            ):
+                self._data = x.contiguous()
+        return self._data
 
     def _take_fused(self, heavy: bool, training: bool) -> bool:
         """Whether the codes and scale of the compiled pack (:attr:`fused`) are this job's, once the host has
@@ -326,7 +335,7 @@ def _decide(jobs: list[_Job], training: bool) -> None:
     for job in jobs:
         if id(job) in slots:
             continue
-        x, layout, cfg = job.data, job.layout, job.cfg
+        layout, cfg = job.layout, job.cfg
         if job.backend == "inductor":
             # One compiled call: range, decisions, scale and codes (inductor.pack8). Under a running estimate,
             # with the estimate's scale, unless an earlier job of this call folds into the same state (it would
@@ -335,19 +344,22 @@ def _decide(jobs: list[_Job], training: bool) -> None:
             if cfg.scale == "running" and id(job.state) not in estimated:
                 estimate = job.state.buffers(layout.groups)
                 estimated.add(id(job.state))
-            job.fused = job.kernels.pack8(x, layout, cfg, estimate)
+            job.fused = job.kernels.pack8(job.x, layout, cfg, estimate)
+            if job.fused is None and job.data is not job.x:  # strided, not a permutation of contiguous memory
+                job.fused = job.kernels.pack8(job.data, layout, cfg, estimate)
         if job.fused is not None:
             fused = job.fused
             job.lo, job.hi, job.threshold = fused.range_lo, fused.range_hi, fused.threshold
             decided = (fused.bad, fused.clipped, fused.heavy)
         else:
+            x = job.data
             if cfg.outliers:
                 job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
                 job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
             else:
                 job.lo, job.hi = job.kernels.group_minmax(x, layout)
             job.lo, job.hi, *decided = reference.range_decisions(job.lo, job.hi, cfg.clip, job.threshold)
-        flags = loose.setdefault(x.device, [])
+        flags = loose.setdefault(job.x.device, [])
         places: list[int | None] = []
         for flag in decided:
             places.append(None if flag is None else len(flags))
@@ -362,7 +374,7 @@ def _decide(jobs: list[_Job], training: bool) -> None:
         read[device] = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the one host read per device
     scaled: list[_Job] = []
     for job in jobs:
-        device = job.data.device
+        device = job.x.device
         if id(job) in slots:
             at = slots[id(job)]
             is_bad, clipped, heavy = read[device][at : at + 3]

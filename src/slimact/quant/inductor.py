@@ -156,7 +156,10 @@ def pack8(x: Tensor, layout: GroupLayout, cfg: QuantConfig, estimate: tuple[Tens
     flags, fold), but for the sum of ``sqrt|x|`` behind the outlier threshold (fp32 sums, as :func:`group_stats`).
     ``None`` where it does not apply (as :func:`quantize`: 8-bit nearest codes of a large contiguous CPU tensor
     in whole runs)."""
-    runs = _applies(x, layout) if cfg.bits == 8 and not cfg.stochastic else None
+    if cfg.bits != 8 or cfg.stochastic:
+        return None
+    x, layout, order = _in_memory_order(x, layout)
+    runs = _applies(x, layout)
     if runs is None:
         return None
     den = None
@@ -172,8 +175,32 @@ def pack8(x: Tensor, layout: GroupLayout, cfg: QuantConfig, estimate: tuple[Tens
     heavy = threshold = None
     if den is not None:
         heavy, threshold = rest.pop(0), rest.pop(0)
-    return Packed8(codes.view(x.shape), lo, step, range_lo, range_hi, bad, clipped, heavy, threshold,
+    codes = codes.view(x.shape)
+    if order is not None:  # back to the caller's dim order, contiguous (a copy of the 1-byte codes)
+        codes = codes.permute(order).contiguous()
+    return Packed8(codes, lo, step, range_lo, range_hi, bad, clipped, heavy, threshold,
                    (rest[0], rest[1]) if rest else None)
+
+
+def _in_memory_order(x: Tensor, layout: GroupLayout) -> tuple[Tensor, GroupLayout, list[int] | None]:
+    """``x`` with its dims permuted into memory order, contiguous, its layout in that order, and the permutation
+    that takes them back (``None``: ``x`` as given, contiguous or not a permuted contiguous tensor). Attention's
+    ``q``, ``k``, ``v`` are ``[B, T, H, D]`` memory seen as ``[B, H, T, D]``: one scale per head is then runs of
+    ``D`` elements, ``H`` groups, ``B * T`` of them, read as they lie (no contiguous copy of ``x``)."""
+    if x.is_contiguous():
+        return x, layout, None
+    perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    permuted = x.permute(perm)
+    if not permuted.is_contiguous():
+        return x, layout, None
+    if layout.dim is not None:
+        at = perm.index(layout.dim)
+        inner = 1
+        for s in permuted.shape[at + 1 :]:
+            inner *= s
+        layout = layout._replace(dim=at, inner=inner)
+    back = sorted(range(x.dim()), key=perm.__getitem__)  # the inverse permutation
+    return permuted, layout, back
 
 
 @functools.lru_cache(maxsize=256)
