@@ -6,7 +6,16 @@ and the outlier decision (one host sync; a non-finite tensor is kept uncompresse
 over the tensor (per-group range, quantise, dequantise) are dispatched: to the Triton kernels for CUDA tensors
 when Triton is installed, to ``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`,
 bit-identical to the reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the
-reference everywhere. A strided tensor is copied once, contiguous, for the range pass and the quantise both.
+reference everywhere. A strided tensor is copied once, contiguous, for the range pass and the quantise both,
+unless its dims are a permutation of contiguous memory (attention's ``q``, ``k``, ``v``): the compiled CPU pack
+and the Triton kernels then read it as it lies and copy only its 8-bit codes into its order
+(:func:`slimact.quant.reference.memory_order`).
+
+On the inductor backend (large CPU tensors, 8-bit nearest codes) a pack is one compiled call
+(:func:`slimact.quant.inductor.pack8`): the range, the decisions, the scale (the tensor's own, or the running
+estimate's, with the fold's new buffer values) and the codes, with no PyTorch op in between (before: 235 ops per
+pack, 14 now); the host then reads its three flags and, where they say so (NaN/inf, outliers apart from a
+dynamic range), discards its codes for the slow path.
 
 On the Triton backend the decisions are made on the device (:func:`slimact.quant.triton.decide`): the range
 pass writes per-tile partials and one small kernel per tensor reduces them per group and computes, with the
@@ -216,7 +225,7 @@ def pack_many(
     _decide([job for job in jobs if job.estimate is None], training)
     for job in jobs:  # in the items' order, so that the seeds are drawn as by one pack() each
         if job.estimate is not None:
-            packed = _pack_running(job.data, job.cfg, job.layout, job.state, job.estimate, training)
+            packed = _pack_running(job.x, job.view, job.cfg, job.layout, job.state, job.estimate, training)
         elif job.raw:
             packed = _raw(job.x)
         else:
@@ -237,6 +246,7 @@ class _Job:
         self.index, self.x, self.cfg, self.layout, self.state = index, x, cfg, layout, state
         self.backend, self.kernels, self.estimate = backend, _kernels(backend), estimate
         self._data: Tensor | None = None
+        self._view: tuple[Tensor, GroupLayout, list[int] | None] | None = None
         self.aliases: list[int] = []
         self.raw = False
         self.outliers: tuple[Tensor, ...] = ()
@@ -262,6 +272,14 @@ class _Job:
             ):
                 self._data = x.contiguous()
         return self._data
+
+    @property
+    def view(self) -> tuple[Tensor, GroupLayout, list[int] | None]:
+        """What the Triton kernels read, its layout and the order its 8-bit codes are put back in
+        (:func:`_kernel_view`), made once."""
+        if self._view is None:
+            self._view = _kernel_view(self.x, self.layout, self.cfg.bits)
+        return self._view
 
     def _take_fused(self, heavy: bool, training: bool) -> bool:
         """Whether the codes and scale of the compiled pack (:attr:`fused`) are this job's, once the host has
@@ -292,7 +310,12 @@ class _Job:
         codes = self.codes
         if codes is None:
             seed = reference.draw_seed() if cfg.stochastic else None
-            codes = self.kernels.quantize(self.data, self.layout, self.lo, self.step, cfg.bits, seed)
+            if self.backend == "triton":
+                view, layout, order = self.view  # (codes in the view's order, then in x's)
+                codes = self.kernels.quantize(view, layout, self.lo, self.step, cfg.bits, seed)
+                codes = reference.in_order(codes, order)
+            else:
+                codes = self.kernels.quantize(self.data, self.layout, self.lo, self.step, cfg.bits, seed)
         meta = PackMeta(x.shape, x.dtype, cfg.bits, self.layout, False, clipped=self.clipped)
         return Packed((codes, self.lo, self.step, *self.outliers), meta)
 
@@ -317,13 +340,14 @@ def _decide(jobs: list[_Job], training: bool) -> None:
     members: dict[torch.device, list[_Job]] = {}
     for job in jobs:
         if job.backend == "triton":
-            members.setdefault(job.data.device, []).append(job)
+            members.setdefault(job.x.device, []).append(job)
     buffers: dict[torch.device, Tensor] = {}  # per device: [3 * its triton jobs] int32 flags, zeroed, or-ed into
     slots: dict[int, int] = {}  # id(job) -> where its three flags start in its device's buffer
     for device, device_jobs in members.items():
         flags = buffers[device] = torch.zeros(3 * len(device_jobs), dtype=torch.int32, device=device)
         for n, job in enumerate(device_jobs):
-            decided = job.kernels.decide(job.data, job.layout, job.cfg.qmax, job.cfg.clip, flags[3 * n : 3 * n + 3])
+            view, layout, _ = job.view
+            decided = job.kernels.decide(view, layout, job.cfg.qmax, job.cfg.clip, flags[3 * n : 3 * n + 3])
             if decided is not None:
                 lo, step, aux = decided  # aux: [4, groups] (clipped lo, clipped hi, sum sqrt|x|, threshold)
                 job.lo, job.hi, job.scaled = aux[0], aux[1], (lo, step)
@@ -388,7 +412,8 @@ def _decide(jobs: list[_Job], training: bool) -> None:
         heavy = bool(heavy) and job.threshold is not None
         if heavy:
             job.scaled = None
-            job.lo, job.hi, *job.outliers = reference.split_outliers(job.data, job.layout, job.threshold)
+            # (the caller's x: the outliers' indices are flat indices of its order; the rare path)
+            job.lo, job.hi, *job.outliers = reference.split_outliers(job.x, job.layout, job.threshold)
             if job.cfg.clip is not None:
                 job.lo, job.hi = _clip(job.lo, job.hi, job.cfg.clip)
         if job.fused is not None and job._take_fused(heavy, training):
@@ -434,9 +459,22 @@ def _pack_traced(x: Tensor, cfg: QuantConfig, layout: GroupLayout) -> Packed:
     return Packed((codes, lo, step), meta)
 
 
+def _kernel_view(x: Tensor, layout: GroupLayout, bits: int) -> tuple[Tensor, GroupLayout, list[int] | None]:
+    """What the Triton kernels read for ``x`` (contiguous memory), its layout, and the dim order its 8-bit codes
+    are put back in (:func:`slimact.quant.reference.in_order`; ``None``: already in ``x``'s). A tensor whose
+    dims are a permutation of contiguous memory (attention's ``q``, ``k``, ``v``) is read as it lies, 8-bit codes
+    permuted back afterwards (1 byte per element copied instead of the input's 4 or 2, read and written); other
+    strided tensors (and sub-byte codes, packed along the caller's order) as a contiguous copy."""
+    if bits == 8:
+        view, view_layout, order = reference.memory_order(x, layout)
+        if view.is_contiguous():
+            return view, view_layout, order
+    return x.contiguous(), layout, None
+
+
 def _pack_running(
-    x: Tensor, cfg: QuantConfig, layout: GroupLayout, state: RunningRange, scaled: tuple[Tensor, Tensor],
-    training: bool,
+    x: Tensor, view: tuple[Tensor, GroupLayout, list[int] | None], cfg: QuantConfig, layout: GroupLayout,
+    state: RunningRange, scaled: tuple[Tensor, Tensor], training: bool,
 ) -> Packed:
     """The pack under a running estimate on the GPU, with no host sync and three launches: the estimate's
     ``lo``/``step`` (``scaled``, made by :func:`slimact.quant.triton.scale_estimate` from the state's buffers when
@@ -462,12 +500,13 @@ def _pack_running(
     from slimact.quant import triton as kernels
 
     buffers = state.buffers(layout.groups)
+    data, data_layout, order = view  # (x as the kernels read it: see _kernel_view)
     codes = None
     if buffers is not None:
-        codes = kernels.quantize_fold(x, layout, lo, step, cfg.bits, seed, buffers, cfg.decay, cfg.clip,
+        codes = kernels.quantize_fold(data, data_layout, lo, step, cfg.bits, seed, buffers, cfg.decay, cfg.clip,
                                       cfg.outliers, training)
     if codes is None:  # the PyTorch ops on the range
-        codes, t_lo, t_hi, magnitude = kernels.quantize_stats(x, layout, lo, step, cfg.bits, seed)
+        codes, t_lo, t_hi, magnitude = kernels.quantize_stats(data, data_layout, lo, step, cfg.bits, seed)
         bad = ~torch.isfinite(t_lo) | ~torch.isfinite(t_hi - t_lo)  # [groups]
         if training:
             if cfg.clip is not None:
@@ -477,6 +516,7 @@ def _pack_running(
                 t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
             state.fold(t_lo, t_hi, cfg.decay, skip=bad)
         step = step.masked_fill(bad, float("nan"))
+    codes = reference.in_order(codes, order)
     # (Whether anything lay beyond the clip is not known without a sync: assumed.)
     return Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False, clipped=cfg.clip is not None))
 

@@ -8,6 +8,12 @@ inductor vectorises: the range reads ``x`` once (min and max of each run togethe
 once more and writes one byte per element, the dequantise reads a byte and writes the restored element (into a
 buffer on huge pages from 32 MiB: :mod:`slimact.quant._hugepages`).
 Eager PyTorch spends five passes with fp32 temporaries on the quantise alone (the reference).
+:func:`pack8` is the whole 8-bit pack as one compiled call: the range (one reduction loop per group over
+``(outer, run)``), the decisions and the fp64 scale on ``[groups]`` tensors (a few scalar loops inside the same
+call, instead of the ~220 eager ops of ``[groups]`` size a pack took between its two loops) and the codes' loop;
+under a running estimate the codes use the estimate's scale and the fold's new buffer values come out of the same
+call. A permuted tensor (``[B, T, H, D]`` memory seen as ``[B, H, T, D]``) is read in its memory order, and its
+codes copied back into the caller's order (one byte per element moved instead of the input's contiguous copy).
 :func:`dequantize_map` restores inside a consumer's own loop (``fn(restored, *args)``, for
 :func:`slimact.quant.unpack_map`), on CPU and on CUDA alike.
 
@@ -158,7 +164,7 @@ def pack8(x: Tensor, layout: GroupLayout, cfg: QuantConfig, estimate: tuple[Tens
     in whole runs)."""
     if cfg.bits != 8 or cfg.stochastic:
         return None
-    x, layout, order = _in_memory_order(x, layout)
+    x, layout, order = reference.memory_order(x, layout)
     runs = _applies(x, layout)
     if runs is None:
         return None
@@ -175,32 +181,9 @@ def pack8(x: Tensor, layout: GroupLayout, cfg: QuantConfig, estimate: tuple[Tens
     heavy = threshold = None
     if den is not None:
         heavy, threshold = rest.pop(0), rest.pop(0)
-    codes = codes.view(x.shape)
-    if order is not None:  # back to the caller's dim order, contiguous (a copy of the 1-byte codes)
-        codes = codes.permute(order).contiguous()
+    codes = reference.in_order(codes.view(x.shape), order)
     return Packed8(codes, lo, step, range_lo, range_hi, bad, clipped, heavy, threshold,
                    (rest[0], rest[1]) if rest else None)
-
-
-def _in_memory_order(x: Tensor, layout: GroupLayout) -> tuple[Tensor, GroupLayout, list[int] | None]:
-    """``x`` with its dims permuted into memory order, contiguous, its layout in that order, and the permutation
-    that takes them back (``None``: ``x`` as given, contiguous or not a permuted contiguous tensor). Attention's
-    ``q``, ``k``, ``v`` are ``[B, T, H, D]`` memory seen as ``[B, H, T, D]``: one scale per head is then runs of
-    ``D`` elements, ``H`` groups, ``B * T`` of them, read as they lie (no contiguous copy of ``x``)."""
-    if x.is_contiguous():
-        return x, layout, None
-    perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
-    permuted = x.permute(perm)
-    if not permuted.is_contiguous():
-        return x, layout, None
-    if layout.dim is not None:
-        at = perm.index(layout.dim)
-        inner = 1
-        for s in permuted.shape[at + 1 :]:
-            inner *= s
-        layout = layout._replace(dim=at, inner=inner)
-    back = sorted(range(x.dim()), key=perm.__getitem__)  # the inverse permutation
-    return permuted, layout, back
 
 
 @functools.lru_cache(maxsize=256)

@@ -85,6 +85,8 @@ __all__ = [
     "group_minmax",
     "group_stats",
     "hash_uniform",
+    "in_order",
+    "memory_order",
     "outlier_threshold",
     "quantize",
     "range_decisions",
@@ -280,6 +282,36 @@ def range_decisions(
         lo, hi = lo.clamp(-clip, clip), hi.clamp(-clip, clip)
     heavy = None if threshold is None else (torch.maximum(lo.abs(), hi.abs()) > threshold).any()
     return lo, hi, bad, clipped, heavy
+
+
+def memory_order(x: Tensor, layout: GroupLayout) -> tuple[Tensor, GroupLayout, list[int] | None]:
+    """``x`` with its dims permuted into memory order, contiguous, its layout in that order, and the permutation
+    that takes them back (``None``: ``x`` as given, contiguous or not a permuted contiguous tensor). Attention's
+    ``q``, ``k``, ``v`` are ``[B, T, H, D]`` memory seen as ``[B, H, T, D]``: one scale per head is then runs of
+    ``D`` elements, ``H`` groups, ``B * T`` of them, read as they lie (no contiguous copy of ``x``). For 8-bit
+    codes (one per element), whose order :func:`in_order` then restores; sub-byte codes are packed along the
+    flat index of the caller's order."""
+    if x.is_contiguous():
+        return x, layout, None
+    perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    permuted = x.permute(perm)
+    if not permuted.is_contiguous():
+        return x, layout, None
+    if layout.dim is not None:
+        at = perm.index(layout.dim)
+        inner = 1
+        for s in permuted.shape[at + 1 :]:
+            inner *= s
+        layout = layout._replace(dim=at, inner=inner)
+    back = sorted(range(x.dim()), key=perm.__getitem__)  # the inverse permutation
+    return permuted, layout, back
+
+
+
+def in_order(codes: Tensor, order: list[int] | None) -> Tensor:
+    """8-bit ``codes`` of :func:`memory_order`'s view, in the caller's dim order, contiguous (a copy of one byte per
+    element, where the fp32 input's contiguous copy would have moved eight)."""
+    return codes if order is None else codes.permute(order).contiguous()
 
 
 def split_outliers(x: Tensor, layout: GroupLayout, threshold: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
