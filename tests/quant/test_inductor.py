@@ -277,3 +277,124 @@ def test_python_floats_are_constants_of_the_compiled_loops_not_symbolic_inputs(m
         floats = [n for n, kind, as_tensor in inputs if as_tensor or kind in ("SymFloat", "float")]
         assert not floats, inputs
     assert loops <= names  # the loops that read floats were among those traced
+
+
+def _aten_ops(fn) -> int:
+    # The PyTorch ops (aten::*) a call dispatches, those inside them included; a compiled loop's own code is not one.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+@pytest.mark.parametrize("case", ["channels", "heads", "whole"])
+def test_a_pack_is_one_compiled_call_with_no_eager_passes_or_small_ops_around_it(case, monkeypatch):
+    # Before, a default 8-bit pack of a large CPU tensor was the range's compiled loop, then 225+ PyTorch ops on
+    # [groups] tensors (the outer reduction of the runs' partials, the outlier threshold, the NaN/clip/outlier flags,
+    # the fp64 scale) and the codes' compiled loop. Now all of it is inductor.pack8's one compiled call, and the host
+    # reads its flags (a stack of the 0-d flags and the read) once.
+    shape, cfg = CASES[case]
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    calls = []
+    original = inductor.pack8
+    monkeypatch.setattr(inductor, "pack8", lambda *a: calls.append(a[0].shape) or original(*a))
+    for name in ("quantize", "group_stats", "group_minmax"):  # the separate loops it replaces are not run
+        monkeypatch.setattr(inductor, name, lambda *a, name=name: pytest.fail(f"inductor.{name} ran"))
+    packed = pack(x, cfg, share=False)  # (compiles on first use)
+    assert calls == [x.shape]
+    assert _aten_ops(lambda: pack(x, cfg, share=False)) <= 12
+    ref = pack(x, cfg, backend="reference", share=False)
+    assert all(torch.equal(a, b) for a, b in zip(ref.tensors, packed.tensors, strict=True)) and ref.meta == packed.meta
+
+
+@pytest.mark.parametrize("clip", [None, 2.5], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("case", ["channels", "heads", "whole"])
+def test_a_running_estimate_pack_equals_the_references_codes_scale_and_estimate_at_every_step(case, clip):
+    # The compiled pack quantises with the estimate's scale and folds the tensor's own (clipped) range into the
+    # estimate in the same call (one read of x for the range, one for the codes; the fold's values copied into the
+    # module's buffers). The reference packs with the estimate it finds, then folds: the same codes, scale and
+    # buffers, bit for bit, step after step, in training (the fold) and in eval (none), with outliers kept apart
+    # (their range folded in instead) and a tensor holding NaN (kept exact, the estimate unchanged).
+    from slimact.quant import RunningRange
+
+    shape, base = CASES[case]
+    cfg = QuantConfig(group_dim=base.group_dim, groups=base.groups, scale="running", decay=0.8, clip=clip)
+    gen = torch.Generator().manual_seed(3)
+    states = {b: RunningRange(torch.nn.Module(), "_x") for b in ("reference", "inductor")}
+    for step, training in enumerate([True, True, False, True, True, True]):
+        x = torch.randn(shape, generator=gen) * (1 + step) + step * 0.3
+        if step == 4:
+            x.view(-1)[::4999] = 1e4  # outliers, kept apart
+        if step == 5:
+            x.view(-1)[17] = float("nan")
+        packs = {b: pack(x, cfg, states[b], training=training, backend=b, share=False) for b in states}
+        ref, fast = packs["reference"], packs["inductor"]
+        assert ref.meta == fast.meta and len(ref.tensors) == len(fast.tensors)
+        # (under the clip, outliers saturate: the clipped range has none beyond the threshold)
+        assert (len(fast.tensors) > 3) == (step == 4 and clip is None) and fast.meta.raw == (step == 5)
+        for a, b in zip(ref.tensors, fast.tensors, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        for name in ("_x_lo", "_x_range"):
+            assert torch.equal(getattr(states["reference"].module, name), getattr(states["inductor"].module, name))
+
+
+def test_a_running_estimate_shared_by_two_tensors_of_one_call_is_moved_by_the_first_before_the_second():
+    # pack_many packs in the items' order: the second tensor of the same state finds the estimate after the
+    # first's fold, as with two pack() calls (the compiled pack reads the estimate for the first only).
+    from slimact.quant import RunningRange, pack_many
+
+    cfg = QuantConfig(groups=8, scale="running")
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(344, 768, generator=gen) * s for s in (1.0, 1.0, 4.0, 0.5)]
+    states = [RunningRange(torch.nn.Module(), "_x") for _ in range(2)]
+    alone = [pack(x, cfg, states[0], share=False) for x in xs[:2]]
+    alone += [pack(xs[2], cfg, states[0], share=False), pack(xs[3], cfg, states[0], share=False)]
+    pack_many([(x, cfg, states[1]) for x in xs[:2]], share=False)
+    together = pack_many([(x, cfg, states[1]) for x in xs[2:]], share=False)
+    for a, b in zip(alone[2:], together, strict=True):
+        assert all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors, strict=True))
+    assert torch.equal(states[0].module._x_lo, states[1].module._x_lo)
+    assert torch.equal(states[0].module._x_range, states[1].module._x_range)
+
+
+@pytest.mark.parametrize("running", [False, True], ids=["dynamic", "running"])
+def test_a_permuted_tensor_is_packed_in_its_memory_order_with_no_copy_of_it(running, monkeypatch):
+    # Attention's q, k, v: [B, T, H, D] memory seen as [B, H, T, D], one scale per head. The compiled pack reads
+    # them as [B * T, H, D] runs where they lie; only the 1-byte codes are copied into the [B, H, T, D] order the
+    # restore gives. Before, the whole fp32 tensor was copied contiguous first. A slice of a fused projection
+    # ([B, T, 3, H, D]: not a permutation of contiguous memory) is still packed from a contiguous copy.
+    from slimact.quant import RunningRange
+
+    cfg = QuantConfig(group_dim=1, groups=0, scale="running" if running else "dynamic")
+    gen = torch.Generator().manual_seed(2)
+    views = {  # name -> (a fresh such view, whether the compiled pack reads a contiguous copy of it)
+        "permuted": (lambda: torch.randn(2, 256, 4, 128, generator=gen).transpose(1, 2), False),
+        "sliced": (lambda: torch.randn(2, 256, 3, 4, 128, generator=gen)[:, :, 1].transpose(1, 2), True),
+    }
+    seen = []
+    original = inductor.pack8
+    monkeypatch.setattr(inductor, "pack8", lambda x, *a: seen.append(x.is_contiguous()) or original(x, *a))
+    for make, copied in views.values():
+        states = [RunningRange(torch.nn.Module(), "_x") if running else None for _ in range(2)]
+        for _ in range(2):  # (the first sets a running estimate, the second packs with it)
+            x = make()
+            assert not x.is_contiguous()
+            seen.clear()
+            fast = pack(x, cfg, states[0], share=False)
+            assert seen == [False] + [True] * copied  # x itself, then (sliced) its contiguous copy
+            ref = pack(x, cfg, states[1], backend="reference", share=False)
+            assert all(torch.equal(a, b) for a, b in zip(ref.tensors, fast.tensors, strict=True))
+            assert fast.tensors[0].is_contiguous() and torch.equal(unpack(fast), unpack(ref))
+    permuted = views["permuted"][0]()
+    clones = _aten_ops_named(lambda: pack(permuted, QuantConfig(group_dim=1, groups=0), share=False), "aten::clone")
+    assert clones == 1  # the codes' copy into [B, H, T, D] order, not the fp32 input's
+
+
+def _aten_ops_named(fn, name: str) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == name)

@@ -467,3 +467,38 @@ def test_a_non_finite_group_of_a_device_running_pack_is_the_replaced_paths(shape
     new = _running_packs_agree(x.to(DEVICE), cfg, state, training)
     step = new.tensors[2]  # the group holding it restored as NaN, the others not
     assert torch.isnan(step).sum() == 1
+
+
+@pytest.mark.parametrize("running", [False, True], ids=["dynamic", "running"])
+def test_a_permuted_q_k_or_v_is_read_as_it_lies_and_only_its_codes_are_copied(running):
+    # Attention's q, k, v: [B, T, H, D] memory seen as [B, H, T, D], one scale per head. Before, the kernels took a
+    # contiguous copy of the fp32 tensor (read and written: 8 bytes an element); now they read it as [B * T, H, D]
+    # where it lies, and only the 1-byte codes are copied into the [B, H, T, D] order the restore gives. The same
+    # launches (the copy is of the codes), the same pack as the reference's, bit for bit.
+    class Copies(TorchDispatchMode):  # every copy's dtype and size (the interpreter's own move bytes, as uint8)
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("clone", "copy_", "contiguous"):
+                self.dtypes.append((args[0].dtype, args[0].numel()))
+            return func(*args, **(kwargs or {}))
+
+    cfg = QuantConfig(group_dim=1, groups=0, scale="running" if running else "dynamic")
+    gen = torch.Generator().manual_seed(4)
+    states = [RunningRange(torch.nn.Module(), "_x") if running else None for _ in range(2)]
+    for step in range(3):  # (under a running estimate: the first sets it, then the device's running pack)
+        x = torch.randn(2, 16, 4, 32, generator=gen).to(DEVICE).transpose(1, 2)
+        outlier = step == 1 and not running
+        if outlier:
+            x[0, 1, 3, 5] = 400.0  # kept apart at its logical index (the rare path: a copy of a bool mask)
+        with Launches() as launches, Copies() as copies:
+            fast = pack(x, cfg, states[0], backend="triton", share=False)
+        assert (x.dtype, x.numel()) not in copies.dtypes, copies.dtypes  # (a running estimate's [groups] clones)
+        if step and not outlier:  # (the first running pack also sets the estimate: clones of [groups] tensors)
+            copied = [op for op in launches.ops if op.rstrip("_") in ("copy", "clone", "contiguous")]
+            assert copied == ["clone"], launches.ops
+        ref = pack(x, cfg, states[1], backend="reference", share=False)
+        _assert_same_pack(ref, fast)
+        assert len(fast.tensors) == (5 if outlier else 3)

@@ -6,7 +6,16 @@ and the outlier decision (one host sync; a non-finite tensor is kept uncompresse
 over the tensor (per-group range, quantise, dequantise) are dispatched: to the Triton kernels for CUDA tensors
 when Triton is installed, to ``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`,
 bit-identical to the reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the
-reference everywhere. A strided tensor is copied once, contiguous, for the range pass and the quantise both.
+reference everywhere. A strided tensor is copied once, contiguous, for the range pass and the quantise both,
+unless its dims are a permutation of contiguous memory (attention's ``q``, ``k``, ``v``): the compiled CPU pack
+and the Triton kernels then read it as it lies and copy only its 8-bit codes into its order
+(:func:`slimact.quant.reference.memory_order`).
+
+On the inductor backend (large CPU tensors, 8-bit nearest codes) a pack is one compiled call
+(:func:`slimact.quant.inductor.pack8`): the range, the decisions, the scale (the tensor's own, or the running
+estimate's, with the fold's new buffer values) and the codes, with no PyTorch op in between (before: 235 ops per
+pack, 14 now); the host then reads its three flags and, where they say so (NaN/inf, outliers apart from a
+dynamic range), discards its codes for the slow path.
 
 On the Triton backend the decisions are made on the device (:func:`slimact.quant.triton.decide`): the range
 pass writes per-tile partials and one small kernel per tensor reduces them per group and computes, with the
@@ -216,7 +225,7 @@ def pack_many(
     _decide([job for job in jobs if job.estimate is None], training)
     for job in jobs:  # in the items' order, so that the seeds are drawn as by one pack() each
         if job.estimate is not None:
-            packed = _pack_running(job.data, job.cfg, job.layout, job.state, job.estimate, training)
+            packed = _pack_running(job.x, job.view, job.cfg, job.layout, job.state, job.estimate, training)
         elif job.raw:
             packed = _raw(job.x)
         else:
@@ -236,26 +245,77 @@ class _Job:
                  backend: Backend, estimate: tuple[Tensor, Tensor] | None) -> None:
         self.index, self.x, self.cfg, self.layout, self.state = index, x, cfg, layout, state
         self.backend, self.kernels, self.estimate = backend, _kernels(backend), estimate
-        # What the kernels read: a strided tensor the compiled CPU loops and the Triton kernels take as a
-        # contiguous copy (one pass at copy bandwidth, transient), made once for the range pass and the quantise
-        # both, where the reference would take several passes and an fp64 reduction (attention's q, k, v are
-        # [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes.
-        self.data = x
-        if not x.is_contiguous() and (
-            backend == "triton" or (backend == "inductor" and x.numel() >= self.kernels.MIN_NUMEL)
-        ):
-            self.data = x.contiguous()
+        self._data: Tensor | None = None
+        self._view: tuple[Tensor, GroupLayout, list[int] | None] | None = None
         self.aliases: list[int] = []
         self.raw = False
         self.outliers: tuple[Tensor, ...] = ()
         self.lo = self.hi = self.step = self.threshold = None
         self.scaled: tuple[Tensor, Tensor] | None = None  # (lo, step) of (lo, hi) decided on the device
         self.clipped = False
+        self.fused = None  # the inductor backend's one-call pack (inductor.pack8), where it applies
+        self.codes: Tensor | None = None  # codes made before finish() (by that pack)
+
+    @property
+    def data(self) -> Tensor:
+        """What the kernels read: a strided tensor the compiled CPU loops and the Triton kernels take as a
+        contiguous copy (one pass at copy bandwidth, transient), made once (on first use) for the range pass and
+        the quantise both, where the reference would take several passes and an fp64 reduction (attention's q,
+        k, v are [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes. The compiled CPU pack
+        (:func:`slimact.quant.inductor.pack8`) reads such a tensor in its memory order instead, with no copy: the
+        copy is then made only where a rare path needs it (outliers to gather)."""
+        if self._data is None:
+            x = self.x
+            self._data = x
+            if not x.is_contiguous() and (
+                self.backend == "triton" or (self.backend == "inductor" and x.numel() >= self.kernels.MIN_NUMEL)
+            ):
+                self._data = x.contiguous()
+        return self._data
+
+    @property
+    def view(self) -> tuple[Tensor, GroupLayout, list[int] | None]:
+        """What the Triton kernels read, its layout and the order its 8-bit codes are put back in
+        (:func:`_kernel_view`), made once."""
+        if self._view is None:
+            self._view = _kernel_view(self.x, self.layout, self.cfg.bits)
+        return self._view
+
+    def _take_fused(self, heavy: bool, training: bool) -> bool:
+        """Whether the codes and scale of the compiled pack (:attr:`fused`) are this job's, once the host has
+        read its decisions; if so, also updates the running estimate. They are, unless outliers present
+        (``heavy``) change the range the scale comes from: never under a running estimate, whose scale is that of
+        the estimate; with its own range, whenever they are kept apart. Under a running estimate the pack's range
+        (``lo``/``hi``, outliers apart) is then folded in when ``training``, as :meth:`RunningRange.update` does:
+        from the compiled pack's folded buffers, copied into place, unless outliers changed the range."""
+        fused = self.fused
+        state = self.state
+        if self.cfg.scale == "running":
+            if fused.folded is None:  # no estimate was read: the first tensor sets it (or the same state twice)
+                if heavy or state.buffers(self.layout.groups) is not None:
+                    return False  # (the host path updates the estimate, scales and quantises, as elsewhere)
+                state.update(self.lo, self.hi, self.cfg.decay, training)  # sets it to this range: this scale
+            elif training and heavy:
+                state.fold(self.lo, self.hi, self.cfg.decay)
+            elif training:
+                for buffer, value in zip(state.buffers(self.layout.groups), fused.folded, strict=True):
+                    buffer.copy_(value)
+        elif heavy:
+            return False
+        self.lo, self.step, self.codes = fused.lo, fused.step, fused.codes
+        return True
 
     def finish(self) -> Packed:
         x, cfg = self.x, self.cfg
-        seed = reference.draw_seed() if cfg.stochastic else None
-        codes = self.kernels.quantize(self.data, self.layout, self.lo, self.step, cfg.bits, seed)
+        codes = self.codes
+        if codes is None:
+            seed = reference.draw_seed() if cfg.stochastic else None
+            if self.backend == "triton":
+                view, layout, order = self.view  # (codes in the view's order, then in x's)
+                codes = self.kernels.quantize(view, layout, self.lo, self.step, cfg.bits, seed)
+                codes = reference.in_order(codes, order)
+            else:
+                codes = self.kernels.quantize(self.data, self.layout, self.lo, self.step, cfg.bits, seed)
         meta = PackMeta(x.shape, x.dtype, cfg.bits, self.layout, False, clipped=self.clipped)
         return Packed((codes, self.lo, self.step, *self.outliers), meta)
 
@@ -280,13 +340,14 @@ def _decide(jobs: list[_Job], training: bool) -> None:
     members: dict[torch.device, list[_Job]] = {}
     for job in jobs:
         if job.backend == "triton":
-            members.setdefault(job.data.device, []).append(job)
+            members.setdefault(job.x.device, []).append(job)
     buffers: dict[torch.device, Tensor] = {}  # per device: [3 * its triton jobs] int32 flags, zeroed, or-ed into
     slots: dict[int, int] = {}  # id(job) -> where its three flags start in its device's buffer
     for device, device_jobs in members.items():
         flags = buffers[device] = torch.zeros(3 * len(device_jobs), dtype=torch.int32, device=device)
         for n, job in enumerate(device_jobs):
-            decided = job.kernels.decide(job.data, job.layout, job.cfg.qmax, job.cfg.clip, flags[3 * n : 3 * n + 3])
+            view, layout, _ = job.view
+            decided = job.kernels.decide(view, layout, job.cfg.qmax, job.cfg.clip, flags[3 * n : 3 * n + 3])
             if decided is not None:
                 lo, step, aux = decided  # aux: [4, groups] (clipped lo, clipped hi, sum sqrt|x|, threshold)
                 job.lo, job.hi, job.scaled = aux[0], aux[1], (lo, step)
@@ -294,27 +355,40 @@ def _decide(jobs: list[_Job], training: bool) -> None:
                 slots[id(job)] = 3 * n
     loose: dict[torch.device, list[Tensor]] = {}  # per device: 0-d bool flags of the jobs decided by PyTorch ops
     where: dict[int, list[int | None]] = {}  # id(job) -> its flags' places there (not finite, clipped, outliers)
+    estimated: set[int] = set()  # the states whose estimate a compiled pack of this call has read
     for job in jobs:
         if id(job) in slots:
             continue
-        x, layout = job.data, job.layout
-        if job.cfg.outliers:
-            job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
-            job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
+        layout, cfg = job.layout, job.cfg
+        if job.backend == "inductor":
+            # One compiled call: range, decisions, scale and codes (inductor.pack8). Under a running estimate,
+            # with the estimate's scale, unless an earlier job of this call folds into the same state (it would
+            # move the estimate this one must find).
+            estimate = None
+            if cfg.scale == "running" and id(job.state) not in estimated:
+                estimate = job.state.buffers(layout.groups)
+                estimated.add(id(job.state))
+            job.fused = job.kernels.pack8(job.x, layout, cfg, estimate)
+            if job.fused is None and job.data is not job.x:  # strided, not a permutation of contiguous memory
+                job.fused = job.kernels.pack8(job.data, layout, cfg, estimate)
+        if job.fused is not None:
+            fused = job.fused
+            job.lo, job.hi, job.threshold = fused.range_lo, fused.range_hi, fused.threshold
+            decided = (fused.bad, fused.clipped, fused.heavy)
         else:
-            job.lo, job.hi = job.kernels.group_minmax(x, layout)
-        flags = loose.setdefault(x.device, [])
-        places: list[int | None] = [len(flags), None, None]
-        # NaN/inf propagate into lo/hi; a range overflowing fp32 shows as inf in hi - lo.
-        flags.append((~torch.isfinite(job.lo) | ~torch.isfinite(job.hi - job.lo)).any())
-        clip = job.cfg.clip
-        if clip is not None:
-            places[1] = len(flags)
-            flags.append(((job.lo < -clip) | (job.hi > clip)).any())
-            job.lo, job.hi = _clip(job.lo, job.hi, clip)
-        if job.threshold is not None:
-            places[2] = len(flags)
-            flags.append((torch.maximum(job.lo.abs(), job.hi.abs()) > job.threshold).any())
+            x = job.data
+            if cfg.outliers:
+                job.lo, job.hi, magnitude = job.kernels.group_stats(x, layout)
+                job.threshold = reference.outlier_threshold(magnitude, layout, x.numel())
+            else:
+                job.lo, job.hi = job.kernels.group_minmax(x, layout)
+            job.lo, job.hi, *decided = reference.range_decisions(job.lo, job.hi, cfg.clip, job.threshold)
+        flags = loose.setdefault(job.x.device, [])
+        places: list[int | None] = []
+        for flag in decided:
+            places.append(None if flag is None else len(flags))
+            if flag is not None:
+                flags.append(flag)
         where[id(job)] = places
     read: dict[torch.device, list] = {}
     for device in {*buffers, *loose}:
@@ -324,7 +398,7 @@ def _decide(jobs: list[_Job], training: bool) -> None:
         read[device] = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the one host read per device
     scaled: list[_Job] = []
     for job in jobs:
-        device = job.data.device
+        device = job.x.device
         if id(job) in slots:
             at = slots[id(job)]
             is_bad, clipped, heavy = read[device][at : at + 3]
@@ -335,11 +409,15 @@ def _decide(jobs: list[_Job], training: bool) -> None:
         if is_bad:
             job.raw = True
             continue
-        if heavy and job.threshold is not None:
+        heavy = bool(heavy) and job.threshold is not None
+        if heavy:
             job.scaled = None
-            job.lo, job.hi, *job.outliers = reference.split_outliers(job.data, job.layout, job.threshold)
+            # (the caller's x: the outliers' indices are flat indices of its order; the rare path)
+            job.lo, job.hi, *job.outliers = reference.split_outliers(job.x, job.layout, job.threshold)
             if job.cfg.clip is not None:
                 job.lo, job.hi = _clip(job.lo, job.hi, job.cfg.clip)
+        if job.fused is not None and job._take_fused(heavy, training):
+            continue
         if job.cfg.scale == "running":
             job.scaled = None
             job.lo, job.hi = job.state.update(job.lo, job.hi, job.cfg.decay, training)
@@ -381,9 +459,22 @@ def _pack_traced(x: Tensor, cfg: QuantConfig, layout: GroupLayout) -> Packed:
     return Packed((codes, lo, step), meta)
 
 
+def _kernel_view(x: Tensor, layout: GroupLayout, bits: int) -> tuple[Tensor, GroupLayout, list[int] | None]:
+    """What the Triton kernels read for ``x`` (contiguous memory), its layout, and the dim order its 8-bit codes
+    are put back in (:func:`slimact.quant.reference.in_order`; ``None``: already in ``x``'s). A tensor whose
+    dims are a permutation of contiguous memory (attention's ``q``, ``k``, ``v``) is read as it lies, 8-bit codes
+    permuted back afterwards (1 byte per element copied instead of the input's 4 or 2, read and written); other
+    strided tensors (and sub-byte codes, packed along the caller's order) as a contiguous copy."""
+    if bits == 8:
+        view, view_layout, order = reference.memory_order(x, layout)
+        if view.is_contiguous():
+            return view, view_layout, order
+    return x.contiguous(), layout, None
+
+
 def _pack_running(
-    x: Tensor, cfg: QuantConfig, layout: GroupLayout, state: RunningRange, scaled: tuple[Tensor, Tensor],
-    training: bool,
+    x: Tensor, view: tuple[Tensor, GroupLayout, list[int] | None], cfg: QuantConfig, layout: GroupLayout,
+    state: RunningRange, scaled: tuple[Tensor, Tensor], training: bool,
 ) -> Packed:
     """The pack under a running estimate on the GPU, with no host sync and three launches: the estimate's
     ``lo``/``step`` (``scaled``, made by :func:`slimact.quant.triton.scale_estimate` from the state's buffers when
@@ -409,12 +500,13 @@ def _pack_running(
     from slimact.quant import triton as kernels
 
     buffers = state.buffers(layout.groups)
+    data, data_layout, order = view  # (x as the kernels read it: see _kernel_view)
     codes = None
     if buffers is not None:
-        codes = kernels.quantize_fold(x, layout, lo, step, cfg.bits, seed, buffers, cfg.decay, cfg.clip,
+        codes = kernels.quantize_fold(data, data_layout, lo, step, cfg.bits, seed, buffers, cfg.decay, cfg.clip,
                                       cfg.outliers, training)
     if codes is None:  # the PyTorch ops on the range
-        codes, t_lo, t_hi, magnitude = kernels.quantize_stats(x, layout, lo, step, cfg.bits, seed)
+        codes, t_lo, t_hi, magnitude = kernels.quantize_stats(data, data_layout, lo, step, cfg.bits, seed)
         bad = ~torch.isfinite(t_lo) | ~torch.isfinite(t_hi - t_lo)  # [groups]
         if training:
             if cfg.clip is not None:
@@ -424,6 +516,7 @@ def _pack_running(
                 t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
             state.fold(t_lo, t_hi, cfg.decay, skip=bad)
         step = step.masked_fill(bad, float("nan"))
+    codes = reference.in_order(codes, order)
     # (Whether anything lay beyond the clip is not known without a sync: assumed.)
     return Packed((codes, lo, step), PackMeta(x.shape, x.dtype, cfg.bits, layout, False, clipped=cfg.clip is not None))
 

@@ -8,6 +8,12 @@ inductor vectorises: the range reads ``x`` once (min and max of each run togethe
 once more and writes one byte per element, the dequantise reads a byte and writes the restored element (into a
 buffer on huge pages from 32 MiB: :mod:`slimact.quant._hugepages`).
 Eager PyTorch spends five passes with fp32 temporaries on the quantise alone (the reference).
+:func:`pack8` is the whole 8-bit pack as one compiled call: the range (one reduction loop per group over
+``(outer, run)``), the decisions and the fp64 scale on ``[groups]`` tensors (a few scalar loops inside the same
+call, instead of the ~220 eager ops of ``[groups]`` size a pack took between its two loops) and the codes' loop;
+under a running estimate the codes use the estimate's scale and the fold's new buffer values come out of the same
+call. A permuted tensor (``[B, T, H, D]`` memory seen as ``[B, H, T, D]``) is read in its memory order, and its
+codes copied back into the caller's order (one byte per element moved instead of the input's contiguous copy).
 :func:`dequantize_map` restores inside a consumer's own loop (``fn(restored, *args)``, for
 :func:`slimact.quant.unpack_map`), on CPU and on CUDA alike.
 
@@ -31,15 +37,17 @@ import functools
 import types
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from slimact.quant import _hugepages, reference
-from slimact.quant.reference import GroupLayout, PackMeta
+from slimact.quant import _hugepages, reference, state
+from slimact.quant.reference import GroupLayout, PackMeta, QuantConfig
 
 __all__ = [
-    "MIN_NUMEL", "dequantize", "dequantize_map", "fused", "group_minmax", "group_stats", "pays_off", "quantize",
+    "MIN_NUMEL", "Packed8", "dequantize", "dequantize_map", "fused", "group_minmax", "group_stats", "pack8", "pays_off",
+    "quantize",
 ]
 
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
@@ -94,6 +102,96 @@ def _column_stats(x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def _codes(x3: Tensor, lo: Tensor, step: Tensor) -> Tensor:
     # reference.quantize, nearest rounding: clamp((x - lo) / step + 0.5, 0, 255) truncated to uint8.
     return ((x3.float() - lo) / step + 0.5).clamp(0, 255).to(torch.uint8)
+
+
+def _pack8(x3: Tensor, den: Tensor | None, est_lo: Tensor | None, est_rng: Tensor | None, clip: float | None,
+           decay: float) -> tuple[Tensor, ...]:
+    # A whole 8-bit pack of x3 [outer, groups, run] in one compiled call: the per-group range (and, with an outlier
+    # denominator den [groups] fp64, the sum of sqrt|x| and the outlier threshold), the decisions
+    # (reference.range_decisions), the scale (reference.scale_params: of the running estimate est_lo, est_lo +
+    # est_rng where one is given, else of the clipped range) and the codes, and with an estimate the buffers
+    # after folding the clipped range in (state.folded). Inductor makes it a reduction loop over x3, a few
+    # loops over [groups] and the codes' loop: no eager op in between.
+    # One reduction over (outer, run) per group (no [outer, groups] partials reduced again in their own loops)
+    lo, hi = x3.amin((0, 2)).float(), x3.amax((0, 2)).float()  # [groups] each
+    threshold = None
+    if den is not None:
+        magnitude = x3.abs().float().sqrt().sum((0, 2))  # [groups], fp32 sums, as group_stats
+        threshold = (magnitude.double() * reference._ROOT / den).square().float()
+    lo, hi, bad, clipped, heavy = reference.range_decisions(lo, hi, clip, threshold)
+    # (The flags are returned apart, not stacked: each copy into a stack is one more serial step of the loop nest.)
+    flags = tuple(flag for flag in (bad, clipped, heavy) if flag is not None)
+    if est_lo is None or est_rng is None:
+        scale_lo, step = reference.scale_params(lo, hi, 255)
+        folded: tuple[Tensor, ...] = ()
+    else:
+        scale_lo, step = reference.scale_params(est_lo, est_lo + est_rng, 255)
+        folded = state.folded(est_lo, est_rng, lo, hi - lo, decay)
+    codes = _codes(x3, scale_lo.view(-1, 1), step.view(-1, 1))
+    return codes, scale_lo, step, lo, hi, *flags, *(() if threshold is None else (threshold,)), *folded
+
+
+class Packed8(NamedTuple):
+    """What :func:`pack8` gives: the codes (``x``'s shape, for the scale ``lo``/``step``), the tensor's own
+    per-group range (clipped), the decisions of :func:`slimact.quant.reference.range_decisions` (0-d bool tensors:
+    NaN/inf; clipped, ``None`` without a clip; outliers present, ``None`` without outliers; to be read by the
+    host), the outlier threshold
+    (``None`` without outliers) and, with a running estimate, the estimate's buffers after the fold (``None``
+    without)."""
+
+    codes: Tensor
+    lo: Tensor
+    step: Tensor
+    range_lo: Tensor
+    range_hi: Tensor
+    bad: Tensor
+    clipped: Tensor | None
+    heavy: Tensor | None
+    threshold: Tensor | None
+    folded: tuple[Tensor, Tensor] | None
+
+
+def pack8(x: Tensor, layout: GroupLayout, cfg: QuantConfig, estimate: tuple[Tensor, Tensor] | None) -> Packed8 | None:
+    """An 8-bit round-to-nearest pack of ``x`` in one compiled call and two reads of ``x`` (the range, then the
+    codes; one pass apart from the dispatch of PyTorch's several dozen small ops on ``[groups]`` tensors that
+    the decisions and the scale otherwise take): everything :func:`slimact.quant.core.pack` computes before the
+    host reads the decisions. ``estimate``: the running estimate's live buffers ``(lo, range)``
+    (:meth:`slimact.quant.state.RunningRange.buffers`); the codes are then those of the estimate's scale, and
+    :attr:`Packed8.folded` the buffers' values after this tensor's clipped range is folded in (the caller copies
+    them into place when it should). The same values as the reference's ops bit for bit (codes, scale, range,
+    flags, fold), but for the sum of ``sqrt|x|`` behind the outlier threshold (fp32 sums, as :func:`group_stats`).
+    ``None`` where it does not apply (as :func:`quantize`: 8-bit nearest codes of a large contiguous CPU tensor
+    in whole runs)."""
+    if cfg.bits != 8 or cfg.stochastic:
+        return None
+    x, layout, order = reference.memory_order(x, layout)
+    runs = _applies(x, layout)
+    if runs is None:
+        return None
+    den = None
+    if cfg.outliers:
+        den = _denominators(layout, x.numel(), x.device)
+    est_lo, est_rng = (None, None) if estimate is None else estimate
+    key = ("pack8", x.dtype, den is not None, estimate is not None, cfg.clip, cfg.decay)
+    out = _call(_compiled(_pack8, key), (x.view(runs), den, est_lo, est_rng, cfg.clip, cfg.decay))
+    if out is None:
+        return None
+    codes, lo, step, range_lo, range_hi, bad, *rest = out
+    clipped = rest.pop(0) if cfg.clip is not None else None
+    heavy = threshold = None
+    if den is not None:
+        heavy, threshold = rest.pop(0), rest.pop(0)
+    codes = reference.in_order(codes.view(x.shape), order)
+    return Packed8(codes, lo, step, range_lo, range_hi, bad, clipped, heavy, threshold,
+                   (rest[0], rest[1]) if rest else None)
+
+
+@functools.lru_cache(maxsize=256)
+def _denominators(layout: GroupLayout, numel: int, device: torch.device) -> Tensor:
+    # reference.outlier_denominators as fp64 [groups], made once per layout (the same values the reference
+    # divides by: its fp32 counts promote to fp64 in the division).
+    den = reference.outlier_denominators(layout, numel, device)
+    return torch.tensor([den], dtype=torch.float64, device=device) if isinstance(den, float) else den.double()
 
 
 def _restore(c3: Tensor, lo: Tensor, step: Tensor, dtype: torch.dtype) -> Tensor:

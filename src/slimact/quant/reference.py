@@ -85,8 +85,11 @@ __all__ = [
     "group_minmax",
     "group_stats",
     "hash_uniform",
+    "in_order",
+    "memory_order",
     "outlier_threshold",
     "quantize",
+    "range_decisions",
     "restore_outliers",
     "scale_params",
     "seed_key",
@@ -243,17 +246,72 @@ def outlier_threshold(magnitude: Tensor, layout: GroupLayout, numel: int) -> Ten
     ``r > sqrt(K) (Q - r) / (n - 1)``, that is ``r > sqrt(K) Q / (n - 1 + sqrt(K))``; squared, in fp64 (inf where
     it passes fp32's largest value: then no element is beyond it). Leaving the element out of its own mean lets
     small groups have outliers too (a group of two: 1e4 against 0.8)."""
+    return (magnitude.double() * _ROOT / outlier_denominators(layout, numel, magnitude.device)).square().float()
+
+
+_ROOT = math.sqrt(OUTLIER_RATIO)
+
+
+def outlier_denominators(layout: GroupLayout, numel: int, device: torch.device) -> Tensor | float:
+    """``n - 1 + sqrt(K)`` per group of ``n`` elements (:func:`outlier_threshold`): fp32 ``[groups]``, or a Python
+    float for the whole tensor (its one group's ``n`` is ``numel``)."""
     if layout.dim is None:
-        counts: Tensor | float = float(numel)
-    else:
-        # Elements per group: the indices i of dim with i * groups // size == g, i.e. ceil(g size / groups) <= i <
-        # ceil((g + 1) size / groups), times the elements per index. Computed on the device (no bincount: on
-        # CUDA it reads its input's max back to the host).
-        g = torch.arange(layout.groups + 1, device=magnitude.device)
-        starts = (g * layout.size + layout.groups - 1) // layout.groups  # [groups + 1]
-        counts = (starts[1:] - starts[:-1]) * (numel // max(layout.size, 1))
-    root = math.sqrt(OUTLIER_RATIO)
-    return (magnitude.double() * root / (counts - 1 + root)).square().float()
+        return float(numel) - 1 + _ROOT
+    # Elements per group: the indices i of dim with i * groups // size == g, i.e. ceil(g size / groups) <= i <
+    # ceil((g + 1) size / groups), times the elements per index. Computed on the device (no bincount: on
+    # CUDA it reads its input's max back to the host).
+    g = torch.arange(layout.groups + 1, device=device)
+    starts = (g * layout.size + layout.groups - 1) // layout.groups  # [groups + 1]
+    counts = (starts[1:] - starts[:-1]) * (numel // max(layout.size, 1))
+    return counts - 1 + _ROOT
+
+
+def range_decisions(
+    lo: Tensor, hi: Tensor, clip: float | None, threshold: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """What a pack decides from a tensor's per-group range ``(lo, hi)`` (fp32 ``[groups]``): ``(lo, hi, bad,
+    clipped, heavy)``, the range clipped to ``[-clip, clip]`` (NaN stays NaN) and three 0-d bool flags: NaN/inf in
+    the tensor (they propagate into ``lo``/``hi``; a range overflowing fp32 shows as inf in ``hi - lo``: the
+    tensor is kept exact), values beyond the clip (``None`` without one), and, with an outlier ``threshold``
+    (:func:`outlier_threshold`), a clipped bound beyond it (``None`` without one). PyTorch ops only, so the same
+    function runs eagerly and inside a compiled pack (:func:`slimact.quant.inductor.pack8`)."""
+    bad = (~torch.isfinite(lo) | ~torch.isfinite(hi - lo)).any()
+    clipped = None
+    if clip is not None:
+        clipped = ((lo < -clip) | (hi > clip)).any()
+        lo, hi = lo.clamp(-clip, clip), hi.clamp(-clip, clip)
+    heavy = None if threshold is None else (torch.maximum(lo.abs(), hi.abs()) > threshold).any()
+    return lo, hi, bad, clipped, heavy
+
+
+def memory_order(x: Tensor, layout: GroupLayout) -> tuple[Tensor, GroupLayout, list[int] | None]:
+    """``x`` with its dims permuted into memory order, contiguous, its layout in that order, and the permutation
+    that takes them back (``None``: ``x`` as given, contiguous or not a permuted contiguous tensor). Attention's
+    ``q``, ``k``, ``v`` are ``[B, T, H, D]`` memory seen as ``[B, H, T, D]``: one scale per head is then runs of
+    ``D`` elements, ``H`` groups, ``B * T`` of them, read as they lie (no contiguous copy of ``x``). For 8-bit
+    codes (one per element), whose order :func:`in_order` then restores; sub-byte codes are packed along the
+    flat index of the caller's order."""
+    if x.is_contiguous():
+        return x, layout, None
+    perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    permuted = x.permute(perm)
+    if not permuted.is_contiguous():
+        return x, layout, None
+    if layout.dim is not None:
+        at = perm.index(layout.dim)
+        inner = 1
+        for s in permuted.shape[at + 1 :]:
+            inner *= s
+        layout = layout._replace(dim=at, inner=inner)
+    back = sorted(range(x.dim()), key=perm.__getitem__)  # the inverse permutation
+    return permuted, layout, back
+
+
+
+def in_order(codes: Tensor, order: list[int] | None) -> Tensor:
+    """8-bit ``codes`` of :func:`memory_order`'s view, in the caller's dim order, contiguous (a copy of one byte per
+    element, where the fp32 input's contiguous copy would have moved eight)."""
+    return codes if order is None else codes.permute(order).contiguous()
 
 
 def split_outliers(x: Tensor, layout: GroupLayout, threshold: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -23,7 +23,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RunningRange"]
+__all__ = ["RunningRange", "folded"]
+
+
+def folded(old_lo: Tensor, old_rng: Tensor, lo: Tensor, rng: Tensor, decay: float) -> tuple[Tensor, Tensor]:
+    """The estimate ``(lo, range)`` after folding in a tensor's per-group ``lo`` and ``rng = hi - lo`` (fp32
+    ``[groups]`` each): ``old * decay + new * (1 - decay)`` in fp32. PyTorch ops only: :meth:`RunningRange.fold`
+    runs them eagerly, the compiled CPU pack (:func:`slimact.quant.inductor.pack8`) inside its loop, with the
+    same values bit for bit."""
+    return old_lo * decay + lo * (1.0 - decay), old_rng * decay + rng * (1.0 - decay)
 
 
 class RunningRange:
@@ -75,8 +83,7 @@ class RunningRange:
             self._set(lo, rng)
             return
         old_lo, old_rng = buffers
-        new_lo = old_lo * decay + lo * (1.0 - decay)
-        new_rng = old_rng * decay + rng * (1.0 - decay)
+        new_lo, new_rng = folded(old_lo, old_rng, lo, rng, decay)
         if skip is not None:
             new_lo, new_rng = torch.where(skip, old_lo, new_lo), torch.where(skip, old_rng, new_rng)
         old_lo.copy_(new_lo)
