@@ -15,7 +15,7 @@
 #                       [8192, 768] bf16/fp32 whole tensor and channel groups, [8, 12, 1024, 64] per head; 8-bit
 #                       nearest, stochastic (seed 1234), 4-bit: mismatching codes and restored values per case
 #                       (slimact bench --kernels; exit 1 on any mismatch).
-#   ops         (45 s)  pack/unpack against copy_ on 64 MiB fp32: ratios; per layout (whole tensor, channel groups,
+#   ops         (60 s)  pack/unpack against copy_ on 64 MiB fp32: ratios; per layout (whole tensor, channel groups,
 #                       per head) at 64 and 512 MiB, GB/s from CUDA-event medians (host work included) and from the
 #                       kernels' own device time (torch.profiler); each Function's forward + backward against
 #                       PyTorch's (slimact bench --ops).
@@ -103,7 +103,7 @@ if [ "$DRY" = 1 ]; then
 else
     step kernels 30 0 "$PY" -m slimact bench --kernels --device cuda --out "$STEPS" --name kernels
 fi
-step ops 45 1 "$PY" -m slimact bench --ops --device cuda --rounds 7 --out "$STEPS" --name ops
+step ops 60 1 "$PY" -m slimact bench --ops --device cuda --rounds 7 --out "$STEPS" --name ops
 step speed 160 1 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
     --dtypes bf16 --rounds 3 --policies tempo int8 --dropout 0 0.1 --out "$STEPS" --name speed
 PROFILE_ARGS=()
