@@ -134,3 +134,81 @@ def test_float64_integer_and_boolean_tensors_pass_through_exactly():
     assert pack(ints, slimact.Policy().quant_config("linear", 2)).raw
     flags = torch.rand(4, 4) > 0.5
     assert torch.equal(unpack(pack(flags, slimact.Policy().quant_config("linear", 2))), flags)
+
+
+# --- patterns beyond the zoo: a converted model computes what the plain one does, or is left as written --------
+
+
+def _plain_and_converted_step(plain: nn.Module, x: torch.Tensor, policy: str, *args, **kwargs):
+    """``(output, {name: grad})`` of one training step of ``plain`` and of a converted copy, from one seed."""
+    import copy
+
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    steps = []
+    for model in (plain, slim):
+        xi = x.detach().clone().requires_grad_(True)
+        torch.manual_seed(1)
+        out = model(xi, *args, **kwargs)
+        (out * torch.linspace(-1.0, 2.0, out.numel()).view(out.shape)).sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    return slim, steps
+
+
+class _GatedRMSNorm(nn.Module):
+    """Mamba2's ``MambaRMSNormGated``: an RMSNorm when called with its input alone (what a probe sees), the norm of
+    ``x * silu(gate)`` when given a gate."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x, gate=None):
+        if gate is not None:
+            x = x * nn.functional.silu(gate)
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+class _ScaledAct(nn.Module):
+    """A GELU when called with its input alone, scaled when given a factor."""
+
+    def forward(self, x, scale=1.0):
+        return nn.functional.gelu(x) * scale
+
+
+class _GatedMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(width, 24), nn.Linear(width, 24)
+        self.down_proj, self.act_fn = nn.Linear(24, width), nn.SiLU()
+
+    def forward(self, x, residual=None):
+        y = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return y if residual is None else y + residual
+
+
+class _ExtraArgs(nn.Module):
+    """Each probe-recognised module called with an argument beyond its input (and once without)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm, self.act, self.mlp = nn.Linear(8, 8), _GatedRMSNorm(8), _ScaledAct(), _GatedMLP(8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = self.norm(h, gate=h.flip(-1)) + self.norm(h)
+        h = self.act(h, 3.0) + self.act(h)
+        return self.mlp(h, residual=h) + self.mlp(h)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_probe_recognised_modules_called_with_more_than_their_input_run_their_own_code(policy):
+    # Recognised (and converted) from a probe that passes the input alone; a call with a gate, a scale or a residual
+    # computes something else, and ran slimact's form of it: a TypeError, the extra argument unknown to it.
+    from _harness import assert_gradients_close, assert_gradients_equal
+
+    torch.manual_seed(0)
+    slim, ((out0, g0), (out1, g1)) = _plain_and_converted_step(_ExtraArgs().train(), torch.randn(3, 5, 8), policy)
+    assert {"norm", "act", "mlp"} <= set(slimact.summary(slim).modules)  # still converted for their one-input calls
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)

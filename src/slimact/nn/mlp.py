@@ -9,6 +9,8 @@ projection's weight is used directly (its module is not called).
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from slimact._kinds import gated_mlp_form, gated_mlp_parts
@@ -30,9 +32,11 @@ def _gate_up(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
 class _GatedMLPMixin(SlimModule):
     _slimact_form: str
 
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x):
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        # Recognised on a probe called with the input alone: a forward taking more (Mamba2's gated RMSNorm,
+        # ``norm(x, gate)``) computes something else when given it, so such a call runs the module's own code.
+        if args or kwargs or not self._slimact_active(x):
+            return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         self._slimact_begin()
         g, u = _gate_up(self, x)
         *_, down, act = gated_mlp_parts(self)
