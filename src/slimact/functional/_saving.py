@@ -27,7 +27,7 @@ from torch import Tensor
 
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 
-__all__ = ["Gradient", "Mask", "SlimFunction", "is_gradient", "is_parameter_gradient", "load", "save"]
+__all__ = ["Gradient", "Mask", "SlimFunction", "is_gradient", "is_parameter_gradient", "load", "save", "transformed"]
 
 
 class Mask(NamedTuple):
@@ -111,6 +111,16 @@ def load(ctx: Any, restore: bool = True) -> list[Any]:
             out.append(saved[i])
         i += n
     return out
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``...) or forward-mode AD
+    (``torch.autograd.forward_ad.dual_level``) is active. slimact Functions support neither (no
+    ``setup_context``/``vmap``/``jvp``, and their forwards read the storage of the tensors they pack): callers run
+    PyTorch's own computation instead, exact, keeping what PyTorch keeps."""
+    if torch.compiler.is_compiling():
+        return False  # dynamo traces transforms itself; a compiled graph never runs a SlimFunction's Python
+    return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
 
 
 class SlimFunction(torch.autograd.Function):
