@@ -280,3 +280,81 @@ def test_torch_func_transforms_and_forward_ad_run_as_pytorch_does(policy):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
     # Outside a transform the same module packs again (a profile sees less kept than plain's).
     assert slimact.profile(slim, x).activation_bytes < slimact.profile(plain, x).activation_bytes
+
+
+class _Adapter(nn.Linear):
+    """A LoRA-like down projection: ``x W^T + x A^T B^T``, its own forward."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.weight, self.bias = base.weight, base.bias
+        self.a = nn.Parameter(torch.randn(2, base.in_features, generator=torch.Generator().manual_seed(3)))
+        self.b = nn.Parameter(torch.randn(base.out_features, 2, generator=torch.Generator().manual_seed(4)))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc, self.act, self.mlp = nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), _GatedMLP(8)
+
+    def forward(self, x):
+        return self.mlp(self.act(self.fc(self.norm(x))))
+
+
+def _reconverted_with_eps(model: nn.Module, policy: str) -> None:
+    model.norm.eps = 0.5
+    if any(isinstance(m, slimact.nn.SlimModule) for m in model.modules()):
+        slimact.revert(model)
+        slimact.convert(model, policy)
+
+
+#: Changes to a model made after ``convert`` (``after``), or before it that its recognition must see (``before``).
+_CHANGES = {
+    "hook scaling the gated MLP's activation, before": ("before", lambda m, p: m.mlp.act_fn.register_forward_hook(
+        lambda mod, args, out: out * 2)),
+    "hook scaling the gated MLP's activation": ("after", lambda m, p: m.mlp.act_fn.register_forward_hook(
+        lambda mod, args, out: out * 2)),
+    "hook on the gated MLP's down projection": ("after", lambda m, p: m.mlp.down_proj.register_forward_hook(
+        lambda mod, args, out: out * 2)),
+    "adapter swapped in for the down projection": ("after", lambda m, p: setattr(m.mlp, "down_proj",
+                                                                                  _Adapter(m.mlp.down_proj))),
+    "another activation in the gated MLP": ("after", lambda m, p: setattr(m.mlp, "act_fn", nn.GELU())),
+    "LayerNorm eps set": ("after", lambda m, p: setattr(m.norm, "eps", 0.5)),
+    "GELU approximate set": ("after", lambda m, p: setattr(m.act, "approximate", "tanh")),
+    "LayerNorm eps set, then reverted and converted again": ("after", _reconverted_with_eps),
+}
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_model_changed_after_convert_computes_what_the_changed_plain_model_does(change, policy):
+    # The gated MLP used its down projection's weight and the activation form it was recognised with, so a hook
+    # on either (even one present at convert time: the probe ran it on both sides), an adapter or another
+    # activation swapped in after convert were silently ignored; a norm's eps and a GELU's approximate were read
+    # once at convert time, and a second convert reused what the first one recognised.
+    import copy
+
+    from _harness import assert_gradients_close, assert_gradients_equal
+
+    when, apply = _CHANGES[change]
+    torch.manual_seed(0)
+    plain = _Block().train()
+    if when == "before":
+        apply(plain, policy)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    if when == "after":
+        apply(plain, policy)
+        apply(slim, policy)
+    x = torch.randn(3, 5, 8) * 3
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        (out * torch.linspace(-1.0, 2.0, out.numel()).view(out.shape)).sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    (out0, g0), (out1, g1) = steps
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)

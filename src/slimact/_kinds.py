@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,11 +36,14 @@ __all__ = [
     "GATED_MLP_PARTS",
     "Recognised",
     "activation_form",
+    "forget",
     "forward_names",
     "gated_mlp_form",
+    "gated_mlp_intact",
     "gated_mlp_parts",
     "is_hf_conv1d",
     "kind_of",
+    "norm_eps",
     "norm_form",
     "recognise",
     "uses_attention_interface",
@@ -110,6 +113,18 @@ def is_hf_conv1d(module: nn.Module) -> bool:
     return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers.") for c in _cls(module).__mro__)
 
 
+def _runs_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks of someone else's (its own or global forward/backward hooks; slimact's
+    routing hooks aside): a replacement that uses its weights without calling it would skip them."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = [module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks,
+             torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks,
+             torch_module._global_backward_pre_hooks, torch_module._global_backward_hooks]
+    return any(not getattr(getattr(h, "func", h), "__module__", "").startswith("slimact.")
+               for table in hooks for h in table.values())
+
+
 def forward_names(module: nn.Module) -> tuple[str, ...]:
     """The global and attribute names the module's own ``forward`` mentions (decorators unwrapped)."""
     forward = getattr(_cls(module), "forward", None)
@@ -169,7 +184,8 @@ def activation_form(module: nn.Module) -> str | None:
 # ---------------------------------------------------------------------------------------------------- norms
 
 
-def _norm_eps(module: nn.Module) -> float | None:
+def norm_eps(module: nn.Module) -> float | None:
+    """A norm module's epsilon (its ``eps``, ``variance_epsilon`` or ``epsilon`` attribute), if a float."""
     eps = next((getattr(module, a) for a in ("eps", "variance_epsilon", "epsilon") if hasattr(module, a)), None)
     return eps if isinstance(eps, float) else None
 
@@ -261,6 +277,9 @@ def _probe_gated_mlp(module: nn.Module) -> str | None:
         return None
     if type(down) is not nn.Linear and not isinstance(down, SlimModule):
         return None  # an adapter or quantised layer in the down projection: leave the block as written
+    if _runs_hooks(down) or _runs_hooks(act):
+        return None  # the fused block never calls them (their hooks would not run; one changing act's output: the
+        # probe passes, its act(g) runs the hook too, but the backward would differentiate the bare form)
     form = activation_form(act)
     if form in (None, "relu"):
         return None
@@ -291,6 +310,19 @@ def gated_mlp_form(module: nn.Module) -> str | None:
     """The activation form if ``module`` is a gated MLP slimact can fuse, else ``None``."""
     found = recognise(module)
     return found.extra.get("form") if found.replace == "mlp" else None
+
+
+def gated_mlp_intact(module: nn.Module, form: str) -> bool:
+    """Whether a gated MLP converted with activation ``form`` still has the parts it was recognised with: a plain
+    ``nn.Linear`` down projection and an activation of that form, neither with hooks. Model code (an adapter
+    library, a user's hook) can change them after ``convert``; the fused block, which uses the down projection's
+    weight without calling it, would then silently compute something else."""
+    from slimact.nn._base import SlimModule
+
+    *_, down, act = gated_mlp_parts(module)
+    plain_down = type(down) is nn.Linear or isinstance(down, SlimModule)
+    return (plain_down and act is not None and activation_form(act) == form
+            and not _runs_hooks(down) and not _runs_hooks(act))
 
 
 def _rule_gated_mlp(module, cls):
@@ -344,7 +376,7 @@ def _rule_norm(module, cls):
     named = "Norm" in cls.__name__
     if not (typed or named) or next(module.children(), None) is not None:
         return None
-    weight, eps = getattr(module, "weight", None), _norm_eps(module)
+    weight, eps = getattr(module, "weight", None), norm_eps(module)
     form = None
     if isinstance(weight, nn.Parameter) and weight.dim() == 1 and eps is not None:
         form = _probe_norm(module, weight, eps)
@@ -440,6 +472,13 @@ def recognise(module: nn.Module) -> Recognised:
         found = next((r for rule in _RULES if (r := rule(module, cls)) is not None), Recognised("other"))
         _cache[module] = found
     return found
+
+
+def forget(modules: Iterable[nn.Module]) -> None:
+    """Drop what :func:`recognise` found for ``modules``: ``convert`` recognises afresh (an attribute such as a
+    norm's ``eps`` or a GELU's ``approximate``, a hook or a child may have changed since the last time)."""
+    for module in modules:
+        _cache.pop(module, None)
 
 
 def kind_of(module: nn.Module) -> str:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from slimact import attention
-from slimact._kinds import Recognised, forward_names, kind_of, recognise, uses_attention_interface
+from slimact._kinds import Recognised, forget, forward_names, kind_of, recognise, uses_attention_interface
 from slimact.nn._base import SlimModule, StepCounter, attach, clear_state, detach
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import mha_class
@@ -163,6 +163,7 @@ def convert(
     seen: dict[str, int] = {}
     fused: set[str] = set()  # modules a converted parent computes itself
     scale_free = _scale_free_chains(model) if pol.quantize else {}
+    forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
     for name, module in model.named_modules():
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:

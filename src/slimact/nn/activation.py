@@ -28,7 +28,10 @@ class _ActivationMixin(SlimModule):
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         self._slimact_begin()
         cfg = self._slimact_cfg(x)
-        return activation(x, self._slimact_form, cfg, self._slimact_state(), fn=super().forward,  # type: ignore[misc]
+        form = self._slimact_form
+        if self._slimact_orig_cls.forward is nn.GELU.forward:  # read live (set after convert too), as nn.GELU does
+            form = "gelu_tanh" if self.approximate == "tanh" else "gelu"
+        return activation(x, form, cfg, self._slimact_state(), fn=super().forward,  # type: ignore[misc]
                           inplace=bool(getattr(self, "inplace", False)))
 
 
