@@ -358,3 +358,31 @@ def test_a_model_changed_after_convert_computes_what_the_changed_plain_model_doe
     (out0, g0), (out1, g1) = steps
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+class _InPlaceAfter(nn.Module):
+    """Model code writing into a layer's output: ``h = layer(x); h += x``."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.fc, self.layer, self.head = nn.Linear(8, 8), layer, nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.layer(self.fc(x))
+        h += x
+        return self.head(h)
+
+
+@pytest.mark.parametrize("layer", [nn.LayerNorm(8), nn.GELU()], ids=["layernorm", "gelu"])
+def test_an_in_place_op_on_a_kept_output_is_a_clear_error(layer):
+    # "tempo" keeps these layers' outputs (PyTorch keeps their inputs): an in-place op on one in model code was
+    # fine in PyTorch and failed in the backward with autograd's bare "modified by an inplace operation ... output 0
+    # of _NormFunction", which names neither slimact nor a way out.
+    import copy
+
+    plain = _InPlaceAfter(layer).train()
+    x = torch.randn(3, 8)
+    plain(x).sum().backward()  # PyTorch's own layer keeps its input: fine
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    with pytest.raises(RuntimeError, match=r"slimact's .* modified in place.*out of place.*filter_fn"):
+        slim(x).sum().backward()

@@ -162,7 +162,20 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 "it would be wrong. Leave such modules out of the conversion (slimact.convert(model, "
                 "filter_fn=...)), call slimact.revert(model) for these passes, or use plain modules there."
             )
-        return backward(ctx, *grads)
+        try:
+            return backward(ctx, *grads)
+        except RuntimeError as error:
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise RuntimeError(
+                f"slimact's {cls.layer} Function ({cls.__name__}) keeps a tensor of the forward that was then modified "
+                "in place. Where a policy keeps a layer's output instead of its input (\"tempo\"'s norms and "
+                "activations: the output is rebuilt into the gradient), an in-place op on that output in model code "
+                "(`h = norm(x); h += r`, `h.mul_(s)`, `h.masked_fill_(m, 0)`) leaves PyTorch's own layer, which kept "
+                "its input, unaffected but not slimact's. Write that operation out of place (`h = h + r`), or leave "
+                "the layer out of the conversion (convert's filter_fn, a policy exclude pattern). PyTorch's message: "
+                f"{error}"
+            ) from error
 
     return checked
 
