@@ -50,16 +50,41 @@ class LastDimLayerNorm(nn.LayerNorm):
         return super().forward(x)
 
 
+class StdConv2d(nn.Conv2d):
+    """BiT's weight-standardised conv, written in ``_conv_forward`` (``forward`` is nn.Conv2d's own)."""
+
+    def _conv_forward(self, x, weight, bias):
+        weight = (weight - weight.mean((1, 2, 3), keepdim=True)) / (weight.std((1, 2, 3), keepdim=True) + 1e-5)
+        return super()._conv_forward(x, weight, bias)
+
+
+def _lora_conv1d(nf: int, nx: int) -> nn.Module:
+    """A LoRA adapter on Hugging Face's ``Conv1D`` (GPT-2's projections), in its own forward."""
+    from transformers.pytorch_utils import Conv1D
+
+    class LoraConv1D(Conv1D):
+        def __init__(self):
+            super().__init__(nf, nx)
+            self.a, self.b = nn.Parameter(torch.randn(2, nx)), nn.Parameter(torch.randn(nf, 2))
+
+        def forward(self, x):
+            return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+    return LoraConv1D()
+
+
 class _ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.std = StdConv2d(8, 8, 1)
         self.ln = LayerNorm2d(8)
         self.bn = BatchNormAct2d(8)
         self.fc = ScaledLinear(8, 4)
+        self.head = _lora_conv1d(2, 4)
 
     def forward(self, x):
-        return self.fc(self.ln(self.bn(self.conv(x))).mean((2, 3)))
+        return self.head(self.fc(self.ln(self.bn(self.std(self.conv(x)))).mean((2, 3))))
 
 
 def _grads(model, x, seed=0):
@@ -76,9 +101,12 @@ def test_subclasses_with_their_own_forward_are_left_alone_with_the_reason(policy
     plain = _ConvNet().train()
     slim = slimact.convert(copy.deepcopy(plain), policy)
     skipped = slimact.summary(slim).skipped
-    for name, cls in (("ln", "LayerNorm2d"), ("bn", "BatchNormAct2d"), ("fc", "ScaledLinear")):
+    for name, cls in (("ln", "LayerNorm2d"), ("bn", "BatchNormAct2d"), ("fc", "ScaledLinear"), ("head", "LoraConv1D")):
         assert not isinstance(getattr(slim, name), SlimModule), name
         assert cls in skipped[name] and "its own forward" in skipped[name]
+    # (a LoRA Conv1D and a conv standardising its weight in _conv_forward were converted as plain ones: the adapter
+    # lost its branch and gradients, the conv's weight gradient skipped the standardisation)
+    assert not isinstance(slim.std, SlimModule) and "_conv_forward" in skipped["std"]
     assert isinstance(slim.bn.act, SlimModule) and isinstance(slim.conv, SlimModule) == (policy == "int8")
     x = torch.randn(2, 3, 6, 6)
     out0, g0 = _grads(plain, x)

@@ -87,13 +87,14 @@ def _torch_base(cls: type) -> type | None:
     return next((c for c in cls.__mro__ if c.__module__.startswith("torch.nn.modules.")), None)
 
 
-def _own_forward(cls: type) -> str | None:
-    """Why ``cls`` cannot be taken for its torch base class: it defines a forward of its own."""
-    base = _torch_base(cls)
+def _own_forward(cls: type, base: type | None = None) -> str | None:
+    """Why ``cls`` cannot be taken for ``base`` (default: its torch base class): it defines a forward of its own."""
+    base = base or _torch_base(cls)
     if base is None or cls.forward is base.forward:
         return None
     owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
-    return (f"{cls.__name__} subclasses nn.{base.__name__} with its own forward ({owner.__qualname__}.forward): "
+    where = "nn." if base.__module__.startswith("torch.") else f"{base.__module__}."
+    return (f"{cls.__name__} subclasses {where}{base.__name__} with its own forward ({owner.__qualname__}.forward): "
             f"slimact's {base.__name__} would not compute what it does")
 
 
@@ -108,9 +109,13 @@ def _params_of(module: nn.Module) -> tuple[torch.device, torch.dtype]:
     return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
+def _hf_conv1d_base(cls: type) -> type | None:
+    return next((c for c in cls.__mro__ if c.__name__ == "Conv1D" and c.__module__.startswith("transformers.")), None)
+
+
 def is_hf_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2 family): a Linear with its weight stored ``[in, out]``."""
-    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers.") for c in _cls(module).__mro__)
+    return _hf_conv1d_base(_cls(module)) is not None
 
 
 def _runs_hooks(module: nn.Module) -> bool:
@@ -346,6 +351,11 @@ def _rule_typed(base: type[nn.Module], kind: str, replace: str, unsupported: Cal
 
 
 def _conv_unsupported(module: nn.Module) -> str | None:
+    cls, base = _cls(module), _torch_base(_cls(module))
+    if getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None):
+        # Weight standardisation (BiT's StdConv) written there: slimact's backward would differentiate the raw conv.
+        return (f"{cls.__name__} overrides nn.{base.__name__}._conv_forward: slimact's conv would not differentiate "
+                "what it computes")
     if getattr(module, "transposed", False):
         return "transposed convolutions are not supported yet"
     if module.padding_mode != "zeros":
@@ -362,7 +372,11 @@ def _batch_norm_unsupported(module: nn.Module) -> str | None:
 
 
 def _rule_hf_conv1d(module, cls):
-    return Recognised("linear", "conv1d") if is_hf_conv1d(module) else None
+    base = _hf_conv1d_base(cls)
+    if base is None:
+        return None
+    reason = _own_forward(cls, base)  # an adapter's (LoRA on GPT-2's c_attn), a scaled one's
+    return Recognised("linear", None if reason else "conv1d", reason=reason)
 
 
 def _rule_norm(module, cls):
