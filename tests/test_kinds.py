@@ -383,3 +383,42 @@ def test_a_norm_whose_forward_needs_an_optional_argument_is_left_alone():
     assert type(model.norm) is _GatedNorm  # left alone, not taken for an RMSNorm
     x = torch.randn(2, 5, 16, requires_grad=True)
     model(x).sum().backward()
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _StraightThroughGELU(nn.Module):
+    """GELU in the forward, the identity's gradient in the backward."""
+
+    def forward(self, x):
+        return _StraightThrough.apply(x)
+
+
+def test_activations_are_recognised_by_their_values_far_out_and_their_derivative():
+    # transformers' gelu_10 (a GELU clipped to [-10, 10]) equals GELU on the old probe's [-8, 8] and was converted as
+    # one: every input above 10 got GELU's gradient (1) instead of 0 (a converted model: cosine 0.78). A
+    # straight-through GELU was taken for GELU too, its backward replaced by GELU's derivative.
+    from transformers.activations import ACT2FN
+
+    from slimact._kinds import activation_form
+
+    assert activation_form(ACT2FN["gelu_10"]) is None and activation_form(_StraightThroughGELU()) is None
+    forms = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu",
+             "silu": "silu", "relu": "relu"}
+    assert {name: activation_form(ACT2FN[name]) for name in forms} == forms
+    assert activation_form(nn.ReLU(inplace=True)) == "relu" and activation_form(nn.SiLU(inplace=True)) == "silu"
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), ACT2FN["gelu_10"], nn.Linear(16, 2)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(4, 8) * 8  # inputs of the activation beyond 10
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)

@@ -23,10 +23,11 @@ Two rules keep the recognition honest:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +74,9 @@ GATED_MLP_PARTS = {"gate": "gate_proj", "up": "up_proj", "gate_up": "gate_up_pro
 
 _FORM_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "silu": "silu", "relu": "relu"}
 _ACTIVATION_NAME = re.compile(r"gelu|silu|swish|relu|act", re.IGNORECASE)
-_PROBE = torch.linspace(-8.0, 8.0, 321)
+#: An activation's probe: [-8, 8] finely, and far out, where a clipped form departs (transformers' ``gelu_10``, a GELU
+#: clipped to [-10, 10], is GELU on [-8, 8]).
+_PROBE = torch.cat([torch.linspace(-8.0, 8.0, 321), torch.tensor([-1e4, -100.0, -20.0, -12.0, 12.0, 20.0, 100.0, 1e4])])
 _cache: weakref.WeakKeyDictionary[nn.Module, Recognised] = weakref.WeakKeyDictionary()
 
 
@@ -162,26 +165,48 @@ def _looks_like_activation(module: nn.Module) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _probing_grad() -> Iterator[None]:
+    """Grad mode for a probe (``convert`` may run under ``no_grad``), out of sight of what runs around it: a
+    profiler's saved-tensor hooks (a module first recognised during a profiled forward) and TorchFunctionModes
+    (slimact's routing, which would compute the probe's activation with its own Functions)."""
+    with (torch.inference_mode(False), torch.enable_grad(), torch._C.DisableTorchFunction(),
+          torch.autograd.graph.saved_tensors_hooks(_kept_as_is, _kept_as_is)):
+        yield
+
+
+def _kept_as_is(t: Tensor) -> Tensor:
+    return t
+
+
 def _probe_activation(module: nn.Module) -> str | None:
-    from slimact.functional.activation import FORMS, reference
+    """The form whose values and derivative the module's forward has on :data:`_PROBE` (slimact's backward computes
+    the form's derivative: a straight-through or partly detached forward has another one), else ``None``."""
+    from slimact.functional.activation import FORMS, derivative, reference
 
     if not _looks_like_activation(module):
         return None
+    x = _PROBE.clone().requires_grad_(True)
     try:
-        with torch.no_grad():
-            y = _cls(module).forward(module, _PROBE.clone())
+        with _probing_grad():
+            y = _cls(module).forward(module, x * 1.0)  # (not the leaf itself: an in-place activation writes into it)
     except _PROBE_ERRORS:  # cannot run on a plain vector: not a pointwise activation
         return None
-    if not isinstance(y, Tensor) or y.shape != _PROBE.shape:
+    if not isinstance(y, Tensor) or y.shape != _PROBE.shape or not y.requires_grad:
         return None
-    y = y.double()
-    return next((form for form in FORMS
-                 if torch.allclose(y, reference(form, _PROBE.double()), rtol=1e-5, atol=2e-6)), None)
+    form = next((form for form in FORMS if torch.allclose(y.detach().double(), reference(form, _PROBE.double()),
+                                                          rtol=1e-5, atol=2e-6)), None)
+    if form is None:
+        return None
+    with _probing_grad():
+        (grad,) = torch.autograd.grad(y.sum(), x)
+    exact = (_PROBE > 0).double() if form == "relu" else derivative(form, _PROBE.double())
+    return form if torch.allclose(grad.double(), exact, rtol=1e-4, atol=1e-5) else None
 
 
 def activation_form(module: nn.Module) -> str | None:
     """``"gelu"``, ``"gelu_tanh"``, ``"quick_gelu"``, ``"silu"`` or ``"relu"`` if ``module`` computes that
-    activation (to fp32 rounding on [-8, 8]), else ``None``."""
+    activation and its derivative (to fp32 rounding on [-8, 8] and at points out to 1e4), else ``None``."""
     found = recognise(module)
     return found.extra.get("form") if found.replace == "activation" else None
 
