@@ -422,3 +422,28 @@ def test_activations_are_recognised_by_their_values_far_out_and_their_derivative
     (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     assert_gradients_equal(g0, g1)
+
+
+class _GatedMLPWithDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn, self.dropout = nn.SiLU(), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def test_a_gated_mlp_converted_in_eval_mode_is_probed_as_it_trains():
+    # Models come out of from_pretrained in eval mode, and the probe ran the block as it was: its dropout did
+    # nothing, the block was fused, and the fused block never applied the dropout once training.
+    torch.manual_seed(0)
+    plain = _GatedMLPWithDropout().eval()
+    rng = torch.get_rng_state()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert torch.equal(torch.get_rng_state(), rng)  # the probe's dropout draws leave the user's RNG as it was
+    assert not slim.training and gated_mlp_form(slim) is None and "dropout" in slimact.summary(slim).modules
+    x = torch.randn(3, 8)
+    (out0, g0), (out1, g1) = _grads(plain.train(), x), _grads(slim.train(), x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)

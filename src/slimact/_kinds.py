@@ -297,6 +297,22 @@ def _act_name(module: nn.Module) -> str | None:
     return next((n for n in GATED_MLP_PARTS["act"] if isinstance(getattr(module, n, None), nn.Module)), None)
 
 
+@contextlib.contextmanager
+def _training(module: nn.Module) -> Iterator[None]:
+    """``module`` and its children in training mode for a probe (what a converted module computes in training
+    counts: a dropout in the block, inactive in eval, where a model loaded by ``from_pretrained`` is converted),
+    their modes and the RNG state (what a dropout draws) restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    device = _params_of(module)[0]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            module.train(True)
+            yield
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+
 def _probe_gated_mlp(module: nn.Module) -> str | None:
     """The activation form if ``module`` computes ``down(act(gate(x)) * up(x))`` on a probe, else ``None``."""
     from slimact.nn._base import SlimModule
@@ -316,7 +332,7 @@ def _probe_gated_mlp(module: nn.Module) -> str | None:
     first = projections[0]
     x = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0))
     x = x.to(device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), _training(module):
         try:
             y = _cls(module).forward(module, x)
         except _PROBE_ERRORS:  # needs more than one tensor argument: not this kind of block
