@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from slimact._kinds import gated_mlp_form, gated_mlp_intact, gated_mlp_parts
@@ -36,7 +37,10 @@ class _GatedMLPMixin(SlimModule):
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         # Recognised on a probe called with the input alone: a forward taking more (Mamba2's gated RMSNorm,
         # ``norm(x, gate)``) computes something else when given it, so such a call runs the module's own code.
-        if args or kwargs or not self._slimact_active(x) or not gated_mlp_intact(self, self._slimact_form):
+        # (Under torch.compile the parts are taken as converted: dynamo cannot guard on the recogniser's weak cache.)
+        if args or kwargs or not self._slimact_active(x) or not (
+            torch.compiler.is_compiling() or gated_mlp_intact(self, self._slimact_form)
+        ):
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         self._slimact_begin()
         g, u = _gate_up(self, x)
