@@ -319,6 +319,8 @@ _CHANGES = {
         lambda mod, args, out: out * 2)),
     "hook on the gated MLP's down projection": ("after", lambda m, p: m.mlp.down_proj.register_forward_hook(
         lambda mod, args, out: out * 2)),
+    "forward set on the down projection (accelerate's hooks)": ("after", lambda m, p: setattr(
+        m.mlp.down_proj, "forward", lambda x, f=m.mlp.down_proj.forward: f(x) * 2)),
     "adapter swapped in for the down projection": ("after", lambda m, p: setattr(m.mlp, "down_proj",
                                                                                   _Adapter(m.mlp.down_proj))),
     "another activation in the gated MLP": ("after", lambda m, p: setattr(m.mlp, "act_fn", nn.GELU())),

@@ -122,15 +122,17 @@ def is_hf_conv1d(module: nn.Module) -> bool:
 
 
 def _runs_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs hooks of someone else's (its own or global forward/backward hooks; slimact's
-    routing hooks aside): a replacement that uses its weights without calling it would skip them."""
+    """Whether calling ``module`` runs more than its class's forward: hooks of someone else's (its own or global
+    forward/backward hooks; slimact's routing hooks aside), or a ``forward`` set on the instance (accelerate's
+    ``add_hook_to_module``, which moves offloaded weights in). A replacement that uses its weights without calling
+    it would skip them."""
     from torch.nn.modules import module as torch_module
 
     hooks = [module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks,
              torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks,
              torch_module._global_backward_pre_hooks, torch_module._global_backward_hooks]
-    return any(not getattr(getattr(h, "func", h), "__module__", "").startswith("slimact.")
-               for table in hooks for h in table.values())
+    return "forward" in module.__dict__ or any(not getattr(getattr(h, "func", h), "__module__", "").startswith(
+        "slimact.") for table in hooks for h in table.values())
 
 
 def forward_names(module: nn.Module) -> tuple[str, ...]:
