@@ -24,14 +24,17 @@ Two rules keep the recognition honest:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
 
 __all__ = [
     "GATED_MLP_PARTS",
@@ -126,13 +129,20 @@ def _runs_hooks(module: nn.Module) -> bool:
     forward/backward hooks; slimact's routing hooks aside), or a ``forward`` set on the instance (accelerate's
     ``add_hook_to_module``, which moves offloaded weights in). A replacement that uses its weights without calling
     it would skip them."""
-    from torch.nn.modules import module as torch_module
+    tables = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks,
+              _torch_module._global_forward_pre_hooks, _torch_module._global_forward_hooks,
+              _torch_module._global_backward_pre_hooks, _torch_module._global_backward_hooks)
+    return "forward" in module.__dict__ or any(_foreign(h) for table in tables if table for h in table.values())
 
-    hooks = [module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks,
-             torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks,
-             torch_module._global_backward_pre_hooks, torch_module._global_backward_hooks]
-    return "forward" in module.__dict__ or any(not getattr(getattr(h, "func", h), "__module__", "").startswith(
-        "slimact.") for table in hooks for h in table.values())
+
+def _foreign(hook: Callable) -> bool:
+    """Whether a hook is not slimact's own (its routing's bound methods and partials of them)."""
+    # (Attributes read where they are, not through getattr with a default: a miss costs about a microsecond, and a
+    # converted gated MLP checks its parts' hooks on every call.)
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    fn = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    where = fn.__module__ if isinstance(fn, types.FunctionType) else type(fn).__module__
+    return not (where or "").startswith("slimact.")
 
 
 def forward_names(module: nn.Module) -> tuple[str, ...]:
@@ -288,15 +298,18 @@ def norm_form(module: nn.Module) -> dict | None:
 
 def gated_mlp_parts(module: nn.Module) -> tuple[nn.Linear | None, nn.Module | None, nn.Module | None,
                                                    nn.Module | None, nn.Module | None]:
-    """``(gate_up, gate, up, down, act)`` of a gated MLP's layout (:data:`GATED_MLP_PARTS`)."""
-    get = lambda key: getattr(module, GATED_MLP_PARTS[key], None)  # noqa: E731
-    gate_up = get("gate_up")
-    act = next((a for n in GATED_MLP_PARTS["act"] if isinstance(a := getattr(module, n, None), nn.Module)), None)
-    return (gate_up if isinstance(gate_up, nn.Linear) else None), get("gate"), get("up"), get("down"), act
+    """``(gate_up, gate, up, down, act)`` of a gated MLP's layout (:data:`GATED_MLP_PARTS`): its submodules of
+    those names (read from ``_modules``: ``getattr`` of a missing name raises inside ``nn.Module.__getattr__``,
+    a few microseconds each, and a converted block reads its parts on every call)."""
+    get = module._modules.get
+    gate_up = get(GATED_MLP_PARTS["gate_up"])
+    act = next((a for n in GATED_MLP_PARTS["act"] if (a := get(n)) is not None), None)
+    return ((gate_up if isinstance(gate_up, nn.Linear) else None), get(GATED_MLP_PARTS["gate"]),
+            get(GATED_MLP_PARTS["up"]), get(GATED_MLP_PARTS["down"]), act)
 
 
 def _act_name(module: nn.Module) -> str | None:
-    return next((n for n in GATED_MLP_PARTS["act"] if isinstance(getattr(module, n, None), nn.Module)), None)
+    return next((n for n in GATED_MLP_PARTS["act"] if module._modules.get(n) is not None), None)
 
 
 @contextlib.contextmanager
