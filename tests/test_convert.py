@@ -312,3 +312,41 @@ def test_parametrisation_added_after_convert_survives_revert():
     torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
     torch.nn.utils.parametrize.remove_parametrizations(model[0], "weight")
     assert type(model[0]) is nn.Linear
+
+
+class _CodeBlock(nn.Module):
+    """A block whose activation and dropout are calls in its own code (routed by the conversion it belongs to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.dropout(nn.functional.gelu(self.fc1(x)), 0.1, self.training))
+
+
+@pytest.mark.parametrize("then", ["convert the model tempo", "revert the model"])
+def test_a_submodule_converted_on_its_own_follows_the_whole_model_afterwards(then):
+    # convert(model[1], "int8") installs its own routing of the calls in its code; neither a later convert of the
+    # whole model ("tempo": gradients equal to plain's) nor revert(model) removed it, so those calls stayed 8-bit.
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(50, 32), _CodeBlock(), nn.Linear(32, 50)).train()
+    model = copy.deepcopy(plain)
+    slimact.convert(model[1], "int8")
+    if then == "revert the model":
+        slimact.revert(model)
+        assert not model[1]._forward_pre_hooks and not any("slimact" in k for k in model[1].__dict__)
+    else:
+        slimact.convert(model, "tempo")
+    torch.manual_seed(1)
+    want = _step(plain, IDS)
+    torch.manual_seed(1)
+    got = _step(model, IDS)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    if then == "revert the model":
+        for n in want[1]:
+            torch.testing.assert_close(got[1][n], want[1][n], rtol=0, atol=0, msg=n)
+    else:
+        assert_gradients_equal(want[1], got[1])

@@ -50,16 +50,41 @@ class LastDimLayerNorm(nn.LayerNorm):
         return super().forward(x)
 
 
+class StdConv2d(nn.Conv2d):
+    """BiT's weight-standardised conv, written in ``_conv_forward`` (``forward`` is nn.Conv2d's own)."""
+
+    def _conv_forward(self, x, weight, bias):
+        weight = (weight - weight.mean((1, 2, 3), keepdim=True)) / (weight.std((1, 2, 3), keepdim=True) + 1e-5)
+        return super()._conv_forward(x, weight, bias)
+
+
+def _lora_conv1d(nf: int, nx: int) -> nn.Module:
+    """A LoRA adapter on Hugging Face's ``Conv1D`` (GPT-2's projections), in its own forward."""
+    from transformers.pytorch_utils import Conv1D
+
+    class LoraConv1D(Conv1D):
+        def __init__(self):
+            super().__init__(nf, nx)
+            self.a, self.b = nn.Parameter(torch.randn(2, nx)), nn.Parameter(torch.randn(nf, 2))
+
+        def forward(self, x):
+            return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+    return LoraConv1D()
+
+
 class _ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.std = StdConv2d(8, 8, 1)
         self.ln = LayerNorm2d(8)
         self.bn = BatchNormAct2d(8)
         self.fc = ScaledLinear(8, 4)
+        self.head = _lora_conv1d(2, 4)
 
     def forward(self, x):
-        return self.fc(self.ln(self.bn(self.conv(x))).mean((2, 3)))
+        return self.head(self.fc(self.ln(self.bn(self.std(self.conv(x)))).mean((2, 3))))
 
 
 def _grads(model, x, seed=0):
@@ -76,9 +101,12 @@ def test_subclasses_with_their_own_forward_are_left_alone_with_the_reason(policy
     plain = _ConvNet().train()
     slim = slimact.convert(copy.deepcopy(plain), policy)
     skipped = slimact.summary(slim).skipped
-    for name, cls in (("ln", "LayerNorm2d"), ("bn", "BatchNormAct2d"), ("fc", "ScaledLinear")):
+    for name, cls in (("ln", "LayerNorm2d"), ("bn", "BatchNormAct2d"), ("fc", "ScaledLinear"), ("head", "LoraConv1D")):
         assert not isinstance(getattr(slim, name), SlimModule), name
         assert cls in skipped[name] and "its own forward" in skipped[name]
+    # (a LoRA Conv1D and a conv standardising its weight in _conv_forward were converted as plain ones: the adapter
+    # lost its branch and gradients, the conv's weight gradient skipped the standardisation)
+    assert not isinstance(slim.std, SlimModule) and "_conv_forward" in skipped["std"]
     assert isinstance(slim.bn.act, SlimModule) and isinstance(slim.conv, SlimModule) == (policy == "int8")
     x = torch.randn(2, 3, 6, 6)
     out0, g0 = _grads(plain, x)
@@ -355,3 +383,67 @@ def test_a_norm_whose_forward_needs_an_optional_argument_is_left_alone():
     assert type(model.norm) is _GatedNorm  # left alone, not taken for an RMSNorm
     x = torch.randn(2, 5, 16, requires_grad=True)
     model(x).sum().backward()
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _StraightThroughGELU(nn.Module):
+    """GELU in the forward, the identity's gradient in the backward."""
+
+    def forward(self, x):
+        return _StraightThrough.apply(x)
+
+
+def test_activations_are_recognised_by_their_values_far_out_and_their_derivative():
+    # transformers' gelu_10 (a GELU clipped to [-10, 10]) equals GELU on the old probe's [-8, 8] and was converted as
+    # one: every input above 10 got GELU's gradient (1) instead of 0 (a converted model: cosine 0.78). A
+    # straight-through GELU was taken for GELU too, its backward replaced by GELU's derivative.
+    from transformers.activations import ACT2FN
+
+    from slimact._kinds import activation_form
+
+    assert activation_form(ACT2FN["gelu_10"]) is None and activation_form(_StraightThroughGELU()) is None
+    forms = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu",
+             "silu": "silu", "relu": "relu"}
+    assert {name: activation_form(ACT2FN[name]) for name in forms} == forms
+    assert activation_form(nn.ReLU(inplace=True)) == "relu" and activation_form(nn.SiLU(inplace=True)) == "silu"
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), ACT2FN["gelu_10"], nn.Linear(16, 2)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(4, 8) * 8  # inputs of the activation beyond 10
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+
+
+class _GatedMLPWithDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn, self.dropout = nn.SiLU(), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def test_a_gated_mlp_converted_in_eval_mode_is_probed_as_it_trains():
+    # Models come out of from_pretrained in eval mode, and the probe ran the block as it was: its dropout did
+    # nothing, the block was fused, and the fused block never applied the dropout once training.
+    torch.manual_seed(0)
+    plain = _GatedMLPWithDropout().eval()
+    rng = torch.get_rng_state()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert torch.equal(torch.get_rng_state(), rng)  # the probe's dropout draws leave the user's RNG as it was
+    assert not slim.training and gated_mlp_form(slim) is None and "dropout" in slimact.summary(slim).modules
+    x = torch.randn(3, 8)
+    (out0, g0), (out1, g1) = _grads(plain.train(), x), _grads(slim.train(), x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)

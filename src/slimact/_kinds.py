@@ -23,24 +23,31 @@ Two rules keep the recognition honest:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import re
+import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
 
 __all__ = [
     "GATED_MLP_PARTS",
     "Recognised",
     "activation_form",
+    "forget",
     "forward_names",
     "gated_mlp_form",
+    "gated_mlp_intact",
     "gated_mlp_parts",
     "is_hf_conv1d",
     "kind_of",
+    "norm_eps",
     "norm_form",
     "recognise",
     "uses_attention_interface",
@@ -70,7 +77,9 @@ GATED_MLP_PARTS = {"gate": "gate_proj", "up": "up_proj", "gate_up": "gate_up_pro
 
 _FORM_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "silu": "silu", "relu": "relu"}
 _ACTIVATION_NAME = re.compile(r"gelu|silu|swish|relu|act", re.IGNORECASE)
-_PROBE = torch.linspace(-8.0, 8.0, 321)
+#: An activation's probe: [-8, 8] finely, and far out, where a clipped form departs (transformers' ``gelu_10``, a GELU
+#: clipped to [-10, 10], is GELU on [-8, 8]).
+_PROBE = torch.cat([torch.linspace(-8.0, 8.0, 321), torch.tensor([-1e4, -100.0, -20.0, -12.0, 12.0, 20.0, 100.0, 1e4])])
 _cache: weakref.WeakKeyDictionary[nn.Module, Recognised] = weakref.WeakKeyDictionary()
 
 
@@ -84,13 +93,14 @@ def _torch_base(cls: type) -> type | None:
     return next((c for c in cls.__mro__ if c.__module__.startswith("torch.nn.modules.")), None)
 
 
-def _own_forward(cls: type) -> str | None:
-    """Why ``cls`` cannot be taken for its torch base class: it defines a forward of its own."""
-    base = _torch_base(cls)
+def _own_forward(cls: type, base: type | None = None) -> str | None:
+    """Why ``cls`` cannot be taken for ``base`` (default: its torch base class): it defines a forward of its own."""
+    base = base or _torch_base(cls)
     if base is None or cls.forward is base.forward:
         return None
     owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
-    return (f"{cls.__name__} subclasses nn.{base.__name__} with its own forward ({owner.__qualname__}.forward): "
+    where = "nn." if base.__module__.startswith("torch.") else f"{base.__module__}."
+    return (f"{cls.__name__} subclasses {where}{base.__name__} with its own forward ({owner.__qualname__}.forward): "
             f"slimact's {base.__name__} would not compute what it does")
 
 
@@ -105,9 +115,34 @@ def _params_of(module: nn.Module) -> tuple[torch.device, torch.dtype]:
     return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
+def _hf_conv1d_base(cls: type) -> type | None:
+    return next((c for c in cls.__mro__ if c.__name__ == "Conv1D" and c.__module__.startswith("transformers.")), None)
+
+
 def is_hf_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2 family): a Linear with its weight stored ``[in, out]``."""
-    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers.") for c in _cls(module).__mro__)
+    return _hf_conv1d_base(_cls(module)) is not None
+
+
+def _runs_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs more than its class's forward: hooks of someone else's (its own or global
+    forward/backward hooks; slimact's routing hooks aside), or a ``forward`` set on the instance (accelerate's
+    ``add_hook_to_module``, which moves offloaded weights in). A replacement that uses its weights without calling
+    it would skip them."""
+    tables = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks,
+              _torch_module._global_forward_pre_hooks, _torch_module._global_forward_hooks,
+              _torch_module._global_backward_pre_hooks, _torch_module._global_backward_hooks)
+    return "forward" in module.__dict__ or any(_foreign(h) for table in tables if table for h in table.values())
+
+
+def _foreign(hook: Callable) -> bool:
+    """Whether a hook is not slimact's own (its routing's bound methods and partials of them)."""
+    # (Attributes read where they are, not through getattr with a default: a miss costs about a microsecond, and a
+    # converted gated MLP checks its parts' hooks on every call.)
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    fn = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    where = fn.__module__ if isinstance(fn, types.FunctionType) else type(fn).__module__
+    return not (where or "").startswith("slimact.")
 
 
 def forward_names(module: nn.Module) -> tuple[str, ...]:
@@ -142,26 +177,48 @@ def _looks_like_activation(module: nn.Module) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _probing_grad() -> Iterator[None]:
+    """Grad mode for a probe (``convert`` may run under ``no_grad``), out of sight of what runs around it: a
+    profiler's saved-tensor hooks (a module first recognised during a profiled forward) and TorchFunctionModes
+    (slimact's routing, which would compute the probe's activation with its own Functions)."""
+    with (torch.inference_mode(False), torch.enable_grad(), torch._C.DisableTorchFunction(),
+          torch.autograd.graph.saved_tensors_hooks(_kept_as_is, _kept_as_is)):
+        yield
+
+
+def _kept_as_is(t: Tensor) -> Tensor:
+    return t
+
+
 def _probe_activation(module: nn.Module) -> str | None:
-    from slimact.functional.activation import FORMS, reference
+    """The form whose values and derivative the module's forward has on :data:`_PROBE` (slimact's backward computes
+    the form's derivative: a straight-through or partly detached forward has another one), else ``None``."""
+    from slimact.functional.activation import FORMS, derivative, reference
 
     if not _looks_like_activation(module):
         return None
+    x = _PROBE.clone().requires_grad_(True)
     try:
-        with torch.no_grad():
-            y = _cls(module).forward(module, _PROBE.clone())
+        with _probing_grad():
+            y = _cls(module).forward(module, x * 1.0)  # (not the leaf itself: an in-place activation writes into it)
     except _PROBE_ERRORS:  # cannot run on a plain vector: not a pointwise activation
         return None
-    if not isinstance(y, Tensor) or y.shape != _PROBE.shape:
+    if not isinstance(y, Tensor) or y.shape != _PROBE.shape or not y.requires_grad:
         return None
-    y = y.double()
-    return next((form for form in FORMS
-                 if torch.allclose(y, reference(form, _PROBE.double()), rtol=1e-5, atol=2e-6)), None)
+    form = next((form for form in FORMS if torch.allclose(y.detach().double(), reference(form, _PROBE.double()),
+                                                          rtol=1e-5, atol=2e-6)), None)
+    if form is None:
+        return None
+    with _probing_grad():
+        (grad,) = torch.autograd.grad(y.sum(), x)
+    exact = (_PROBE > 0).double() if form == "relu" else derivative(form, _PROBE.double())
+    return form if torch.allclose(grad.double(), exact, rtol=1e-4, atol=1e-5) else None
 
 
 def activation_form(module: nn.Module) -> str | None:
     """``"gelu"``, ``"gelu_tanh"``, ``"quick_gelu"``, ``"silu"`` or ``"relu"`` if ``module`` computes that
-    activation (to fp32 rounding on [-8, 8]), else ``None``."""
+    activation and its derivative (to fp32 rounding on [-8, 8] and at points out to 1e4), else ``None``."""
     found = recognise(module)
     return found.extra.get("form") if found.replace == "activation" else None
 
@@ -169,7 +226,8 @@ def activation_form(module: nn.Module) -> str | None:
 # ---------------------------------------------------------------------------------------------------- norms
 
 
-def _norm_eps(module: nn.Module) -> float | None:
+def norm_eps(module: nn.Module) -> float | None:
+    """A norm module's epsilon (its ``eps``, ``variance_epsilon`` or ``epsilon`` attribute), if a float."""
     eps = next((getattr(module, a) for a in ("eps", "variance_epsilon", "epsilon") if hasattr(module, a)), None)
     return eps if isinstance(eps, float) else None
 
@@ -240,15 +298,34 @@ def norm_form(module: nn.Module) -> dict | None:
 
 def gated_mlp_parts(module: nn.Module) -> tuple[nn.Linear | None, nn.Module | None, nn.Module | None,
                                                    nn.Module | None, nn.Module | None]:
-    """``(gate_up, gate, up, down, act)`` of a gated MLP's layout (:data:`GATED_MLP_PARTS`)."""
-    get = lambda key: getattr(module, GATED_MLP_PARTS[key], None)  # noqa: E731
-    gate_up = get("gate_up")
-    act = next((a for n in GATED_MLP_PARTS["act"] if isinstance(a := getattr(module, n, None), nn.Module)), None)
-    return (gate_up if isinstance(gate_up, nn.Linear) else None), get("gate"), get("up"), get("down"), act
+    """``(gate_up, gate, up, down, act)`` of a gated MLP's layout (:data:`GATED_MLP_PARTS`): its submodules of
+    those names (read from ``_modules``: ``getattr`` of a missing name raises inside ``nn.Module.__getattr__``,
+    a few microseconds each, and a converted block reads its parts on every call)."""
+    get = module._modules.get
+    gate_up = get(GATED_MLP_PARTS["gate_up"])
+    act = next((a for n in GATED_MLP_PARTS["act"] if (a := get(n)) is not None), None)
+    return ((gate_up if isinstance(gate_up, nn.Linear) else None), get(GATED_MLP_PARTS["gate"]),
+            get(GATED_MLP_PARTS["up"]), get(GATED_MLP_PARTS["down"]), act)
 
 
 def _act_name(module: nn.Module) -> str | None:
-    return next((n for n in GATED_MLP_PARTS["act"] if isinstance(getattr(module, n, None), nn.Module)), None)
+    return next((n for n in GATED_MLP_PARTS["act"] if module._modules.get(n) is not None), None)
+
+
+@contextlib.contextmanager
+def _training(module: nn.Module) -> Iterator[None]:
+    """``module`` and its children in training mode for a probe (what a converted module computes in training
+    counts: a dropout in the block, inactive in eval, where a model loaded by ``from_pretrained`` is converted),
+    their modes and the RNG state (what a dropout draws) restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    device = _params_of(module)[0]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            module.train(True)
+            yield
+        finally:
+            for m, mode in modes:
+                m.training = mode
 
 
 def _probe_gated_mlp(module: nn.Module) -> str | None:
@@ -261,13 +338,16 @@ def _probe_gated_mlp(module: nn.Module) -> str | None:
         return None
     if type(down) is not nn.Linear and not isinstance(down, SlimModule):
         return None  # an adapter or quantised layer in the down projection: leave the block as written
+    if _runs_hooks(down) or _runs_hooks(act):
+        return None  # the fused block never calls them (their hooks would not run; one changing act's output: the
+        # probe passes, its act(g) runs the hook too, but the backward would differentiate the bare form)
     form = activation_form(act)
     if form in (None, "relu"):
         return None
     first = projections[0]
     x = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0))
     x = x.to(device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), _training(module):
         try:
             y = _cls(module).forward(module, x)
         except _PROBE_ERRORS:  # needs more than one tensor argument: not this kind of block
@@ -293,6 +373,19 @@ def gated_mlp_form(module: nn.Module) -> str | None:
     return found.extra.get("form") if found.replace == "mlp" else None
 
 
+def gated_mlp_intact(module: nn.Module, form: str) -> bool:
+    """Whether a gated MLP converted with activation ``form`` still has the parts it was recognised with: a plain
+    ``nn.Linear`` down projection and an activation of that form, neither with hooks. Model code (an adapter
+    library, a user's hook) can change them after ``convert``; the fused block, which uses the down projection's
+    weight without calling it, would then silently compute something else."""
+    from slimact.nn._base import SlimModule
+
+    *_, down, act = gated_mlp_parts(module)
+    plain_down = type(down) is nn.Linear or isinstance(down, SlimModule)
+    return (plain_down and act is not None and activation_form(act) == form
+            and not _runs_hooks(down) and not _runs_hooks(act))
+
+
 def _rule_gated_mlp(module, cls):
     form = _probe_gated_mlp(module)
     if form is None:
@@ -314,6 +407,11 @@ def _rule_typed(base: type[nn.Module], kind: str, replace: str, unsupported: Cal
 
 
 def _conv_unsupported(module: nn.Module) -> str | None:
+    cls, base = _cls(module), _torch_base(_cls(module))
+    if getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None):
+        # Weight standardisation (BiT's StdConv) written there: slimact's backward would differentiate the raw conv.
+        return (f"{cls.__name__} overrides nn.{base.__name__}._conv_forward: slimact's conv would not differentiate "
+                "what it computes")
     if getattr(module, "transposed", False):
         return "transposed convolutions are not supported yet"
     if module.padding_mode != "zeros":
@@ -330,7 +428,11 @@ def _batch_norm_unsupported(module: nn.Module) -> str | None:
 
 
 def _rule_hf_conv1d(module, cls):
-    return Recognised("linear", "conv1d") if is_hf_conv1d(module) else None
+    base = _hf_conv1d_base(cls)
+    if base is None:
+        return None
+    reason = _own_forward(cls, base)  # an adapter's (LoRA on GPT-2's c_attn), a scaled one's
+    return Recognised("linear", None if reason else "conv1d", reason=reason)
 
 
 def _rule_norm(module, cls):
@@ -344,7 +446,7 @@ def _rule_norm(module, cls):
     named = "Norm" in cls.__name__
     if not (typed or named) or next(module.children(), None) is not None:
         return None
-    weight, eps = getattr(module, "weight", None), _norm_eps(module)
+    weight, eps = getattr(module, "weight", None), norm_eps(module)
     form = None
     if isinstance(weight, nn.Parameter) and weight.dim() == 1 and eps is not None:
         form = _probe_norm(module, weight, eps)
@@ -440,6 +542,13 @@ def recognise(module: nn.Module) -> Recognised:
         found = next((r for rule in _RULES if (r := rule(module, cls)) is not None), Recognised("other"))
         _cache[module] = found
     return found
+
+
+def forget(modules: Iterable[nn.Module]) -> None:
+    """Drop what :func:`recognise` found for ``modules``: ``convert`` recognises afresh (an attribute such as a
+    norm's ``eps`` or a GELU's ``approximate``, a hook or a child may have changed since the last time)."""
+    for module in modules:
+        _cache.pop(module, None)
 
 
 def kind_of(module: nn.Module) -> str:

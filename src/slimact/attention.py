@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from slimact.functional._saving import transformed
 from slimact.functional.attention import _additive, scaled_dot_product_attention
 from slimact.functional.dropout import dropout as _dropout
 from slimact.functional.matmul import matmul
@@ -188,8 +189,8 @@ def attention_forward(
     policy: Policy | None = module.__dict__.get(POLICY_ATTR)
     if policy is not None:
         module.__dict__[SEEN_ATTR] = True
-        if not module.training or query.dtype not in COMPRESSIBLE_DTYPES:
-            policy = None  # eval mode (or float64): PyTorch's own attention, nothing packed
+        if not module.training or query.dtype not in COMPRESSIBLE_DTYPES or transformed():
+            policy = None  # eval mode (or float64, or a torch.func transform): PyTorch's own attention, nothing packed
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
     if any(kwargs.get(k) is not None for k in _EAGER_ONLY):

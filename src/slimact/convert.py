@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from slimact import attention
-from slimact._kinds import Recognised, forward_names, kind_of, recognise, uses_attention_interface
+from slimact._kinds import Recognised, forget, forward_names, kind_of, recognise, uses_attention_interface
 from slimact.nn._base import SlimModule, StepCounter, attach, clear_state, detach
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import mha_class
@@ -158,11 +158,16 @@ def convert(
             "Materialise the model first (e.g. model.to_empty(device=...) and initialise or load its weights), "
             "then convert it."
         )
+    for sub in itertools.islice(model.modules(), 1, None):
+        # A submodule converted on its own before: its modules are converted again below, with this policy, and the
+        # routing it installed (its policy's, for the calls in its code) would outrank this conversion's.
+        _unroot(sub)
     steps = model.__dict__.get(_HOOK_ATTR, (None, None))[1] or StepCounter()
     skipped: dict[str, str] = {}
     seen: dict[str, int] = {}
     fused: set[str] = set()  # modules a converted parent computes itself
     scale_free = _scale_free_chains(model) if pol.quantize else {}
+    forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
     for name, module in model.named_modules():
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:
@@ -279,21 +284,30 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
     model.__dict__[_ATTN_ATTR] = attention.switch_configs(model, [c for c in configs if id(c) not in branching])
 
 
-def revert(model: nn.Module) -> nn.Module:
-    """Restore every converted module of ``model`` to its original class, in place; returns ``model``."""
-    for module in model.modules():
-        detach(module)
-    hook = model.__dict__.pop(_HOOK_ATTR, None)
+def _unroot(module: nn.Module) -> None:
+    """Remove what ``convert(module)`` installed on ``module`` itself (its step hooks, the routing of the calls in
+    its code, its attention setting), if it was the root of a conversion."""
+    hook = module.__dict__.pop(_HOOK_ATTR, None)
     if hook is not None:
         for handle in hook[0]:
             handle.remove()
-    routing = model.__dict__.pop(_ROUTE_ATTR, None)
+    routing = module.__dict__.pop(_ROUTE_ATTR, None)
     if routing is not None:
         routing.remove()
-    attention.release_configs(model, model.__dict__.pop(_ATTN_ATTR, ()))
+    attention.release_configs(module, module.__dict__.pop(_ATTN_ATTR, ()))
+    module.__dict__.pop(_POLICY_ATTR, None)
+    module.__dict__.pop(_SKIPPED_ATTR, None)
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Restore every converted module of ``model`` to its original class, in place; returns ``model``.
+
+    A submodule converted on its own (``convert(model.encoder)``) is reverted too, with the routing of the calls in
+    its code: the model is plain again."""
+    for module in model.modules():
+        detach(module)
+        _unroot(module)
     _untag_attention(model)
-    model.__dict__.pop(_POLICY_ATTR, None)
-    model.__dict__.pop(_SKIPPED_ATTR, None)
     return model
 
 

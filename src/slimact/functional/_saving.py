@@ -27,7 +27,7 @@ from torch import Tensor
 
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 
-__all__ = ["Gradient", "Mask", "SlimFunction", "is_gradient", "is_parameter_gradient", "load", "save"]
+__all__ = ["Gradient", "Mask", "SlimFunction", "is_gradient", "is_parameter_gradient", "load", "save", "transformed"]
 
 
 class Mask(NamedTuple):
@@ -113,6 +113,16 @@ def load(ctx: Any, restore: bool = True) -> list[Any]:
     return out
 
 
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``...) or forward-mode AD
+    (``torch.autograd.forward_ad.dual_level``) is active. slimact Functions support neither (no
+    ``setup_context``/``vmap``/``jvp``, and their forwards read the storage of the tensors they pack): callers run
+    PyTorch's own computation instead, exact, keeping what PyTorch keeps."""
+    if torch.compiler.is_compiling():
+        return False  # dynamo traces transforms itself; a compiled graph never runs a SlimFunction's Python
+    return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
+
+
 class SlimFunction(torch.autograd.Function):
     """Base class of every slimact ``torch.autograd.Function``; a subclass names its ``layer`` (for errors).
 
@@ -155,7 +165,20 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 "it would be wrong. Leave such modules out of the conversion (slimact.convert(model, "
                 "filter_fn=...)), call slimact.revert(model) for these passes, or use plain modules there."
             )
-        return backward(ctx, *grads)
+        try:
+            return backward(ctx, *grads)
+        except RuntimeError as error:
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise RuntimeError(
+                f"slimact's {cls.layer} Function ({cls.__name__}) keeps a tensor of the forward that was then modified "
+                "in place. Where a policy keeps a layer's output instead of its input (\"tempo\"'s norms and "
+                "activations: the output is rebuilt into the gradient), an in-place op on that output in model code "
+                "(`h = norm(x); h += r`, `h.mul_(s)`, `h.masked_fill_(m, 0)`) leaves PyTorch's own layer, which kept "
+                "its input, unaffected but not slimact's. Write that operation out of place (`h = h + r`), or leave "
+                "the layer out of the conversion (convert's filter_fn, a policy exclude pattern). PyTorch's message: "
+                f"{error}"
+            ) from error
 
     return checked
 

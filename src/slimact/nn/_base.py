@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimact.functional._saving import transformed
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_stream
@@ -68,13 +69,14 @@ class SlimModule:
         """Compression only where a backward will need it (never in eval mode), and only of the dtypes it
         compresses: float64 (or integer) inputs run the module's own forward, exact. A module whose work
         something else does for this call (``_slimact_deferred``: the LM head whose product the fused loss
-        computes, :mod:`slimact.nn.lm_loss`) runs its own forward too."""
+        computes, :mod:`slimact.nn.lm_loss`) runs its own forward too, and so does a call under a ``torch.func``
+        transform or forward-mode AD, which slimact's Functions do not support (:func:`transformed`)."""
         if not self.training or "_slimact_deferred" in self.__dict__:  # type: ignore[attr-defined]
             return False
         for x in inputs:  # (a loop, not all() of a generator: this runs once per module call)
             if isinstance(x, Tensor) and x.dtype not in COMPRESSIBLE_DTYPES:
                 return False
-        return True
+        return not transformed()
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""

@@ -4,14 +4,18 @@
 ``act_fn`` of a known smooth form, as Llama, Mistral, Qwen and Gemma name them; or Phi-3's fused
 ``gate_up_proj`` with ``activation_fn``) and checks on a probe that the
 block computes exactly that; the gate and up Linears stay the block's own (converted) modules, the down
-projection's weight is used directly (its module is not called).
+projection's weight is used directly (its module is not called). A block whose down projection or activation
+changed since (an adapter swapped in, a hook registered, another activation) runs its own forward.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 
-from slimact._kinds import gated_mlp_form, gated_mlp_parts
+from slimact._kinds import gated_mlp_form, gated_mlp_intact, gated_mlp_parts
 from slimact.functional.mlp import gated_mlp
 from slimact.nn._base import SlimModule, slim_class
 
@@ -30,9 +34,14 @@ def _gate_up(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
 class _GatedMLPMixin(SlimModule):
     _slimact_form: str
 
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x):
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        # Recognised on a probe called with the input alone: a forward taking more (Mamba2's gated RMSNorm,
+        # ``norm(x, gate)``) computes something else when given it, so such a call runs the module's own code.
+        # (Under torch.compile the parts are taken as converted: dynamo cannot guard on the recogniser's weak cache.)
+        if args or kwargs or not self._slimact_active(x) or not (
+            torch.compiler.is_compiling() or gated_mlp_intact(self, self._slimact_form)
+        ):
+            return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         self._slimact_begin()
         g, u = _gate_up(self, x)
         *_, down, act = gated_mlp_parts(self)

@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
-from slimact._kinds import norm_form
+from slimact._kinds import norm_eps, norm_form
 from slimact.functional.norm import norm, rms_default_eps
 from slimact.nn._base import SlimModule, slim_class, standalone
 
@@ -21,11 +23,15 @@ class _NormMixin(SlimModule):
     _slimact_offset: float
     _slimact_eps: float | None
 
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x):
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        # Recognised on a probe called with the input alone: a forward taking more (Mamba2's gated RMSNorm,
+        # ``norm(x, gate)``) computes something else when given it, so such a call runs the module's own code.
+        if args or kwargs or not self._slimact_active(x):
+            return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         self._slimact_begin()
-        eps = self._slimact_eps if self._slimact_eps is not None else rms_default_eps(x.dtype)
+        eps = norm_eps(self)  # read live (set after convert too), as the module's own forward reads it
+        eps = eps if eps is not None else self._slimact_eps
+        eps = eps if eps is not None else rms_default_eps(x.dtype)
         return norm(
             x, getattr(self, "weight", None), getattr(self, "bias", None), eps, self._slimact_cfg(x),
             self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,

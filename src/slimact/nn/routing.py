@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from slimact.functional._saving import Mask
+from slimact.functional._saving import Mask, transformed
 from slimact.functional.activation import activation
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
@@ -147,8 +147,9 @@ class _Mode(TorchFunctionMode):
             if out is not NOT_LAZY:
                 return out
         handler = routing.handlers.get(func)
-        # The head's product is the LM loss's, which is on wherever the head itself is left alone.
-        if handler is not None and args and (not routing.excluded_depth or func is F.linear):
+        # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
+        # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
+        if handler is not None and args and (not routing.excluded_depth or func is F.linear) and not transformed():
             out = handler(*args, **kwargs)
             if out is not None:
                 return out

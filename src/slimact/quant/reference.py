@@ -447,7 +447,9 @@ def begin_stream(step: int) -> None:
     afresh, and PyTorch's own random stream, hence every dropout mask, is exactly the plain model's. Streams
     belong to the calling thread (nested forwards each have their own, the innermost drawing).
     """
-    _streams.forward.append([_digest(torch.get_rng_state().numpy().tobytes(), step), 0])
+    with torch._C._DisableFuncTorch():  # under a torch.func transform the state is a wrapper with no storage
+        state = torch.get_rng_state().numpy().tobytes()
+    _streams.forward.append([_digest(state, step), 0])
 
 
 def current_stream() -> object | None:
