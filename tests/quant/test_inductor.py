@@ -360,36 +360,33 @@ def test_a_running_estimate_shared_by_two_tensors_of_one_call_is_moved_by_the_fi
 
 
 @pytest.mark.parametrize("running", [False, True], ids=["dynamic", "running"])
-def test_a_permuted_tensor_is_packed_in_its_memory_order_with_no_copy_of_it(running, monkeypatch):
-    # Attention's q, k, v: [B, T, H, D] memory seen as [B, H, T, D], one scale per head. The compiled pack reads
-    # them as [B * T, H, D] runs where they lie; only the 1-byte codes are copied into the [B, H, T, D] order the
-    # restore gives. Before, the whole fp32 tensor was copied contiguous first. A slice of a fused projection
-    # ([B, T, 3, H, D]: not a permutation of contiguous memory) is still packed from a contiguous copy.
+def test_a_strided_tensor_is_packed_by_the_one_compiled_call_from_its_contiguous_copy(running, monkeypatch):
+    # Attention's q, k, v ([B, T, H, D] memory seen as [B, H, T, D]) and a slice of a fused projection: the one-call
+    # pack (inductor.pack8) takes the contiguous copy (made once). Reading a permuted tensor in its memory order
+    # instead was measured slower on the CPU (7.6x a copy's time against 3.8x, [4, 12, 256, 64]).
     from slimact.quant import RunningRange
 
     cfg = QuantConfig(group_dim=1, groups=0, scale="running" if running else "dynamic")
     gen = torch.Generator().manual_seed(2)
-    views = {  # name -> (a fresh such view, whether the compiled pack reads a contiguous copy of it)
-        "permuted": (lambda: torch.randn(2, 256, 4, 128, generator=gen).transpose(1, 2), False),
-        "sliced": (lambda: torch.randn(2, 256, 3, 4, 128, generator=gen)[:, :, 1].transpose(1, 2), True),
+    views = {
+        "permuted": lambda: torch.randn(2, 256, 4, 128, generator=gen).transpose(1, 2),
+        "sliced": lambda: torch.randn(2, 256, 3, 4, 128, generator=gen)[:, :, 1].transpose(1, 2),
     }
     seen = []
     original = inductor.pack8
     monkeypatch.setattr(inductor, "pack8", lambda x, *a: seen.append(x.is_contiguous()) or original(x, *a))
-    for make, copied in views.values():
+    for make in views.values():
         states = [RunningRange(torch.nn.Module(), "_x") if running else None for _ in range(2)]
         for _ in range(2):  # (the first sets a running estimate, the second packs with it)
             x = make()
-            assert not x.is_contiguous()
             seen.clear()
             fast = pack(x, cfg, states[0], share=False)
-            assert seen == [False] + [True] * copied  # x itself, then (sliced) its contiguous copy
+            assert seen == [False, True]  # x (not taken), then its contiguous copy
             ref = pack(x, cfg, states[1], backend="reference", share=False)
             assert all(torch.equal(a, b) for a, b in zip(ref.tensors, fast.tensors, strict=True))
-            assert fast.tensors[0].is_contiguous() and torch.equal(unpack(fast), unpack(ref))
-    permuted = views["permuted"][0]()
+    permuted = views["permuted"]()
     clones = _aten_ops_named(lambda: pack(permuted, QuantConfig(group_dim=1, groups=0), share=False), "aten::clone")
-    assert clones == 1  # the codes' copy into [B, H, T, D] order, not the fp32 input's
+    assert clones == 1  # the one contiguous copy, made once for the pack
 
 
 def _aten_ops_named(fn, name: str) -> int:

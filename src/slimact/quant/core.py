@@ -7,8 +7,8 @@ over the tensor (per-group range, quantise, dequantise) are dispatched: to the T
 when Triton is installed, to ``torch.compile``d loops for large CPU tensors (:mod:`slimact.quant.inductor`,
 bit-identical to the reference), else to the pure-PyTorch reference. ``SLIMACT_BACKEND=reference`` forces the
 reference everywhere. A strided tensor is copied once, contiguous, for the range pass and the quantise both,
-unless its dims are a permutation of contiguous memory (attention's ``q``, ``k``, ``v``): the compiled CPU pack
-and the Triton kernels then read it as it lies and copy only its 8-bit codes into its order
+unless its dims are a permutation of contiguous memory (attention's ``q``, ``k``, ``v``): the Triton kernels
+then read it as it lies and copy only its 8-bit codes into its order
 (:func:`slimact.quant.reference.memory_order`).
 
 On the inductor backend (large CPU tensors, 8-bit nearest codes) a pack is one compiled call
@@ -261,9 +261,8 @@ class _Job:
         """What the kernels read: a strided tensor the compiled CPU loops and the Triton kernels take as a
         contiguous copy (one pass at copy bandwidth, transient), made once (on first use) for the range pass and
         the quantise both, where the reference would take several passes and an fp64 reduction (attention's q,
-        k, v are [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes. The compiled CPU pack
-        (:func:`slimact.quant.inductor.pack8`) reads such a tensor in its memory order instead, with no copy: the
-        copy is then made only where a rare path needs it (outliers to gather)."""
+        k, v are [B, T, H, D] memory seen as [B, H, T, D]). The same values: the same codes. (The Triton pack reads
+        a permuted tensor as it lies instead: :attr:`view`.)"""
         if self._data is None:
             x = self.x
             self._data = x
