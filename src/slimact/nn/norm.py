@@ -26,10 +26,16 @@ class _NormMixin(SlimModule):
             return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         eps = self._slimact_eps if self._slimact_eps is not None else rms_default_eps(x.dtype)
+        forward = super().forward  # type: ignore[misc]
+        # nn.LayerNorm's own forward over the last dim is F.layer_norm: norm() runs it with its kernel's
+        # statistics (fn=None); any other forward (a model's own norm code) runs as written.
+        native = (getattr(forward, "__func__", None) is nn.LayerNorm.forward and self._slimact_centered
+                  and not self._slimact_offset and tuple(self.normalized_shape) == (x.shape[-1],)
+                  and eps == self.eps)
         return norm(
             x, getattr(self, "weight", None), getattr(self, "bias", None), eps, self._slimact_cfg(x),
             self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,
-            fn=super().forward,  # type: ignore[misc]
+            fn=None if native else forward,
         )
 
 

@@ -417,8 +417,10 @@ class Routing:
             return None
         eps = bound.get("eps", _LAYER_NORM_EPS if centered else None)
         eps = rms_default_eps(x.dtype) if eps is None else float(eps)
+        # F.layer_norm itself: run as its kernel with its statistics (fn=None), the same output
+        native = func is F.layer_norm or func is torch.layer_norm
         return norm(x, weight, bias, eps, self._cfg(kind, x), centered=centered,
-                    fn=lambda t: func(t, *args, **kwargs))
+                    fn=None if native else (lambda t: func(t, *args, **kwargs)))
 
     # Layers recomputed by activation checkpointing (torch.utils.checkpoint on a module, Hugging Face's
     # gradient_checkpointing): the recompute runs the layer again in the backward, outside the model's forward
