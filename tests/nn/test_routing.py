@@ -363,3 +363,27 @@ def test_sdpa_in_an_excluded_module_runs_as_written():
     plain_by_module = slimact.profile(plain, x).by_module
     assert by_module["1"] == plain_by_module["1"]  # attention kept as PyTorch keeps it
     assert by_module["0"] < 0.3 * plain_by_module["0"]
+
+
+def test_the_mode_passes_calls_it_neither_routes_nor_follows_straight_through(monkeypatch):
+    # Most calls the mode sees (the ops inside slimact's own Functions, tensor attribute reads) are neither routed
+    # nor aliases of the head's output for the LM loss to follow: they run as written without reaching the loss
+    # tracker, which sees only aliases, routed calls, and calls made once lazy logits exist (which it answers).
+    from slimact import zoo
+    from slimact.convert import _ROUTE_ATTR
+    from slimact.nn.lm_loss import _ALIASES, LossTracker
+
+    config = zoo.tiny_config("gpt2")
+    model = zoo.build_auto("GPT2LMHeadModel", config).train()
+    ids = torch.randint(3, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    slim = slimact.convert(model, "int8")
+    routing = slim.__dict__[_ROUTE_ATTR]
+    followed = []
+    original = LossTracker.seen
+    monkeypatch.setattr(LossTracker, "seen",
+                        lambda self, func, *a: followed.append((func, self.lazy_made)) or original(self, func, *a))
+    loss = slim(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert any(func in _ALIASES for func, _ in followed)
+    assert all(func in _ALIASES or func in routing.handlers or lazy for func, lazy in followed)
