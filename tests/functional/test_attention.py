@@ -772,9 +772,9 @@ def test_chunked_dropout_in_the_probabilities_loop_equals_native_dropouts(compil
 
 def test_chunked_dropout_makes_no_elementwise_pass_over_the_scores_outside_its_loops():
     # Per forward + backward of the fp32 CPU chunked path with dropout: one draw each way (bool), and no eager
-    # multiply over a [B, H, T, S] tensor: the scale goes on q before the product, the dropout's mask and factor
-    # into the compiled rows (before: native_dropout's two multiplies, the scores' scaling both ways, and the
-    # redrawn fp32 noise's multiply by 1 / (1 - p)).
+    # multiply or masking over a [B, H, T, S] tensor: the scale goes on q before the product, the causal mask and
+    # the dropout's mask and factor into the compiled rows (before: native_dropout's two multiplies, the scores'
+    # scaling and causal masking both ways, and the redrawn fp32 noise's multiply by 1 / (1 - p)).
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(3)
@@ -786,6 +786,7 @@ def test_chunked_dropout_makes_no_elementwise_pass_over_the_scores_outside_its_l
     grid = {(2, 4, 256, 256), (2, 4, 1, 256, 256)}
     events = prof.events()
     assert sum(e.name == "aten::bernoulli_" for e in events) == 2
-    passes = [e.name for e in events if e.name in ("aten::mul", "aten::mul_", "aten::div", "aten::div_")
+    passes = [e.name for e in events if e.name in ("aten::mul", "aten::mul_", "aten::div", "aten::div_",
+                                                   "aten::masked_fill", "aten::masked_fill_")
               and any(tuple(s) in grid for s in e.input_shapes if s)]
     assert not passes, passes
