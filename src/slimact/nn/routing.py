@@ -63,6 +63,7 @@ from slimact.functional._saving import Mask
 from slimact.functional.activation import activation
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
+from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.norm import norm, rms_default_eps
@@ -98,9 +99,10 @@ def _packed_if_needed(x: Tensor, cfg: QuantConfig | None) -> QuantConfig | None:
 _ATTENTION_CALLS = {
     "matmul": (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.baddbmm,
                Tensor.baddbmm, torch.einsum),
-    # native_dropout: where it drops a routed softmax's output (slimact's dropout calls it), its mask is noted, so
-    # that the product reading the dropped probabilities keeps the softmax's pack and the mask (Dropped).
-    "softmax": (F.softmax, torch.softmax, Tensor.softmax, torch.native_dropout),
+    # native_dropout: where it drops a routed softmax's output (slimact's dropout calls its own, which modes see
+    # as itself), its mask is noted, so that the product reading the dropped probabilities keeps the softmax's
+    # pack and the mask (Dropped).
+    "softmax": (F.softmax, torch.softmax, Tensor.softmax, torch.native_dropout, slim_native_dropout),
     # Exact (the index kept, not the gathered tensor), so on under lossless policies too.
     "attention": (torch.gather, Tensor.gather),
 }
@@ -171,7 +173,8 @@ class _NoteDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = self.routing._native_dropout(*args, **kwargs) if func is torch.native_dropout else None
+        noted = func is torch.native_dropout or func is slim_native_dropout
+        out = self.routing._native_dropout(*args, **kwargs) if noted else None
         return func(*args, **kwargs) if out is None else out
 
 
@@ -236,7 +239,8 @@ class Routing:
         on = set().union(*self.watched.values())
         handlers = {"matmul": (self._matmul, self._matmul, self._matmul, self._bmm, self._bmm, self._baddbmm,
                                self._baddbmm, self._einsum),
-                    "softmax": (self._functional_softmax, self._softmax, self._softmax, self._native_dropout),
+                    "softmax": (self._functional_softmax, self._softmax, self._softmax, self._native_dropout,
+                                self._native_dropout),
                     "attention": (self._gather, self._gather)}
         for kind in sorted(on):
             self.handlers.update(zip(_ATTENTION_CALLS[kind], handlers[kind], strict=True))
