@@ -722,7 +722,7 @@ def test_cuda_keeps_no_sequence_by_sequence_tensor():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_the_backward_redraws_native_dropouts_mask_bit_for_bit(dtype, threads):
     # The CPU's native_dropout draws its mask with bernoulli_ on a tensor of the input's dtype; the chunked
-    # backward redraws it straight into a bool tensor, on a generator of its own: the same mask element for
+    # backward redraws it straight into a uint8 tensor, on a generator of its own: the same mask element for
     # element (the draw does not depend on the dtype, nor on the thread count), and the default generator
     # advanced by the forward's draw exactly as native_dropout advances it, untouched by the replay.
     before = torch.get_num_threads()
@@ -734,15 +734,15 @@ def test_the_backward_redraws_native_dropouts_mask_bit_for_bit(dtype, threads):
         _, mask = torch.native_dropout(x, 0.15, True)
         after = torch.get_rng_state()
         torch.set_rng_state(state)
-        keep = torch.empty(x.shape, dtype=torch.bool).bernoulli_(0.85)  # the forward's fp32 draw
+        keep = torch.empty(x.shape, dtype=torch.uint8).bernoulli_(0.85)  # the forward's fp32 draw
         assert torch.equal(torch.get_rng_state(), after)
-        assert torch.equal(keep, mask)
+        assert torch.equal(keep.bool(), mask)
         torch.set_num_threads(threads[1])
         replayed = attention_mod._replayed_mask(state, tuple(x.shape), dtype, 0.15, x.device)
         assert torch.equal(torch.get_rng_state(), after)
     finally:
         torch.set_num_threads(before)
-    assert replayed.dtype == torch.bool and torch.equal(replayed, mask)
+    assert replayed.dtype == torch.uint8 and torch.equal(replayed.bool(), mask)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])

@@ -54,9 +54,10 @@ def native_dropout(x: Tensor, p: float, train: bool = True) -> tuple[Tensor, Ten
     if not (train and _fast(x, p)):
         return torch.native_dropout(x, p, train)
     # The kernel's own draw: bernoulli_ on a tensor laid out as x (empty_like), whose draw is the same whatever
-    # its dtype (tests/functional/test_attention.py checks it bit for bit).
-    keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
-    return _apply_mask(x, keep, 1.0 / (1.0 - p)), keep
+    # its dtype (tests/functional/test_attention.py checks it bit for bit); into uint8, which the compiled loop
+    # reads vectorised (a bool mask: element by element, twice its time), then seen as the bool it is.
+    keep = torch.empty_like(x, dtype=torch.uint8).bernoulli_(1.0 - p)
+    return _apply_mask(x, keep, 1.0 / (1.0 - p)), keep.view(torch.bool)
 
 
 class _DropoutFunction(SlimFunction):
@@ -74,7 +75,7 @@ class _DropoutFunction(SlimFunction):
     def backward(ctx, grad_y):
         (mask,) = load(ctx)
         if ctx.fast and grad_y.dtype == torch.float32:  # native_dropout_backward's (grad * mask) * scale
-            return _apply_mask(grad_y, mask, ctx.scale), None
+            return _apply_mask(grad_y, mask.view(torch.uint8), ctx.scale), None
         return torch.ops.aten.native_dropout_backward(grad_y, mask, ctx.scale), None
 
 
