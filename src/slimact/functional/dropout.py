@@ -41,8 +41,9 @@ def _apply_mask(x: Tensor, keep: Tensor, scale: float) -> Tensor:
 
 
 def _fast(x: Tensor, p: float) -> bool:
-    """Whether :func:`native_dropout` draws and applies the mask itself: CPU, fp32, ``0 < p < 1``."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and 0.0 < p < 1.0
+    """Whether :func:`native_dropout` draws and applies the mask itself: CPU, fp32, ``0 < p < 1``, eagerly (under
+    torch.compile inductor fuses ``native_dropout`` itself; a uint8 mask seen as bool did not compile there)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and 0.0 < p < 1.0 and not torch.compiler.is_compiling()
 
 
 def native_dropout(x: Tensor, p: float, train: bool = True) -> tuple[Tensor, Tensor]:
