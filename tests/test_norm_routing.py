@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import slimact
 from slimact._metrics import cosine, sqnr_db
@@ -168,27 +169,54 @@ def test_half_precision_rms_norm_without_eps_uses_the_kernels_eps():
         assert (g1[name].float() - g0[name].float()).norm() <= 1e-2 * g0[name].float().norm(), name
 
 
+class _OwnLayerNorm(nn.LayerNorm):
+    """A LayerNorm with a forward of its own (a model's norm code), which calls F.layer_norm."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
 class _SlimBlock(nn.Module):
-    def __init__(self):
+    def __init__(self, norm=nn.LayerNorm):
         super().__init__()
-        self.fc1, self.norm, self.fc2 = nn.Linear(32, 48), nn.LayerNorm(48), nn.Linear(48, 16)
+        self.fc1, self.norm, self.fc2 = nn.Linear(32, 48), norm(48), nn.Linear(48, 16)
 
     def forward(self, x):
         return self.fc2(self.norm(self.fc1(x)))
 
 
+class _CountNorms(TorchDispatchMode):
+    """Counts the LayerNorm kernels run (each F.layer_norm is one native_layer_norm) and statistics passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.stats = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten.native_layer_norm.default
+        self.stats += func in (torch.ops.aten.var_mean.correction, torch.ops.aten.var_mean.dim)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, _OwnLayerNorm], ids=["nn.LayerNorm", "own forward"])
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
-def test_a_converted_layer_norm_is_not_routed_twice(policy, monkeypatch):
-    # slimact's nn.LayerNorm calls F.layer_norm inside its Function's forward: the route must let that call run as
-    # written. slimact's Functions run their forwards with the routing mode off, so the mode never sees the call (it
-    # used to see it and decline it, grad mode being off there). Bytes and gradients as with the norm routes off.
+def test_a_converted_layer_norm_is_not_routed_twice(policy, norm, monkeypatch):
+    # slimact's nn.LayerNorm computes the norm inside its Function's forward: nn.LayerNorm's own forward as
+    # native_layer_norm (whose statistics it keeps), a model's own forward as written (its F.layer_norm). The
+    # Functions run their forwards with the routing mode off, so the mode never sees that call and never takes it
+    # a second time: one norm kernel per call. Bytes and gradients as with the norm routes off.
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
-    plain = _SlimBlock()
+    plain = _SlimBlock(norm)
     routed = []
     original = Routing._norm
     monkeypatch.setattr(Routing, "_norm", lambda self, *a, **k: routed.append(r := original(self, *a, **k)) or r)
     slim = slimact.convert(copy.deepcopy(plain), policy)
-    y1, g1 = _step(slim, x)
+    assert type(slim.norm) is not norm  # converted
+    with _CountNorms() as counted:
+        y1, g1 = _step(slim, x)
+    assert counted.calls == 1  # the norm computed once (no second kernel, no route around it)
+    # nn.LayerNorm's statistics are its kernel's: no second pass over the input for them
+    assert counted.stats == (norm is _OwnLayerNorm)
     bytes1 = slimact.profile(slim, x.requires_grad_(True)).by_module
     assert routed == []  # never seen by the mode, so never routed
     monkeypatch.setattr(Routing, "_norm_routes", lambda self: {})

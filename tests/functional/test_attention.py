@@ -801,3 +801,77 @@ def test_cuda_keeps_no_sequence_by_sequence_tensor():
         report = slimact.profile(_Call(scaled_dot_product_attention, is_causal=True, dropout_p=0.1, cfg=cfg),
                                  (q, k, v))
         assert all(sum(1 for n in e.shape if n == t) < 2 for e in report.entries), report.entries
+
+
+@pytest.mark.parametrize("threads", [(1, 2), (2, 1), (2, 2)], ids=lambda t: f"fwd{t[0]}-bwd{t[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_backward_redraws_native_dropouts_mask_bit_for_bit(dtype, threads):
+    # The CPU's native_dropout draws its mask with bernoulli_ on a tensor of the input's dtype; the chunked
+    # backward redraws it straight into a uint8 tensor, on a generator of its own: the same mask element for
+    # element (the draw does not depend on the dtype, nor on the thread count), and the default generator
+    # advanced by the forward's draw exactly as native_dropout advances it, untouched by the replay.
+    before = torch.get_num_threads()
+    x = torch.rand(3, 5, 67, 129).to(dtype)
+    try:
+        torch.set_num_threads(threads[0])
+        torch.manual_seed(11)
+        state = attention_mod._rng_state(x.device)
+        _, mask = torch.native_dropout(x, 0.15, True)
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        keep = torch.empty(x.shape, dtype=torch.uint8).bernoulli_(0.85)  # the forward's fp32 draw
+        assert torch.equal(torch.get_rng_state(), after)
+        assert torch.equal(keep.bool(), mask)
+        torch.set_num_threads(threads[1])
+        replayed = attention_mod._replayed_mask(state, tuple(x.shape), dtype, 0.15, x.device)
+        assert torch.equal(torch.get_rng_state(), after)
+    finally:
+        torch.set_num_threads(before)
+    assert replayed.dtype == torch.uint8 and torch.equal(replayed.bool(), mask)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_chunked_dropout_in_the_probabilities_loop_equals_native_dropouts(compiled, monkeypatch):
+    # The fp32 CPU forward draws the mask into a bool tensor and multiplies it in the probabilities' own loop:
+    # the same output bit for bit as softmax then native_dropout, and the same gradients (backward: the mask
+    # redrawn into bool, multiplied in the rows' loop, against native_dropout's mask replayed on ones).
+    from slimact.quant import inductor
+
+    if not compiled:
+        monkeypatch.setattr(inductor, "fused", lambda *a: None)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 256, 32, generator=gen).requires_grad_() for _ in range(3))
+    up = torch.randn(2, 4, 256, 32, generator=gen)
+
+    def run():
+        torch.manual_seed(7)
+        out = scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True, cfg=None)
+        return out, *torch.autograd.grad(out, (q, k, v), up), torch.get_rng_state()
+
+    fused = run()
+    monkeypatch.setattr(attention_mod, "_bool_draw", lambda device, p: False)
+    reference = run()
+    for a, b in zip(fused, reference, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_chunked_dropout_makes_no_elementwise_pass_over_the_scores_outside_its_loops():
+    # Per forward + backward of the fp32 CPU chunked path with dropout: one draw each way (bool), and no eager
+    # multiply or masking over a [B, H, T, S] tensor: the scale goes on q before the product, the causal mask and
+    # the dropout's mask and factor into the compiled rows (before: native_dropout's two multiplies, the scores'
+    # scaling and causal masking both ways, and the redrawn fp32 noise's multiply by 1 / (1 - p)).
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 256, 32, generator=gen).requires_grad_() for _ in range(3))
+    up = torch.randn(2, 4, 256, 32, generator=gen)
+    scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).backward(up)  # compiles the loops
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).backward(up)
+    grid = {(2, 4, 256, 256), (2, 4, 1, 256, 256)}
+    events = prof.events()
+    assert sum(e.name == "aten::bernoulli_" for e in events) == 2
+    passes = [e.name for e in events if e.name in ("aten::mul", "aten::mul_", "aten::div", "aten::div_",
+                                                   "aten::masked_fill", "aten::masked_fill_")
+              and any(tuple(s) in grid for s in e.input_shapes if s)]
+    assert not passes, passes

@@ -24,3 +24,57 @@ def test_eval_dropout_is_identity():
     drop = converted_copy(nn.Dropout(0.5)).eval()
     x = torch.randn(10)
     assert torch.equal(drop(x), x)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_cpu_fp32_dropout_equals_native_dropout_bit_for_bit(layout, compiled, monkeypatch):
+    # slimact's CPU fp32 dropout draws the mask into bool and applies (x * mask) * scale in one loop, forward and
+    # backward: the same mask, output, gradient and generator state after it as torch.native_dropout and its
+    # backward, at a size where the loop is compiled, at 1 and 2 threads.
+    from slimact.functional import dropout
+    from slimact.quant import inductor
+
+    if not compiled:
+        monkeypatch.setattr(inductor, "fused", lambda *a: None)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 256, 768, generator=gen)
+    x = x if layout == "contiguous" else x.transpose(1, 2)
+    up = torch.randn(x.shape, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.manual_seed(5)
+            ref, mask = torch.native_dropout(x, 0.1, True)
+            ref_grad = torch.ops.aten.native_dropout_backward(up, mask, 1 / 0.9)
+            ref_state = torch.get_rng_state()
+            torch.manual_seed(5)
+            xi = x.detach().requires_grad_(True)
+            y = dropout(xi, 0.1)
+            assert torch.equal(torch.get_rng_state(), ref_state)
+            y.backward(up)
+            assert torch.equal(y, ref) and torch.equal(xi.grad, ref_grad)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_fp32_dropout_makes_two_passes_forward_and_one_backward():
+    # Plain native_dropout on the CPU: a bool draw, the mask converted to fp32, two multiplies; its backward a
+    # conversion and two multiplies. Here: the draw and one compiled loop, then one loop (besides the bits).
+    from torch.profiler import ProfilerActivity, profile
+
+    from slimact.functional import dropout
+
+    x = torch.randn(4, 256, 768, requires_grad=True)
+    up = torch.randn(x.shape)
+    dropout(x, 0.1).backward(up)  # compiles the loop
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        dropout(x, 0.1).backward(up)
+    events = prof.events()
+    assert [e.name for e in events].count("aten::bernoulli_") == 1
+    assert not {"aten::native_dropout", "aten::native_dropout_backward"} & {e.name for e in events}
+    # (the mask's bits are packed and unpacked by their own ops, over int64 words: x.numel() / 8 of them)
+    passes = [e.name for e in events if e.name in ("aten::mul", "aten::mul_", "aten::to", "aten::copy_")
+              and any(tuple(shape) == tuple(x.shape) for shape in e.input_shapes if shape)]
+    assert not passes, passes

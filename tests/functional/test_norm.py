@@ -87,6 +87,42 @@ def test_guards():
     assert not output_recoverable(w, b, torch.float32, exact=False)
 
 
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_the_channel_check_is_read_once_per_version_of_the_weight(policy, monkeypatch):
+    # Whether every channel's xn comes back from the output depends on the weight and bias only: read (one host
+    # sync on a GPU) once per version of them, not once per call; an in-place change (an optimizer step, a
+    # gamma zeroed by hand) is seen at the next call.
+    import importlib
+
+    from _harness import converted_copy
+
+    norm_mod = importlib.import_module("slimact.functional.norm")  # (slimact.functional.norm is the function)
+
+    calls = []
+    original = norm_mod._channels_recoverable
+    monkeypatch.setattr(norm_mod, "_channels_recoverable", lambda *a: calls.append(1) or original(*a))
+    torch.manual_seed(0)
+    plain = _ln(64)
+    slim = converted_copy(plain, policy).train()
+    x = torch.randn(8, 64) * 2 + 0.5
+    for _ in range(3):
+        slim(x.requires_grad_(True)).sum().backward()
+    assert len(calls) == 1
+    for m in (plain, slim):
+        with torch.no_grad():
+            m.weight[3] = 0.0  # xn cannot come back from channel 3 now: the layer must keep its input
+    grads = []
+    for m in (plain, slim):
+        xi = x.detach().requires_grad_(True)
+        m.zero_grad(set_to_none=True)
+        m(xi).backward(torch.ones(8, 64))
+        grads.append((xi.grad, m.weight.grad))
+    assert len(calls) == 2
+    for a, e in zip(grads[1], grads[0], strict=True):
+        assert torch.isfinite(a).all()
+        assert cosine(e, a) >= 0.999
+
+
 def test_norms_keep_at_most_0_27x():
     assert saved_ratio(_ln(256), torch.randn(256, 256)) <= 0.27
     assert saved_ratio(_affine(nn.RMSNorm(256), torch.float32), torch.randn(256, 256)) <= 0.27

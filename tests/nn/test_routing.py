@@ -387,3 +387,27 @@ def test_a_functions_own_ops_do_not_pass_through_the_routing_mode(policy, monkey
     assert len(seen) <= 10 and not {"amax", "gelu", "ge", "view", "reshape"} & set(seen), seen
     # int8: neither Linear's F.linear is seen (it runs inside the Function); tempo leaves the Linears plain
     assert seen.count("linear") == (2 if policy == "tempo" else 0), seen
+
+
+def test_the_mode_passes_calls_it_neither_routes_nor_follows_straight_through(monkeypatch):
+    # Most calls the mode sees (the ops inside slimact's own Functions, tensor attribute reads) are neither routed
+    # nor aliases of the head's output for the LM loss to follow: they run as written without reaching the loss
+    # tracker, which sees only aliases, routed calls, and calls made once lazy logits exist (which it answers).
+    from slimact import zoo
+    from slimact.convert import _ROUTE_ATTR
+    from slimact.nn.lm_loss import _ALIASES, LossTracker
+
+    config = zoo.tiny_config("gpt2")
+    model = zoo.build_auto("GPT2LMHeadModel", config).train()
+    ids = torch.randint(3, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    slim = slimact.convert(model, "int8")
+    routing = slim.__dict__[_ROUTE_ATTR]
+    followed = []
+    original = LossTracker.seen
+    monkeypatch.setattr(LossTracker, "seen",
+                        lambda self, func, *a: followed.append((func, self.lazy_made)) or original(self, func, *a))
+    loss = slim(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert any(func in _ALIASES for func, _ in followed)
+    assert all(func in _ALIASES or func in routing.handlers or lazy for func, lazy in followed)

@@ -175,27 +175,43 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
 
 
-def _probabilities(scores: Tensor) -> Tensor:
+def _probabilities(scores: Tensor, future: Tensor | None = None) -> Tensor:
     """Softmax over the last dim as ``torch.softmax`` computes it, ``exp(s - max) / sum``, with 0 for a row of
     -inf only (fully masked), as PyTorch's CPU flash kernel has it. Not ``exp(s - lse)``: ``lse`` rounded in
     fp32 next to scores of 1e8 (fp16 inputs with outliers) was off by most of its ulp of 8, and two tied keys
-    got 0.47 each instead of 0.5."""
+    got 0.47 each instead of 0.5. ``future``: a causal mask (``[rows, S]`` fp32, -inf where masked, else 0),
+    applied first as ``masked_fill`` would (-inf there whatever the score), in the same compiled loop: no pass of
+    its own over the scores. (fp32, not bool: inductor's CPU loops read a broadcast bool mask element by element,
+    2.5x slower than the unmasked loop; the fp32 one vectorises, +10%.)"""
+    if future is not None:
+        scores = torch.where(future < 0, float("-inf"), scores)
     m = scores.amax(-1, keepdim=True)
     e = torch.exp(scores - m.masked_fill(torch.isneginf(m), 0.0))
     total = e.sum(-1, keepdim=True)
     return e / total.masked_fill(total == 0, 1.0)
 
 
-def _rows_backward(scores: Tensor, dp: Tensor, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(D, dS)`` of a block of whole rows from its fp32 scores, the gradient of its dropped probabilities
-    ``dp`` and the dropout's factor: ``P = softmax(scores)``, ``D = P * noise``,
-    ``dS = P * (dp * noise - rowsum(P * dp * noise))`` (run through :func:`_fused_rows`)."""
+def _dropped_probabilities(scores: Tensor, future: Tensor | None, keep: Tensor, scale: float) -> Tensor:
+    """``native_dropout(softmax(scores), p)`` from its mask ``keep`` (0/1 uint8) and ``scale = 1 / (1 - p)``:
+    the CPU kernel's ``(x * mask) * scale``, the same values bit for bit, in the probabilities' own loop (no fp32
+    mask, no two multiplying passes over ``[B, H, T, S]``). uint8, not bool: the loop reads a bool mask element
+    by element (twice the loop's time), a uint8 one vectorised."""
+    return _probabilities(scores, future) * keep * scale
+
+
+def _rows_backward(scores: Tensor, future: Tensor | None, dp: Tensor, keep: Tensor | None,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """``(D, dS)`` of a block of whole rows from its fp32 scores (causally masked by ``future`` if given, as
+    :func:`_probabilities`), the gradient of its dropped probabilities
+    ``dp`` and the dropout's mask ``keep`` (0/1 uint8, ``None`` without dropout) and factor ``scale``:
+    ``P = softmax(scores)``, ``D = P * keep * scale``, ``dS = P * (dp * keep * scale - rowsum(P * dp * keep *
+    scale))`` (run through :func:`_fused_rows`; ``(x * keep) * scale`` is the forward's dropout bit for bit)."""
     # rowsum(P * dP) from the block's own fp32 rows (each block holds whole rows): so ds sums to zero over a row
     # to fp32 rounding. (FlashAttention's rowsum(dO * O) from the output rounded to fp16 left a 1e-3 residue,
     # which constant keys turned into a q gradient of 1e-3 where the exact one is 0.)
-    probs = _probabilities(scores)
-    dropped = probs if noise is None else probs * noise
-    dp = dp if noise is None else dp * noise
+    probs = _probabilities(scores, future)
+    dropped = probs if keep is None else probs * keep * scale
+    dp = dp if keep is None else dp * keep * scale
     return dropped, probs * (dp - (probs * dp).sum(-1, keepdim=True))
 
 
@@ -294,20 +310,26 @@ def _replaying(state: Tensor | None, device: torch.device):
         yield
 
 
-def _replayed_noise(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p: float, device) -> Tensor:
-    """The dropout ``native_dropout`` drew (on a tensor of ``dtype``) from RNG ``state``, drawn again on a forked
-    generator, as the fp32 factor it multiplied by: ``mask * scale``, ``scale = 1 / (1 - p)`` (0 for ``p = 1``).
-    In fp32 that is the draw's own output for an input of ones, and ``x * noise`` is bit for bit
-    ``(x * mask) * scale`` (``x * mask`` is exact); for a half-precision draw, the mask converted."""
+def _bool_draw(device: torch.device, p: float) -> bool:
+    """Whether ``native_dropout``'s mask is ``empty(uint8).bernoulli_(1 - p)``'s draw: on the CPU, where the
+    kernel draws its mask with ``bernoulli_`` on a tensor of the input's dtype and that draw is one Bernoulli of
+    the generator's serial stream per element, whatever the tensor's dtype (checked bit for bit, generator
+    state after it too, at 1 and 2 threads: ``tests/functional/test_attention.py``); 0 < p < 1."""
+    return device.type == "cpu" and 0.0 < p < 1.0
+
+
+def _replayed_mask(state: Tensor, shape: tuple[int, ...], dtype: torch.dtype, p: float, device) -> Tensor:
+    """The mask ``native_dropout`` drew (on a tensor of ``dtype``) from RNG ``state``, drawn again, as 0/1
+    uint8 (:func:`_dropped_probabilities`): on the CPU straight into a uint8 tensor on a generator of its own set
+    to ``state`` (no fp32 noise, no multiply, the default generator untouched); elsewhere by ``native_dropout`` on
+    ones on a forked generator."""
+    device = torch.device(device)
+    if _bool_draw(device, p):
+        gen = torch.Generator()
+        gen.set_state(state)
+        return torch.empty(shape, dtype=torch.uint8).bernoulli_(1.0 - p, generator=gen)
     with _replaying(state, device):
-        if dtype == torch.float32 and torch.device(device).type == "cpu" and p < 1:
-            # What the CPU's native_dropout does for fp32 (mask = empty.bernoulli_(1 - p); out = x * mask *
-            # scale), the same draw, without its tensor of ones, its multiply by them and its bool mask.
-            return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - p).mul_(1.0 / (1.0 - p))
-        out, mask = torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)
-    if dtype == torch.float32:
-        return out
-    return mask.to(torch.float32) * (0.0 if p >= 1 else 1.0 / (1.0 - p))
+        return torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)[1].view(torch.uint8)
 
 
 class _ChunkedAttention(SlimFunction):
@@ -325,23 +347,30 @@ class _ChunkedAttention(SlimFunction):
         b, h, t, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
         add = _additive(mask, torch.float32)
-        qg = q.reshape(b, h_kv, h // h_kv, t, d)
+        # q scaled before the product: a pass over [B, H, T, D], not over the [B, H, T, S] scores (for a power of
+        # two, as head size 64's 1/8, the very same scores)
+        qs = _scaled_queries(q, scale).reshape(b, h_kv, h // h_kv, t, d)
         kt, vg = k.unsqueeze(2).transpose(-1, -2), v.unsqueeze(2)
         rng = None
         if dropout_p > 0:
             # One draw over the whole [B, H, T, S] grid, as eager F.dropout makes it (same masks as the plain
             # model); the backward replays it from the snapshot. Transient here, never kept.
             rng = _rng_state(q.device)
-            scores = _block_scores(qg, kt, add, is_causal, scale, (b, h, t, s), 0, t)
-            probs = _fused_rows(_probabilities, scores).to(v.dtype)
-            dropped, _ = torch.native_dropout(probs, dropout_p, True)
+            scores, future = _block_scores(qs, kt, add, is_causal, (b, h, t, s), 0, t)
+            if v.dtype == torch.float32 and _bool_draw(q.device, dropout_p):
+                # native_dropout's draw (the same generator advance), its multiply in the probabilities' loop
+                keep = torch.empty(scores.shape, dtype=torch.uint8).bernoulli_(1.0 - dropout_p)
+                dropped = _fused_rows(_dropped_probabilities, scores, future, keep, 1.0 / (1.0 - dropout_p))
+            else:
+                probs = _fused_rows(_probabilities, scores, future).to(v.dtype)
+                dropped, _ = torch.native_dropout(probs, dropout_p, True)
             out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, v.shape[-1])
         else:
             out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype, device=q.device)
             for t0 in range(0, t, CHUNK_ROWS):
                 t1 = min(t, t0 + CHUNK_ROWS)
-                scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
-                pg = _fused_rows(_probabilities, scores).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
+                scores, future = _block_scores(qs[..., t0:t1, :], kt, add, is_causal, (b, h, t, s), t0, t1)
+                pg = _fused_rows(_probabilities, scores, future).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
                 out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, v.shape[-1])
         dead = _dead_rows(mask)
         if dead is not None:
@@ -360,17 +389,20 @@ class _ChunkedAttention(SlimFunction):
         h_kv, s = k.shape[1], k.shape[2]
         rep = h // h_kv
         add = _additive(mask, torch.float32)
-        qg = q.float().reshape(b, h_kv, rep, t, d)
-        kf, vf = k.float(), v.float()
+        qs = _scaled_queries(q, scale).reshape(b, h_kv, rep, t, d)  # as the forward scaled it
+        # k and the output's gradient each feed two products: laid out for them once (each product would copy a
+        # transposed [B, T, H, D] view itself)
+        kf, vf = k.float().contiguous(), v.float()
         kt, vg = kf.unsqueeze(2).transpose(-1, -2), vf.unsqueeze(2)
-        g = grad_out.float()
+        g = grad_out.float().contiguous()
         # Each block's products are new tensors: the first block's are the sums' start (0 + a is a, exactly),
         # and a single block's q gradient is the whole one (no zeros, no copy into a buffer).
-        gq = torch.empty_like(qg) if t > CHUNK_ROWS else None
+        gq = torch.empty_like(qs) if t > CHUNK_ROWS else None
         gk = gv = None
         gg = g.reshape(b, h_kv, rep, t, v.shape[-1])
-        # [B, H, T, S], fp32 (the rows are recomputed in fp32), drawn as the forward drew it (in p_dtype)
-        noise_all = _replayed_noise(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
+        # [B, H, T, S] 0/1 uint8, drawn as the forward drew it (in p_dtype), and the dropout's factor
+        keep_all = _replayed_mask(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
+        factor = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
         # A learned additive mask (Swin's and T5's position biases): its gradient is the scores' gradient,
         # summed over the dims it broadcasts along. [B|1, H|1, T|1, S]
         need_mask_grad = ctx.needs_input_grad[3]
@@ -378,12 +410,12 @@ class _ChunkedAttention(SlimFunction):
         gmask = torch.zeros(m4.shape, dtype=torch.float32, device=q.device) if need_mask_grad else None
         for t0 in range(0, t, CHUNK_ROWS):
             t1 = min(t, t0 + CHUNK_ROWS)
-            scores = _block_scores(qg[..., t0:t1, :], kt, add, is_causal, scale, (b, h, t, s), t0, t1)
+            scores, future = _block_scores(qs[..., t0:t1, :], kt, add, is_causal, (b, h, t, s), t0, t1)
             scores = scores.reshape(b, h_kv, rep, t1 - t0, s)
             gblk = gg[..., t0:t1, :]
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
-            noise = None if noise_all is None else noise_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
-            dropped, ds = _fused_rows(_rows_backward, scores, dp, noise)
+            keep = None if keep_all is None else keep_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
+            dropped, ds = _fused_rows(_rows_backward, scores, future, dp, keep, factor)
             gv_blk = dropped.transpose(-1, -2).matmul(gblk)
             gv = gv_blk if gv is None else gv.add_(gv_blk)
             if gmask is not None:
@@ -399,10 +431,10 @@ class _ChunkedAttention(SlimFunction):
                 gq = gq_blk
             else:
                 gq[..., t0:t1, :] = gq_blk
-            gk_blk = ds.transpose(-1, -2).matmul(qg[..., t0:t1, :]).mul_(scale)
+            gk_blk = ds.transpose(-1, -2).matmul(qs[..., t0:t1, :])  # (scale q)'s rows: scale's product
             gk = gk_blk if gk is None else gk.add_(gk_blk)
         if gk is None:  # no query rows
-            gq = torch.empty_like(qg)
+            gq = torch.empty_like(qs)
             gk = torch.zeros(b, h_kv, rep, s, d, dtype=torch.float32, device=q.device)
             gv = torch.zeros(b, h_kv, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
         grad_mask = gmask.reshape(mask.shape).to(mask.dtype) if gmask is not None else None
@@ -412,20 +444,30 @@ class _ChunkedAttention(SlimFunction):
                 grad_mask, None, None, None, None, None, None)
 
 
-def _block_scores(qg, kt, add, is_causal, scale, shape, t0, t1) -> Tensor:
-    """fp32 scores of query rows ``t0:t1``: ``[B, H_kv, rep, rows, S]`` flattened to ``[B, H, rows, S]``."""
+def _scaled_queries(q: Tensor, scale: float) -> Tensor:
+    """``q * scale`` in fp32, written contiguous (``[B, H, T, D]``): the products read it with no copy of their
+    own (a model's ``q`` is usually a transposed ``[B, T, H, D]`` view, which each product would copy)."""
+    return torch.mul(q.float(), scale, out=torch.empty(q.shape, dtype=torch.float32, device=q.device))
+
+
+def _block_scores(qs, kt, add, is_causal, shape, t0, t1) -> tuple[Tensor, Tensor | None]:
+    """fp32 scores of query rows ``t0:t1`` from the scaled fp32 queries ``qs`` (``[B, H_kv, rep, rows, D]``):
+    ``[B, H_kv, rep, rows, S]`` flattened to ``[B, H, rows, S]``, and the causal mask of those rows (``[rows,
+    S]`` fp32, -inf where masked, else 0; ``None`` if not causal), which the row loops apply
+    (:func:`_probabilities`)."""
     b, h, t, s = shape
-    # The product is a new tensor: scaled, masked and offset in place (no copy of [B, H, rows, S] per step).
-    scores = torch.matmul(qg.float(), kt.float()).reshape(b, h, t1 - t0, s).mul_(scale)
+    # The product is a new tensor: offset in place (no copy of [B, H, rows, S] per step).
+    scores = torch.matmul(qs, kt.float()).reshape(b, h, t1 - t0, s)
     if add is not None:
         m = add if add.dim() == 4 else add.view(*(1,) * (4 - add.dim()), *add.shape)
         rows = m[..., t0:t1, :] if m.shape[-2] == t else m
         fits = torch.broadcast_shapes(rows.shape, scores.shape) == scores.shape
         scores = scores.add_(rows) if fits else scores + rows
+    future = None
     if is_causal:
-        future = torch.ones(t1 - t0, s, dtype=torch.bool, device=scores.device).triu_(diagonal=t0 + 1)
-        scores = scores.masked_fill_(future, float("-inf"))
-    return scores
+        above = torch.ones(t1 - t0, s, dtype=torch.bool, device=scores.device).triu_(diagonal=t0 + 1)
+        future = torch.zeros(t1 - t0, s, dtype=torch.float32, device=scores.device).masked_fill_(above, float("-inf"))
+    return scores, future
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,16 +5,60 @@ forward is PyTorch's ``native_dropout`` (same random draws, same output as ``F.d
 
 What it keeps: the mask at 1 bit per element (exact), where PyTorch keeps a one-byte ``bool`` mask: 8x
 less, and never the dropped output. Only in training; in eval mode dropout is the identity, as in PyTorch.
+
+On the CPU, fp32 (:func:`native_dropout`): the CPU kernel draws its mask into a bool tensor, converts it to
+fp32 (a pass and 4 bytes per element) and multiplies twice, ``(x * mask) * scale``; its backward converts and
+multiplies the same way. Here the mask is the same draw (``bernoulli_`` into bool), and ``(x * mask) * scale``
+runs as one compiled loop both ways (the same values bit for bit): 2 passes instead of 4 forward, 1 instead of
+3 backward.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from slimact.functional._saving import Mask, SlimFunction, load, save
+from slimact.quant import inductor
 
-__all__ = ["dropout"]
+__all__ = ["dropout", "native_dropout"]
+
+
+def _masked(x: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """``(x * keep) * scale``: the CPU ``native_dropout``'s output from its bool mask (and its backward's, for a
+    gradient), the same two roundings."""
+    return x * keep * scale
+
+
+def _apply_mask(x: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """:func:`_masked` as one compiled loop where that pays off (else the eager ops: the same values)."""
+    if inductor.pays_off(x):
+        out = inductor.fused(_masked, ("dropout", x.dtype), x, keep, scale)
+        if out is not None:
+            return out
+    return _masked(x, keep, scale)
+
+
+def _fast(x: Tensor, p: float) -> bool:
+    """Whether :func:`native_dropout` draws and applies the mask itself: CPU, fp32, ``0 < p < 1``, eagerly (under
+    torch.compile inductor fuses ``native_dropout`` itself; a uint8 mask seen as bool did not compile there)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and 0.0 < p < 1.0 and not torch.compiler.is_compiling()
+
+
+def native_dropout(x: Tensor, p: float, train: bool = True) -> tuple[Tensor, Tensor]:
+    """``torch.native_dropout(x, p, train)``: the output and the bool mask, the same draw (and generator
+    advance) and the same values; see the module docstring for the CPU's fp32 path. Torch function modes see
+    this function itself (slimact's routing notes a dropout of a routed softmax's output by it)."""
+    if has_torch_function_unary(x):
+        return handle_torch_function(native_dropout, (x,), x, p, train)
+    if not (train and _fast(x, p)):
+        return torch.native_dropout(x, p, train)
+    # The kernel's own draw: bernoulli_ on a tensor laid out as x (empty_like), whose draw is the same whatever
+    # its dtype (tests/functional/test_attention.py checks it bit for bit); into uint8, which the compiled loop
+    # reads vectorised (a bool mask: element by element, twice its time), then seen as the bool it is.
+    keep = torch.empty_like(x, dtype=torch.uint8).bernoulli_(1.0 - p)
+    return _apply_mask(x, keep, 1.0 / (1.0 - p)), keep.view(torch.bool)
 
 
 class _DropoutFunction(SlimFunction):
@@ -23,14 +67,17 @@ class _DropoutFunction(SlimFunction):
 
     @staticmethod
     def forward(ctx, x, p):
-        y, mask = torch.native_dropout(x, p, True)
+        y, mask = native_dropout(x, p, True)
         ctx.scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+        ctx.fast = _fast(x, p)
         save(ctx, Mask.of(mask))
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         (mask,) = load(ctx)
+        if ctx.fast and grad_y.dtype == torch.float32:  # native_dropout_backward's (grad * mask) * scale
+            return _apply_mask(grad_y, mask.view(torch.uint8), ctx.scale), None
         return torch.ops.aten.native_dropout_backward(grad_y, mask, ctx.scale), None
 
 

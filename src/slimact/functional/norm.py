@@ -114,22 +114,75 @@ def _row_stats(x: Tensor, centered: bool, eps: float) -> tuple[Tensor | None, Te
     return None, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+#: Per (weight, bias, offset, dtype, lossless): whether every channel is recoverable, with the weight's and the
+#: bias's identity, storage and version counter when it was decided (an optimizer step's in-place update bumps
+#: the version: decided again once per step, not once per call).
+_CHANNEL_CHECKS: dict[tuple, tuple[tuple, bool]] = {}
+
+
+def _version(t: Tensor | None) -> tuple:
+    return (None,) if t is None else (t.data_ptr(), t._version, t.dtype, tuple(t.shape))
+
+
+def _channels_ok(weight: Tensor | None, bias: Tensor | None, offset: float, dtype: torch.dtype, exact: bool) -> bool:
+    """:func:`output_recoverable` of ``(weight + offset, bias)``, read once per version of the weight and bias
+    (one host sync per optimizer step instead of one per call: they change only in place, or by assignment)."""
+    if weight is None:
+        return True
+    key = (id(weight), id(bias), offset, dtype, exact)
+    seen = (_version(weight), _version(bias))
+    hit = _CHANNEL_CHECKS.get(key)
+    if hit is not None and hit[0] == seen:
+        return hit[1]
+    w_eff = weight + offset if offset else weight
+    ok = bool(_channels_recoverable(w_eff, bias, dtype, exact).all())
+    if len(_CHANNEL_CHECKS) > 4096:  # ids of freed parameters: a bound, not a leak
+        _CHANNEL_CHECKS.clear()
+    _CHANNEL_CHECKS[key] = (seen, ok)
+    return ok
+
+
+def _layer_norm_with_stats(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                           eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``F.layer_norm(x, [C], weight, bias, eps)`` with the kernel's own per-row fp32 ``(mean, rstd)``
+    (``[..., 1]``): ``torch.native_layer_norm``, which ``F.layer_norm`` runs and whose output it returns (the
+    same output bit for bit), so that no second pass over ``x`` computes them. ``None`` where its statistics are
+    not fp32 (half-precision inputs on the CPU), to be computed in fp32 from ``x`` instead."""
+    y, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
+    return (y, mean, rstd) if mean.dtype == torch.float32 and rstd.dtype == torch.float32 else None
+
+
+def _default_fn(channels: int, w_eff: Tensor | None, bias: Tensor | None, eps: float,
+                centered: bool) -> Callable[[Tensor], Tensor]:
+    """``F.layer_norm`` (centered) or ``F.rms_norm`` over the last dim, as a function of the input."""
+    if centered:
+        return lambda t: torch.nn.functional.layer_norm(t, [channels], w_eff, bias, eps)
+    return lambda t: torch.nn.functional.rms_norm(t, [channels], w_eff, eps)
+
+
 class _NormFunction(SlimFunction):
     layer = "LayerNorm/RMSNorm"
 
     @staticmethod
     def forward(ctx, x, weight, bias, fn, centered, eps, offset, cfg, state):
-        y = fn(x)
+        # fn None: F.layer_norm itself (centered), taken with its kernel's statistics
         w_eff = weight + offset if weight is not None and offset else weight
+        out = _layer_norm_with_stats(x, w_eff, bias, eps) if fn is None else None
+        if out is not None:
+            y, mean, rstd = out
+        else:
+            y = _default_fn(x.shape[-1], w_eff, bias, eps, centered)(x) if fn is None else fn(x)
+            mean, rstd = _row_stats(x, centered, eps)
         ctx.centered, ctx.offset = centered, offset
-        mean, rstd = _row_stats(x, centered, eps)
-        checks = [_channels_recoverable(w_eff, bias, x.dtype, exact=cfg is None)]
-        if mean is not None and cfg is None:
-            checks.append(_rows_recoverable(mean, rstd, x.dtype))
-        checks = [c for c in checks if c is not None]
-        # One host sync; under torch.compile (where it would break the graph) the input is kept whenever the
-        # choice depends on the data.
-        ctx.from_output = not checks or (not torch.compiler.is_compiling() and bool(torch.cat(checks).all()))
+        exact = cfg is None
+        if torch.compiler.is_compiling():
+            # Under torch.compile (where a host read would break the graph) the input is kept whenever the
+            # choice depends on the data.
+            ctx.from_output = weight is None and not (mean is not None and exact)
+        elif not _channels_ok(weight, bias, offset, x.dtype, exact):
+            ctx.from_output = False
+        else:  # the rows' check (lossless LayerNorm): one host sync
+            ctx.from_output = mean is None or not exact or bool(_rows_recoverable(mean, rstd, x.dtype).all())
         if ctx.from_output:
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=-1, groups=0)
             save(ctx, pack(y, per_channel, state), None, rstd, weight, bias)
@@ -195,21 +248,16 @@ def norm(
         weight, bias: ``[C]`` or ``None``; the effective scale is ``weight + offset`` (Gemma: ``offset=1``).
         eps: added to the variance (or mean square).
         cfg: how kept tensors are compressed; ``None`` keeps them exact.
-        fn: the forward to run (a module's own code); default ``F.layer_norm`` / ``F.rms_norm``.
+        fn: the forward to run (a module's own code); default ``F.layer_norm`` (run as ``native_layer_norm``,
+            whose statistics the backward keeps: no second pass over ``x``) / ``F.rms_norm``.
     """
-    if fn is None:
-        shape = [x.shape[-1]]
-        w_eff = weight + offset if weight is not None and offset else weight
-
-        def fn(t: Tensor) -> Tensor:
-            if centered:
-                return torch.nn.functional.layer_norm(t, shape, w_eff, bias, eps)
-            return torch.nn.functional.rms_norm(t, shape, w_eff, eps)
-
+    if fn is None and not centered:
+        fn = _default_fn(x.shape[-1], weight + offset if weight is not None and offset else weight, bias, eps, False)
     params = [t for t in (weight, bias) if t is not None]
     # An empty batch keeps nothing: its row statistics would be reductions over nothing.
     if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)) or not x.numel():
-        return fn(x)
+        w_eff = weight + offset if weight is not None and offset else weight
+        return _default_fn(x.shape[-1], w_eff, bias, eps, centered)(x) if fn is None else fn(x)
     if cfg is not None and not torch.compiler.is_compiling() and _learned_mix(x):
         cfg = None  # see the module docstring: a learned mix of streams, kept exact
     return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, cfg, state)

@@ -22,6 +22,16 @@ class _NormMixin(SlimModule):
     _slimact_centered: bool
     _slimact_offset: float
     _slimact_eps: float | None
+    #: Whether the forward this class runs is ``nn.LayerNorm.forward`` (``F.layer_norm``): decided per class when
+    #: it is made (a class attribute reads under torch.compile, where inspecting ``super().forward`` breaks the
+    #: graph).
+    _slimact_layer_norm_forward: bool = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        after = cls.__mro__[cls.__mro__.index(_NormMixin) + 1:]
+        forward = next((c.__dict__["forward"] for c in after if "forward" in c.__dict__), None)
+        cls._slimact_layer_norm_forward = forward is nn.LayerNorm.forward
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         # Recognised on a probe called with the input alone: a forward taking more (Mamba2's gated RMSNorm,
@@ -32,10 +42,16 @@ class _NormMixin(SlimModule):
         eps = norm_eps(self)  # read live (set after convert too), as the module's own forward reads it
         eps = eps if eps is not None else self._slimact_eps
         eps = eps if eps is not None else rms_default_eps(x.dtype)
+        forward = super().forward  # type: ignore[misc]
+        # nn.LayerNorm's own forward over the last dim is F.layer_norm: norm() runs it with its kernel's
+        # statistics (fn=None); any other forward (a model's own norm code) runs as written.
+        native = (self._slimact_layer_norm_forward and self._slimact_centered
+                  and not self._slimact_offset and tuple(self.normalized_shape) == (x.shape[-1],)
+                  and eps == self.eps)
         return norm(
             x, getattr(self, "weight", None), getattr(self, "bias", None), eps, self._slimact_cfg(x),
             self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,
-            fn=super().forward,  # type: ignore[misc]
+            fn=None if native else forward,
         )
 
 

@@ -63,11 +63,12 @@ from slimact.functional._saving import Mask, transformed
 from slimact.functional.activation import activation
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
+from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.norm import norm, rms_default_eps
 from slimact.functional.softmax import softmax
-from slimact.nn.lm_loss import NOT_LAZY, LossTracker, labels_position, lazy_call
+from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
 from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, QuantConfig
 
@@ -98,9 +99,10 @@ def _packed_if_needed(x: Tensor, cfg: QuantConfig | None) -> QuantConfig | None:
 _ATTENTION_CALLS = {
     "matmul": (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.baddbmm,
                Tensor.baddbmm, torch.einsum),
-    # native_dropout: where it drops a routed softmax's output (slimact's dropout calls it), its mask is noted, so
-    # that the product reading the dropped probabilities keeps the softmax's pack and the mask (Dropped).
-    "softmax": (F.softmax, torch.softmax, Tensor.softmax, torch.native_dropout),
+    # native_dropout: where it drops a routed softmax's output (slimact's dropout calls its own, which modes see
+    # as itself), its mask is noted, so that the product reading the dropped probabilities keeps the softmax's
+    # pack and the mask (Dropped).
+    "softmax": (F.softmax, torch.softmax, Tensor.softmax, torch.native_dropout, slim_native_dropout),
     # Exact (the index kept, not the gathered tensor), so on under lossless policies too.
     "attention": (torch.gather, Tensor.gather),
 }
@@ -137,9 +139,13 @@ class _Mode(TorchFunctionMode):
         self.routing = routing
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         routing = self.routing
         loss = routing.loss
+        # Most calls (the ops inside slimact's own Functions, tensor attribute reads: ~1,200 per "int8" GPT-2 block
+        # forward) are nothing the mode routes or follows: run as written, with no further look-up.
+        if func not in routing.handlers and (loss is None or not (loss.lazy_made or func in _ALIASES)):
+            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         # A head's LazyLogits: answered lazily where it can be, else computed here, before any handler sees it
         # (F.cross_entropy, the fused loss's own handler, takes it as it is).
         if loss is not None and loss.lazy_made and func is not F.cross_entropy:
@@ -171,7 +177,8 @@ class _NoteDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = self.routing._native_dropout(*args, **kwargs) if func is torch.native_dropout else None
+        noted = func is torch.native_dropout or func is slim_native_dropout
+        out = self.routing._native_dropout(*args, **kwargs) if noted else None
         return func(*args, **kwargs) if out is None else out
 
 
@@ -236,7 +243,8 @@ class Routing:
         on = set().union(*self.watched.values())
         handlers = {"matmul": (self._matmul, self._matmul, self._matmul, self._bmm, self._bmm, self._baddbmm,
                                self._baddbmm, self._einsum),
-                    "softmax": (self._functional_softmax, self._softmax, self._softmax, self._native_dropout),
+                    "softmax": (self._functional_softmax, self._softmax, self._softmax, self._native_dropout,
+                                self._native_dropout),
                     "attention": (self._gather, self._gather)}
         for kind in sorted(on):
             self.handlers.update(zip(_ATTENTION_CALLS[kind], handlers[kind], strict=True))
@@ -421,8 +429,10 @@ class Routing:
             return None
         eps = bound.get("eps", _LAYER_NORM_EPS if centered else None)
         eps = rms_default_eps(x.dtype) if eps is None else float(eps)
+        # F.layer_norm itself: run as its kernel with its statistics (fn=None), the same output
+        native = func is F.layer_norm or func is torch.layer_norm
         return norm(x, weight, bias, eps, self._cfg(kind, x), centered=centered,
-                    fn=lambda t: func(t, *args, **kwargs))
+                    fn=None if native else (lambda t: func(t, *args, **kwargs)))
 
     # Layers recomputed by activation checkpointing (torch.utils.checkpoint on a module, Hugging Face's
     # gradient_checkpointing): the recompute runs the layer again in the backward, outside the model's forward
