@@ -15,7 +15,7 @@
 #                       [8192, 768] bf16/fp32 whole tensor and channel groups, [8, 12, 1024, 64] per head; 8-bit
 #                       nearest, stochastic (seed 1234), 4-bit: mismatching codes and restored values per case
 #                       (slimact bench --kernels; exit 1 on any mismatch).
-#   ops         (60 s)  pack/unpack against copy_ on 64 MiB fp32: ratios; per layout (whole tensor, channel groups,
+#   ops         (50 s)  pack/unpack against copy_ on 64 MiB fp32: ratios; per layout (whole tensor, channel groups,
 #                       per head) at 64 and 512 MiB, GB/s from CUDA-event medians (host work included) and from the
 #                       kernels' own device time (torch.profiler); each Function's forward + backward against
 #                       PyTorch's (slimact bench --ops).
@@ -26,7 +26,7 @@
 #                       kernel launches and host syncs per step, GPU time by kernel family and by the op that
 #                       launched it, top kernels and CPU ops, each synchronizing call by its line of Python
 #                       (benchmarks/gpu_profile.py, to profile.md).
-#   tests       (70 s)  the CUDA tests of tests/functional/test_attention.py, tests/test_kinds.py's CUDA probe test,
+#   tests       (65 s)  the CUDA tests of tests/functional/test_attention.py, tests/test_kinds.py's CUDA probe test,
 #                       the launch-count and model-sized tests of tests/quant/test_triton_finish.py first, then
 #                       tests/test_state.py, the rest of tests/quant/test_triton_finish.py, then tests/quant/test_triton.py (its
 #                       ~560 kernel variants compile one by one: the last ones are cut; SLIMACT_GPU_TRITON_TESTS=0
@@ -103,7 +103,7 @@ if [ "$DRY" = 1 ]; then
 else
     step kernels 30 0 "$PY" -m slimact bench --kernels --device cuda --out "$STEPS" --name kernels
 fi
-step ops 60 1 "$PY" -m slimact bench --ops --device cuda --rounds 7 --out "$STEPS" --name ops
+step ops 50 1 "$PY" -m slimact bench --ops --device cuda --rounds 7 --out "$STEPS" --name ops
 step speed 160 1 "$PY" -m slimact bench --speed --device cuda --models gpt2 --layers 12 --batch 8 --seq 1024 \
     --dtypes bf16 --rounds 3 --policies tempo int8 --dropout 0 0.1 --out "$STEPS" --name speed
 PROFILE_ARGS=()
@@ -115,7 +115,7 @@ TRITON_TESTS=(tests/quant/test_triton.py)
 PYTEST_ARGS=()
 grep -q '^pytest_timeout yes ' "$STEPS/device.log" && PYTEST_ARGS=(--timeout 60)
 [ "$DRY" = 1 ] && PYTEST_ARGS+=(--collect-only)  # dry: the files collect; their CUDA tests would skip here
-step tests 70 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}" --junitxml "$STEPS/tests.xml" \
+step tests 65 1 "$PY" -m pytest -q -p no:cacheprovider -rfE "${PYTEST_ARGS[@]}" --junitxml "$STEPS/tests.xml" \
     tests/functional/test_attention.py::test_cuda_tempo_equals_torch \
     tests/functional/test_attention.py::test_cuda_int8_gradients \
     tests/functional/test_attention.py::test_cuda_fully_masked_rows_give_zero_and_finite_gradients \
