@@ -465,8 +465,8 @@ def _block_scores(qs, kt, add, is_causal, shape, t0, t1) -> tuple[Tensor, Tensor
         scores = scores.add_(rows) if fits else scores + rows
     future = None
     if is_causal:
-        above = torch.ones(t1 - t0, s, dtype=torch.bool, device=scores.device).triu_(diagonal=t0 + 1)
-        future = torch.zeros(t1 - t0, s, dtype=torch.float32, device=scores.device).masked_fill_(above, float("-inf"))
+        # -inf where key j > query t0 + i (triu_ keeps j - i >= t0 + 1 and zeroes the rest): one [rows, S] tensor
+        future = torch.full((t1 - t0, s), float("-inf"), dtype=torch.float32, device=scores.device).triu_(t0 + 1)
     return scores, future
 
 
