@@ -179,12 +179,14 @@ def _probabilities(scores: Tensor, future: Tensor | None = None) -> Tensor:
     """Softmax over the last dim as ``torch.softmax`` computes it, ``exp(s - max) / sum``, with 0 for a row of
     -inf only (fully masked), as PyTorch's CPU flash kernel has it. Not ``exp(s - lse)``: ``lse`` rounded in
     fp32 next to scores of 1e8 (fp16 inputs with outliers) was off by most of its ulp of 8, and two tied keys
-    got 0.47 each instead of 0.5. ``future``: a causal mask (``[rows, S]`` fp32, -inf where masked, else 0),
-    applied first as ``masked_fill`` would (-inf there whatever the score), in the same compiled loop: no pass of
-    its own over the scores. (fp32, not bool: inductor's CPU loops read a broadcast bool mask element by element,
-    2.5x slower than the unmasked loop; the fp32 one vectorises, +10%.)"""
+    got 0.47 each instead of 0.5. ``future``: a causal mask given by each row's last visible key (``[rows, 1]``
+    fp32, exact integers): keys beyond it are set to -inf first, as ``masked_fill`` would (whatever the score),
+    in the same compiled loop, the key index an iota of the loop (no ``[rows, S]`` mask in memory, no pass of its
+    own over the scores). (fp32, not bool: inductor's CPU loops read a broadcast bool mask element by element,
+    2.5x slower than the unmasked loop; the fp32 comparison vectorises.)"""
     if future is not None:
-        scores = torch.where(future < 0, float("-inf"), scores)
+        keys = torch.arange(scores.shape[-1], dtype=torch.float32, device=scores.device)  # [S]
+        scores = torch.where(keys > future, float("-inf"), scores)
     m = scores.amax(-1, keepdim=True)
     e = torch.exp(scores - m.masked_fill(torch.isneginf(m), 0.0))
     total = e.sum(-1, keepdim=True)
@@ -452,8 +454,8 @@ def _scaled_queries(q: Tensor, scale: float) -> Tensor:
 
 def _block_scores(qs, kt, add, is_causal, shape, t0, t1) -> tuple[Tensor, Tensor | None]:
     """fp32 scores of query rows ``t0:t1`` from the scaled fp32 queries ``qs`` (``[B, H_kv, rep, rows, D]``):
-    ``[B, H_kv, rep, rows, S]`` flattened to ``[B, H, rows, S]``, and the causal mask of those rows (``[rows,
-    S]`` fp32, -inf where masked, else 0; ``None`` if not causal), which the row loops apply
+    ``[B, H_kv, rep, rows, S]`` flattened to ``[B, H, rows, S]``, and the causal limit of those rows (``[rows,
+    1]`` fp32, each row's last visible key; ``None`` if not causal), which the row loops apply
     (:func:`_probabilities`)."""
     b, h, t, s = shape
     # The product is a new tensor: offset in place (no copy of [B, H, rows, S] per step).
@@ -465,8 +467,8 @@ def _block_scores(qs, kt, add, is_causal, shape, t0, t1) -> tuple[Tensor, Tensor
         scores = scores.add_(rows) if fits else scores + rows
     future = None
     if is_causal:
-        # -inf where key j > query t0 + i (triu_ keeps j - i >= t0 + 1 and zeroes the rest): one [rows, S] tensor
-        future = torch.full((t1 - t0, s), float("-inf"), dtype=torch.float32, device=scores.device).triu_(t0 + 1)
+        # query t0 + i sees keys j <= t0 + i (top-left aligned, as PyTorch's is_causal)
+        future = torch.arange(t0, t1, dtype=torch.float32, device=scores.device).unsqueeze(-1)  # [rows, 1]
     return scores, future
 
 
