@@ -117,13 +117,11 @@ def _pack8(x3: Tensor, outliers: bool, whole: bool, est_lo: Tensor | None, est_r
     threshold = None
     if outliers:
         magnitude = x3.abs().float().sqrt().sum((0, 2))  # [groups], fp32 sums, as group_stats
-        # reference.outlier_denominators' n - 1 + sqrt(K), n = outer * run in every group (whole runs): fp32 per group
-        # (the reference's int64 counts + a float), fp64 for the whole tensor (a Python float there). Made here, not
+        # n = outer * run elements in every group (whole runs), as reference.group_counts gives them. Made here, not
         # cached: a cached tensor allocated by the first pack of a shape would show in that step's peak only.
         count = x3.shape[0] * x3.shape[2]
-        den = torch.full((x3.shape[1],), count - 1, dtype=torch.float64 if whole else torch.float32,
-                         device=x3.device) + reference._ROOT
-        threshold = (magnitude.double() * reference._ROOT / den).square().float()
+        counts = float(count) if whole else torch.full((x3.shape[1],), count, dtype=torch.int64, device=x3.device)
+        threshold = reference.threshold_of(magnitude, counts)
     lo, hi, bad, clipped, heavy = reference.range_decisions(lo, hi, clip, threshold)
     # (The flags are returned apart, not stacked: each copy into a stack is one more serial step of the loop nest.)
     flags = tuple(flag for flag in (bad, clipped, heavy) if flag is not None)

@@ -80,6 +80,7 @@ __all__ = [
     "dequantize",
     "draw_seed",
     "end_stream",
+    "group_counts",
     "group_layout",
     "group_magnitude",
     "group_minmax",
@@ -94,6 +95,7 @@ __all__ = [
     "scale_params",
     "seed_key",
     "split_outliers",
+    "threshold_of",
 ]
 
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -246,24 +248,31 @@ def outlier_threshold(magnitude: Tensor, layout: GroupLayout, numel: int) -> Ten
     ``r > sqrt(K) (Q - r) / (n - 1)``, that is ``r > sqrt(K) Q / (n - 1 + sqrt(K))``; squared, in fp64 (inf where
     it passes fp32's largest value: then no element is beyond it). Leaving the element out of its own mean lets
     small groups have outliers too (a group of two: 1e4 against 0.8)."""
-    return (magnitude.double() * _ROOT / outlier_denominators(layout, numel, magnitude.device)).square().float()
+    return threshold_of(magnitude, group_counts(layout, numel, magnitude.device))
 
 
 _ROOT = math.sqrt(OUTLIER_RATIO)
 
 
-def outlier_denominators(layout: GroupLayout, numel: int, device: torch.device) -> Tensor | float:
-    """``n - 1 + sqrt(K)`` per group of ``n`` elements (:func:`outlier_threshold`): fp32 ``[groups]``, or a Python
-    float for the whole tensor (its one group's ``n`` is ``numel``)."""
+def threshold_of(magnitude: Tensor, counts: Tensor | float) -> Tensor:
+    """:func:`outlier_threshold` from the groups' element counts ``n`` (:func:`group_counts`: int64 ``[groups]``,
+    or a Python float for the whole tensor): ``(Q sqrt(K) / (n - 1 + sqrt(K)))**2``, the denominator in fp32 per
+    group (fp64 for the whole tensor), the rest in fp64. PyTorch ops only: the compiled CPU pack
+    (:func:`slimact.quant.inductor.pack8`) runs it too."""
+    return (magnitude.double() * _ROOT / (counts - 1 + _ROOT)).square().float()
+
+
+def group_counts(layout: GroupLayout, numel: int, device: torch.device) -> Tensor | float:
+    """The elements ``n`` of each group: int64 ``[groups]``, or a Python float for the whole tensor (its one
+    group's ``n`` is ``numel``)."""
     if layout.dim is None:
-        return float(numel) - 1 + _ROOT
+        return float(numel)
     # Elements per group: the indices i of dim with i * groups // size == g, i.e. ceil(g size / groups) <= i <
     # ceil((g + 1) size / groups), times the elements per index. Computed on the device (no bincount: on
     # CUDA it reads its input's max back to the host).
     g = torch.arange(layout.groups + 1, device=device)
     starts = (g * layout.size + layout.groups - 1) // layout.groups  # [groups + 1]
-    counts = (starts[1:] - starts[:-1]) * (numel // max(layout.size, 1))
-    return counts - 1 + _ROOT
+    return (starts[1:] - starts[:-1]) * (numel // max(layout.size, 1))
 
 
 def range_decisions(
