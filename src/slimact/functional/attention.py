@@ -221,11 +221,7 @@ def _fused_rows(fn, scores: Tensor, *args: Tensor | None):
     """``fn(scores, *args)``, a row-wise computation over ``[..., rows, S]`` blocks, as compiled loops where the
     block is large (:func:`slimact.quant.inductor.fused`: one loop per row pass instead of one eager pass per
     op, about 15 for the backward's rows), else eagerly: the same math."""
-    if inductor.pays_off(scores):
-        out = inductor.fused(fn, (fn.__name__, scores.dtype, *(a is None for a in args)), scores, *args)
-        if out is not None:
-            return out
-    return fn(scores, *args)
+    return inductor.fused_or_eager(fn, (fn.__name__, scores.dtype, *(a is None for a in args)), scores, *args)
 
 
 def _dead(mask: Tensor) -> Tensor:

@@ -33,11 +33,7 @@ def _masked(x: Tensor, keep: Tensor, scale: float) -> Tensor:
 
 def _apply_mask(x: Tensor, keep: Tensor, scale: float) -> Tensor:
     """:func:`_masked` as one compiled loop where that pays off (else the eager ops: the same values)."""
-    if inductor.pays_off(x):
-        out = inductor.fused(_masked, ("dropout", x.dtype), x, keep, scale)
-        if out is not None:
-            return out
-    return _masked(x, keep, scale)
+    return inductor.fused_or_eager(_masked, ("dropout", x.dtype), x, keep, scale)
 
 
 def _fast(x: Tensor, p: float) -> bool:

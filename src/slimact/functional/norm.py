@@ -195,12 +195,9 @@ class _NormFunction(SlimFunction):
         kept, mean, rstd, weight, bias = load(ctx)
         need = ctx.needs_input_grad  # x, weight, bias, ...
         args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output)
-        grads = None
-        if inductor.pays_off(kept):
-            key = ("norm", ctx.centered, ctx.offset, ctx.from_output, mean is None, weight is None, bias is None,
-                   kept.dtype, grad_y.dtype)
-            grads = inductor.fused(_backward, key, *args)
-        grad_x, grad_w, grad_b = grads if grads is not None else _backward(*args)
+        key = ("norm", ctx.centered, ctx.offset, ctx.from_output, mean is None, weight is None, bias is None,
+               kept.dtype, grad_y.dtype)
+        grad_x, grad_w, grad_b = inductor.fused_or_eager(_backward, key, *args)
         return (grad_x if need[0] else None, grad_w if weight is not None and need[1] else None,
                 grad_b if bias is not None and need[2] else None, None, None, None, None, None, None)
 

@@ -37,7 +37,7 @@ import functools
 import types
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,8 +46,8 @@ from slimact.quant import _hugepages, reference, state
 from slimact.quant.reference import GroupLayout, PackMeta, QuantConfig
 
 __all__ = [
-    "MIN_NUMEL", "Packed8", "dequantize", "dequantize_map", "fused", "group_minmax", "group_stats", "pack8", "pays_off",
-    "quantize",
+    "MIN_NUMEL", "Packed8", "dequantize", "dequantize_map", "fused", "fused_or_eager", "group_minmax", "group_stats",
+    "pack8", "pays_off", "quantize",
 ]
 
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
@@ -272,6 +272,16 @@ def fused(fn: Callable, key: object, *args: object) -> object | None:
     if torch.compiler.is_compiling():
         return None
     return _call(_compiled(fn, key), args)
+
+
+def fused_or_eager(fn: Callable, key: object, x: Tensor, *args: object) -> Any:
+    """``fn(x, *args)``: compiled (:func:`fused`) where ``x`` repays a compiled call (:func:`pays_off`), else, or
+    where compiling is off or failed, eagerly: the same math."""
+    if pays_off(x):
+        out = fused(fn, key, x, *args)
+        if out is not None:
+            return out
+    return fn(x, *args)
 
 
 def group_minmax(x: Tensor, layout: GroupLayout) -> tuple[Tensor, Tensor]:
