@@ -134,22 +134,28 @@ def _channels_ok(weight: Tensor | None, bias: Tensor | None, offset: float, dtyp
     hit = _CHANNEL_CHECKS.get(key)
     if hit is not None and hit[0] == seen:
         return hit[1]
-    w_eff = weight + offset if offset else weight
-    ok = bool(_channels_recoverable(w_eff, bias, dtype, exact).all())
+    ok = bool(_channels_recoverable(_effective(weight, offset), bias, dtype, exact).all())
     if len(_CHANNEL_CHECKS) > 4096:  # ids of freed parameters: a bound, not a leak
         _CHANNEL_CHECKS.clear()
     _CHANNEL_CHECKS[key] = (seen, ok)
     return ok
 
 
+def _effective(weight: Tensor | None, offset: float) -> Tensor | None:
+    """The scale a norm multiplies by: ``weight + offset`` (Gemma's ``1 + w``), the weight itself for offset 0."""
+    return weight + offset if weight is not None and offset else weight
+
+
 def _layer_norm_with_stats(x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                           eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+                           eps: float) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``F.layer_norm(x, [C], weight, bias, eps)`` with the kernel's own per-row fp32 ``(mean, rstd)``
     (``[..., 1]``): ``torch.native_layer_norm``, which ``F.layer_norm`` runs and whose output it returns (the
-    same output bit for bit), so that no second pass over ``x`` computes them. ``None`` where its statistics are
-    not fp32 (half-precision inputs on the CPU), to be computed in fp32 from ``x`` instead."""
+    same output bit for bit), so that no second pass over ``x`` computes them. The statistics are ``None``
+    where they are not fp32 (half-precision inputs on the CPU), to be computed in fp32 from ``x`` instead."""
     y, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
-    return (y, mean, rstd) if mean.dtype == torch.float32 and rstd.dtype == torch.float32 else None
+    if mean.dtype == torch.float32 and rstd.dtype == torch.float32:
+        return y, mean, rstd
+    return y, None, None
 
 
 def _default_fn(channels: int, w_eff: Tensor | None, bias: Tensor | None, eps: float,
@@ -166,12 +172,11 @@ class _NormFunction(SlimFunction):
     @staticmethod
     def forward(ctx, x, weight, bias, fn, centered, eps, offset, cfg, state):
         # fn None: F.layer_norm itself (centered), taken with its kernel's statistics
-        w_eff = weight + offset if weight is not None and offset else weight
-        out = _layer_norm_with_stats(x, w_eff, bias, eps) if fn is None else None
-        if out is not None:
-            y, mean, rstd = out
+        if fn is None:
+            y, mean, rstd = _layer_norm_with_stats(x, _effective(weight, offset), bias, eps)
         else:
-            y = _default_fn(x.shape[-1], w_eff, bias, eps, centered)(x) if fn is None else fn(x)
+            y, mean, rstd = fn(x), None, None
+        if rstd is None:
             mean, rstd = _row_stats(x, centered, eps)
         ctx.centered, ctx.offset = centered, offset
         exact = cfg is None
@@ -249,12 +254,11 @@ def norm(
             whose statistics the backward keeps: no second pass over ``x``) / ``F.rms_norm``.
     """
     if fn is None and not centered:
-        fn = _default_fn(x.shape[-1], weight + offset if weight is not None and offset else weight, bias, eps, False)
+        fn = _default_fn(x.shape[-1], _effective(weight, offset), bias, eps, False)
     params = [t for t in (weight, bias) if t is not None]
     # An empty batch keeps nothing: its row statistics would be reductions over nothing.
     if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)) or not x.numel():
-        w_eff = weight + offset if weight is not None and offset else weight
-        return _default_fn(x.shape[-1], w_eff, bias, eps, centered)(x) if fn is None else fn(x)
+        return _default_fn(x.shape[-1], _effective(weight, offset), bias, eps, centered)(x) if fn is None else fn(x)
     if cfg is not None and not torch.compiler.is_compiling() and _learned_mix(x):
         cfg = None  # see the module docstring: a learned mix of streams, kept exact
     return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, cfg, state)
