@@ -78,6 +78,12 @@ class SlimModule:
                 return False
         return not transformed()
 
+    def _slimact_probed_call(self, x: Tensor, args: tuple, kwargs: dict) -> bool:
+        """:meth:`_slimact_active` for a module recognised by a probe called with its input alone (norms,
+        activations, gated MLPs): a call given more (Mamba2's gated RMSNorm, ``norm(x, gate)``) computes something
+        else, so it runs the module's own code."""
+        return not args and not kwargs and self._slimact_active(x)
+
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""
         # Plain attributes written into __dict__ directly: nn.Module.__setattr__ first searches the module's

@@ -35,10 +35,8 @@ class _GatedMLPMixin(SlimModule):
     _slimact_form: str
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        # Recognised on a probe called with the input alone: a forward taking more (Mamba2's gated RMSNorm,
-        # ``norm(x, gate)``) computes something else when given it, so such a call runs the module's own code.
         # (Under torch.compile the parts are taken as converted: dynamo cannot guard on the recogniser's weak cache.)
-        if args or kwargs or not self._slimact_active(x) or not (
+        if not self._slimact_probed_call(x, args, kwargs) or not (
             torch.compiler.is_compiling() or gated_mlp_intact(self, self._slimact_form)
         ):
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]

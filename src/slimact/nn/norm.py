@@ -34,9 +34,7 @@ class _NormMixin(SlimModule):
         cls._slimact_layer_norm_forward = forward is nn.LayerNorm.forward
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        # Recognised on a probe called with the input alone: a forward taking more (Mamba2's gated RMSNorm,
-        # ``norm(x, gate)``) computes something else when given it, so such a call runs the module's own code.
-        if args or kwargs or not self._slimact_active(x):
+        if not self._slimact_probed_call(x, args, kwargs):
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         self._slimact_begin()
         eps = norm_eps(self)  # read live (set after convert too), as the module's own forward reads it
