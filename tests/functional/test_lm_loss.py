@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slimact
-from slimact.functional.lm_loss import linear_cross_entropy
+from slimact.functional.lm_loss import _chunks, linear_cross_entropy
 
 
 def _data(n=300, c=24, v=130, ignored=(3, 7, 250)):
@@ -276,8 +276,12 @@ def test_each_chunk_launches_few_ops(autocast, monkeypatch):
 
     h, w, b, t = _data()  # 300 tokens, vocabulary 130
 
+    dtype = torch.bfloat16 if autocast else torch.float32
+
     def forward_ops(rows):
-        monkeypatch.setattr(lm, "CHUNK_ELEMENTS", rows * 130)
+        # chunks of `rows` tokens (under autocast 2/3 as many logits a chunk: lm._chunks)
+        monkeypatch.setattr(lm, "CHUNK_ELEMENTS", rows * 130 * (4 + dtype.itemsize) // 4 if autocast else rows * 130)
+        assert len(list(lm._chunks(300, 130, dtype))) == 300 // rows
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast), Ops() as ops:
             out = linear_cross_entropy(h, w, b, t)
         return sum(ops.work.values()), out
@@ -286,3 +290,37 @@ def test_each_chunk_launches_few_ops(autocast, monkeypatch):
     six, out6 = forward_ops(50)
     assert (six - two) / 4 <= (22 if autocast else 17), (two, six)
     torch.testing.assert_close(out6, out2, rtol=1e-2 if autocast else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["computed", "given-logits"])
+def test_under_autocast_the_forward_peak_is_no_higher_than_in_fp32(given, monkeypatch):
+    # The bf16 gradient products once held a second bf16 copy of W through the whole loss (autocast caches one
+    # already) and made each chunk's dz^T h a whole [V, C] bf16 temporary before adding it to the fp32 sum:
+    # GPT-2's bf16 step peak rose by 175-200 MiB. Under autocast the forward may hold, beyond the fp32 path's
+    # peak, autocast's own bf16 copies of W (cached: PyTorch's head makes it too) and of the chunk's rows of h, and
+    # no more: the smaller chunks pay for the chunk's bf16 gradient, and the product is summed by slices of the
+    # vocabulary.
+    vocab, width, tokens = 8000, 1024, 2048
+    monkeypatch.setattr("slimact.functional.lm_loss.CHUNK_ELEMENTS", 512 * vocab)  # 4 chunks in fp32, 7 in bf16
+    monkeypatch.setattr("slimact.functional.lm_loss.SLICE_ELEMENTS", 128 * vocab)  # a quarter of a chunk
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(vocab, width) * 0.02)
+
+        def forward(self, h, t):
+            logits = F.linear(h, self.weight) if given else None
+            return linear_cross_entropy(h, self.weight, None, t, logits=logits)
+
+    torch.manual_seed(0)
+    h = torch.randn(tokens, width, requires_grad=True)
+    t = torch.randint(0, vocab, (tokens,))
+    peaks = {}
+    for autocast in (False, True):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            report = slimact.profile(Head(), (h, t), loss_fn=lambda loss: loss, peak=True)
+        peaks[autocast] = report.forward_peak.total
+    rows = max(a_b[1] - a_b[0] for a_b in _chunks(tokens, vocab, torch.bfloat16))
+    casts = (vocab + rows) * width * 2
+    assert peaks[True] <= peaks[False] + casts, (peaks, casts)

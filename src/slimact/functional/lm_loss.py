@@ -55,11 +55,19 @@ __all__ = ["linear_cross_entropy"]
 #: 557 MiB in the blocks).
 CHUNK_ELEMENTS = 1 << 24
 
+#: Under autocast, the weight gradient's half-precision products are made by slices of the vocabulary of this many
+#: elements (:func:`_add_product`): a quarter of a chunk's logits.
+SLICE_ELEMENTS = CHUNK_ELEMENTS // 4
 
-def _chunks(n: int, vocab: int):
+
+def _chunks(n: int, vocab: int, dtype: torch.dtype = torch.float32):
     """``(start, end)`` rows of the chunks: :data:`CHUNK_ELEMENTS` logits each, and never all ``n`` tokens at
-    once (at least two chunks from two tokens on), so that no ``[tokens, vocab]`` tensor is ever built."""
-    rows = max(1, min(CHUNK_ELEMENTS // max(vocab, 1), -(-n // 2)))
+    once (at least two chunks from two tokens on), so that no ``[tokens, vocab]`` tensor is ever built. Where the
+    gradient products run in a half-precision ``dtype`` (autocast), the chunk's fp32 gradient and its cast to
+    ``dtype`` are alive together for a moment: the chunks are smaller by ``4 / (4 + itemsize)`` (2/3 for bf16),
+    so that the two take what the fp32 chunk alone takes."""
+    budget = CHUNK_ELEMENTS * 4 // (4 + dtype.itemsize) if dtype != torch.float32 else CHUNK_ELEMENTS
+    rows = max(1, min(budget // max(vocab, 1), -(-n // 2)))
     for start in range(0, n, rows):
         yield start, min(n, start + rows)
 
@@ -87,6 +95,37 @@ def _product_dtype(device: torch.device) -> torch.dtype:
     """Autocast's dtype where autocast is on for ``device``'s type, else fp32."""
     kind = device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
+
+
+def _autocast_caches(weight: Tensor, dtype: torch.dtype) -> bool:
+    """Whether autocast casts ``weight`` to ``dtype`` once and caches the copy (for the autocast region), as it
+    does for an fp32 leaf tensor that requires grad (a parameter): then an autocast op reading ``weight`` reuses the
+    copy the model's head made instead of making one more."""
+    kind = weight.device.type
+    return (dtype != torch.float32 and weight.dtype == torch.float32 and torch.is_autocast_enabled(kind)
+            and torch.is_autocast_cache_enabled() and torch.get_autocast_dtype(kind) == dtype
+            and weight.requires_grad and weight.is_leaf and not weight._is_view())
+
+
+def _add_product(grad_w: Tensor | None, dz_c: Tensor, h_c: Tensor) -> Tensor:
+    """``grad_w + dz_c^T h_c`` (``[V, C]`` fp32; the first chunk's where ``grad_w`` is ``None``) from half-precision
+    ``dz_c`` (``[rows, V]``) and ``h_c`` (``[rows, C]``): the product in their dtype (fp32 accumulation inside, as
+    PyTorch's own head's backward) over slices of the vocabulary, so that the half-precision product is never a
+    whole ``[V, C]`` temporary (there is no mixed-dtype in-place ``addmm_``). A slice (:data:`SLICE_ELEMENTS`) is
+    a quarter of a chunk's logits: its product and the fp32 copy the CPU's mixed-dtype ``add_`` makes of it (6
+    bytes an element), with the chunk's ``dz_c``, take less than the fp32 chunk did."""
+    vocab, width = dz_c.shape[1], h_c.shape[1]
+    first = grad_w is None
+    if first:
+        grad_w = torch.empty(vocab, width, dtype=torch.float32, device=h_c.device)
+    step = max(1, SLICE_ELEMENTS // width)
+    for v in range(0, vocab, step):
+        part = dz_c[:, v:v + step].t() @ h_c  # [step, C] in dz_c's dtype
+        if first:
+            grad_w[v:v + step].copy_(part)
+        else:
+            grad_w[v:v + step].add_(part)
+    return grad_w
 
 
 def _exp_and_lse(z: Tensor, *, in_place: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -117,7 +156,10 @@ class _LinearCrossEntropy(SlimFunction):
         # runs them (on the autocast copies of W and h), else fp32. (In fp32 the chunked weight gradient was 24
         # fp32 SIMT GEMMs, 14.4 ms of GPT-2's bf16 8 x 1024 step on an H200.)
         dtype = _product_dtype(h.device)
-        w_c = weight.to(dtype) if need_h else None  # [V, C], cast once per call, not once per chunk
+        # [V, C] in dtype for grad_h's product. Where autocast caches W's cast (the model's head, or the first
+        # chunk's F.linear, has made it), torch.mm under autocast reads that copy: a second one held through the
+        # whole loss raised GPT-2's bf16 step peak by its 74 MiB. Else W is cast once per call, not per chunk.
+        w_c = (weight if _autocast_caches(weight, dtype) else weight.to(dtype)) if need_h else None
         # What depends on the labels only, for all N tokens at once (not once per chunk: each is a kernel launch).
         keep = target != ignore_index  # [N]
         t_safe = target.clamp(0, vocab - 1).unsqueeze(1)  # [N, 1]
@@ -130,9 +172,9 @@ class _LinearCrossEntropy(SlimFunction):
             # tensor on h's device: no host sync), and the one-hot term's weight -(1 - eps) s.
             s_all = torch.where(keep, (1.0 / divisor).float(), 0.0).unsqueeze(1)  # [N, 1]
             onehot_all = (smoothing - 1.0) * s_all
-        for a, b in _chunks(n, vocab):
+        for a, b in _chunks(n, vocab, dtype):
             # The previous chunk's [rows, V] tensors are freed before this one's are built (one chunk alive).
-            z = e = dz = dz_c = raw = None
+            z = e = dz = dz_c = raw = h_c = None
             # [rows, C]: under autocast cast once, for the head's product (what autocast would cast) and grad_W's
             h_c = h[a:b] if dtype == torch.float32 or (logits is not None and not need_w) else h[a:b].to(dtype)
             if logits is not None:
@@ -165,23 +207,22 @@ class _LinearCrossEntropy(SlimFunction):
             if raw is not None:  # through the model's ops back to the head's product
                 dz = torch.autograd.grad(z, raw, dz)[0].float()
                 del z, raw
-            dz_c = dz.to(dtype)  # [rows, V]; dz itself where dtype is fp32
-            if need_h:
-                rows = grad_h[a:b]  # [rows, C], contiguous
-                if rows.dtype == dtype:
-                    torch.mm(dz_c, w_c, out=rows)
-                else:
-                    rows.copy_(dz_c @ w_c)
-            if need_w:
-                h_c = h_c.to(dtype)  # (fp32: h's rows as they are, or their fp32 copy for a half-precision h)
-                if grad_w is None:
-                    grad_w = (dz_c.t() @ h_c).float()
-                elif dtype == torch.float32:
-                    grad_w.addmm_(dz_c.t(), h_c)
-                else:  # the chunk's [V, C] product in dtype (fp32 accumulation inside), summed over chunks in fp32
-                    grad_w += dz_c.t() @ h_c
             if need_b:
                 grad_b = dz.sum(0) if grad_b is None else grad_b.add_(dz.sum(0))
+            dz_c = dz.to(dtype)  # [rows, V]; dz itself where dtype is fp32
+            z = e = dz = None  # (under autocast the fp32 [rows, V] is freed before the products)
+            if need_h:
+                rows = grad_h[a:b]  # [rows, C], contiguous
+                if rows.dtype == dtype == w_c.dtype:
+                    torch.mm(dz_c, w_c, out=rows)
+                else:
+                    rows.copy_(torch.mm(dz_c, w_c))
+            if need_w:
+                h_c = h_c.to(dtype)  # (fp32: h's rows as they are, or their fp32 copy for a half-precision h)
+                if dtype == torch.float32:
+                    grad_w = dz_c.t() @ h_c if grad_w is None else grad_w.addmm_(dz_c.t(), h_c)
+                else:
+                    grad_w = _add_product(grad_w, dz_c, h_c)
         if need_w and grad_w is None:  # no tokens
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if need_b and grad_b is None:
