@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slimact
+import slimact.functional._bernoulli as _bernoulli
 import slimact.functional.attention as attention_mod
 from _emulated_attention import _Emulated
 from slimact._metrics import cosine, sqnr_db
@@ -855,8 +856,9 @@ def test_chunked_dropout_in_the_probabilities_loop_equals_native_dropouts(compil
         assert torch.equal(a, b)
 
 
-def test_chunked_dropout_makes_no_elementwise_pass_over_the_scores_outside_its_loops():
-    # Per forward + backward of the fp32 CPU chunked path with dropout: one draw each way (bool), and no eager
+def test_chunked_dropout_makes_no_elementwise_pass_over_the_scores_outside_its_loops(monkeypatch):
+    # Per forward + backward of the fp32 CPU chunked path with dropout: one draw each way (uint8, by slimact's
+    # bernoulli_ kernel where it is available: no aten bernoulli_ then), and no eager
     # multiply or masking over a [B, H, T, S] tensor: the scale goes on q before the product, the causal mask and
     # the dropout's mask and factor into the compiled rows (before: native_dropout's two multiplies, the scores'
     # scaling and causal masking both ways, and the redrawn fp32 noise's multiply by 1 / (1 - p)).
@@ -866,11 +868,19 @@ def test_chunked_dropout_makes_no_elementwise_pass_over_the_scores_outside_its_l
     q, k, v = (torch.randn(2, 4, 256, 32, generator=gen).requires_grad_() for _ in range(3))
     up = torch.randn(2, 4, 256, 32, generator=gen)
     scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).backward(up)  # compiles the loops
+    draws = []
+
+    def spy(out, p, generator=None):
+        draws.append(out.shape)
+        return _bernoulli.bernoulli_(out, p, generator)
+
+    monkeypatch.setattr(attention_mod, "bernoulli_", spy)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).backward(up)
     grid = {(2, 4, 256, 256), (2, 4, 1, 256, 256)}
     events = prof.events()
-    assert sum(e.name == "aten::bernoulli_" for e in events) == 2
+    assert draws == [(2, 4, 256, 256)] * 2
+    assert sum(e.name == "aten::bernoulli_" for e in events) == (0 if _bernoulli._load() else 2)
     passes = [e.name for e in events if e.name in ("aten::mul", "aten::mul_", "aten::div", "aten::div_",
                                                    "aten::masked_fill", "aten::masked_fill_")
               and any(tuple(s) in grid for s in e.input_shapes if s)]

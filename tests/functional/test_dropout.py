@@ -64,6 +64,7 @@ def test_cpu_fp32_dropout_makes_two_passes_forward_and_one_backward():
     # conversion and two multiplies. Here: the draw and one compiled loop, then one loop (besides the bits).
     from torch.profiler import ProfilerActivity, profile
 
+    import slimact.functional._bernoulli as _bernoulli
     from slimact.functional import dropout
 
     x = torch.randn(4, 256, 768, requires_grad=True)
@@ -72,7 +73,8 @@ def test_cpu_fp32_dropout_makes_two_passes_forward_and_one_backward():
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         dropout(x, 0.1).backward(up)
     events = prof.events()
-    assert [e.name for e in events].count("aten::bernoulli_") == 1
+    # one draw: by slimact's bernoulli_ kernel where it is available (no aten op then), else aten's
+    assert [e.name for e in events].count("aten::bernoulli_") == (0 if _bernoulli._load() else 1)
     assert not {"aten::native_dropout", "aten::native_dropout_backward"} & {e.name for e in events}
     # (the mask's bits are packed and unpacked by their own ops, over int64 words: x.numel() / 8 of them)
     passes = [e.name for e in events if e.name in ("aten::mul", "aten::mul_", "aten::to", "aten::copy_")

@@ -10,7 +10,8 @@ On the CPU, fp32 (:func:`native_dropout`): the CPU kernel draws its mask into a 
 fp32 (a pass and 4 bytes per element) and multiplies twice, ``(x * mask) * scale``; its backward converts and
 multiplies the same way. Here the mask is the same draw (``bernoulli_`` into bool), and ``(x * mask) * scale``
 runs as one compiled loop both ways (the same values bit for bit): 2 passes instead of 4 forward, 1 instead of
-3 backward.
+3 backward. The draw itself is :func:`slimact.functional._bernoulli.bernoulli_`: the generator's same stream and
+mask, by a vectorised kernel (3-5x the speed of the CPU's serial ``bernoulli_``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
+from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.quant import inductor
 
@@ -53,7 +55,7 @@ def native_dropout(x: Tensor, p: float, train: bool = True) -> tuple[Tensor, Ten
     # The kernel's own draw: bernoulli_ on a tensor laid out as x (empty_like), whose draw is the same whatever
     # its dtype (tests/functional/test_attention.py checks it bit for bit); into uint8, which the compiled loop
     # reads vectorised (a bool mask: element by element, twice its time), then seen as the bool it is.
-    keep = torch.empty_like(x, dtype=torch.uint8).bernoulli_(1.0 - p)
+    keep = bernoulli_(torch.empty_like(x, dtype=torch.uint8), 1.0 - p)
     return _apply_mask(x, keep, 1.0 / (1.0 - p)), keep.view(torch.bool)
 
 
