@@ -79,10 +79,22 @@ def test_ordinary_attention_keeps_its_codes():
 @pytest.mark.parametrize("where", ["query", "key"])
 @pytest.mark.parametrize("cfg", [QuantConfig(group_dim=1, groups=0), QuantConfig(group_dim=1, groups=2),
                                  QuantConfig(groups=1)], ids=["per-head", "head-groups", "whole"])
-def test_a_non_finite_query_or_key_makes_the_error_non_finite(bad, where, cfg):
-    # The fused attention's NaN/inf check under an 8-bit policy is read off this error (no pass of its own).
+@pytest.mark.parametrize("size", ["small", "compiled"])
+def test_a_non_finite_query_or_key_makes_the_error_non_finite(bad, where, cfg, size):
+    # The fused attention's NaN/inf check under an 8-bit policy (on the CPU too, for its flash kernel) is read off
+    # this error (no pass of its own); from MIN_NUMEL elements the per-head statistics are one compiled loop, over
+    # [B, T, H, D] memory seen as [B, H, T, D] as attention's q and k are.
+    from slimact.quant import inductor
+
     gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 4, 8, 16, generator=gen), torch.randn(2, 2, 8, 16, generator=gen)  # grouped-query too
+    t = 8 if size == "small" else inductor.MIN_NUMEL // 64
+
+    def qk():
+        q = torch.randn(2, t, 4, 16, generator=gen).transpose(1, 2)
+        return q, torch.randn(2, t, 2, 16, generator=gen).transpose(1, 2)  # grouped-query too
+
+    q, k = qk()
+    assert (q.numel() >= inductor.MIN_NUMEL) == (size == "compiled")
     (q if where == "query" else k)[1, 1, 3, 5] = bad
     assert not torch.isfinite(checked_score_error(q, k, 0.25, cfg))
-    assert torch.isfinite(checked_score_error(torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), 0.25, cfg))
+    assert torch.isfinite(checked_score_error(*qk(), 0.25, cfg))

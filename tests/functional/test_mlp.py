@@ -108,12 +108,20 @@ def test_backward_as_one_compiled_loop_equals_the_eager_passes(cfg, monkeypatch)
     g, u = ((torch.randn(512, 1024, generator=gen) * 2).requires_grad_() for _ in range(2))  # above MIN_NUMEL
     w = (torch.randn(64, 1024, generator=gen) * 0.03).requires_grad_()
     up = torch.randn(512, 64, generator=gen)
-    calls = []
-    original = inductor.fused
+    # Lossless: one compiled loop over g, u and grad_h (inductor.fused). At 8 bits: one compiled loop that also
+    # restores g and u from their codes (inductor.dequantize_map, both packs in it), and no loop of its own.
+    calls, restoring = [], []
+    original, original_map = inductor.fused, inductor.dequantize_map
     monkeypatch.setattr(inductor, "fused", lambda *a: calls.append(r := original(*a)) or r)
+    monkeypatch.setattr(inductor, "dequantize_map",
+                        lambda packs, *a: restoring.append((len(packs), r := original_map(packs, *a))) or r)
     fused = torch.autograd.grad(gated_mlp(g, u, w, None, "silu", quant, act=nn.SiLU()), (g, u, w), up)
-    assert len(calls) == 1 and calls[0] is not None  # the compiled loop ran
+    if cfg is None:
+        assert len(calls) == 1 and calls[0] is not None and not restoring  # the compiled loop ran
+    else:
+        assert not calls and len(restoring) == 1 and restoring[0][0] == 2 and restoring[0][1] is not None
     monkeypatch.setattr(inductor, "fused", lambda *a: None)
+    monkeypatch.setattr(inductor, "dequantize_map", lambda *a: None)
     eager = torch.autograd.grad(gated_mlp(g, u, w, None, "silu", quant, act=nn.SiLU()), (g, u, w), up)
     # The same fp32 formulas (the activation by its formula, not nn.SiLU's kernel): float rounding, elementwise
     # for g and u; the weight gradient sums h's rounding over 512 tokens (elements that cancel move most): normwise.

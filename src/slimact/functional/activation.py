@@ -120,9 +120,10 @@ def derivative(form: str, x: Tensor) -> Tensor:
         t = torch.tanh(_C * (x + _K * x.pow(3)))
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3.0 * _K * x * x)
     if form in ("quick_gelu", "silu"):
-        a = 1.702 if form == "quick_gelu" else 1.0
-        s = torch.sigmoid(a * x)
-        return s + a * x * s * (1.0 - s)
+        # (silu: x itself, not 1.0 * x, which a compiled loop took for another value and ran sigmoid twice on)
+        ax = 1.702 * x if form == "quick_gelu" else x
+        s = torch.sigmoid(ax)
+        return s + ax * s * (1.0 - s)
     raise ValueError(f"no smooth derivative for activation form {form!r}")
 
 

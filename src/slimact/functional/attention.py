@@ -218,6 +218,15 @@ def _rows_backward(scores: Tensor, future: Tensor | None, dp: Tensor, keep: Tens
     return dropped, probs * (dp - (probs * dp).sum(-1, keepdim=True))
 
 
+def _rows_backward_in_place(scores: Tensor, future: Tensor | None, dp: Tensor, keep: Tensor | None,
+                            scale: float) -> tuple[Tensor, Tensor]:
+    """:func:`_rows_backward` written over its inputs, ``D`` into ``scores`` and ``dS`` into ``dp`` (the compiled
+    loop reads each row before writing it): two ``[B, H, rows, S]`` tensors fewer alive in the backward's row
+    loop, where a block's scores and ``dP`` are not read again."""
+    dropped, ds = _rows_backward(scores, future, dp, keep, scale)
+    return scores.copy_(dropped), dp.copy_(ds)
+
+
 def _fused_rows(fn, scores: Tensor, *args: Tensor | None):
     """``fn(scores, *args)``, a row-wise computation over ``[..., rows, S]`` blocks, as compiled loops where the
     block is large (:func:`slimact.quant.inductor.fused`: one loop per row pass instead of one eager pass per
@@ -415,7 +424,8 @@ class _ChunkedAttention(SlimFunction):
             gblk = gg[..., t0:t1, :]
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
             keep = None if keep_all is None else keep_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
-            dropped, ds = _fused_rows(_rows_backward, scores, future, dp, keep, factor)
+            dropped, ds = _fused_rows(_rows_backward_in_place, scores, future, dp, keep, factor)
+            scores = dp = None
             gv_blk = dropped.transpose(-1, -2).matmul(gblk)
             gv = gv_blk if gv is None else gv.add_(gv_blk)
             if gmask is not None:
@@ -741,13 +751,18 @@ def scaled_dot_product_attention(
     # a NaN/inf in q or k keeps the fused kernels out (fused_kernel). The two flags read in one host sync (each
     # drains a CUDA stream).
     kind = _fused_kind(query, key, value, attn_mask, dropout_p, is_causal, mask_grad)
+    # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN (a NaN in the query,
+    # or in the key of a one-key row: F.scaled_dot_product_attention's too, torch 2.13): a query or key holding
+    # NaN/inf takes the chunked path, whose output is NaN there, as the math path's.
+    flash = dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad
     flags = {}
     error = checked_score_error(query, key, scale, cfg)
     if error is not None:
         flags["unsafe"] = error > MAX_SCORE_ERROR
     dead = None
-    if kind is not None and not torch.compiler.is_compiling():
-        # A NaN/inf in q or k makes the guard's error non-finite (its norms), where it has one: no pass of its own.
+    if (kind is not None or flash) and not torch.compiler.is_compiling():
+        # A NaN/inf in q or k makes the guard's error non-finite (its norms), where it has one: no pass of its own
+        # (on the CPU it was two isfinite passes and their all(), 1.3 ms a Llama layer at 4 x 256).
         flags["not_finite"] = _not_finite(query, key) if error is None else (error - error) != 0
         if attn_mask is not None:  # whether the mask has fully masked rows: in the same read (was one of its own)
             dead = _dead(attn_mask)
@@ -760,15 +775,11 @@ def scaled_dot_product_attention(
         read = dict(zip(flags, both.tolist(), strict=True))
         cfg = None if read.get("unsafe") else cfg
         kind = None if read.get("not_finite") else kind
+        flash = flash and not read.get("not_finite")
         dead = dead if read.get("dead", True) else None
     if kind is not None:
         return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state,
                                      dead)
-    # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN (a NaN in the query,
-    # or in the key of a one-key row: F.scaled_dot_product_attention's too, torch 2.13): a query or key holding
-    # NaN/inf takes the chunked path, whose output is NaN there, as the math path's. (On the CPU this check costs
-    # a pass over each, no device sync; detached, so that it records no graph.)
-    flash = dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad
-    if flash and _finite(query, key):
+    if flash:
         return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)

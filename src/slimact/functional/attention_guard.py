@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from slimact.quant import QuantConfig
+from slimact.quant import QuantConfig, inductor
 
 __all__ = ["MAX_SCORE_ERROR", "checked_score_error", "score_error", "score_safe_config", "score_unsafe"]
 
@@ -41,15 +41,21 @@ __all__ = ["MAX_SCORE_ERROR", "checked_score_error", "score_error", "score_safe_
 MAX_SCORE_ERROR = 0.02
 
 
+def _minmax_norm(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # per head of x [B, H, T, D]: min and max (x's dtype, exact) and the fp32 L2 norm, [H] each
+    dims = (0, 2, 3)
+    return x.amin(dims), x.amax(dims), torch.linalg.vector_norm(x, dim=dims, dtype=torch.float32)
+
+
 def _head_stats(x: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor]:
     """Per head of ``x`` ``[B, H, T, D]``: (the range ``hi - lo`` of its scale group, the L2 norm of ``x``), fp32.
     The constants (``1 / (2**bits - 1)``, ``1 / sqrt(12)``, ``1 / sqrt(n)``) are :func:`score_error`'s, applied once
     to the 0-dim result (each op here is a kernel launch on CUDA, on a tensor of ``H`` elements)."""
     # Reductions over every dim but the heads, on x as it is (q, k are often [B, T, H, D] memory seen as
-    # [B, H, T, D]: a per-head copy first cost 4x these reads).
-    x, dims, heads = x.detach(), (0, 2, 3), x.shape[1]
-    lo, hi = x.amin(dims), x.amax(dims)  # [H], x's dtype (exact)
-    norm = torch.linalg.vector_norm(x, dim=dims, dtype=torch.float32)
+    # [B, H, T, D]: a per-head copy first cost 4x these reads), the three in one compiled loop where x repays it
+    # (eagerly three passes: 0.49 ms against 0.18 for a Llama query at 4 x 256 on 2 CPU cores).
+    x, heads = x.detach(), x.shape[1]
+    lo, hi, norm = inductor.fused_or_eager(_minmax_norm, ("head-stats", x.dtype), x)
     if cfg.group_dim != 1:  # not grouped by heads: the whole tensor's range is each head's
         lo, hi = lo.amin().expand(heads), hi.amax().expand(heads)
     elif cfg.groups and cfg.groups < heads:  # head h is in group h * G // H, as the packer groups them

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from slimact.functional._saving import SlimFunction, load, save
 from slimact.functional.activation import derivative, reference
-from slimact.quant import QuantConfig, RunningRange, inductor, pack
+from slimact.quant import QuantConfig, RunningRange, inductor, pack, unpack_map
 
 __all__ = ["gated_mlp"]
 
@@ -43,11 +43,14 @@ class _GatedMLPFunction(SlimFunction):
 
     @staticmethod
     def backward(ctx, grad_y):
-        g, u, weight = load(ctx)
+        g, u, weight = load(ctx, restore=False)
         need_g, need_u, need_w, need_b = ctx.needs_input_grad[:4]
         out = grad_y.shape[-1]
         grad_h = grad_y.matmul(weight.to(grad_y.dtype))  # [..., I]
-        grad_g, grad_u, h = _elementwise_backward(ctx.act, ctx.form, g, u, grad_h)
+        # At 8 bits g and u are restored inside the loop that uses them (one compiled loop reads both codes and
+        # grad_h: the restored [..., I] tensors are never written, nor read back); else restored, then the loop.
+        grad_g, grad_u, h = unpack_map((g, u), _RESTORED_BACKWARDS[ctx.form], grad_h.contiguous(),
+                                       otherwise=functools.partial(_elementwise_backward, ctx.act, ctx.form))
         grad_w = grad_b = None
         if need_w:
             grad_w = grad_y.reshape(-1, out).t().matmul(h.reshape(-1, h.shape[-1]).to(grad_y.dtype))
@@ -80,6 +83,12 @@ def _elementwise_backward(act: Callable[[Tensor], Tensor], form: str, g: Tensor,
 
 #: The activation of each form by its formula, one callable per form (what the compiled loops trace).
 _FORMULAS = {form: functools.partial(reference, form) for form in ("gelu", "gelu_tanh", "quick_gelu", "silu")}
+
+#: ``(g, u, grad_h) -> (grad_g, grad_u, h)`` of each form by its formula, for the loop that restores g and u
+#: (:func:`slimact.quant.unpack_map`: one compiled loop per callable).
+_RESTORED_BACKWARDS = {
+    form: functools.partial(_elementwise_backward_eager, formula, form) for form, formula in _FORMULAS.items()
+}
 
 
 def gated_mlp(
