@@ -208,7 +208,9 @@ def _load():
             path = _build()
             if path is not None:
                 try:
-                    fn = ctypes.CDLL(str(path)).slimact_bernoulli_u8
+                    # PyDLL: the call keeps the GIL, so that no other Python thread draws from the generator
+                    # between the state's read and its write back (bernoulli_ holds the generator's lock instead)
+                    fn = ctypes.PyDLL(str(path)).slimact_bernoulli_u8
                 except (OSError, AttributeError):
                     fn = None
                 if fn is not None:

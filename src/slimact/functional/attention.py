@@ -29,7 +29,9 @@ Which kernel, where (:func:`fused_kernel` chooses; anything it does not take run
   mask that needs a gradient, head sizes not a multiple of 8 or above 256 (128 off sm80/sm90), other dtypes,
   dropout ``p >= 1``, broadcast batches, and a query or key holding NaN/inf (the kernels' running max drops
   NaN scores; one host sync checks).
-* CPU without dropout: PyTorch's CPU flash kernel (``_FlashAttentionCPU``), unless a query or key holds NaN/inf.
+* CPU without dropout: PyTorch's CPU flash kernel (``_FlashAttentionCPU``), unless a query or key holds NaN/inf
+  (read off the score guard's error at 8 bits, else one fp32 sum of each: :func:`_not_finite`; a finite q, k
+  whose sum overflows fp32 takes the chunked path too, exact).
 * Otherwise (CPU with dropout, other devices): ``_ChunkedAttention``, flash-style attention in PyTorch ops, a
   block of query rows at a time, its scores in fp32.
 
