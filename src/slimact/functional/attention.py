@@ -229,6 +229,16 @@ def _rows_backward_in_place(scores: Tensor, future: Tensor | None, dp: Tensor, k
     return scores.copy_(dropped), dp.copy_(ds)
 
 
+def _rows_backward_ds_in_place(scores: Tensor, future: Tensor | None, dp: Tensor, keep: Tensor | None,
+                               scale: float) -> tuple[Tensor, Tensor]:
+    """:func:`_rows_backward` writing ``dS`` over ``dp`` only (``D`` a new tensor), for rows without a causal
+    limit: there torch 2.13's inductor CPU codegen fails on :func:`_rows_backward_in_place` (``KeyError: 'buf1'``
+    in its outer-loop fusion with a local buffer, whether or not there is dropout), and a failed compile leaves
+    the loop eager for the rest of the process (about 15 passes a block) with a RuntimeWarning."""
+    dropped, ds = _rows_backward(scores, future, dp, keep, scale)
+    return dropped, dp.copy_(ds)
+
+
 def _fused_rows(fn, scores: Tensor, *args: Tensor | None):
     """``fn(scores, *args)``, a row-wise computation over ``[..., rows, S]`` blocks, as compiled loops where the
     block is large (:func:`slimact.quant.inductor.fused`: one loop per row pass instead of one eager pass per
@@ -426,7 +436,8 @@ class _ChunkedAttention(SlimFunction):
             gblk = gg[..., t0:t1, :]
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
             keep = None if keep_all is None else keep_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
-            dropped, ds = _fused_rows(_rows_backward_in_place, scores, future, dp, keep, factor)
+            rows_fn = _rows_backward_in_place if future is not None else _rows_backward_ds_in_place
+            dropped, ds = _fused_rows(rows_fn, scores, future, dp, keep, factor)
             scores = dp = None
             gv_blk = dropped.transpose(-1, -2).matmul(gblk)
             gv = gv_blk if gv is None else gv.add_(gv_blk)
