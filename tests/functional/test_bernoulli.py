@@ -97,3 +97,34 @@ def test_the_kernel_refuses_a_state_it_does_not_know_and_writes_nothing(kernel):
         out = torch.zeros(100, dtype=torch.uint8)
         assert kernel(bad.data_ptr(), out.data_ptr(), 100, 1 << 52) == -1
         assert torch.equal(bad, before) and not out.any()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_converted_gpt2_draws_the_plain_models_dropout_masks_through_the_kernel(kernel, policy, attn, monkeypatch):
+    # End to end at a size the kernel takes (attention's [2, 4, 128, 128] and the residual dropouts' [2, 128, 128]):
+    # the converted step's loss is the plain one's (the forward is exact, the masks the same), "tempo"'s gradients
+    # are PyTorch's to float rounding, and the generator ends where the plain step leaves it.
+    transformers = pytest.importorskip("transformers")
+    import slimact
+    from _harness import loss_grads
+
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=128, n_layer=2, n_head=4, n_positions=160, bos_token_id=0,
+                                  eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    model.config._attn_implementation = attn
+    ids = torch.randint(0, 96, (2, 128), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    loss0, exact = loss_grads(model, inputs)
+    after0 = torch.get_rng_state()
+    slimact.convert(model, policy)
+    draws, original = [], bern._draw
+    monkeypatch.setattr(bern, "_draw", lambda *a: draws.append(a[1].numel()) or original(*a))
+    loss1, approx = loss_grads(model, inputs)
+    assert torch.equal(torch.get_rng_state(), after0)
+    assert sorted(set(draws)) == [2 * 128 * 128, 2 * 4 * 128 * 128]  # the residual dropouts and attention's
+    torch.testing.assert_close(loss1, loss0)
+    if policy == "tempo":
+        for name in exact:
+            torch.testing.assert_close(approx[name], exact[name], rtol=1e-4, atol=1e-5, msg=name)
