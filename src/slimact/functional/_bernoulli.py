@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from slimact.quant import backend_for
+
 __all__ = ["MIN_NUMEL", "bernoulli_"]
 
 #: Smallest mask drawn by the kernel: below it the state's round trip (two 5 KB copies) is not repaid.
@@ -165,7 +167,8 @@ def _build() -> Path | None:
         return None
     flags = _flags()
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"slimact-{os.getuid()}"):
+    user = getattr(os, "getuid", lambda: "user")()  # (no getuid on Windows)
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"slimact-{user}"):
         target = folder / f"bernoulli-{key}.so"
         if target.exists():
             return target
@@ -236,9 +239,9 @@ def bernoulli_(out: Tensor, p: float, generator: torch.Generator | None = None) 
     """``out.bernoulli_(p, generator=generator)``: the same values, the same generator state after it; by the
     kernel (module docstring) for a contiguous uint8 CPU tensor of :data:`MIN_NUMEL` elements or more."""
     gen = torch.default_generator if generator is None else generator
-    if not (out.device.type == "cpu" and out.dtype == torch.uint8 and out.numel() >= MIN_NUMEL
+    # (backend_for: a CPU tensor, and the fast paths not turned off by SLIMACT_BACKEND=reference)
+    if not (backend_for(out) == "inductor" and out.dtype == torch.uint8 and out.numel() >= MIN_NUMEL
             and out.is_contiguous() and 0.0 <= p <= 1.0 and gen.device.type == "cpu"
-            and os.environ.get("SLIMACT_BACKEND") != "reference"
             and not torch.compiler.is_compiling()):
         return out.bernoulli_(p, generator=generator)
     kernel = _load()

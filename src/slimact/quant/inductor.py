@@ -194,7 +194,7 @@ def _restore(c3: Tensor, lo: Tensor, step: Tensor, dtype: torch.dtype) -> Tensor
 
 def _restore_into(c3: Tensor, lo: Tensor, step: Tensor, out3: Tensor) -> Tensor:
     # _restore, written by the same loop into a buffer the caller allocated (on huge pages).
-    return out3.copy_((c3.float() * step + lo).to(out3.dtype))
+    return out3.copy_(_restore(c3, lo, step, out3.dtype))
 
 
 #: The backend the loops are compiled with (a test records the traced graphs through its own).
@@ -332,7 +332,7 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
 def _restore_map(fn: Callable, dtype: torch.dtype, packs: tuple[tuple[Tensor, Tensor, Tensor], ...],
                  args: tuple[Tensor, ...]) -> Any:
     # fn(*(_restore(...) of each pack), *args) in one loop: the restored values live in registers only.
-    return fn(*((c3.float() * step + lo).to(dtype) for c3, lo, step in packs), *args)
+    return fn(*(_restore(c3, lo, step, dtype) for c3, lo, step in packs), *args)
 
 
 def dequantize_map(packs: Sequence[tuple[Tensor, Tensor, Tensor]], meta: PackMeta, fn: Callable,
