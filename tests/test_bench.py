@@ -120,9 +120,9 @@ def test_block_ops_table_has_per_op_times_and_calls_per_setup(tmp_path):
 
 
 def test_ops_rows():
-    from slimact.bench import ops
+    from slimact.bench import bandwidth, ops
 
-    rows = list(ops(mib=4, rounds=2, lm_tokens=16))
+    rows = list(ops(mib=4, rounds=2, lm_tokens=16, sizes=[1 / 64]))
     names = [r["op"] for r in rows]
     assert names[:4] == ["pack 4 MiB fp32", "pack (running estimate) 4 MiB fp32", "unpack 4 MiB fp32",
                          "unpack 4 MiB fp32"]
@@ -130,14 +130,19 @@ def test_ops_rows():
     assert {"linear fwd+bwd", "gelu fwd+bwd", "attention fwd+bwd", "lm head + loss fwd+bwd"} <= set(names)
     assert all(r["time_ratio_median"] > 0 for r in rows)
     # Bandwidth per layout: copy_, pack and unpack, GB/s counting bytes read and written.
+    # On the CPU (the compiled loops' backend) the reference's pack and unpack too; at each size asked for
+    # (4 MiB, then 1/64 MiB = 4096 elements).
     per_layout = [r for r in rows if "gb_per_s" in r]
-    assert [r["op"] for r in per_layout] == [f"{op} 4 MiB fp32, {layout}" for layout in
-                                             ("whole tensor", "channel groups", "per head")
-                                             for op in ("copy_", "pack", "unpack")]
+    assert [r["op"] for r in per_layout] == [f"{op} {mib} MiB fp32, {layout}" for mib in ("4", "0.015625")
+                                             for layout in ("whole tensor", "channel groups", "per head")
+                                             for op in ("copy_", "pack", "unpack", "pack (reference)",
+                                                        "unpack (reference)")]
     assert all(r["gb_per_s"] > 0 for r in per_layout)
-    assert per_layout[6]["shape"] == "1x16x1024x64"
-    assert all(per_layout[i]["time_ratio_median"] == 1.0 for i in (0, 3, 6))  # copy_, the base of each layout
+    assert per_layout[10]["shape"] == "1x16x1024x64" and per_layout[25]["shape"] == "1x16x4x64"
+    assert all(per_layout[i]["time_ratio_median"] == 1.0 for i in range(0, 30, 5))  # copy_, each layout's base
     assert not any("kernel_ms" in r for r in per_layout)  # the kernels' own device time: on a GPU only
+    with pytest.raises(ValueError, match="4 KiB rows"):
+        next(bandwidth(mib=0.001))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

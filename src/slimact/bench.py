@@ -50,7 +50,7 @@ import csv
 import datetime
 import os
 import platform
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -700,13 +700,14 @@ def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str 
     return times
 
 
-def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu", lm_tokens: int = 1024) -> Iterator[dict[str, Any]]:
+def ops(*, mib: float = 64, rounds: int = 7, device: str = "cpu", lm_tokens: int = 1024,
+        sizes: Sequence[float] = ()) -> Iterator[dict[str, Any]]:
     """Rows of per-op micro-benchmarks (see the module docstring): ratios measured interleaved; the LM head and
-    loss at ``lm_tokens`` tokens."""
+    loss at ``lm_tokens`` tokens; the per-layout rows (:func:`bandwidth`) also at each of ``sizes`` MiB."""
 
     from slimact.quant import QuantConfig, RunningRange, backend_for, pack, unpack
 
-    x = torch.randn(mib * 2**20 // 4, device=device).reshape(-1, 1024)
+    x = torch.randn(_numel(mib), device=device).reshape(-1, 1024)
     dst = torch.empty_like(x)
     cfg = QuantConfig(group_dim=-1, groups=8)
     packed = pack(x, cfg, share=False)
@@ -730,7 +731,8 @@ def ops(*, mib: int = 64, rounds: int = 7, device: str = "cpu", lm_tokens: int =
         yield {"op": f"{key} {mib} MiB fp32", "vs": f"Tensor.{base}", **ratios,
                "bandwidth_vs_copy": round(1 / ratios["time_ratio_median"], 4), "rounds": rounds,
                "backend": backend_for(x), **env}
-    yield from bandwidth(mib=mib, rounds=rounds, device=device)
+    for size in (mib, *sizes):
+        yield from bandwidth(mib=size, rounds=rounds, device=device)
     if torch.device(device).type == "cuda":
         # At 64 MiB the H200 copies in ~40 us, less than a pack's host work: 8x larger, the kernels dominate.
         yield from bandwidth(mib=8 * mib, rounds=rounds, device=device)
@@ -792,14 +794,23 @@ def _kernel_seconds(fn: Any, rounds: int, device: str) -> float | None:
     return micros / 1e6 / rounds
 
 
-def bandwidth(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
+def _numel(mib: float) -> int:
+    """fp32 elements in ``mib`` MiB: a whole number of 1024-element rows (every layout of :func:`_layouts`)."""
+    numel = int(mib * 2**20) // 4
+    if numel <= 0 or numel % 1024:
+        raise ValueError(f"{mib} MiB is not a whole number of 4 KiB rows (1024 fp32 elements)")
+    return numel
+
+
+def bandwidth(*, mib: float = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
     """Per layout (:func:`_layouts`), the bandwidth of ``Tensor.copy_``, pack and unpack of a ``mib`` MiB fp32
     tensor: GB/s counting the bytes read plus the bytes written (copy: 4 + 4 per element; pack: 4 read, 1
     written; unpack: 1 read, 4 written; the per-group scales are negligible), from the median time; on a GPU
-    also from the kernels' own device time (``kernel_*`` columns: :func:`_kernel_seconds`)."""
+    also from the kernels' own device time (``kernel_*`` columns: :func:`_kernel_seconds`). On the CPU, the
+    reference's pack and unpack too (``... (reference)``), against the compiled loops."""
     from slimact.quant import backend_for
 
-    numel = mib * 2**20 // 4
+    numel = _numel(mib)
     env = environment(device)
     for layout, (shape, cfg) in _layouts(numel).items():
         x = torch.randn(numel, device=device).reshape(shape)
@@ -807,7 +818,7 @@ def bandwidth(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterato
         seconds = {op: _median_seconds(fn, rounds, device) for op, (fn, _) in cases.items()}
         kernels = {op: _kernel_seconds(fn, rounds, device) for op, (fn, _) in cases.items()}
         for op, (_, nbytes) in cases.items():
-            row = {"op": f"{op} {mib} MiB fp32, {layout}", "vs": "Tensor.copy_",
+            row = {"op": f"{op} {mib:g} MiB fp32, {layout}", "vs": "Tensor.copy_",
                    "time_ratio_median": round(seconds[op] / seconds["copy_"], 4),
                    "gb_per_s": round(nbytes / seconds[op] / 1e9, 2), "ms_median": round(1000 * seconds[op], 4),
                    "shape": "x".join(map(str, x.shape)), "rounds": rounds, "backend": backend_for(x), **env}
@@ -819,12 +830,17 @@ def bandwidth(*, mib: int = 64, rounds: int = 7, device: str = "cpu") -> Iterato
 
 
 def _copy_pack_unpack(x: Tensor, cfg: Any) -> dict[str, tuple[Any, int]]:
-    """``copy_``, pack and unpack of ``x`` (fp32) as closures, with the bytes each reads plus writes."""
-    from slimact.quant import pack, unpack
+    """``copy_``, pack and unpack of ``x`` (fp32) as closures, with the bytes each reads plus writes (and, on the
+    CPU, the reference's pack and unpack)."""
+    from slimact.quant import backend_for, pack, unpack
 
     dst, packed, n = torch.empty_like(x), pack(x, cfg, share=False), x.numel()
-    return {"copy_": (lambda: dst.copy_(x), 8 * n), "pack": (lambda: pack(x, cfg, share=False), 5 * n),
-            "unpack": (lambda: unpack(packed), 5 * n)}
+    cases = {"copy_": (lambda: dst.copy_(x), 8 * n), "pack": (lambda: pack(x, cfg, share=False), 5 * n),
+             "unpack": (lambda: unpack(packed), 5 * n)}
+    if x.device.type == "cpu" and backend_for(x) != "reference":  # (not on a GPU: gpu.sh gives this step 50 s)
+        cases["pack (reference)"] = (lambda: pack(x, cfg, backend="reference", share=False), 5 * n)
+        cases["unpack (reference)"] = (lambda: unpack(packed, backend="reference"), 5 * n)
+    return cases
 
 
 def kernels(*, device: str = "cpu", tiny: bool = False, seed: int = 0) -> Iterator[dict[str, Any]]:

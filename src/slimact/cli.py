@@ -199,7 +199,7 @@ def _bench(args: argparse.Namespace) -> int:
                   f"samples/s {'-' if ratio is None else f'{ratio:.3f}x'}", flush=True)
             rows.append(row)
     elif args.ops:
-        for row in ops(rounds=args.rounds, device=args.device):
+        for row in ops(rounds=args.rounds, device=args.device, mib=args.mib[0], sizes=args.mib[1:]):
             print(f"{row['op']:>24}: {row['time_ratio_median']:.3f}x of {row['vs']}", flush=True)
             rows.append(row)
     elif args.zoo and args.all:
@@ -341,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")
     b.add_argument("--batch", type=int, default=None, help="default 4 (--memory), 2 (--zoo)")
     b.add_argument("--seq", type=int, default=None, help="default 512 (--memory), 128 (--zoo)")
+    b.add_argument("--mib", nargs="+", type=float, default=[64.0],
+                   help="--ops: tensor sizes in MiB (fp32; whole 4 KiB rows): the first for the op table, each for "
+                        "the per-layout pack/unpack rows (default 64)")
     b.add_argument("--device", default="cpu")
     b.add_argument("--name", default=None, help="result file stem (default: memory or zoo)")
     b.add_argument("--out", default="benchmarks/results")

@@ -17,20 +17,34 @@ CASES = {
     "whole": ((300, 1000), QuantConfig(group_dim=None)),
     "single-row": ((1, 300_000), QuantConfig(groups=4)),
 }
+# Below MIN_NUMEL, from PACK_MIN_NUMEL: the whole pack is one compiled call (inductor.pack8); the other loops eager.
+SMALL = {
+    "small-channels": ((12, 768), QuantConfig(groups=8)),
+    "small-per-channel": ((128, 64), QuantConfig(groups=0)),
+    "small-heads": ((2, 4, 16, 64), QuantConfig(group_dim=1, groups=0)),
+    "small-whole": ((50, 100), QuantConfig(group_dim=None)),
+    "small-outliers": ((1, 64, 768), QuantConfig(groups=0, outliers=True)),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", list(CASES))
-def test_compiled_pack_equals_the_reference_bit_for_bit(case, dtype):
-    shape, cfg = CASES[case]
+@pytest.mark.parametrize("case", [*CASES, *SMALL])
+def test_compiled_pack_equals_the_reference_bit_for_bit(case, dtype, monkeypatch):
+    shape, cfg = {**CASES, **SMALL}[case]
     torch.manual_seed(0)
     x = (torch.randn(shape) * torch.linspace(0.1, 5, shape[-1])).to(dtype)
     x.view(-1)[::1000] = 0.0
-    assert x.numel() >= inductor.MIN_NUMEL and backend_for(x) == "inductor"
+    assert (x.numel() >= inductor.MIN_NUMEL) == (case in CASES) and x.numel() >= inductor.PACK_MIN_NUMEL
+    assert backend_for(x) == "inductor"
     layout = group_layout(x.shape, cfg)
-    assert inductor._applies(x, layout) is not None  # the compiled loops are what runs
+    assert inductor._applies(x, layout, inductor.PACK_MIN_NUMEL) is not None  # the compiled pack is what runs
+    taken = []  # whether each call of the one-call compiled pack took the tensor
+    original = inductor.pack8
+    monkeypatch.setattr(inductor, "pack8", lambda *a: (out := original(*a), taken.append(out is not None))[0])
     ref = pack(x, cfg, backend="reference", share=False)
+    assert not taken
     fast = pack(x, cfg, backend="inductor", share=False)
+    assert taken == [True]
     for a, b in zip(ref.tensors, fast.tensors, strict=True):
         assert torch.equal(a, b)
     assert ref.meta == fast.meta
@@ -38,13 +52,13 @@ def test_compiled_pack_equals_the_reference_bit_for_bit(case, dtype):
     assert restored.dtype == dtype and torch.equal(restored, unpack(ref, backend="reference"))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *SMALL])
 def test_compiled_stats_and_outliers_equal_the_references(case):
     # The range bit for bit; the magnitude (a sum, in another order) to float rounding; the outliers it decides,
     # and so the whole pack, the same.
     from slimact.quant import reference
 
-    shape, cfg = CASES[case]
+    shape, cfg = {**CASES, **SMALL}[case]
     torch.manual_seed(0)
     x = torch.randn(shape)
     x.view(-1)[::997] = 1e4
@@ -80,8 +94,9 @@ def test_non_finite_values_reach_the_range_and_keep_the_tensor_raw(bad):
         ((512, 768), QuantConfig(groups=8, stochastic=True)),  # stochastic rounding
         ((512, 770), QuantConfig(groups=8)),  # 8 groups do not divide 770
         ((16, 16), QuantConfig(groups=8)),  # small
+        ((64, 768), QuantConfig(groups=8)),  # below MIN_NUMEL: the pack's own loops (not pack8) are eager
     ],
-    ids=["4-bit", "stochastic", "uneven-groups", "small"],
+    ids=["4-bit", "stochastic", "uneven-groups", "small", "below-min-numel"],
 )
 def test_what_the_compiled_loops_do_not_take_goes_to_the_reference(shape, cfg):
     from slimact.quant import reference
@@ -315,7 +330,7 @@ def test_a_pack_is_one_compiled_call_with_no_eager_passes_or_small_ops_around_it
 
 
 @pytest.mark.parametrize("clip", [None, 2.5], ids=["no-clip", "clip"])
-@pytest.mark.parametrize("case", ["channels", "heads", "whole"])
+@pytest.mark.parametrize("case", ["channels", "heads", "whole", "small-channels", "small-heads", "small-whole"])
 def test_a_running_estimate_pack_equals_the_references_codes_scale_and_estimate_at_every_step(case, clip):
     # The compiled pack quantises with the estimate's scale and folds the tensor's own (clipped) range into the
     # estimate in the same call (one read of x for the range, one for the codes; the fold's values copied into the
@@ -324,7 +339,7 @@ def test_a_running_estimate_pack_equals_the_references_codes_scale_and_estimate_
     # (their range folded in instead) and a tensor holding NaN (kept exact, the estimate unchanged).
     from slimact.quant import RunningRange
 
-    shape, base = CASES[case]
+    shape, base = {**CASES, **SMALL}[case]
     cfg = QuantConfig(group_dim=base.group_dim, groups=base.groups, scale="running", decay=0.8, clip=clip)
     gen = torch.Generator().manual_seed(3)
     states = {b: RunningRange(torch.nn.Module(), "_x") for b in ("reference", "inductor")}
@@ -400,3 +415,26 @@ def _aten_ops_named(fn, name: str) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return sum(1 for e in prof.events() if e.name == name)
+
+
+def test_a_pack_below_min_numel_is_compiled_to_run_on_one_thread(monkeypatch):
+    # With dynamic sizes inductor's C++ opens an OpenMP team at every call, whatever the size; below MIN_NUMEL the
+    # pack's loops run on one thread (as PyTorch's own ops do below 32 Ki elements), so that a busy machine's
+    # descheduled thread cannot stall a small pack at the team's barrier.
+    asked = []
+    original = inductor._compiled
+    monkeypatch.setattr(inductor, "_compiled", lambda fn, key, serial=False: asked.append((fn.__name__, serial))
+                        or original(fn, key, serial))
+    cfg = QuantConfig(groups=8)
+    for rows in (16, inductor.MIN_NUMEL // 768 + 1):
+        x = torch.randn(rows, 768)
+        codes = pack(x, cfg, share=False).tensors[0]
+        assert torch.equal(codes, pack(x, cfg, backend="reference", share=False).tensors[0])
+    assert asked == [("_pack8", True), ("_pack8", False)]
+
+    options = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: options.append(kw.get("options")) or fn)
+    key = object()  # an entry of its own in the cache of compiled copies
+    original(inductor._pack8, key, True)
+    original(inductor._pack8, key, False)
+    assert options == [{"cpp.threads": 1}, None]

@@ -267,7 +267,7 @@ class _Job:
             x = self.x
             self._data = x
             if not x.is_contiguous() and (
-                self.backend == "triton" or (self.backend == "inductor" and x.numel() >= self.kernels.MIN_NUMEL)
+                self.backend == "triton" or (self.backend == "inductor" and x.numel() >= self.kernels.PACK_MIN_NUMEL)
             ):
                 self._data = x.contiguous()
         return self._data

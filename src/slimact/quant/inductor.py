@@ -20,10 +20,11 @@ seen as [B, H, T, D] packed at 7.6x a copy's time against 3.8x from a contiguous
 Codes and restored values equal the reference's bit for bit: the same operations in the same order (IEEE
 division, no contraction into fused multiply-adds; tested on every dtype and layout).
 
-Taken for 8-bit round-to-nearest codes of contiguous CPU tensors of at least :data:`MIN_NUMEL` elements whose
-group count divides the grouped dim; everything else (smaller tensors, where a compiled call's fixed cost
-exceeds the eager passes; sub-byte codes; stochastic rounding; odd groupings; strided tensors; code running
-under ``torch.compile``, where inductor fuses the reference itself) goes to the reference. Each loop is
+Taken for 8-bit round-to-nearest codes of contiguous CPU tensors of at least :data:`MIN_NUMEL` elements
+(:func:`pack8`, the whole pack: :data:`PACK_MIN_NUMEL`) whose group count divides the grouped dim; everything
+else (smaller tensors, where a compiled call's fixed cost exceeds the eager passes; sub-byte codes; stochastic
+rounding; odd groupings; strided tensors; code running under ``torch.compile``, where inductor fuses the
+reference itself) goes to the reference. Each loop is
 compiled on first use for each dtype (a few seconds, then cached on disk by inductor), with dynamic sizes and the
 Python floats it reads (arguments, module globals) as constants; if that loop cannot be
 compiled (:data:`_COMPILE_FAILED`: no working C++ compiler, or the backend failing on the graph), a warning, and
@@ -46,12 +47,19 @@ from slimact.quant import _hugepages, reference, state
 from slimact.quant.reference import GroupLayout, PackMeta, QuantConfig
 
 __all__ = [
-    "MIN_NUMEL", "Packed8", "dequantize", "dequantize_map", "fused", "fused_or_eager", "group_minmax", "group_stats",
-    "pack8", "pays_off", "quantize",
+    "MIN_NUMEL", "PACK_MIN_NUMEL", "Packed8", "dequantize", "dequantize_map", "fused", "fused_or_eager",
+    "group_minmax", "group_stats", "pack8", "pays_off", "quantize",
 ]
 
 #: Smallest tensor the compiled loops take (256 Ki elements, 1 MiB in fp32).
 MIN_NUMEL = 1 << 18
+
+#: Smallest tensor :func:`pack8` takes (4 Ki elements). The reference's pack is some 25 eager ops on the
+#: tensor and on ``[groups]`` tensors (0.3 ms for a few thousand elements, 0.8 ms at 32 Ki, 5 ms at 256 Ki, one CPU
+#: thread); the compiled pack is one call (about 0.1 ms up to 32 Ki): 3x to 7x faster below :data:`MIN_NUMEL`
+#: (``benchmarks/results/pack_small.*``). Below 4 Ki elements the saving is under 0.3 ms a pack, and each
+#: variant of the pack (dtype, layout, outliers, estimate) would first cost seconds of compiling.
+PACK_MIN_NUMEL = 1 << 12
 
 #: The compiled loops that could not be compiled (:data:`_COMPILE_FAILED`), each with its error: they run eagerly.
 _failed: dict[Callable, BaseException] = {}
@@ -78,9 +86,9 @@ def _runs(shape: torch.Size | tuple[int, ...], layout: GroupLayout) -> tuple[int
     return total // (layout.groups * run), layout.groups, run
 
 
-def _applies(x: Tensor, layout: GroupLayout) -> tuple[int, int, int] | None:
+def _applies(x: Tensor, layout: GroupLayout, smallest: int = MIN_NUMEL) -> tuple[int, int, int] | None:
     if (
-        x.device.type != "cpu" or x.numel() < MIN_NUMEL or not x.is_contiguous()
+        x.device.type != "cpu" or x.numel() < smallest or not x.is_contiguous()
         or torch.compiler.is_compiling()
     ):
         return None
@@ -168,13 +176,14 @@ def pack8(x: Tensor, layout: GroupLayout, cfg: QuantConfig, estimate: tuple[Tens
     in whole runs)."""
     if cfg.bits != 8 or cfg.stochastic:
         return None
-    runs = _applies(x, layout)
+    runs = _applies(x, layout, PACK_MIN_NUMEL)
     if runs is None:
         return None
     est_lo, est_rng = (None, None) if estimate is None else estimate
     whole = layout.dim is None
     key = ("pack8", x.dtype, cfg.outliers, whole, estimate is not None, cfg.clip, cfg.decay)
-    out = _call(_compiled(_pack8, key), (x.view(runs), cfg.outliers, whole, est_lo, est_rng, cfg.clip, cfg.decay))
+    out = _call(_compiled(_pack8, key, x.numel() < MIN_NUMEL),
+                (x.view(runs), cfg.outliers, whole, est_lo, est_rng, cfg.clip, cfg.decay))
     if out is None:
         return None
     codes, lo, step, range_lo, range_hi, bad, *rest = out
@@ -202,11 +211,15 @@ _BACKEND: str | Callable = "inductor"
 
 
 @functools.cache
-def _compiled(fn: Callable, key: object) -> Callable:
+def _compiled(fn: Callable, key: object, serial: bool = False) -> Callable:
     # A copy of fn with its own code object per key (a dtype; a consumer and a dtype): dynamo's cache (and its
-    # recompile limit) is per code object, and each dtype needs its own loops.
+    # recompile limit) is per code object, and each dtype needs its own loops. serial: loops on one thread, for
+    # tensors below MIN_NUMEL. With dynamic sizes inductor's C++ opens an OpenMP team at every call whatever the
+    # size, where PyTorch's own ops stay on one thread below 32 Ki elements; on a machine whose cores are all busy
+    # the team's barrier waits for a descheduled thread (a 4 Ki-element pack measured at 13 ms, against 0.1 ms).
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    compiled = torch.compile(fresh, dynamic=True, backend=_BACKEND)
+    options = {"options": {"cpp.threads": 1}} if serial and _BACKEND == "inductor" else {}
+    compiled = torch.compile(fresh, dynamic=True, backend=_BACKEND, **options)
 
     def call(*args):
         # Python floats (arguments such as a norm's offset or a table's left end, and module globals such as
