@@ -916,6 +916,39 @@ def test_the_backward_rows_are_written_over_the_blocks_scores_and_dp(dropout_p, 
     assert seen == [(True, True)]
 
 
+def test_a_single_head_batch_of_one_leaves_the_causal_rows_compiled_for_other_shapes(monkeypatch):
+    # torch 2.13's CPU codegen fails on the causal rows' in-place loop for [1, 1, rows, S] blocks (KeyError 'buf1';
+    # dynamic sizes are specialised on 1). That failure turned the loop off for every later shape of the process
+    # (a RuntimeWarning, ~15 eager passes a block); now it turns off that specialisation only: a batch of two
+    # after it still runs the compiled loop. The gradients are the eager rows' either way.
+    from slimact.quant import inductor
+
+    monkeypatch.setattr(inductor, "_failed", {})
+    monkeypatch.setattr(inductor, "_failed_somewhere", set())
+    compiled = []
+    original = inductor.fused
+    monkeypatch.setattr(inductor, "fused", lambda fn, key, *args: (
+        out := original(fn, key, *args), compiled.append((fn.__name__, args[0].shape[0], out is not None)))[0])
+    gen = torch.Generator().manual_seed(6)
+    for batch in (1, 2):
+        q, k, v, up = (torch.randn(batch, 1, 1024, 16, generator=gen) for _ in range(4))
+        grads = []
+        for fused in (True, False):
+            with monkeypatch.context() as m:
+                if not fused:
+                    m.setattr(inductor, "pays_off", lambda t: False)
+                ins = [t.clone().requires_grad_() for t in (q, k, v)]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # (the batch of one's, where torch fails)
+                    out = attention_mod._ChunkedAttention.apply(*ins, None, True, 16**-0.5, 0.0, None, None, None)
+                    out.backward(up)
+            grads.append([t.grad for t in ins])
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b)
+    rows = [(b, ok) for name, b, ok in compiled if name == "_rows_backward_in_place"]
+    assert {b for b, _ in rows} == {1, 2} and all(ok for b, ok in rows if b == 2)
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "learned-mask"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])

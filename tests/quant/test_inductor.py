@@ -207,9 +207,12 @@ def _broken(error):
 def test_a_missing_compiler_warns_falls_back_and_turns_off_that_loop_only(monkeypatch, make):
     # One loop that cannot be compiled (no C++ compiler) runs as the reference from then on, with a warning; the
     # other compiled loops are still tried (one failure switched every compiled path off for the process).
+    from torch._inductor.exc import InvalidCxxCompiler
+
     from slimact.quant import inductor
 
     monkeypatch.setattr(inductor, "_failed", {})
+    monkeypatch.setattr(inductor, "_failed_somewhere", set())
     broken = _broken(make())
     calls = []
 
@@ -217,12 +220,16 @@ def test_a_missing_compiler_warns_falls_back_and_turns_off_that_loop_only(monkey
         calls.append(args)
         return inductor._codes(*args)
 
-    monkeypatch.setattr(inductor, "_compiled", lambda fn, key: broken if fn is inductor._minmax else working)
+    monkeypatch.setattr(inductor, "_compiled",
+                        lambda fn, key, serial=False: broken if fn is inductor._minmax else working)
     x = torch.randn(inductor.MIN_NUMEL // 64, 64)
     layout = group_layout(x.shape, QuantConfig(groups=4))
     with pytest.warns(RuntimeWarning, match="compiled loop is unavailable"):
         lo, hi = inductor.group_minmax(x, layout)
-    assert list(inductor._failed) == [broken]
+    # No compiler: the loop is off for every shape; the backend failing on a graph: for that graph's
+    # specialisation (its sizes 0, 1 or more), as the next test shows.
+    no_compiler = "InvalidCxxCompiler" in repr(make()) or isinstance(make().__cause__, InvalidCxxCompiler)
+    assert list(inductor._failed) == [broken if no_compiler else (broken, inductor._signature((x.view(-1, 4, 16),)))]
     ref_lo, ref_hi = reference.group_minmax(x, layout)
     assert torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi)
     with warnings.catch_warnings():
@@ -234,6 +241,38 @@ def test_a_missing_compiler_warns_falls_back_and_turns_off_that_loop_only(monkey
     assert torch.equal(codes, reference.quantize(x, layout, lo, step, 8, None))
 
 
+def test_a_graph_the_backend_fails_on_turns_off_that_specialisation_of_the_loop_only(monkeypatch):
+    # Dynamic sizes are specialised on 0 and 1: torch 2.13's CPU codegen fails on the attention rows' in-place loop
+    # for [1, 1, rows, S] blocks only. A loop whose graph failed for one specialisation stays compiled for the
+    # others (one failure had turned it off for every shape, for the process), and the failed one is not retried.
+    from slimact.quant import inductor
+
+    monkeypatch.setattr(inductor, "_failed", {})
+    monkeypatch.setattr(inductor, "_failed_somewhere", set())
+    ran = []
+
+    def loop(x3, lo, step):
+        ran.append(x3.shape)
+        if x3.shape[0] == 1:
+            raise _backend_failed(KeyError("buf1"))
+        return inductor._codes(x3, lo, step)
+
+    monkeypatch.setattr(inductor, "_compiled", lambda fn, key, serial=False: loop)
+    cfg = QuantConfig(group_dim=1, groups=0)  # a group per head: runs [B, H, T * D], B the loop's outer size
+    warned = []
+    for batch in (1, 2, 1, 2):
+        x = torch.randn(batch, 4, inductor.MIN_NUMEL // 256, 64)
+        layout = group_layout(x.shape, cfg)
+        lo, step = scale_params(*reference.group_minmax(x, layout), 255)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            codes = inductor.quantize(x, layout, lo, step, 8, None)
+        assert torch.equal(codes, reference.quantize(x, layout, lo, step, 8, None))
+        warned.append(sum("compiled loop is unavailable" in str(w.message) for w in caught))
+    assert [shape[0] for shape in ran] == [1, 2, 2]  # the outer-1 graph tried once; the other run both times
+    assert warned == [1, 0, 0, 0]
+
+
 @pytest.mark.parametrize("make", [lambda: RuntimeError("a bug in the loop"), lambda: TypeError("a bug in the call")],
                          ids=["RuntimeError", "TypeError"])
 def test_an_error_raised_by_running_the_loop_is_raised_not_hidden(monkeypatch, make):
@@ -242,7 +281,7 @@ def test_an_error_raised_by_running_the_loop_is_raised_not_hidden(monkeypatch, m
     from slimact.quant import inductor
 
     monkeypatch.setattr(inductor, "_failed", {})
-    monkeypatch.setattr(inductor, "_compiled", lambda fn, key: _broken(make()))
+    monkeypatch.setattr(inductor, "_compiled", lambda fn, key, serial=False: _broken(make()))
     x = torch.randn(inductor.MIN_NUMEL // 64, 64)
     with pytest.raises(Exception, match="a bug in"):
         inductor.group_minmax(x, group_layout(x.shape, QuantConfig(groups=4)))
@@ -282,9 +321,9 @@ def test_python_floats_are_constants_of_the_compiled_loops_not_symbolic_inputs(m
     original = inductor._compiled.__wrapped__
 
     @functools.cache
-    def compiled(fn, key):
+    def compiled(fn, key, serial=False):
         names.add(fn.__name__)
-        return original(fn, key)
+        return original(fn, key, serial)
 
     monkeypatch.setattr(inductor, "_BACKEND", recording)
     monkeypatch.setattr(inductor, "_compiled", compiled)

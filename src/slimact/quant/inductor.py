@@ -28,7 +28,9 @@ reference itself) goes to the reference. Each loop is
 compiled on first use for each dtype (a few seconds, then cached on disk by inductor), with dynamic sizes and the
 Python floats it reads (arguments, module globals) as constants; if that loop cannot be
 compiled (:data:`_COMPILE_FAILED`: no working C++ compiler, or the backend failing on the graph), a warning, and
-the reference (or the eager composition) for that loop from then on (the other loops are tried on their own);
+the reference (or the eager composition) for that loop from then on: for every shape where no compiler works, else
+for the shapes its failed graph was specialised to (sizes 0 and 1: :data:`_failed`); the other loops are tried on
+their own;
 an error raised by running a loop is a bug and is raised. ``SLIMACT_BACKEND=reference`` turns it off.
 """
 
@@ -63,7 +65,11 @@ MIN_NUMEL = 1 << 18
 PACK_MIN_NUMEL = 1 << 12
 
 #: The compiled loops that could not be compiled (:data:`_COMPILE_FAILED`), each with its error: they run eagerly.
-_failed: dict[Callable, BaseException] = {}
+#: Keyed by the loop where no C++ compiler works (every shape fails), else by ``(loop, _signature(args))``: a
+#: backend failing on one specialisation of a loop's graph (torch 2.13's CPU codegen fails on the attention rows'
+#: in-place loop for ``[1, 1, rows, S]`` blocks, not for others) turns off that specialisation only.
+_failed: dict[Callable | tuple[Callable, tuple], BaseException] = {}
+_failed_somewhere: set[Callable] = set()  # the loops with a failed specialisation (the signature read only for them)
 
 #: Errors (by class name, anywhere in the chain of causes) raised by compiling, not by running, a loop: no working
 #: C++ compiler here, or the backend failing on the graph (``BackendCompilerFailed``: torch 2.11's inductor failed in
@@ -245,24 +251,48 @@ def _run(fn: Callable, dtype: torch.dtype, *args) -> object | None:
     return _call(_compiled(fn, dtype), args)
 
 
-def _compile_failed(e: BaseException) -> bool:
-    """Whether ``e`` (or what caused it: dynamo wraps the backend's errors) was raised by compiling the loop (see
-    :data:`_COMPILE_FAILED`)."""
+def _raised_by(e: BaseException, names: frozenset[str]) -> bool:
+    """Whether ``e`` or what caused it (dynamo wraps the backend's errors) is of a class named in ``names``."""
     seen: set[int] = set()
     chain: BaseException | None = e
     while chain is not None and id(chain) not in seen:
-        if any(cls.__name__ in _COMPILE_FAILED for cls in type(chain).__mro__):
+        if any(cls.__name__ in names for cls in type(chain).__mro__):
             return True
         seen.add(id(chain))
         chain = chain.__cause__ or chain.__context__ or getattr(chain, "inner_exception", None)
     return False
 
 
+def _compile_failed(e: BaseException) -> bool:
+    """Whether ``e`` was raised by compiling the loop (see :data:`_COMPILE_FAILED`)."""
+    return _raised_by(e, _COMPILE_FAILED)
+
+
+def _no_compiler(e: BaseException) -> bool:
+    """Whether ``e`` says there is no working C++ compiler (every loop, every shape, would fail)."""
+    return _raised_by(e, frozenset({"InvalidCxxCompiler"}))
+
+
+def _signature(args: tuple) -> tuple:
+    """What a loop's graph is specialised on besides its key: each tensor's dtype and which of its sizes are 0 or 1
+    (dynamic sizes are specialised on those), and the other arguments (Python floats are constants), through
+    tuples."""
+    out = []
+    for a in args:
+        if isinstance(a, Tensor):
+            out.append((a.dtype, tuple(min(s, 2) for s in a.shape)))
+        elif isinstance(a, tuple):
+            out.append(_signature(a))
+        else:
+            out.append(a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else type(a))
+    return tuple(out)
+
+
 def _call(compiled: Callable, args: tuple) -> object | None:
     # Detached: whether the caller's tensor requires grad must not be a guard (pack runs under no_grad). With
     # torch-function handling off: dynamo would otherwise trace an active TorchFunctionMode (slimact's routing
     # follows tensors by identity) and guard on this very tensor, recompiling at every call.
-    if compiled in _failed:
+    if compiled in _failed or (compiled in _failed_somewhere and (compiled, _signature(args)) in _failed):
         return None
     args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     try:
@@ -271,10 +301,16 @@ def _call(compiled: Callable, args: tuple) -> object | None:
     except Exception as e:
         if not _compile_failed(e):
             raise
-        _failed[compiled] = e
+        everywhere = _no_compiler(e)
+        if everywhere:
+            _failed[compiled] = e
+        else:
+            _failed[(compiled, _signature(args))] = e
+            _failed_somewhere.add(compiled)
+        shapes = "" if everywhere else f" for {_signature(args)} (sizes 0, 1, more)"
         warnings.warn(
-            f"slimact: a compiled loop is unavailable ({type(e).__name__}: {str(e)[:300]}); it runs eagerly now",
-            RuntimeWarning, stacklevel=3,
+            f"slimact: a compiled loop is unavailable{shapes} ({type(e).__name__}: {str(e)[:300]}); it runs eagerly "
+            "there now", RuntimeWarning, stacklevel=3,
         )
         return None
 
