@@ -274,13 +274,13 @@ def _no_compiler(e: BaseException) -> bool:
 
 
 def _signature(args: tuple) -> tuple:
-    """What a loop's graph is specialised on besides its key: each tensor's dtype and which of its sizes are 0 or 1
-    (dynamic sizes are specialised on those), and the other arguments (Python floats are constants), through
-    tuples."""
+    """What a loop's graph is specialised on besides its key: each tensor's device type (C++ or Triton), dtype and
+    which of its sizes are 0 or 1 (dynamic sizes are specialised on those), and the other arguments (Python floats
+    are constants), through tuples."""
     out = []
     for a in args:
         if isinstance(a, Tensor):
-            out.append((a.dtype, tuple(min(s, 2) for s in a.shape)))
+            out.append((a.device.type, a.dtype, tuple(min(s, 2) for s in a.shape)))
         elif isinstance(a, tuple):
             out.append(_signature(a))
         else:
