@@ -14,9 +14,11 @@
 boolean mask otherwise), selects it on the model's config and tags the model's attention modules; ``revert``
 restores the original setting. An untagged module (excluded by the policy, or in a model already reverted
 while another model on the same configuration is still converted) and every module in eval mode runs
-transformers' own SDPA attention, as a plain model does by default. Arguments that the fused path does not
-implement (``softcap``, attention sinks ``s_aux``/``sinks``) send the call to the model's own eager attention,
-exact and uncompressed: never a silently different attention.
+transformers' own SDPA attention, as a plain model does by default, or, where the configuration had ``"eager"``
+attention, the model's own eager attention. Arguments that the fused path does not implement (``softcap``,
+attention sinks ``s_aux``/``sinks``) send the call to the model's own eager attention, exact and uncompressed,
+and so do the calls of a model that had eager attention whose mask leaves a query row nothing to attend to
+(:func:`_as_written_eager`): never a silently different attention.
 """
 
 from __future__ import annotations
@@ -93,11 +95,15 @@ _EAGER_ONLY = ("softcap", "s_aux", "sinks")
 
 def _additive_mask(mask: Tensor | None, is_causal: bool, query: Tensor, key: Tensor) -> Tensor | None:
     """An SDPA-style mask (``None`` for causal or none, boolean, or additive) as the additive mask eager
-    attention adds to its scores."""
+    attention adds to its scores: 0 where allowed, the dtype's minimum elsewhere, as transformers' ``eager_mask``
+    builds it (not -inf: a fully masked row is then uniform, as the plain eager model has it, not NaN)."""
     if mask is None and is_causal:
         t, s = query.shape[2], key.shape[2]
         mask = torch.ones(t, s, dtype=torch.bool, device=query.device).tril()[None, None]
-    return None if mask is None else _additive(mask, query.dtype)
+    if mask is None or mask.dtype != torch.bool:
+        return mask if mask is None else mask.to(query.dtype)
+    zero = torch.zeros((), dtype=query.dtype, device=mask.device)
+    return torch.where(mask, zero, torch.finfo(query.dtype).min)
 
 
 def _model_eager(module: nn.Module, query, key, value, mask, scaling, p, is_causal, kwargs):
@@ -112,6 +118,31 @@ def _model_eager(module: nn.Module, query, key, value, mask, scaling, p, is_caus
         )
     return eager(module, query, key, value, _additive_mask(mask, is_causal, query, key), scaling=scaling,
                  dropout=p, **kwargs)
+
+
+def _original_setting(module: nn.Module) -> Any:
+    """The attention implementation ``module``'s configuration had before ``convert`` selected ``"slimact"``
+    (``None`` if unknown)."""
+    config = getattr(module, "config", None)
+    entry = _SWITCHED.get(id(config)) if config is not None else None
+    return entry.original if entry is not None and entry.ref() is config else None
+
+
+def _as_written_eager(module: nn.Module, policy: Policy | None, mask: Tensor | None) -> bool:
+    """Whether a call of a model that had ``"eager"`` attention runs its own eager attention, exact and
+    uncompressed: in eval mode and in modules left alone (as the plain model computes it), and in training where the
+    mask leaves a query row nothing to attend to. There eager attention gives the row the mean of the values over
+    every key (the scores plus the mask's float minimum round to that minimum: uniform probabilities) and its
+    autograd passes the softmax's gradient on to q and k, where SDPA, and slimact's fused path, give 0 and no
+    gradient: a loss over padded positions, the output at them, or their probabilities would differ from the plain
+    model's. Other rows are the same up to float rounding."""
+    if _original_setting(module) != "eager":
+        return False
+    if getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) is None:
+        return False  # (no eager function to run: as before, the fused path)
+    if policy is None:
+        return True
+    return mask is not None and mask.dtype == torch.bool and bool((~mask.any(-1)).any())
 
 
 class _Switch(NamedTuple):
@@ -193,7 +224,7 @@ def attention_forward(
             policy = None  # eval mode (or float64, or a torch.func transform): PyTorch's own attention, nothing packed
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
-    if any(kwargs.get(k) is not None for k in _EAGER_ONLY):
+    if any(kwargs.get(k) is not None for k in _EAGER_ONLY) or _as_written_eager(module, policy, attention_mask):
         causal = bool(query.shape[2] > 1 and attention_mask is None
                       and (is_causal if is_causal is not None else getattr(module, "is_causal", True)))
         return _model_eager(module, query, key, value, attention_mask, scaling, p, causal, kwargs)
