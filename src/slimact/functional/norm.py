@@ -114,31 +114,22 @@ def _row_stats(x: Tensor, centered: bool, eps: float) -> tuple[Tensor | None, Te
     return None, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-#: Per (weight, bias, offset, dtype, lossless): whether every channel is recoverable, with the weight's and the
-#: bias's identity, storage and version counter when it was decided (an optimizer step's in-place update bumps
-#: the version: decided again once per step, not once per call).
-_CHANNEL_CHECKS: dict[tuple, tuple[tuple, bool]] = {}
-
-
-def _version(t: Tensor | None) -> tuple:
-    return (None,) if t is None else (t.data_ptr(), t._version, t.dtype, tuple(t.shape))
-
-
-def _channels_ok(weight: Tensor | None, bias: Tensor | None, offset: float, dtype: torch.dtype, exact: bool) -> bool:
-    """:func:`output_recoverable` of ``(weight + offset, bias)``, read once per version of the weight and bias
-    (one host sync per optimizer step instead of one per call: they change only in place, or by assignment)."""
-    if weight is None:
+def _output_kept(weight: Tensor | None, bias: Tensor | None, offset: float, mean: Tensor | None, rstd: Tensor,
+                 dtype: torch.dtype, exact: bool) -> bool:
+    """Whether the layer keeps its output: every channel recoverable (:func:`output_recoverable` of ``(weight +
+    offset, bias)``) and, for a lossless LayerNorm, every row (:func:`_rows_recoverable`); one host read for both
+    (one sync on a GPU), at every call. Not cached by the weight's version counter: an update through ``.data``
+    (a hand-written SGD step, pruning ``norm.weight.data[c] = 0``) and the fused optimizers that write parameters
+    in their own kernels (apex, DeepSpeed, bitsandbytes) leave the counter as it was, and a stale answer rebuilt
+    ``xn`` from a zeroed channel: NaN gradients where the plain layer's are finite."""
+    flags = []
+    if weight is not None:
+        flags.append(_channels_recoverable(_effective(weight, offset), bias, dtype, exact).all())
+    if mean is not None and exact:
+        flags.append(_rows_recoverable(mean, rstd, dtype).all())
+    if not flags:
         return True
-    key = (id(weight), id(bias), offset, dtype, exact)
-    seen = (_version(weight), _version(bias))
-    hit = _CHANNEL_CHECKS.get(key)
-    if hit is not None and hit[0] == seen:
-        return hit[1]
-    ok = bool(_channels_recoverable(_effective(weight, offset), bias, dtype, exact).all())
-    if len(_CHANNEL_CHECKS) > 4096:  # ids of freed parameters: a bound, not a leak
-        _CHANNEL_CHECKS.clear()
-    _CHANNEL_CHECKS[key] = (seen, ok)
-    return ok
+    return bool(flags[0]) if len(flags) == 1 else all(torch.stack(flags).tolist())
 
 
 def _effective(weight: Tensor | None, offset: float) -> Tensor | None:
@@ -184,10 +175,8 @@ class _NormFunction(SlimFunction):
             # Under torch.compile (where a host read would break the graph) the input is kept whenever the
             # choice depends on the data.
             ctx.from_output = weight is None and not (mean is not None and exact)
-        elif not _channels_ok(weight, bias, offset, x.dtype, exact):
-            ctx.from_output = False
-        else:  # the rows' check (lossless LayerNorm): one host sync
-            ctx.from_output = mean is None or not exact or bool(_rows_recoverable(mean, rstd, x.dtype).all())
+        else:
+            ctx.from_output = _output_kept(weight, bias, offset, mean, rstd, x.dtype, exact)
         if ctx.from_output:
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=-1, groups=0)
             save(ctx, pack(y, per_channel, state), None, rstd, weight, bias)
