@@ -447,3 +447,48 @@ def test_a_gated_mlp_converted_in_eval_mode_is_probed_as_it_trains():
     (out0, g0), (out1, g1) = _grads(plain.train(), x), _grads(slim.train(), x)
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     assert_gradients_equal(g0, g1)
+
+
+class _ScaledGatedMLP(nn.Module):
+    """A gated MLP with a layer scale of its own (initialised to ones: ``down(act(gate(x)) * up(x))`` at first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn, self.scale = nn.SiLU(), nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * self.scale
+
+
+class _GainRMSNorm(nn.Module):
+    """An RMSNorm with a learned scalar gain besides its weight (initialised to one: an RMSNorm at first)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.gain, self.eps = nn.Parameter(torch.ones(width)), nn.Parameter(torch.ones(())), 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight * self.gain
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_norm_or_gated_mlp_holding_more_than_its_parts_is_left_alone(policy):
+    # Both compute their known form on the probe (the extra parameter starts at one) and were converted: the fused
+    # MLP never used its scale, the norm's Function returned no gradient for its gain, so neither ever trained,
+    # and the MLP's output went wrong as soon as the plain model's scale moved (or a checkpoint set it).
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _GainRMSNorm(8), _ScaledGatedMLP()).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    skipped = slimact.summary(slim).skipped
+    assert "holds gain besides its weight and bias" in skipped["1"]
+    assert "holds scale besides its projections" in skipped["2"]
+    assert kind_of(slim[1]) == "rmsnorm" and kind_of(slim[2]) == "mlp"
+    x = torch.randn(3, 5, 8)
+    for model in (plain, slim):  # a trained (or loaded) gain and scale
+        with torch.no_grad():
+            model[1].gain.fill_(1.5)
+            model[2].scale.copy_(torch.linspace(0.5, 2.0, 8))
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import re
 import types
 import weakref
@@ -386,10 +387,26 @@ def gated_mlp_intact(module: nn.Module, form: str) -> bool:
             and not _runs_hooks(down) and not _runs_hooks(act))
 
 
+def _state_beyond(module: nn.Module, allowed: Iterable[Tensor]) -> list[str]:
+    """Names of ``module``'s parameters and buffers (slimact's own aside) that are not among ``allowed``: state
+    a replacement computing a known form from ``allowed`` alone would not differentiate (a parameter) or would
+    read only as it was when probed (a layer scale initialised to ones, loaded from a checkpoint after convert)."""
+    ids = {id(t) for t in allowed}
+    return [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
+            if id(t) not in ids and not n.rpartition(".")[2].startswith("_slimact_")]
+
+
 def _rule_gated_mlp(module, cls):
     form = _probe_gated_mlp(module)
     if form is None:
         return None
+    beyond = _state_beyond(module, (t for part in gated_mlp_parts(module) if part is not None
+                                    for t in itertools.chain(part.parameters(), part.buffers())))
+    if beyond:
+        return Recognised("mlp", reason=(
+            f"{cls.__name__} computes a gated MLP on a probe but holds {', '.join(beyond[:3])} besides its "
+            "projections: slimact's fused block would neither use nor differentiate it; its parts are converted "
+            "on their own"))
     return Recognised("mlp", "mlp", {"form": form}, parts=(GATED_MLP_PARTS["down"], _act_name(module)))
 
 
@@ -454,7 +471,13 @@ def _rule_norm(module, cls):
         # A weightless norm written by hand (x * rsqrt(mean(x^2) + eps)): probed at a width of its own choosing.
         form = _probe_norm(module, torch.ones(48), eps)
     if form is not None:
-        return Recognised("layernorm" if form["centered"] else "rmsnorm", "norm", form)
+        kind = "layernorm" if form["centered"] else "rmsnorm"
+        beyond = _state_beyond(module, (t for t in (weight, getattr(module, "bias", None)) if isinstance(t, Tensor)))
+        if beyond:
+            return Recognised(kind, reason=(
+                f"{cls.__name__} computes a last-dim norm on a probe but holds {', '.join(beyond[:3])} besides its "
+                "weight and bias: slimact's backward would not differentiate it"))
+        return Recognised(kind, "norm", form)
     if typed:
         return Recognised(kind, reason=_own_forward(cls) + " (its probe is not a last-dim norm)")
     return None
