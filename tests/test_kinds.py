@@ -492,3 +492,44 @@ def test_a_norm_or_gated_mlp_holding_more_than_its_parts_is_left_alone(policy):
     (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+class _DropoutGELU(nn.Module):
+    """A GELU followed by a dropout in its own forward (active in training only)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(F.gelu(x), self.p, self.training)
+
+
+class _DropoutRMSNorm(nn.Module):
+    """An RMSNorm followed by a dropout in its own forward (active in training only)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(width)), 1e-6
+
+    def forward(self, x):
+        return F.dropout(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight, 0.3, self.training)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_an_activation_or_norm_converted_in_eval_mode_is_probed_as_it_trains(policy):
+    # Models come out of from_pretrained in eval mode. The activation and norm probes ran the module as it was,
+    # its dropout inactive: both were taken for the bare form, and in training their backward differentiated that
+    # form, not the dropped output (the first Linear's gradients at cosine 0.6-0.8). A dropout of 1% is seen too.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), _DropoutGELU(0.3), _DropoutRMSNorm(16), nn.Linear(16, 4),
+                          _DropoutGELU(0.01)).eval()
+    rng = torch.get_rng_state()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert torch.equal(torch.get_rng_state(), rng)  # the probes' dropout draws leave the user's RNG as it was
+    assert not slim.training and not {"1", "2", "4"} & set(slimact.summary(slim).modules)
+    assert not any(isinstance(m, SlimModule) for m in (slim[1], slim[2], slim[4]))
+    x = torch.randn(4, 8)
+    (out0, g0), (out1, g1) = _grads(plain.train(), x), _grads(slim.train(), x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)

@@ -199,21 +199,25 @@ def _probe_activation(module: nn.Module) -> str | None:
 
     if not _looks_like_activation(module):
         return None
-    x = _PROBE.clone().requires_grad_(True)
+    # Run as the module trains (a dropout inside it, inactive in eval, where a loaded model is converted, would
+    # otherwise pass unseen, and the form's derivative would replace the dropped one), over enough copies of the
+    # probe that a dropout of 1% drops some element (all but certainly: 0.99^2632 < 1e-11).
+    probe = _PROBE.repeat(8)
+    x = probe.clone().requires_grad_(True)
     try:
-        with _probing_grad():
+        with _probing_grad(), _training(module):
             y = _cls(module).forward(module, x * 1.0)  # (not the leaf itself: an in-place activation writes into it)
     except _PROBE_ERRORS:  # cannot run on a plain vector: not a pointwise activation
         return None
-    if not isinstance(y, Tensor) or y.shape != _PROBE.shape or not y.requires_grad:
+    if not isinstance(y, Tensor) or y.shape != probe.shape or not y.requires_grad:
         return None
-    form = next((form for form in FORMS if torch.allclose(y.detach().double(), reference(form, _PROBE.double()),
+    form = next((form for form in FORMS if torch.allclose(y.detach().double(), reference(form, probe.double()),
                                                           rtol=1e-5, atol=2e-6)), None)
     if form is None:
         return None
     with _probing_grad():
         (grad,) = torch.autograd.grad(y.sum(), x)
-    exact = (_PROBE > 0).double() if form == "relu" else derivative(form, _PROBE.double())
+    exact = (probe > 0).double() if form == "relu" else derivative(form, probe.double())
     return form if torch.allclose(grad.double(), exact, rtol=1e-4, atol=1e-5) else None
 
 
@@ -251,7 +255,8 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
             for p in own:
                 shift = torch.rand(p.shape, generator=gen) - (0.5 if p is not weight else 0.0)
                 p.add_(shift.to(device=p.device, dtype=p.dtype))
-        return _probe_norm_as_is(module, weight, eps, gen)
+        with _training(module):  # as it trains (a dropout in its forward: see _probe_activation)
+            return _probe_norm_as_is(module, weight, eps, gen)
     finally:
         with torch.no_grad():
             for p, value in zip(own, saved, strict=True):
