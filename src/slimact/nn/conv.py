@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from slimact.functional.conv import conv
@@ -11,9 +13,10 @@ __all__ = ["Conv2d", "conv_class"]
 
 
 class _ConvMixin(SlimModule):
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x):
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._slimact_one_input(args, kwargs):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         self._slimact_begin()
         padding = (0,) * len(self.stride) if isinstance(self.padding, str) else self.padding
         return conv(
