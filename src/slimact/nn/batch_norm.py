@@ -24,9 +24,12 @@ class _BatchNormMixin(SlimModule):
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         self._slimact_begin()
+        # Running statistics only where tracked: a module whose track_running_stats was turned off after it was
+        # built still holds its buffers, which PyTorch's forward then neither passes nor updates.
+        track = self.track_running_stats
         return batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, factor, self.eps,
-            self._slimact_cfg(x), self._slimact_state(),
+            x, self.running_mean if track else None, self.running_var if track else None, self.weight, self.bias,
+            factor, self.eps, self._slimact_cfg(x), self._slimact_state(),
         )
 
 
