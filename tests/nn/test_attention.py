@@ -56,6 +56,31 @@ def test_uncovered_calls_run_the_module_as_written():
     torch.testing.assert_close(w1, w0)
 
 
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_unbatched_inputs_run_the_module_as_written(policy, batch_first):
+    # nn.MultiheadAttention (and so nn.TransformerEncoderLayer) takes an unbatched [T, E] input; the converted
+    # module unpacked the query's shape as [B, T, E] and raised ValueError ("not enough values to unpack").
+    torch.manual_seed(0)
+    plain = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=batch_first).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert "self_attn" in slimact.summary(slim).modules
+    x = torch.randn(5, 16)
+    pad = torch.tensor([False, False, True, False, True])
+
+    def call(m):
+        return m(x, src_key_padding_mask=pad)
+
+    (out0, g0), (out1, g1) = _grads(plain, call), _grads(slim, call)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        if policy == "tempo":
+            torch.testing.assert_close(g1[n], g0[n], msg=n)
+        else:
+            assert cosine(g0[n], g1[n]) >= 0.999, n
+
+
 transformers = pytest.importorskip("transformers")
 
 
