@@ -14,7 +14,9 @@ __all__ = ["Conv2d", "conv_class"]
 
 class _ConvMixin(SlimModule):
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        if not self._slimact_one_input(args, kwargs):
+        # An unbatched input ([C, *spatial], which PyTorch's convolutions take) runs the module's own code too: the
+        # backward's convolution_backward takes batched inputs only.
+        if not self._slimact_one_input(args, kwargs) or args[0].dim() != self.weight.dim():
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
         self._slimact_begin()
