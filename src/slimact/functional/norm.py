@@ -44,6 +44,7 @@ SQNR >= 30 dB (8-bit).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -115,9 +116,11 @@ def _row_stats(x: Tensor, centered: bool, eps: float) -> tuple[Tensor | None, Te
 
 
 #: Per (weight, bias, offset, dtype, lossless): whether every channel is recoverable, with the weight's and the
-#: bias's identity, storage and version counter when it was decided (an optimizer step's in-place update bumps
-#: the version: decided again once per step, not once per call).
-_CHANNEL_CHECKS: dict[tuple, tuple[tuple, bool]] = {}
+#: bias's storage and version counter when it was decided (an optimizer step's in-place update bumps the version:
+#: decided again once per step, not once per call), and weak references to them: an ``id`` is reused once its
+#: tensor is freed, and a weight computed afresh at each call (a parametrisation's) can come back with the freed
+#: one's id, storage and version 0, and other values.
+_CHANNEL_CHECKS: dict[tuple, tuple[tuple, bool, weakref.ref, weakref.ref | None]] = {}
 
 
 def _version(t: Tensor | None) -> tuple:
@@ -132,12 +135,12 @@ def _channels_ok(weight: Tensor | None, bias: Tensor | None, offset: float, dtyp
     key = (id(weight), id(bias), offset, dtype, exact)
     seen = (_version(weight), _version(bias))
     hit = _CHANNEL_CHECKS.get(key)
-    if hit is not None and hit[0] == seen:
+    if hit is not None and hit[0] == seen and hit[2]() is weight and (bias is None or hit[3]() is bias):
         return hit[1]
     ok = bool(_channels_recoverable(_effective(weight, offset), bias, dtype, exact).all())
     if len(_CHANNEL_CHECKS) > 4096:  # ids of freed parameters: a bound, not a leak
         _CHANNEL_CHECKS.clear()
-    _CHANNEL_CHECKS[key] = (seen, ok)
+    _CHANNEL_CHECKS[key] = (seen, ok, weakref.ref(weight), None if bias is None else weakref.ref(bias))
     return ok
 
 
