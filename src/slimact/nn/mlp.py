@@ -44,7 +44,10 @@ class _GatedMLPMixin(SlimModule):
         self._slimact_begin()
         g, u = _gate_up(self, x)
         *_, down, act = gated_mlp_parts(self)
-        return gated_mlp(g, u, down.weight, down.bias, self._slimact_form, self._slimact_cfg(g), act=act,
+        form = self._slimact_form
+        if type(act).forward is nn.GELU.forward:  # read live (set after convert too), as nn.GELU does
+            form = "gelu_tanh" if act.approximate == "tanh" else "gelu"
+        return gated_mlp(g, u, down.weight, down.bias, form, self._slimact_cfg(g), act=act,
                          state_g=self._slimact_state("g"), state_u=self._slimact_state("u"))
 
 
