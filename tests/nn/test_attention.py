@@ -150,3 +150,31 @@ def test_swin_relative_position_bias_keeps_learning():
     _, approx = loss_grads(model, inputs)
     assert any("relative_position_bias" in n for n in approx)
     assert_gradients_close(exact, approx)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_probabilities_asked_for_in_training_are_the_dropped_ones(policy):
+    # transformers' eager attention returns the probabilities after its dropout (those the product with v read);
+    # slimact's eager path returned them before it, so a loss on output_attentions (attention distillation, an
+    # entropy penalty) differed from the plain eager model's, and so did every gradient (0.07 relative on BERT's).
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    plain, inputs = tiny_hf("bert")
+    plain.config._attn_implementation = "eager"
+    plain.train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    steps = []
+    for model in (plain, slim):
+        torch.manual_seed(1)  # the same dropout draws
+        out = model(**inputs, output_attentions=True)
+        assert len(out.attentions) == 2
+        loss = out.loss + sum(a.square().sum() for a in out.attentions)
+        loss.backward()
+        steps.append((loss.detach(), out.attentions, {n: p.grad for n, p in model.named_parameters()}))
+    (l0, a0, g0), (l1, a1, g1) = steps
+    for want, got in zip(a0, a1, strict=True):
+        assert (got == 0).any()  # dropped
+        torch.testing.assert_close(got.detach(), want.detach())
+    torch.testing.assert_close(l1, l0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
