@@ -381,14 +381,14 @@ def gated_mlp_form(module: nn.Module) -> str | None:
 
 def gated_mlp_intact(module: nn.Module, form: str) -> bool:
     """Whether a gated MLP converted with activation ``form`` still has the parts it was recognised with: a plain
-    ``nn.Linear`` down projection and an activation of that form, neither with hooks. Model code (an adapter
-    library, a user's hook) can change them after ``convert``; the fused block, which uses the down projection's
-    weight without calling it, would then silently compute something else."""
+    ``nn.Linear`` down projection and an activation of that form, not in place, neither with hooks. Model code (an
+    adapter library, a user's hook) can change them after ``convert``; the fused block, which uses the down
+    projection's weight without calling it, would then silently compute something else."""
     from slimact.nn._base import SlimModule
 
     *_, down, act = gated_mlp_parts(module)
     plain_down = type(down) is nn.Linear or isinstance(down, SlimModule)
-    return (plain_down and act is not None and activation_form(act) == form
+    return (plain_down and act is not None and activation_form(act) == form and not getattr(act, "inplace", False)
             and not _runs_hooks(down) and not _runs_hooks(act))
 
 
@@ -412,7 +412,24 @@ def _rule_gated_mlp(module, cls):
             f"{cls.__name__} computes a gated MLP on a probe but holds {', '.join(beyond[:3])} besides its "
             "projections: slimact's fused block would neither use nor differentiate it; its parts are converted "
             "on their own"))
+    if _writes_its_input(gated_mlp_parts(module)[4]):
+        return Recognised("mlp", reason=(
+            f"{cls.__name__} is a gated MLP whose activation writes into its input (in place): slimact's fused "
+            "block keeps the gate projection it would overwrite; its parts are converted on their own"))
     return Recognised("mlp", "mlp", {"form": form}, parts=(GATED_MLP_PARTS["down"], _act_name(module)))
+
+
+def _writes_its_input(act: nn.Module) -> bool:
+    """Whether ``act`` (an activation module) overwrites the tensor it is given: announced (``inplace``), or seen
+    on a probe (its version counter or its values changed)."""
+    if getattr(act, "inplace", False):
+        return True
+    device, dtype = _params_of(act)
+    x = torch.linspace(-4.0, 4.0, 17, device=device, dtype=dtype)
+    before, version = x.clone(), x._version
+    with torch.no_grad(), _training(act):
+        _cls(act).forward(act, x)
+    return x._version != version or not torch.equal(x, before)
 
 
 def _rule_typed(base: type[nn.Module], kind: str, replace: str, unsupported: Callable | None = None):
