@@ -447,3 +447,115 @@ def test_a_gated_mlp_converted_in_eval_mode_is_probed_as_it_trains():
     (out0, g0), (out1, g1) = _grads(plain.train(), x), _grads(slim.train(), x)
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     assert_gradients_equal(g0, g1)
+
+
+class _ScaledGatedMLP(nn.Module):
+    """A gated MLP with a layer scale of its own (initialised to ones: ``down(act(gate(x)) * up(x))`` at first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn, self.scale = nn.SiLU(), nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * self.scale
+
+
+class _GainRMSNorm(nn.Module):
+    """An RMSNorm with a learned scalar gain besides its weight (initialised to one: an RMSNorm at first)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.gain, self.eps = nn.Parameter(torch.ones(width)), nn.Parameter(torch.ones(())), 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight * self.gain
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_norm_or_gated_mlp_holding_more_than_its_parts_is_left_alone(policy):
+    # Both compute their known form on the probe (the extra parameter starts at one) and were converted: the fused
+    # MLP never used its scale, the norm's Function returned no gradient for its gain, so neither ever trained,
+    # and the MLP's output went wrong as soon as the plain model's scale moved (or a checkpoint set it).
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _GainRMSNorm(8), _ScaledGatedMLP()).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    skipped = slimact.summary(slim).skipped
+    assert "holds gain besides its weight and bias" in skipped["1"]
+    assert "holds scale besides its projections" in skipped["2"]
+    assert kind_of(slim[1]) == "rmsnorm" and kind_of(slim[2]) == "mlp"
+    x = torch.randn(3, 5, 8)
+    for model in (plain, slim):  # a trained (or loaded) gain and scale
+        with torch.no_grad():
+            model[1].gain.fill_(1.5)
+            model[2].scale.copy_(torch.linspace(0.5, 2.0, 8))
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+class _DropoutGELU(nn.Module):
+    """A GELU followed by a dropout in its own forward (active in training only)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(F.gelu(x), self.p, self.training)
+
+
+class _DropoutRMSNorm(nn.Module):
+    """An RMSNorm followed by a dropout in its own forward (active in training only)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(width)), 1e-6
+
+    def forward(self, x):
+        return F.dropout(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight, 0.3, self.training)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_an_activation_or_norm_converted_in_eval_mode_is_probed_as_it_trains(policy):
+    # Models come out of from_pretrained in eval mode. The activation and norm probes ran the module as it was,
+    # its dropout inactive: both were taken for the bare form, and in training their backward differentiated that
+    # form, not the dropped output (the first Linear's gradients at cosine 0.6-0.8). A dropout of 1% is seen too.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), _DropoutGELU(0.3), _DropoutRMSNorm(16), nn.Linear(16, 4),
+                          _DropoutGELU(0.01)).eval()
+    rng = torch.get_rng_state()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert torch.equal(torch.get_rng_state(), rng)  # the probes' dropout draws leave the user's RNG as it was
+    assert not slim.training and not {"1", "2", "4"} & set(slimact.summary(slim).modules)
+    assert not any(isinstance(m, SlimModule) for m in (slim[1], slim[2], slim[4]))
+    x = torch.randn(4, 8)
+    (out0, g0), (out1, g1) = _grads(plain.train(), x), _grads(slim.train(), x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+class _InPlaceSwish(nn.Module):
+    """SiLU written into its input, announced nowhere."""
+
+    def forward(self, x):
+        return x.mul_(torch.sigmoid(x.clone()))
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("act", [nn.SiLU(inplace=True), _InPlaceSwish()], ids=["announced", "unannounced"])
+def test_a_gated_mlp_with_an_in_place_activation_is_left_alone(act, policy):
+    # The fused block applies the activation module to the gate projection and then keeps that projection for the
+    # backward: an in-place activation had overwritten it with act(g), and every gradient below the block was off
+    # (the first Linear's at cosine 0.96, 0.28 relative under "tempo").
+    torch.manual_seed(0)
+    mlp = _GatedMLPWithDropout()
+    mlp.dropout, mlp.act_fn = nn.Identity(), act
+    plain = nn.Sequential(nn.Linear(8, 8), mlp).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert "activation writes into its input" in slimact.summary(slim).skipped["1"]
+    assert gated_mlp_form(slim[1]) is None
+    x = torch.randn(3, 8) * 2
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)

@@ -388,3 +388,29 @@ def test_an_in_place_op_on_a_kept_output_is_a_clear_error(layer):
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
     with pytest.raises(RuntimeError, match=r"slimact's .* modified in place.*out of place.*filter_fn"):
         slim(x).sum().backward()
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_a_gated_mlps_gelu_form_set_after_convert_is_the_one_differentiated(approximate):
+    # The fused gated MLP calls its act_fn for the forward (nn.GELU reads `approximate` at each call) but
+    # differentiated the form recognised at convert time: GELU's derivative under a tanh-GELU forward, off by more
+    # than float rounding under "tempo".
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    plain = _GatedMLP(8).train()
+    plain.act_fn = nn.GELU(approximate="none" if approximate == "tanh" else "tanh")
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert slimact.summary(slim).modules.get("") == "mlp"
+    x = torch.randn(3, 5, 8) * 3
+    steps = []
+    for model in (plain, slim):
+        model.act_fn.approximate = approximate
+        out = model(x)
+        (out * torch.linspace(-1.0, 2.0, out.numel()).view(out.shape)).sum().backward()
+        steps.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (out0, g0), (out1, g1) = steps
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import re
 import types
 import weakref
@@ -198,21 +199,25 @@ def _probe_activation(module: nn.Module) -> str | None:
 
     if not _looks_like_activation(module):
         return None
-    x = _PROBE.clone().requires_grad_(True)
+    # Run as the module trains (a dropout inside it, inactive in eval, where a loaded model is converted, would
+    # otherwise pass unseen, and the form's derivative would replace the dropped one), over enough copies of the
+    # probe that a dropout of 1% drops some element (all but certainly: 0.99^2632 < 1e-11).
+    probe = _PROBE.repeat(8)
+    x = probe.clone().requires_grad_(True)
     try:
-        with _probing_grad():
+        with _probing_grad(), _training(module):
             y = _cls(module).forward(module, x * 1.0)  # (not the leaf itself: an in-place activation writes into it)
     except _PROBE_ERRORS:  # cannot run on a plain vector: not a pointwise activation
         return None
-    if not isinstance(y, Tensor) or y.shape != _PROBE.shape or not y.requires_grad:
+    if not isinstance(y, Tensor) or y.shape != probe.shape or not y.requires_grad:
         return None
-    form = next((form for form in FORMS if torch.allclose(y.detach().double(), reference(form, _PROBE.double()),
+    form = next((form for form in FORMS if torch.allclose(y.detach().double(), reference(form, probe.double()),
                                                           rtol=1e-5, atol=2e-6)), None)
     if form is None:
         return None
     with _probing_grad():
         (grad,) = torch.autograd.grad(y.sum(), x)
-    exact = (_PROBE > 0).double() if form == "relu" else derivative(form, _PROBE.double())
+    exact = (probe > 0).double() if form == "relu" else derivative(form, probe.double())
     return form if torch.allclose(grad.double(), exact, rtol=1e-4, atol=1e-5) else None
 
 
@@ -250,7 +255,8 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
             for p in own:
                 shift = torch.rand(p.shape, generator=gen) - (0.5 if p is not weight else 0.0)
                 p.add_(shift.to(device=p.device, dtype=p.dtype))
-        return _probe_norm_as_is(module, weight, eps, gen)
+        with _training(module):  # as it trains (a dropout in its forward: see _probe_activation)
+            return _probe_norm_as_is(module, weight, eps, gen)
     finally:
         with torch.no_grad():
             for p, value in zip(own, saved, strict=True):
@@ -375,22 +381,55 @@ def gated_mlp_form(module: nn.Module) -> str | None:
 
 def gated_mlp_intact(module: nn.Module, form: str) -> bool:
     """Whether a gated MLP converted with activation ``form`` still has the parts it was recognised with: a plain
-    ``nn.Linear`` down projection and an activation of that form, neither with hooks. Model code (an adapter
-    library, a user's hook) can change them after ``convert``; the fused block, which uses the down projection's
-    weight without calling it, would then silently compute something else."""
+    ``nn.Linear`` down projection and an activation of that form, not in place, neither with hooks. Model code (an
+    adapter library, a user's hook) can change them after ``convert``; the fused block, which uses the down
+    projection's weight without calling it, would then silently compute something else."""
     from slimact.nn._base import SlimModule
 
     *_, down, act = gated_mlp_parts(module)
     plain_down = type(down) is nn.Linear or isinstance(down, SlimModule)
-    return (plain_down and act is not None and activation_form(act) == form
+    return (plain_down and act is not None and activation_form(act) == form and not getattr(act, "inplace", False)
             and not _runs_hooks(down) and not _runs_hooks(act))
+
+
+def _state_beyond(module: nn.Module, allowed: Iterable[Tensor]) -> list[str]:
+    """Names of ``module``'s parameters and buffers (slimact's own aside) that are not among ``allowed``: state
+    a replacement computing a known form from ``allowed`` alone would not differentiate (a parameter) or would
+    read only as it was when probed (a layer scale initialised to ones, loaded from a checkpoint after convert)."""
+    ids = {id(t) for t in allowed}
+    return [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
+            if id(t) not in ids and not n.rpartition(".")[2].startswith("_slimact_")]
 
 
 def _rule_gated_mlp(module, cls):
     form = _probe_gated_mlp(module)
     if form is None:
         return None
+    beyond = _state_beyond(module, (t for part in gated_mlp_parts(module) if part is not None
+                                    for t in itertools.chain(part.parameters(), part.buffers())))
+    if beyond:
+        return Recognised("mlp", reason=(
+            f"{cls.__name__} computes a gated MLP on a probe but holds {', '.join(beyond[:3])} besides its "
+            "projections: slimact's fused block would neither use nor differentiate it; its parts are converted "
+            "on their own"))
+    if _writes_its_input(gated_mlp_parts(module)[4]):
+        return Recognised("mlp", reason=(
+            f"{cls.__name__} is a gated MLP whose activation writes into its input (in place): slimact's fused "
+            "block keeps the gate projection it would overwrite; its parts are converted on their own"))
     return Recognised("mlp", "mlp", {"form": form}, parts=(GATED_MLP_PARTS["down"], _act_name(module)))
+
+
+def _writes_its_input(act: nn.Module) -> bool:
+    """Whether ``act`` (an activation module) overwrites the tensor it is given: announced (``inplace``), or seen
+    on a probe (its version counter or its values changed)."""
+    if getattr(act, "inplace", False):
+        return True
+    device, dtype = _params_of(act)
+    x = torch.linspace(-4.0, 4.0, 17, device=device, dtype=dtype)
+    before, version = x.clone(), x._version
+    with torch.no_grad(), _training(act):
+        _cls(act).forward(act, x)
+    return x._version != version or not torch.equal(x, before)
 
 
 def _rule_typed(base: type[nn.Module], kind: str, replace: str, unsupported: Callable | None = None):
@@ -454,7 +493,13 @@ def _rule_norm(module, cls):
         # A weightless norm written by hand (x * rsqrt(mean(x^2) + eps)): probed at a width of its own choosing.
         form = _probe_norm(module, torch.ones(48), eps)
     if form is not None:
-        return Recognised("layernorm" if form["centered"] else "rmsnorm", "norm", form)
+        kind = "layernorm" if form["centered"] else "rmsnorm"
+        beyond = _state_beyond(module, (t for t in (weight, getattr(module, "bias", None)) if isinstance(t, Tensor)))
+        if beyond:
+            return Recognised(kind, reason=(
+                f"{cls.__name__} computes a last-dim norm on a probe but holds {', '.join(beyond[:3])} besides its "
+                "weight and bias: slimact's backward would not differentiate it"))
+        return Recognised(kind, "norm", form)
     if typed:
         return Recognised(kind, reason=_own_forward(cls) + " (its probe is not a last-dim norm)")
     return None

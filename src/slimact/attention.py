@@ -53,7 +53,8 @@ SEEN_ATTR = "_slimact_attention_seen"
 
 
 def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
-    """Eager attention returning the probabilities, each tensor kept as ``policy`` says."""
+    """Eager attention returning the probabilities, each tensor kept as ``policy`` says: after the dropout, as
+    transformers' eager attention functions return them (a loss on them differentiates what the product read)."""
     b, h, t, d = query.shape
     h_kv = key.shape[1]
     cfg = policy.quant_config("attention", 4)
@@ -67,7 +68,7 @@ def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
     probs = softmax(scores.float(), -1, cfg).to(query.dtype)
     dropped = _dropout(probs, p, p > 0)
     out = matmul(dropped.reshape(b, h_kv, h // h_kv, t, -1), value.unsqueeze(2), cfg, cfg)
-    return out.reshape(b, h, t, -1), probs
+    return out.reshape(b, h, t, -1), dropped
 
 
 def _probabilities_wanted(kwargs: dict) -> bool:

@@ -56,6 +56,31 @@ def test_uncovered_calls_run_the_module_as_written():
     torch.testing.assert_close(w1, w0)
 
 
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_unbatched_inputs_run_the_module_as_written(policy, batch_first):
+    # nn.MultiheadAttention (and so nn.TransformerEncoderLayer) takes an unbatched [T, E] input; the converted
+    # module unpacked the query's shape as [B, T, E] and raised ValueError ("not enough values to unpack").
+    torch.manual_seed(0)
+    plain = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=batch_first).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert "self_attn" in slimact.summary(slim).modules
+    x = torch.randn(5, 16)
+    pad = torch.tensor([False, False, True, False, True])
+
+    def call(m):
+        return m(x, src_key_padding_mask=pad)
+
+    (out0, g0), (out1, g1) = _grads(plain, call), _grads(slim, call)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        if policy == "tempo":
+            torch.testing.assert_close(g1[n], g0[n], msg=n)
+        else:
+            assert cosine(g0[n], g1[n]) >= 0.999, n
+
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -168,3 +193,31 @@ def test_a_model_with_eager_attention_and_left_padding_computes_what_the_plain_m
         b = converted(**padded, output_attentions=True)
     assert torch.equal(a.logits, b.logits)
     assert all(torch.equal(x, y) for x, y in zip(a.attentions, b.attentions, strict=True))
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_probabilities_asked_for_in_training_are_the_dropped_ones(policy):
+    # transformers' eager attention returns the probabilities after its dropout (those the product with v read);
+    # slimact's eager path returned them before it, so a loss on output_attentions (attention distillation, an
+    # entropy penalty) differed from the plain eager model's, and so did every gradient (0.07 relative on BERT's).
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    plain, inputs = tiny_hf("bert")
+    plain.config._attn_implementation = "eager"
+    plain.train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    steps = []
+    for model in (plain, slim):
+        torch.manual_seed(1)  # the same dropout draws
+        out = model(**inputs, output_attentions=True)
+        assert len(out.attentions) == 2
+        loss = out.loss + sum(a.square().sum() for a in out.attentions)
+        loss.backward()
+        steps.append((loss.detach(), out.attentions, {n: p.grad for n, p in model.named_parameters()}))
+    (l0, a0, g0), (l1, a1, g1) = steps
+    for want, got in zip(a0, a1, strict=True):
+        assert (got == 0).any()  # dropped
+        torch.testing.assert_close(got.detach(), want.detach())
+    torch.testing.assert_close(l1, l0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)

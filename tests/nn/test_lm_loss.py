@@ -270,3 +270,18 @@ def test_logits_computed_in_the_forward_are_the_converted_heads():
         torch.testing.assert_close(logits, ref_logits)
         kept[keep] = slimact.profile(slim, (ids, ids), loss_fn=lambda out: out[0]).activation_bytes
     assert kept[False] == kept[True]
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_bf16_models_loss_is_computed_in_fp32_where_the_model_casts_its_logits(policy):
+    # Hugging Face's loss casts the logits to fp32 first; the fused loss applied the cast to each chunk but rounded
+    # the loss to h's dtype at the end: a bf16 model's loss came out a bf16 number (6.90625 for plain's 6.90592).
+    model, ids, labels = _model("llama")
+    plain = model.to(torch.bfloat16)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    losses = []
+    for m in (plain, slim):
+        torch.manual_seed(1)
+        losses.append(m(input_ids=ids, labels=labels).loss.detach())
+    assert losses[0].dtype == losses[1].dtype == torch.float32
+    torch.testing.assert_close(losses[1], losses[0])

@@ -36,6 +36,7 @@ loss a float64 sum of the tokens' losses.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -167,6 +168,7 @@ class _LinearCrossEntropy(SlimFunction):
         # at once, pairwise; a sum per chunk added one after another drifted by a rounding each).
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
         zero = losses.new_zeros(())  # (where's out= form takes no Python scalar)
+        loss_dtype = h.dtype  # (no tokens, no chunk: else set from the chunks' logits)
         if need_grad:
             # s = [kept] / divisor per token (1 / divisor rounded once to fp32, inf for 0; divisor is a 0-d float64
             # tensor on h's device: no host sync), and the one-hot term's weight -(1 - eps) s.
@@ -178,13 +180,17 @@ class _LinearCrossEntropy(SlimFunction):
             # [rows, C]: under autocast cast once, for the head's product (what autocast would cast) and grad_W's
             h_c = h[a:b] if dtype == torch.float32 or (logits is not None and not need_w) else h[a:b].to(dtype)
             if logits is not None:
-                z = logits[a:b].float()  # [rows, V]; a view of the caller's tensor where it is fp32
+                z = logits[a:b]
             elif transform is None:
-                z = F.linear(h_c, weight, bias).float()  # [rows, V], ours
+                z = F.linear(h_c, weight, bias)  # [rows, V], ours
             else:  # the model's own elementwise ops on its logits (a cast, a soft cap), differentiated locally
                 raw = F.linear(h_c, weight, bias).requires_grad_(need_grad)
                 with torch.enable_grad():
-                    z = transform(raw).float()
+                    z = transform(raw)
+            if a == 0:  # (the logits F.cross_entropy would see: their dtype; every chunk's is the first's)
+                loss_dtype = torch.promote_types(h.dtype, z.dtype)
+            with torch.enable_grad() if raw is not None else contextlib.nullcontext():
+                z = z.float()  # [rows, V]; the caller's own tensor where it is fp32
             t_rows = t_safe[a:b]
             # What the loss needs of z before z becomes exp(z - max) in place (where z is ours to overwrite).
             picked = z.gather(1, t_rows).squeeze(1)
@@ -228,13 +234,18 @@ class _LinearCrossEntropy(SlimFunction):
         if need_b and grad_b is None:
             grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device)
         total = losses.sum(dtype=torch.float64)
+        # The loss in its logits' dtype, at least h's: fp32 where the model casts them first, as Hugging Face's loss
+        # does (rounding it to a half-precision h's dtype moved it by up to half a bf16 step from plain's), and fp32
+        # under autocast (cross_entropy is on its fp32 list).
+        if torch.is_autocast_enabled(h.device.type):
+            loss_dtype = torch.float32
         ctx.in_shape = h_in.shape
         grad_w, scale_w = _narrow(grad_w, weight.dtype) if grad_w is not None else (None, None)
         grad_b, scale_b = _narrow(grad_b, bias.dtype) if grad_b is not None else (None, None)
         # The scales are tensors (decided on the device): saved, not ctx attributes.
         save(ctx, *(Gradient(g, parameter) if g is not None else None
                     for g, parameter in ((grad_h, False), (grad_w, True), (grad_b, True))), scale_w, scale_b)
-        return (total / divisor).to(h.dtype)
+        return (total / divisor).to(loss_dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -78,11 +78,12 @@ class SlimModule:
                 return False
         return not transformed()
 
-    def _slimact_probed_call(self, x: Tensor, args: tuple, kwargs: dict) -> bool:
-        """:meth:`_slimact_active` for a module recognised by a probe called with its input alone (norms,
-        activations, gated MLPs): a call given more (Mamba2's gated RMSNorm, ``norm(x, gate)``) computes something
-        else, so it runs the module's own code."""
-        return not args and not kwargs and self._slimact_active(x)
+    def _slimact_one_input(self, args: tuple, kwargs: dict) -> bool:
+        """:meth:`_slimact_active` for a call given its input alone, positionally. A call given more (Mamba2's gated
+        RMSNorm, ``norm(x, gate)``: a module recognised by a probe then computes something else) or its input by
+        keyword (``linear(input=x)``, ``norm(hidden_states=h)``: a name the module's own forward knows) runs the
+        module's own code."""
+        return len(args) == 1 and not kwargs and self._slimact_active(args[0])
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""

@@ -21,9 +21,10 @@ __all__ = ["GELU", "ReLU", "SiLU", "activation_class"]
 class _ActivationMixin(SlimModule):
     _slimact_form: str
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if not self._slimact_probed_call(x, args, kwargs):
-            return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._slimact_one_input(args, kwargs):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         self._slimact_begin()
         cfg = self._slimact_cfg(x)
         form = self._slimact_form

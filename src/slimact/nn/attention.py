@@ -5,8 +5,8 @@ q, k and v in self-attention), attention with :func:`slimact.functional.scaled_d
 v and the output kept 8-bit per head, or exact under a lossless policy; never a ``[T, S]`` tensor), and the
 output projection with slimact's Linear. Masks follow ``nn.MultiheadAttention``: a boolean ``attn_mask`` or
 ``key_padding_mask`` marks positions *not* to attend; float masks are added. Calls this path does not cover
-(``need_weights=True``, separate key/value projection weights, ``bias_k``/``bias_v``, ``add_zero_attn``) run the
-module's own forward.
+(``need_weights=True``, separate key/value projection weights, ``bias_k``/``bias_v``, ``add_zero_attn``, unbatched
+``[T, E]`` inputs) run the module's own forward.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 class _MultiheadAttentionMixin(SlimModule):
-    def _slimact_covers(self, key, value, need_weights) -> bool:
+    def _slimact_covers(self, query, key, value, need_weights) -> bool:
         return (
             not need_weights and self._qkv_same_embed_dim and self.bias_k is None and self.bias_v is None
-            and not self.add_zero_attn and key.shape == value.shape
+            and not self.add_zero_attn and key.shape == value.shape and query.dim() == 3 and key.dim() == 3
         )
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if not self._slimact_active(query, key, value) or not self._slimact_covers(key, value, need_weights):
+        if not self._slimact_active(query, key, value) or not self._slimact_covers(query, key, value, need_weights):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                    attn_mask=attn_mask, average_attn_weights=average_attn_weights,
                                    is_causal=is_causal)

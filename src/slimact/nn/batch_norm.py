@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from slimact.functional.batch_norm import batch_norm
@@ -11,9 +13,10 @@ __all__ = ["BatchNorm2d", "batch_norm_class"]
 
 
 class _BatchNormMixin(SlimModule):
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x):
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._slimact_one_input(args, kwargs):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         self._check_input_dim(x)
         # The running-statistics bookkeeping of nn.modules.batchnorm._BatchNorm.forward, in training mode.
         factor = 0.0 if self.momentum is None else self.momentum
@@ -21,9 +24,12 @@ class _BatchNormMixin(SlimModule):
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         self._slimact_begin()
+        # Running statistics only where tracked: a module whose track_running_stats was turned off after it was
+        # built still holds its buffers, which PyTorch's forward then neither passes nor updates.
+        track = self.track_running_stats
         return batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, factor, self.eps,
-            self._slimact_cfg(x), self._slimact_state(),
+            x, self.running_mean if track else None, self.running_var if track else None, self.weight, self.bias,
+            factor, self.eps, self._slimact_cfg(x), self._slimact_state(),
         )
 
 

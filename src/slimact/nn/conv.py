@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from slimact.functional.conv import conv
@@ -11,9 +13,14 @@ __all__ = ["Conv2d", "conv_class"]
 
 
 class _ConvMixin(SlimModule):
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x):
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        # An unbatched input ([C, *spatial], which PyTorch's convolutions take) runs the module's own code too: the
+        # backward's convolution_backward takes batched inputs only. So does a padding convert would have left alone,
+        # set since (read live, as nn.Conv's _conv_forward reads it): the backward differentiates zero padding.
+        if (not self._slimact_one_input(args, kwargs) or args[0].dim() != self.weight.dim()
+                or self.padding_mode != "zeros" or (isinstance(self.padding, str) and self.padding != "valid")):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         self._slimact_begin()
         padding = (0,) * len(self.stride) if isinstance(self.padding, str) else self.padding
         return conv(

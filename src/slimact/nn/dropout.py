@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from slimact.functional.dropout import dropout
@@ -11,9 +13,10 @@ __all__ = ["Dropout", "dropout_class"]
 
 
 class _DropoutMixin(SlimModule):
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x) or self.inplace:
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._slimact_one_input(args, kwargs) or self.inplace:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         return dropout(x, self.p, True)
 
 

@@ -7,6 +7,8 @@ parent's.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from slimact.functional.linear import linear
@@ -18,9 +20,10 @@ __all__ = ["Linear", "conv1d_class", "linear_class"]
 class _LinearMixin(SlimModule):
     _transposed = False
 
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x):
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._slimact_one_input(args, kwargs):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         self._slimact_begin()
         return linear(
             x, self.weight, self.bias, self._slimact_cfg(x), self._slimact_state(), transposed=self._transposed

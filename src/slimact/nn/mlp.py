@@ -34,16 +34,20 @@ def _gate_up(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
 class _GatedMLPMixin(SlimModule):
     _slimact_form: str
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         # (Under torch.compile the parts are taken as converted: dynamo cannot guard on the recogniser's weak cache.)
-        if not self._slimact_probed_call(x, args, kwargs) or not (
+        if not self._slimact_one_input(args, kwargs) or not (
             torch.compiler.is_compiling() or gated_mlp_intact(self, self._slimact_form)
         ):
-            return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         self._slimact_begin()
         g, u = _gate_up(self, x)
         *_, down, act = gated_mlp_parts(self)
-        return gated_mlp(g, u, down.weight, down.bias, self._slimact_form, self._slimact_cfg(g), act=act,
+        form = self._slimact_form
+        if type(act).forward is nn.GELU.forward:  # read live (set after convert too), as nn.GELU does
+            form = "gelu_tanh" if act.approximate == "tanh" else "gelu"
+        return gated_mlp(g, u, down.weight, down.bias, form, self._slimact_cfg(g), act=act,
                          state_g=self._slimact_state("g"), state_u=self._slimact_state("u"))
 
 

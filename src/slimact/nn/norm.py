@@ -33,9 +33,10 @@ class _NormMixin(SlimModule):
         forward = next((c.__dict__["forward"] for c in after if "forward" in c.__dict__), None)
         cls._slimact_layer_norm_forward = forward is nn.LayerNorm.forward
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if not self._slimact_probed_call(x, args, kwargs):
-            return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._slimact_one_input(args, kwargs):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         self._slimact_begin()
         eps = norm_eps(self)  # read live (set after convert too), as the module's own forward reads it
         eps = eps if eps is not None else self._slimact_eps

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from slimact.functional.softmax import softmax
@@ -11,9 +13,10 @@ __all__ = ["Softmax", "softmax_class"]
 
 
 class _SoftmaxMixin(SlimModule):
-    def forward(self, x: Tensor) -> Tensor:
-        if not self._slimact_active(x) or self.dim is None:
-            return super().forward(x)  # type: ignore[misc]
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._slimact_one_input(args, kwargs) or self.dim is None:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
         self._slimact_begin()
         return softmax(x, self.dim, self._slimact_cfg(x), self._slimact_state())
 
