@@ -1,6 +1,7 @@
 """slimact in a training stack: activation checkpointing, frozen weights and adapters, mixed precision with a
 gradient scaler."""
 
+import contextlib
 import copy
 
 import pytest
@@ -9,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import slimact
-from _harness import assert_gradients_close, loss_grads, zero_gradients
+from _harness import assert_gradients_close, assert_gradients_equal, loss_grads, zero_gradients
 from slimact import zoo
 
 pytest.importorskip("transformers")
@@ -241,3 +242,91 @@ def test_hugging_face_trainer_trains_and_checkpoints_a_converted_model(tmp_path)
     # Strict both ways between the converted model and the plain one.
     plain.load_state_dict(model.state_dict(), strict=True)
     reloaded.load_state_dict(plain.state_dict(), strict=True)
+
+
+def _block_stack(wrap=None) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.Dropout(0.1))
+    if wrap is not None:
+        wrap(model)
+    return model.train()
+
+
+def _three_steps(plain: nn.Module, slim: nn.Module, x: torch.Tensor, policy: str, hooks=contextlib.nullcontext):
+    """Three steps of each, from the same dropout draws; each step's gradients compared (equal to float rounding
+    under "tempo", normwise as ``slimact.check`` judges it)."""
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    for seed in range(3):
+        grads = []
+        for model in (plain, slim):
+            model.zero_grad(set_to_none=True)
+            xi = x.detach().requires_grad_(True)
+            torch.manual_seed(seed)
+            with hooks():
+                out = model(xi)
+            (out * upstream).sum().backward()
+            grads.append({"x": xi.grad, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}})
+        assert grads[0].keys() == grads[1].keys()
+        if policy == "tempo":
+            assert_gradients_equal(*grads)
+        else:
+            assert_gradients_close(*grads)
+
+
+_PARAMETRIZED = {
+    "weight_norm": lambda m: nn.utils.parametrizations.weight_norm(m[1]),
+    "orthogonal": lambda m: nn.utils.parametrizations.orthogonal(m[3]),
+    "spectral_norm": lambda m: nn.utils.parametrizations.spectral_norm(m[1]),
+    "old spectral_norm (pre-hook)": lambda m: nn.utils.spectral_norm(m[1]),
+    "old weight_norm (pre-hook)": lambda m: nn.utils.weight_norm(m[3]),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated:FutureWarning")
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("how", list(_PARAMETRIZED))
+def test_parametrized_weights_are_differentiated_as_in_torch(how, policy):
+    # The weight is computed at each access (new style: a property of the Parametrized<Class> made by parametrize;
+    # old style: set by a forward pre-hook); spectral norm's power iteration runs once per call, as in plain.
+    plain, slim = _block_stack(_PARAMETRIZED[how]), _block_stack(_PARAMETRIZED[how])
+    slimact.convert(slim, policy)
+    _three_steps(plain, slim, torch.randn(4, 6, 16), policy)
+    for (name, b0), b1 in zip(plain.named_buffers(), slim.buffers(), strict=False):
+        assert torch.equal(b0, b1), name  # spectral norm's u, v
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "own pack/unpack"])
+def test_saved_tensor_hooks_around_a_converted_model(hooks, policy):
+    def to_cpu_and_back():
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: (t.device, t.to("cpu", copy=True)),
+                                                        lambda packed: packed[1].to(packed[0]))
+
+    ctx = (lambda: torch.autograd.graph.save_on_cpu()) if hooks == "save_on_cpu" else to_cpu_and_back
+    plain = _block_stack()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    _three_steps(plain, slim, torch.randn(4, 6, 16), policy, hooks=ctx)
+
+
+_MHA = {
+    "kdim/vdim": ({"kdim": 12, "vdim": 12}, {"need_weights": False}),
+    "add_bias_kv": ({"add_bias_kv": True}, {"need_weights": False}),
+    "add_zero_attn": ({"add_zero_attn": True}, {"need_weights": False}),
+    "weights per head": ({}, {"need_weights": True, "average_attn_weights": False}),
+}
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("case", list(_MHA))
+def test_multihead_attention_calls_slimact_does_not_cover_run_its_own_code(case, policy):
+    built, called = _MHA[case]
+    torch.manual_seed(0)
+    plain = nn.MultiheadAttention(16, 4, **built).train()  # (no dropout: the per-head weights are returned)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    q = torch.randn(5, 3, 16, requires_grad=True)
+    kv = torch.randn(7, 3, built.get("kdim", 16))
+    for model in (plain, slim):
+        out, weights = model(q, kv, kv, **called)
+        assert torch.equal(out, plain(q, kv, kv, **called)[0])
+        if weights is not None:
+            assert weights.shape == (3, 4, 5, 7 + built.get("add_zero_attn", False) + built.get("add_bias_kv", False))

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from slimact.convert import _HOOK_ATTR
 from slimact.nn._base import SlimModule, StepCounter
+from slimact.quant.state import WRITTEN_ATTR
 
 __all__ = ["LoadResult", "load_state_dict", "state_dict"]
 
@@ -140,6 +141,8 @@ def load_state_dict(model: nn.Module, state: Mapping[str, Any], strict: bool = T
     missing = [key for key in _estimates(model) if key not in estimates]
     for _, (module, buffer, _) in _estimates(model).items():
         module._buffers[buffer] = None
+    for module in modules.values():
+        module.__dict__.pop(WRITTEN_ATTR, None)  # the values placed below are the estimates from now on
     for module, buffer, t in placed:
         value = t.detach().to(_device(module, model, t.device), torch.float32, copy=True)
         module.register_buffer(buffer, value, persistent=False)

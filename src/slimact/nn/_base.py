@@ -24,6 +24,7 @@ from slimact.functional._saving import transformed
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_stream
+from slimact.quant.state import WRITTEN_ATTR
 
 __all__ = ["MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "clear_state", "detach", "slim_class", "standalone"]
 
@@ -148,6 +149,7 @@ def clear_state(module: nn.Module) -> None:
     for name in [n for n in module._buffers if n.startswith("_slimact_")]:
         del module._buffers[name]
         module._non_persistent_buffers_set.discard(name)
+    module.__dict__.pop(WRITTEN_ATTR, None)
 
 
 def attach(

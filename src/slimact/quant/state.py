@@ -23,7 +23,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RunningRange", "folded"]
+__all__ = ["WRITTEN_ATTR", "RunningRange", "folded"]
+
+#: ``module.__dict__`` entry: ``{buffer name: the tensor slimact last wrote there}``. Moving a module replaces its
+#: buffers: ``.to(dtype or device)``, ``.half()``, ``.cuda()`` carry the values over, ``to_empty()`` does not (a fresh
+#: ``torch.empty``: whatever the memory held); nothing else tells the two apart, so a replaced estimate is compared
+#: with the tensor written before (once per move, one host read) and kept only where it holds its values.
+WRITTEN_ATTR = "_slimact_written"
+
+
+def _still_written(module: nn.Module, name: str, buffer: Tensor) -> bool:
+    """Whether ``buffer`` (``module``'s buffer ``name``) holds what slimact last wrote there (adopted as such if so)."""
+    written = module.__dict__.get(WRITTEN_ATTR)
+    before = written.get(name) if written is not None else None
+    if before is None or before is buffer or torch.compiler.is_compiling():
+        return True  # (none recorded: set by slimact.load_state_dict, or made before this record existed)
+    # (Within bf16's rounding: a move through a narrower dtype and back rounds the values, a fresh buffer is
+    # another tensor altogether.)
+    same = not buffer.is_meta and not before.is_meta and torch.allclose(
+        buffer.float(), before.to(buffer.device).float(), rtol=1e-2, atol=1e-6, equal_nan=True)
+    if same:
+        written[name] = buffer
+    return same
 
 
 def folded(old_lo: Tensor, old_rng: Tensor, lo: Tensor, rng: Tensor, decay: float) -> tuple[Tensor, Tensor]:
@@ -49,6 +70,11 @@ class RunningRange:
         lo, rng = self.module._buffers[self.lo_name], self.module._buffers[self.range_name]
         if lo is None or rng is None or lo.shape != (groups,) or rng.shape != (groups,):
             return None
+        if not (_still_written(self.module, self.lo_name, lo) and _still_written(self.module, self.range_name, rng)):
+            # Replaced by something that did not carry the values over (model.to("meta") then to_empty(): memory
+            # never written, any values): the estimate starts again from the next tensor, as after convert.
+            self.module._buffers[self.lo_name] = self.module._buffers[self.range_name] = None
+            return None
         if lo.dtype != torch.float32 or rng.dtype != torch.float32:  # after model.half(): back to fp32, once
             lo, rng = self._set(lo, rng)
         return lo, rng
@@ -57,6 +83,8 @@ class RunningRange:
         lo, rng = lo.detach().float().clone(), rng.detach().float().clone()
         self.module._buffers[self.lo_name] = lo
         self.module._buffers[self.range_name] = rng
+        written = self.module.__dict__.setdefault(WRITTEN_ATTR, {})
+        written[self.lo_name], written[self.range_name] = lo, rng
         return lo, rng
 
     def buffers(self, groups: int) -> tuple[Tensor, Tensor] | None:
