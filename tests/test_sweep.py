@@ -87,7 +87,7 @@ def test_one_hang_or_hard_crash_becomes_a_row_and_the_sweep_goes_on(monkeypatch)
 
     from slimact import bench
 
-    def hangs(task, model_type, arch, progress):
+    def hangs(task, model_type, arch, progress, policy):
         progress("plain")
         progress("check")  # the plain step took no time, slimact's part started: a hang there is slimact's
         time.sleep(60)
@@ -96,7 +96,7 @@ def test_one_hang_or_hard_crash_becomes_a_row_and_the_sweep_goes_on(monkeypatch)
     row = bench._sweep_isolated(("causal-lm", "llama", "LlamaForCausalLM"), timeout=2)
     assert row["outcome"] == "crash" and "no result after 2 s" in row["detail"]
 
-    def dies(task, model_type, arch, progress):
+    def dies(task, model_type, arch, progress, policy):
         progress("check")
         os._exit(3)  # as a segfault would: no row comes back
 
