@@ -454,17 +454,19 @@ def _sweep_markers(policy: str) -> tuple[str, str]:
 
 def _sweep_prose(policy: str, lossless: bool, results: str) -> tuple[str, str, str]:
     """The section's title, its explanation and the name of its judged-gradient column, for ``policy``."""
+    from slimact.check import MIN_COSINE, rounding_tolerance
+
+    floors = f"(cosine >= {MIN_COSINE}; gradients at noise level judged by size)"
     if policy == "int8":
-        judged_by = "the default policy"
-        floors = "(cosine >= 0.99; gradients at noise level judged by size)"
-        rerun = "`slimact bench --zoo --all`"
+        judged_by, rerun = "the default policy", "`slimact bench --zoo --all`"
     else:
         judged_by = f"policy `\"{policy}\"`" + (" (lossless)" if lossless else "")
-        floors = ("(equal to plain's to float rounding: `||g - g_plain|| <= 1.2e-4 ||g_plain||`; gradients at "
-                  "rounding level of the typical gradient judged by size; \"max rel diff\" is the largest relative "
-                  "difference of the gradients judged by it)" if lossless
-                  else "(cosine >= 0.99; gradients at noise level judged by size)")
         rerun = f"`slimact bench --zoo --all --policy {policy}`"
+    if lossless:
+        floors = (f"(equal to plain's to float rounding: `||g - g_plain|| <= "
+                  f"{rounding_tolerance(torch.float32):.1e} ||g_plain||`; gradients at rounding level of the typical "
+                  "gradient judged by size; \"max rel diff\" is the largest relative difference of the gradients "
+                  "judged by it)")
     title = ("Every architecture transformers can build: the sweep" if policy == "int8"
              else f"The sweep under `\"{policy}\"`" + (": gradients equal to plain's" if lossless else ""))
     text = (

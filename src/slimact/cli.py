@@ -349,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--ops: tensor sizes in MiB (fp32; whole 4 KiB rows): the first for the op table, each for "
                         "the per-layout pack/unpack rows (default 64)")
     b.add_argument("--device", default="cpu")
-    b.add_argument("--name", default=None, help="result file stem (default: memory or zoo)")
+    b.add_argument("--name", default=None,
+                   help="result file stem (default: memory, zoo, ...; --zoo --all: zoo_all or zoo_all_<policy>)")
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(func=_bench)
     return parser
