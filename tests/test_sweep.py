@@ -4,9 +4,14 @@ it (``slimact.check`` under the default policy: forward equal to plain, every no
 cosine >= 0.99, negligible ones at noise level, no crash). The subset covers every attention, norm and MLP form
 the sweep met; where one of them fails, the sweep's table in ``docs/models.md`` says why."""
 
+from pathlib import Path
+
 import pytest
+import torch
 
 import slimact
+import slimact.bench
+from slimact.check import rounding_tolerance
 from slimact.zoo import auto_architectures, build_auto, projection_loss, tiny_config, tiny_inputs
 
 pytest.importorskip("transformers")
@@ -82,7 +87,7 @@ def test_one_hang_or_hard_crash_becomes_a_row_and_the_sweep_goes_on(monkeypatch)
 
     from slimact import bench
 
-    def hangs(task, model_type, arch, progress):
+    def hangs(task, model_type, arch, progress, policy):
         progress("plain")
         progress("check")  # the plain step took no time, slimact's part started: a hang there is slimact's
         time.sleep(60)
@@ -91,7 +96,7 @@ def test_one_hang_or_hard_crash_becomes_a_row_and_the_sweep_goes_on(monkeypatch)
     row = bench._sweep_isolated(("causal-lm", "llama", "LlamaForCausalLM"), timeout=2)
     assert row["outcome"] == "crash" and "no result after 2 s" in row["detail"]
 
-    def dies(task, model_type, arch, progress):
+    def dies(task, model_type, arch, progress, policy):
         progress("check")
         os._exit(3)  # as a segfault would: no row comes back
 
@@ -106,7 +111,7 @@ def test_the_table_goes_into_its_section_and_the_document_is_kept(tmp_path):
     from slimact.bench import SWEEP_COLUMNS, write_sweep_docs
 
     path = tmp_path / "zoo_all.csv"
-    rows = [{"architecture": "A", "task": "base", "outcome": "ok", "int8_ratio": "0.2"},
+    rows = [{"architecture": "A", "task": "base", "outcome": "ok", "kept_ratio": "0.2"},
             {"architecture": "B", "task": "ctc", "outcome": "crash", "detail": "slimact: E: x|y"}]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS, restval="")
@@ -139,3 +144,69 @@ def test_a_plain_model_that_is_not_deterministic_is_skipped_with_that_reason(mon
     monkeypatch.setattr(bench, "_call_model", drifting)
     row = bench.sweep_one(*next(a for a in auto_architectures() if a[2] == "LlamaForCausalLM"))
     assert row["outcome"] == "skipped" and "not deterministic" in row["detail"], row
+
+
+def test_a_lossless_policy_is_judged_by_the_lossless_floor_and_its_bytes_are_its_own():
+    # Under "tempo" the row says so, the gradients are judged equal to plain's to float rounding (the largest
+    # relative difference is recorded: the lossless floor's measure), and the kept bytes are tempo's.
+    from slimact import bench
+
+    arch = next(a for a in auto_architectures() if a[2] == "LlamaForCausalLM")
+    row = bench.sweep_one(*arch, policy="tempo")
+    assert row["outcome"] == "ok" and row["policy"] == "tempo", row
+    assert float(row["max_rel_diff"]) <= rounding_tolerance(torch.float32)
+    int8 = bench.sweep_one(*arch)
+    assert int8["policy"] == "int8" and int8["kept_kib"] < row["kept_kib"] < row["plain_kib"]
+
+
+def _fake_sweep(monkeypatch, detail):
+    """The sweep over two fake architectures, each row made up (``detail`` in it), no model built."""
+    from slimact import bench, zoo
+
+    archs = [("base", "a", "A"), ("base", "b", "B")]
+    monkeypatch.setattr(zoo, "auto_architectures", lambda: archs)
+    monkeypatch.setattr(bench, "sweep_one", lambda *a, **k: {})  # the parent's warm-up
+    monkeypatch.setattr(bench, "_sweep_isolated", lambda arch, timeout, policy: {
+        "task": arch[0], "model_type": arch[1], "architecture": arch[2], "outcome": "ok", "detail": detail,
+        "kept_ratio": "0.5"})
+
+
+def test_each_policy_has_its_file_and_its_section_and_a_rerun_replaces_rows(tmp_path, monkeypatch):
+    from slimact.bench import _read_sweep, sweep_path
+    from slimact.cli import main
+
+    assert sweep_path("int8") == Path("benchmarks/results/zoo_all.csv")
+    assert sweep_path("tempo", tmp_path) == tmp_path / "zoo_all_tempo.csv"
+    doc = tmp_path / "models.md"
+    doc.write_text("# Models\n")
+    _fake_sweep(monkeypatch, "first")
+    for policy in ("int8", "tempo"):
+        assert main(["bench", "--zoo", "--all", "--policy", policy, "--out", str(tmp_path), "--docs", str(doc)]) == 0
+    # --models: those architectures run again, their rows replaced, the others kept.
+    _fake_sweep(monkeypatch, "second")
+    assert main(["bench", "--zoo", "--all", "--policy", "tempo", "--models", "B", "--out", str(tmp_path),
+                 "--docs", str(doc)]) == 0
+    tempo = _read_sweep(tmp_path / "zoo_all_tempo.csv")
+    assert {(r["architecture"], r["policy"], r["detail"]) for r in tempo} == {("A", "tempo", "first"),
+                                                                           ("B", "tempo", "second")}
+    assert {r["policy"] for r in _read_sweep(tmp_path / "zoo_all.csv")} == {"int8"}
+    text = doc.read_text()
+    assert text.count("<!-- sweep table: written by slimact bench --zoo --all -->") == 1
+    assert text.count("<!-- sweep table (tempo): written by slimact bench --zoo --all --policy tempo -->") == 1
+    assert text.count("## The sweep under") == 1 and text.count("## Every architecture") == 1
+    tempo_section = text.partition("(tempo): written")[2]
+    assert "| max rel diff | tempo kept |" in tempo_section and "second" in tempo_section
+    assert "| min cosine | int8 kept |" in text.partition("(tempo): written")[0]
+    # A file of one policy is not extended with another's rows.
+    with pytest.raises(ValueError, match="another policy"):
+        list(slimact.bench.zoo_all(tmp_path / "zoo_all.csv", policy="tempo", resume=True))
+
+
+def test_the_first_sweeps_file_reads_as_int8(tmp_path):
+    # zoo_all.csv was written before the policy column, with the kept bytes as int8_kib and int8_ratio.
+    from slimact.bench import _read_sweep
+
+    path = tmp_path / "zoo_all.csv"
+    path.write_text("task,architecture,outcome,int8_kib,int8_ratio\nbase,A,ok,1.5,0.25\n")
+    assert _read_sweep(path) == [{"task": "base", "architecture": "A", "outcome": "ok", "kept_kib": "1.5",
+                                  "kept_ratio": "0.25", "policy": "int8"}]

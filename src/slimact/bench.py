@@ -60,8 +60,8 @@ from torch import Tensor
 from slimact.profile import peak_bytes
 
 __all__ = ["SWEEP_COLUMNS", "bandwidth", "block_ops", "environment", "held_bytes", "kernels", "memory", "ops",
-           "peak_bytes", "set_dropout", "speed", "sweep_one", "throughput", "write_results", "write_sweep_docs", "zoo",
-           "zoo_all"]
+           "peak_bytes", "set_dropout", "speed", "sweep_one", "sweep_path", "throughput", "write_results",
+           "write_sweep_docs", "zoo", "zoo_all"]
 
 _LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -192,26 +192,59 @@ def zoo(
         del model
 
 
-#: Columns of ``zoo_all.csv``, in order.
+#: Columns of the sweep's CSV (``zoo_all.csv``, ``zoo_all_<policy>.csv``), in order. ``kept_kib`` and
+#: ``kept_ratio``: bytes kept for the backward under the row's ``policy`` (lossy or lossless), and over plain's.
+#: ``max_rel_diff``: the largest ``||g - g_plain|| / ||g_plain||`` of the gradients judged by direction (the
+#: lossless floor's measure, as ``min_cosine`` is the lossy one's).
 SWEEP_COLUMNS = (
-    "task", "model_type", "architecture", "outcome", "detail", "forward_max_abs_diff", "min_cosine", "params",
-    "negligible", "plain_kib", "int8_kib", "int8_ratio", "converted", "left_alone", "error_where", "seconds",
+    "task", "model_type", "architecture", "policy", "outcome", "detail", "forward_max_abs_diff", "min_cosine",
+    "max_rel_diff", "params", "negligible", "plain_kib", "kept_kib", "kept_ratio", "converted", "left_alone",
+    "error_where", "seconds",
 )
+#: Columns of the first sweep's file (int8 only, before ``policy``), renamed on reading (:func:`_read_sweep`).
+_OLD_SWEEP_COLUMNS = {"int8_kib": "kept_kib", "int8_ratio": "kept_ratio"}
 
 
-def sweep_one(task: str, model_type: str, architecture: str, progress: Any = None) -> dict[str, Any]:
-    """One architecture of the sweep (see :func:`zoo_all`): its row. ``progress(stage)`` is told each stage
-    reached, so that a caller who stops a hung run knows whether the plain model or slimact hung."""
+def sweep_path(policy: str = "int8", folder: str | os.PathLike[str] = "benchmarks/results") -> Path:
+    """The sweep's default result file for ``policy``: ``zoo_all.csv`` for the default policy (``"int8"``), else
+    ``zoo_all_<policy name>.csv``."""
+    from slimact.policy import resolve
+
+    name = resolve(policy).name
+    return Path(folder) / ("zoo_all.csv" if name == "int8" else f"zoo_all_{name}.csv")
+
+
+def _read_sweep(path: str | os.PathLike[str]) -> list[dict[str, str]]:
+    """The rows of a sweep CSV, with the first sweep's file read as today's (its columns renamed, its policy
+    ``int8``: the only one it ran)."""
+    with Path(path).open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for old, new in _OLD_SWEEP_COLUMNS.items():
+            if old in r:
+                r[new] = r.pop(old)
+        r["policy"] = r.get("policy") or "int8"
+    return rows
+
+
+def sweep_one(task: str, model_type: str, architecture: str, progress: Any = None,
+              policy: str = "int8") -> dict[str, Any]:
+    """One architecture of the sweep (see :func:`zoo_all`) under ``policy``: its row. ``progress(stage)`` is
+    told each stage reached, so that a caller who stops a hung run knows whether the plain model or slimact
+    hung."""
     import copy
     import time
     import traceback
 
     import slimact
     from slimact.check import check
+    from slimact.policy import resolve
     from slimact.zoo import build_auto, projection_loss, tiny_config, tiny_inputs
 
     start = time.perf_counter()
-    row: dict[str, Any] = {"task": task, "model_type": model_type, "architecture": architecture}
+    pol = resolve(policy)
+    row: dict[str, Any] = {"task": task, "model_type": model_type, "architecture": architecture,
+                           "policy": pol.name}
     say = progress or (lambda stage: None)
 
     def failed(outcome: str, stage: str, e: BaseException) -> dict[str, Any]:
@@ -254,10 +287,10 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
                 "error_where": "", "seconds": round(time.perf_counter() - start, 1)}
     say("check")
     try:
-        report = check(model, inputs, "int8", loss_fn=projection_loss)
+        report = check(model, inputs, pol, loss_fn=projection_loss)
         say("profile")
         plain = slimact.profile(model, inputs, loss_fn=projection_loss).activation_bytes
-        converted = slimact.convert(copy.deepcopy(model), "int8")
+        converted = slimact.convert(copy.deepcopy(model), pol)
         kept = slimact.profile(converted, inputs, loss_fn=projection_loss).activation_bytes
     except Exception as e:  # a slimact crash: the point of the sweep is to record it, with where it happened
         return failed("crash", "slimact", e)
@@ -271,17 +304,18 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
                            + [f"gradient in one run only: {', '.join(report.missing[:4])}"] * bool(report.missing))
     else:
         outcome, detail = "ok", ""
-    judged = [p.cosine for p in report.params if not p.negligible]
+    judged = [p for p in report.params if not p.negligible]
     reasons: dict[str, int] = {}
     for reason in (report.summary.skipped if report.summary else {}).values():
         reasons[reason] = reasons.get(reason, 0) + 1
     return {
         **row, "outcome": outcome, "detail": detail,
         "forward_max_abs_diff": f"{report.forward_max_abs_diff:.3g}",
-        "min_cosine": round(min(judged), 5) if judged else "",
+        "min_cosine": round(min(p.cosine for p in judged), 5) if judged else "",
+        "max_rel_diff": f"{max(p.diff / p.norm for p in judged):.3g}" if judged else "",
         "params": len(report.params), "negligible": len(report.params) - len(judged),
-        "plain_kib": round(plain / 1024, 1), "int8_kib": round(kept / 1024, 1),
-        "int8_ratio": round(kept / plain, 4) if plain else "",
+        "plain_kib": round(plain / 1024, 1), "kept_kib": round(kept / 1024, 1),
+        "kept_ratio": round(kept / plain, 4) if plain else "",
         "converted": " ".join(f"{k}:{n}" for k, n in sorted(report.summary.converted.items())),
         "left_alone": "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])),
         "error_where": "", "seconds": round(time.perf_counter() - start, 1),
@@ -292,7 +326,7 @@ def _call_model(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
     return model(**inputs)
 
 
-def _sweep_child(conn: Any, arch: tuple[str, str, str]) -> None:
+def _sweep_child(conn: Any, arch: tuple[str, str, str], policy: str) -> None:
     """The forked process of one architecture: stages and the row go back through ``conn``."""
     import warnings
 
@@ -301,7 +335,7 @@ def _sweep_child(conn: Any, arch: tuple[str, str, str]) -> None:
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     try:
-        row = sweep_one(*arch, progress=lambda stage: conn.send(("stage", stage)))
+        row = sweep_one(*arch, progress=lambda stage: conn.send(("stage", stage)), policy=policy)
     except BaseException as e:  # anything at all must come back as a row, not as a dead child
         row = {"task": arch[0], "model_type": arch[1], "architecture": arch[2], "outcome": "crash",
                "detail": f"sweep: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
@@ -309,7 +343,7 @@ def _sweep_child(conn: Any, arch: tuple[str, str, str]) -> None:
     conn.close()
 
 
-def _sweep_isolated(arch: tuple[str, str, str], timeout: float) -> dict[str, Any]:
+def _sweep_isolated(arch: tuple[str, str, str], timeout: float, policy: str = "int8") -> dict[str, Any]:
     """:func:`sweep_one` in a forked process, stopped after ``timeout`` seconds: a hang or a hard crash of
     one architecture becomes its row (a hang in the plain model's build or step is skipped, in slimact's a
     crash), and the sweep goes on."""
@@ -318,7 +352,7 @@ def _sweep_isolated(arch: tuple[str, str, str], timeout: float) -> dict[str, Any
 
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_sweep_child, args=(child, arch), daemon=True)
+    proc = ctx.Process(target=_sweep_child, args=(child, arch, policy), daemon=True)
     start = time.monotonic()
     proc.start()
     child.close()
@@ -357,96 +391,144 @@ def _sweep_isolated(arch: tuple[str, str, str], timeout: float) -> dict[str, Any
 
 
 def zoo_all(
-    out: str | os.PathLike[str] = "benchmarks/results/zoo_all.csv",
+    out: str | os.PathLike[str] | None = None,
     *,
+    policy: str = "int8",
     timeout: float = 120.0,
     resume: bool = False,
     only: Iterable[str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The sweep: every architecture of :func:`slimact.zoo.auto_architectures`, built tiny from its config class
-    (:func:`slimact.zoo.tiny_config`), checked with the default policy (:func:`slimact.check`: one training step,
-    forward equal to plain, every non-negligible gradient at cosine >= 0.99), its kept bytes plain and converted
-    (:func:`slimact.profile`) and what ``summary`` left alone; each in its own process with a time limit.
+    (:func:`slimact.zoo.tiny_config`), checked under ``policy`` (:func:`slimact.check`: one training step,
+    forward equal to plain, every non-negligible gradient at cosine >= 0.99 under a lossy policy, equal to
+    plain's to float rounding under a lossless one such as ``"tempo"``), its kept bytes plain and converted
+    under ``policy`` (:func:`slimact.profile`) and what ``summary`` left alone; each in its own process with a
+    time limit.
 
-    Rows are appended to the CSV ``out`` as they come (``resume``: architectures already there are not run
-    again); ``only``: architecture class names to run (default all)."""
+    Rows are appended to the CSV ``out`` (default :func:`sweep_path` of ``policy``) as they come. ``resume``:
+    architectures already there are not run again. ``only``: architecture class names to run (default all);
+    where ``out`` exists they are run again and replace their rows, and the other rows are kept."""
+    from slimact.policy import resolve
     from slimact.zoo import auto_architectures
 
-    path = Path(out)
+    name = resolve(policy).name
+    path = Path(out) if out is not None else sweep_path(policy)
     path.parent.mkdir(parents=True, exist_ok=True)
-    done: set[str] = set()
-    if resume and path.exists():
-        with path.open(newline="", encoding="utf-8") as f:
-            done = {r["architecture"] for r in csv.DictReader(f)}
-    else:
-        with path.open("w", newline="", encoding="utf-8") as f:
-            csv.DictWriter(f, fieldnames=[*SWEEP_COLUMNS, *environment()]).writeheader()
     wanted = set(only) if only is not None else None
     env = environment()
+    fields = [*SWEEP_COLUMNS, *env]
+    kept = _read_sweep(path) if (resume or wanted is not None) and path.exists() else []
+    if any(r["policy"] != name for r in kept):
+        raise ValueError(f"{path} holds rows of another policy than {name!r}: give another out")
+    kept = [r for r in kept if wanted is None or r["architecture"] not in wanted]
+    done = {r["architecture"] for r in kept} if resume else set()
+    with path.open("w", newline="", encoding="utf-8") as f:  # the kept rows, in today's columns
+        writer = csv.DictWriter(f, fieldnames=fields, restval="", extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(kept)
     if torch.get_num_threads() == 1:
         # Warm the parent up once (slimact's and transformers' imports, the first kernels: ~20 s on a busy
         # machine) so that every forked child starts warm. Not with several threads: an OpenMP pool used before a
         # fork can hang the child.
-        sweep_one("causal-lm", "llama", "LlamaForCausalLM")
+        sweep_one("causal-lm", "llama", "LlamaForCausalLM", policy=policy)
     for arch in auto_architectures():
         if arch[2] in done or (wanted is not None and arch[2] not in wanted):
             continue
-        row = {**dict.fromkeys(SWEEP_COLUMNS, ""), **_sweep_isolated(arch, timeout), **env}
+        row = {**dict.fromkeys(SWEEP_COLUMNS, ""), "policy": name, **_sweep_isolated(arch, timeout, policy), **env}
         with path.open("a", newline="", encoding="utf-8") as f:
-            csv.DictWriter(f, fieldnames=[*SWEEP_COLUMNS, *env]).writerow(row)
+            csv.DictWriter(f, fieldnames=fields).writerow(row)
         yield row
 
 
-_SWEEP_BEGIN = "<!-- sweep table: written by slimact bench --zoo --all -->"
-_SWEEP_END = "<!-- end of sweep table -->"
+#: The sweep's section in the docs per policy: the default policy's markers are the first sweep's.
+_SWEEP_MARKERS = ("<!-- sweep table{}: written by slimact bench --zoo --all{} -->", "<!-- end of sweep table{} -->")
 
 
-def write_sweep_docs(csv_path: str | os.PathLike[str], doc: str | os.PathLike[str] = "docs/models.md") -> Path:
-    """Write the sweep's counts and table (from ``csv_path``) into ``doc``, between markers: the rest of the
-    document is kept; the section is added at its end the first time."""
-    with Path(csv_path).open(newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    env = rows[0] if rows else {}
-    lines = [
-        _SWEEP_BEGIN, "",
+def _sweep_markers(policy: str) -> tuple[str, str]:
+    """The begin and end markers of ``policy``'s sweep section."""
+    if policy == "int8":
+        return _SWEEP_MARKERS[0].format("", ""), _SWEEP_MARKERS[1].format("")
+    return (_SWEEP_MARKERS[0].format(f" ({policy})", f" --policy {policy}"),
+            _SWEEP_MARKERS[1].format(f" ({policy})"))
+
+
+def _sweep_prose(policy: str, lossless: bool, results: str) -> tuple[str, str, str]:
+    """The section's title, its explanation and the name of its judged-gradient column, for ``policy``."""
+    from slimact.check import MIN_COSINE, rounding_tolerance
+
+    floors = f"(cosine >= {MIN_COSINE}; gradients at noise level judged by size)"
+    if policy == "int8":
+        judged_by, rerun = "the default policy", "`slimact bench --zoo --all`"
+    else:
+        judged_by = f"policy `\"{policy}\"`" + (" (lossless)" if lossless else "")
+        rerun = f"`slimact bench --zoo --all --policy {policy}`"
+    if lossless:
+        floors = (f"(equal to plain's to float rounding: `||g - g_plain|| <= "
+                  f"{rounding_tolerance(torch.float32):.1e} ||g_plain||`; gradients at rounding level of the typical "
+                  "gradient judged by size; \"max rel diff\" is the largest relative difference of the gradients "
+                  "judged by it)")
+    title = ("Every architecture transformers can build: the sweep" if policy == "int8"
+             else f"The sweep under `\"{policy}\"`" + (": gradients equal to plain's" if lossless else ""))
+    text = (
         "Every class in transformers' auto mappings for causal LM, masked LM, seq2seq LM, image classification, "
         "CTC and the base models (`slimact.zoo.auto_architectures`), built from its config class shrunk in code "
         "(`slimact.zoo.tiny_config`: 2 layers, width 64, 4 heads, a 128-token vocabulary, 64 positions, 32 x 32 "
         "images; random weights, no network), one training step on a batch of 2 x 16 tokens (2 images, 2 clips "
-        "of audio), checked by `slimact.check` under the default policy: **ok** = forward equal to plain to "
-        "float rounding and every gradient within the floors (cosine >= 0.99; gradients at noise level judged "
-        "by size); **below floor** = the forward differs or a gradient misses (named); **crash** = slimact "
+        f"of audio), checked by `slimact.check` under {judged_by}: **ok** = forward equal to plain to "
+        f"float rounding and every gradient within the floors {floors}; **below floor** = the forward differs or "
+        "a gradient misses (named); **crash** = slimact "
         "raised (the error's first line, where it was raised) or gave no result in the time limit; **skipped** "
         "= the plain model could not be built at that size or could not run a training step on the generic "
         "batch (the reason: mostly the generic shrinker or batch, not slimact). Base models have no loss: "
         "their first output projected on fixed random weights is the loss. Each architecture runs in its own "
-        "process with a time limit. \"int8 kept\" is the bytes kept for the backward over plain's "
-        "(`slimact.profile`). Rerun: `slimact bench --zoo --all` (results in "
-        "`benchmarks/results/zoo_all.csv`).", "",
+        f"process with a time limit. \"{policy} kept\" is the bytes kept for the backward over plain's "
+        f"(`slimact.profile`). Rerun: {rerun} (results in `{results}`).")
+    return title, text, "max rel diff" if lossless else "min cosine"
+
+
+def write_sweep_docs(csv_path: str | os.PathLike[str], doc: str | os.PathLike[str] = "docs/models.md") -> Path:
+    """Write the sweep's counts and table (from ``csv_path``) into ``doc``, between the markers of the sweep's
+    policy (each policy has its own section): the rest of the document is kept; the section is added at its
+    end the first time."""
+    from slimact.check import is_lossless
+    from slimact.policy import PRESETS
+
+    rows = _read_sweep(csv_path)
+    policy = rows[0]["policy"] if rows else "int8"
+    # A policy file's rows carry only its name: its table is shown as a lossy policy's (by cosine).
+    preset = PRESETS.get(policy)
+    lossless = preset is not None and is_lossless(preset)
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    env = rows[0] if rows else {}
+    begin, end = _sweep_markers(policy)
+    results = sweep_path(policy).as_posix() if preset is not None else Path(csv_path).as_posix()
+    title, text, judged = _sweep_prose(policy, lossless, results)
+    lines = [
+        begin, "", text, "",
         f"{len(rows)} architectures ({env.get('machine', '')}, torch {env.get('torch', '')}, {env.get('date', '')}): "
         + ", ".join(f"**{counts.get(k, 0)} {k}**" for k in ("ok", "below floor", "crash", "skipped")) + ".", "",
-        "| architecture | task | outcome | detail | min cosine | int8 kept | left alone |",
+        f"| architecture | task | outcome | detail | {judged} | {policy} kept | left alone |",
         "|---|---|---|---|---|---|---|",
     ]
     order = {"crash": 0, "below floor": 1, "ok": 2, "skipped": 3}
     for r in sorted(rows, key=lambda r: (order.get(r["outcome"], 4), r["architecture"])):
         cells = [f"`{r['architecture']}`", r["task"], r["outcome"],
                  r["detail"] + (f" ({r['error_where']})" if r.get("error_where") else ""),
-                 r["min_cosine"], f"{float(r['int8_ratio']):.3f}x" if r["int8_ratio"] else "", r["left_alone"]]
+                 r.get("max_rel_diff", "") if lossless else r["min_cosine"],
+                 f"{float(r['kept_ratio']):.3f}x" if r["kept_ratio"] else "", r["left_alone"]]
         lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
-    lines += ["", _SWEEP_END]
+    lines += ["", end]
     path = Path(doc)
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
     section = "\n".join(lines)
-    if _SWEEP_BEGIN in text and _SWEEP_END in text:
-        head, _, rest = text.partition(_SWEEP_BEGIN)
-        text = head + section + rest.partition(_SWEEP_END)[2]
+    if begin in old and end in old:
+        head, _, rest = old.partition(begin)
+        new = head + section + rest.partition(end)[2]
     else:
-        text = text.rstrip("\n") + "\n\n## Every architecture transformers can build: the sweep\n\n" + section + "\n"
-    path.write_text(text, encoding="utf-8")
+        new = old.rstrip("\n") + f"\n\n## {title}\n\n" + section + "\n"
+    path.write_text(new, encoding="utf-8")
     return path
 
 

@@ -229,10 +229,10 @@ def _sweep(args: argparse.Namespace) -> int:
     """``slimact bench --zoo --all``: every architecture of transformers' auto mappings, checked one by one."""
     import os
 
-    from slimact.bench import write_sweep_docs, zoo_all
+    from slimact.bench import sweep_path, write_sweep_docs, zoo_all
 
-    path = os.path.join(args.out, f"{args.name or 'zoo_all'}.csv")
-    for row in zoo_all(path, timeout=args.timeout, resume=args.resume, only=args.models):
+    path = os.path.join(args.out, f"{args.name}.csv") if args.name else sweep_path(args.policy, args.out)
+    for row in zoo_all(path, policy=args.policy, timeout=args.timeout, resume=args.resume, only=args.models):
         detail = f"  {row['detail']}" if row["detail"] else ""
         print(f"{row['architecture']:>48} {row['outcome']:>12}{detail}", flush=True)
     print(f"wrote {path} and {write_sweep_docs(path, args.docs)}")
@@ -316,9 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "built)")
     b.add_argument("--all", action="store_true",
                    help="with --zoo: every architecture of transformers' auto mappings at a tiny size, each checked "
-                        "(slimact.check) in its own process; writes zoo_all.csv and a section of --docs")
+                        "(slimact.check) in its own process; writes zoo_all.csv and a section of --docs (--models: "
+                        "only those, their rows replaced)")
+    b.add_argument("--policy", default="int8",
+                   help="--zoo --all: the policy checked (preset name or policy file; default int8, written to "
+                        "zoo_all.csv; another to zoo_all_<policy>.csv and its own section of --docs)")
     b.add_argument("--timeout", type=float, default=120.0, help="--zoo --all: seconds per architecture")
-    b.add_argument("--resume", action="store_true", help="--zoo --all: keep the rows already in zoo_all.csv")
+    b.add_argument("--resume", action="store_true", help="--zoo --all: keep the rows already in its CSV")
     b.add_argument("--docs", default="docs/models.md", help="--zoo --all: the document its table goes into")
     b.add_argument("--layers", type=int, default=None,
                    help="--speed, --throughput: layers of each model (default 4); --memory: (default: the model's)")
@@ -345,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--ops: tensor sizes in MiB (fp32; whole 4 KiB rows): the first for the op table, each for "
                         "the per-layout pack/unpack rows (default 64)")
     b.add_argument("--device", default="cpu")
-    b.add_argument("--name", default=None, help="result file stem (default: memory or zoo)")
+    b.add_argument("--name", default=None,
+                   help="result file stem (default: memory, zoo, ...; --zoo --all: zoo_all or zoo_all_<policy>)")
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(func=_bench)
     return parser
