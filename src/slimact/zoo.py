@@ -363,7 +363,10 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
     # Its image-token map defaults to None and its model code reads it.
     "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}},
     # Its model code reads the attention's rotary base from the attention sub-configuration, which lacks it.
-    "dbrx": {"attn_config": {"rope_theta": 10000.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    # (and clamps q, k, v by clip_qkv, whose default None it cannot clamp by: DBRX's released value, 8).
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    # Its model code compares ids with the padding and mask ids, which default to None.
+    "esm": {"pad_token_id": 1, "mask_token_id": 2},
 }
 #: Swin-like stages: a narrower first stage, and images large enough for each stage to hold a window.
 _STAGED = {"embed_dim": 16, "image_size": 64, "window_size": 2}
@@ -570,7 +573,12 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
         shape = (batch, mel, frames) if getattr(config, "model_type", "") == "whisper" else (batch, frames, mel)
         inputs[main] = torch.randn(*shape, generator=g)
     else:
-        inputs[main] = torch.randint(0, vocab, (batch, seq), generator=g)
+        # Audio codes (MusicGen's decoder) come as one row of ids per codebook: labels [batch, seq, codebooks].
+        books = getattr(config, "num_codebooks", None) if main == "input_ids" else None
+        inputs[main] = torch.randint(0, vocab, (batch * (books or 1), seq), generator=g)
+        if books and task == "causal-lm":
+            inputs["labels"] = inputs[main].reshape(batch, books, seq).transpose(1, 2)
+            return inputs
     if task in ("causal-lm", "masked-lm"):
         inputs["labels"] = inputs[main]
     elif task == "ctc":
