@@ -313,6 +313,8 @@ _TINY_ATTRS: dict[str, int] = {
     **dict.fromkeys(("vocab_size", "entity_vocab_size", "encoder_hash_byte_group_vocab",
                      "vocab_size_per_layer_input"), 128),
     "hidden_size_per_layer_input": 16,
+    # Windows shorter than the batch's 16 tokens, so that sliding-window and chunked attention masks matter.
+    **dict.fromkeys(("sliding_window", "attention_chunk_size"), 8),
     "num_latents": 16,
     "image_size": 32,
     "window_size": 4,
@@ -345,6 +347,7 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
        for family in ("wav2vec2", "hubert", "wavlm", "sew", "sew-d", "unispeech", "unispeech-sat", "data2vec-audio",
                       "wav2vec2-conformer", "wav2vec2-bert")},
     "whisper": {"max_source_positions": 32, "num_mel_bins": 16},
+    "encoder-decoder": {"pad_token_id": 0, "decoder_start_token_id": 0},  # what a checkpoint's config names
     "distilbert": {"n_layers": 2},
     "nemotron": {"num_key_value_heads": 2},  # its default None is not resolved by the config
     # One global and one local (windowed) layer: the attention types list its layers.
@@ -365,6 +368,10 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
     # Its model code reads the attention's rotary base from the attention sub-configuration, which lacks it.
     # (and clamps q, k, v by clip_qkv, whose default None it cannot clamp by: DBRX's released value, 8).
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    # The widths of its dense MLP and of its experts, its routing (12 of 256 "zero" experts plus the routed ones).
+    "longcat_flash": {"ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2, "zero_expert_num": 2},
+    # Emu3's image tokenizer (VQGAN): convolution channels and codebook.
+    "emu3_vqgan": {"base_channels": 32, "codebook_size": 128},
     # Its model code compares ids with the padding and mask ids, which default to None.
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
 }
