@@ -153,3 +153,14 @@ def _transformers_class(name):
     import transformers
 
     return getattr(transformers, name)
+
+
+def test_shrinker_windows_are_shorter_than_the_batch_and_audio_codes_come_per_codebook():
+    assert zoo.tiny_config("mistral").sliding_window < 16  # the batch's 16 tokens: the window's mask matters
+    assert zoo.tiny_config("llama4_text").attention_chunk_size < 16
+    with torch.device("meta"):
+        decoder = zoo.build_auto("MusicgenForCausalLM", zoo.tiny_config("musicgen"))
+    config = decoder.config
+    inputs = zoo.tiny_inputs(decoder, "causal-lm", batch=2, seq=16)
+    assert inputs["input_ids"].shape == (2 * config.num_codebooks, 16)
+    assert inputs["labels"].shape == (2, 16, config.num_codebooks)
