@@ -385,6 +385,42 @@ def test_a_norm_whose_forward_needs_an_optional_argument_is_left_alone():
     model(x).sum().backward()
 
 
+class _LayerIndexedGatedMLP(nn.Module):
+    """A gated MLP whose forward takes the layer's index, defaulting to None, and looks up a per-layer part by it
+    (Zamba2's MLP: one shared block with an adapter per layer): called as ``f(x)`` by the probe, KeyError."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn = nn.SiLU()
+        self.adapters = nn.ModuleList([nn.Identity()])
+        self.layer_of = {3: 0}
+
+    def forward(self, x, layer_idx=None):
+        x = self.adapters[self.layer_of[layer_idx]](x)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_gated_mlp_whose_forward_needs_its_layer_index_is_left_alone():
+    # The sweep's Zamba2 crashed in convert: the gated-MLP probe's call raised KeyError from the model's own code.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = _LayerIndexedGatedMLP()
+
+        def forward(self, x):
+            return self.mlp(x, layer_idx=3)
+
+    torch.manual_seed(0)
+    plain = Block()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert gated_mlp_form(slim.mlp) is None and type(slim.mlp) is _LayerIndexedGatedMLP
+    x = torch.randn(3, 8)
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+
+
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

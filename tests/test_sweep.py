@@ -42,6 +42,12 @@ SUBSET: dict[str, str] = {
     "Qwen2MoeForCausalLM": "mixture of experts with a shared expert and its gate",
     "GptOssForCausalLM": "eager-only attention with sinks (s_aux) and a sliding window",
     "FalconForCausalLM": "multi-query attention, parallel block (the issue's item 1)",
+    "GPTJForCausalLM": "rotary on part of each head (rotary_dim), parallel block",
+    "Gemma3ForCausalLM": "sliding-window and global layers (a window shorter than the batch), q/k norms",
+    "Llama4ForCausalLM": "chunked attention, global layers without rotary, experts with a shared expert",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (low-rank q and kv, rotary on part of a head), group routing",
+    "Qwen3NextForCausalLM": "gated DeltaNet linear attention beside gated full attention",
+    "JambaForCausalLM": "Mamba layers beside attention layers, experts",
     "DoryForCausalLM": "an nn.Linear subclass with its own forward as LM head (logit scale)",
     # attention computed in model code
     "BloomForCausalLM": "ALiBi, baddbmm scores in model code",

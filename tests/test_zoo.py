@@ -103,3 +103,64 @@ def test_family_under_tempo_is_exact_and_keeps_less(name):
     for n in exact:
         torch.testing.assert_close(approx[n], exact[n], rtol=1e-4, atol=1e-6, msg=n)
     assert slimact.profile(model, inputs).activation_bytes < plain
+
+
+# --- The sweep's shrinker (``tiny_config``): rules, on configurations alone (no weights) ---
+
+
+def test_shrinker_keeps_one_layer_of_each_kind_and_remaps_layer_lists():
+    values = {"num_hidden_layers": 8, "layer_types": ["sliding", "sliding", "sliding", "full"] * 2,
+              "no_rope_layers": [1, 1, 1, 0] * 2, "intermediate_size": [4096] * 8, "moe_layers": [1, 3, 5, 7],
+              "per_layer_config": {"03": {"head_dim": 512}, "07": {"head_dim": 512}}, "block_types": ["a", "a", "b"]}
+    out = zoo._per_layer(values, {})
+    # Kinds: (sliding, rope, dense) at 0, (sliding, rope, moe) at 1, (full, no rope, moe, own config) at 3.
+    assert out["num_hidden_layers"] == 3
+    assert out["layer_types"] == ["sliding", "sliding", "full"]
+    assert out["no_rope_layers"] == [1, 1, 0]
+    assert out["intermediate_size"] == [zoo._TINY_ATTRS["intermediate_size"]] * 3
+    assert out["moe_layers"] == [1, 2]
+    assert out["per_layer_config"] == {"02": {"head_dim": zoo._TINY_ATTRS["head_dim"]}}
+    assert out["block_types"] == ["a", "b"]  # a cycle: each kind once
+
+
+def test_shrinker_validates_nested_layer_types_and_keeps_both_attention_kinds():
+    config = zoo.tiny_config("gemma3")  # its text config's 26 layer types used to fail validation
+    assert config.text_config.layer_types == ["sliding_attention", "full_attention"]
+    text = zoo.tiny_config("llama4_text")  # chunked rotary layers and a global layer without rotary
+    assert text.layer_types == ["chunked_attention", "full_attention"] and text.no_rope_layers == [1, 0]
+    assert not text.use_cache and not config.text_config.use_cache  # hybrid models' caches fail a training step
+
+
+def test_shrinker_sets_sizes_models_need_consistently():
+    assert zoo.tiny_config("gptj").rotary_dim <= zoo.tiny_config("gptj").n_embd // zoo.tiny_config("gptj").n_head
+    mla = zoo.tiny_config("deepseek_v3")
+    assert mla.head_dim == mla.qk_rope_head_dim  # the rotary embedding's width is MLA's rotary part
+    assert zoo.tiny_config("deepseek_v2").num_experts_per_tok == 2  # None in the default: topk(k=None)
+    assert zoo.tiny_config("ministral").head_dim == 16
+    mamba = zoo.tiny_config("bamba")
+    assert mamba.mamba_n_heads * mamba.mamba_d_head == mamba.mamba_expand * mamba.hidden_size
+    jamba = zoo.tiny_config("jamba")
+    assert jamba.attn_layer_period == jamba.expert_layer_period == 2  # both kinds within 2 layers
+
+
+def test_a_text_only_class_gets_its_own_sub_config():
+    config = zoo.tiny_config("llama4")
+    assert type(zoo._own_config(_transformers_class("Llama4ForCausalLM"), config)) is type(config.text_config)
+    assert zoo._own_config(_transformers_class("Llama4ForConditionalGeneration"), config) is config
+
+
+def _transformers_class(name):
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def test_shrinker_windows_are_shorter_than_the_batch_and_audio_codes_come_per_codebook():
+    assert zoo.tiny_config("mistral").sliding_window < 16  # the batch's 16 tokens: the window's mask matters
+    assert zoo.tiny_config("llama4_text").attention_chunk_size < 16
+    with torch.device("meta"):
+        decoder = zoo.build_auto("MusicgenForCausalLM", zoo.tiny_config("musicgen"))
+    config = decoder.config
+    inputs = zoo.tiny_inputs(decoder, "causal-lm", batch=2, seq=16)
+    assert inputs["input_ids"].shape == (2 * config.num_codebooks, 16)
+    assert inputs["labels"].shape == (2, 16, config.num_codebooks)

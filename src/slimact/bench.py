@@ -289,8 +289,10 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
     try:
         report = check(model, inputs, pol, loss_fn=projection_loss)
         say("profile")
-        plain = slimact.profile(model, inputs, loss_fn=projection_loss).activation_bytes
+        # Copied before the plain model runs: some keep graph tensors as attributes after a step (RecurrentGemma's
+        # recurrent states), which deepcopy refuses.
         converted = slimact.convert(copy.deepcopy(model), pol)
+        plain = slimact.profile(model, inputs, loss_fn=projection_loss).activation_bytes
         kept = slimact.profile(converted, inputs, loss_fn=projection_loss).activation_bytes
     except Exception as e:  # a slimact crash: the point of the sweep is to record it, with where it happened
         return failed("crash", "slimact", e)

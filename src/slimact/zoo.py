@@ -13,6 +13,7 @@ source and target ids for T5), and :func:`load` reads a local Hugging Face model
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -284,32 +285,60 @@ AUTO_TASKS: dict[str, str] = {
     "base": "MODEL_MAPPING_NAMES",
 }
 
+#: The attribute names (as configs spell them) of the number of layers.
+_LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+               "num_encoder_layers", "num_decoder_layers", "depth", "num_self_attends_per_block")
 #: The tiny size: attribute names (as configs spell them) -> value. A name is only set where the default
-#: configuration has it as an int, so one table serves every family.
+#: configuration has it as an int (or as a list of one int per layer), so one table serves every family.
 _TINY_ATTRS: dict[str, int] = {
-    **dict.fromkeys(("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-                     "num_encoder_layers", "num_decoder_layers", "depth"), 2),
+    **dict.fromkeys(_LAYER_KEYS, 2),
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "d_embed",
-                     "word_embed_proj_dim", "embedding_size"), 64),
+                     "word_embed_proj_dim", "embedding_size", "emb_dim", "d_latents", "hidden_size_global",
+                     "vision_output_dim", "projector_input_dim", "projector_output_dim"), 64),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
-                     "decoder_attention_heads"), 4),
+                     "decoder_attention_heads", "num_self_attention_heads", "num_cross_attention_heads"), 4),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim",
-                     "mlp_dim", "hidden_dim", "decoder_intermediate_size"), 128),
+                     "mlp_dim", "hidden_dim", "decoder_intermediate_size", "mamba_d_ssm"), 128),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "projection_dim",
-                     "q_lora_rank"), 32),
+                     "q_lora_rank", "entity_emb_size"), 32),
     **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_size", "v_head_dim", "qk_head_dim",
-                     "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim"), 16),
-    **dict.fromkeys(("qk_nope_head_dim", "qk_rope_head_dim"), 8),
+                     "kv_lora_rank", "linear_key_head_dim", "linear_value_head_dim", "mamba_d_head", "mamba_headdim",
+                     "mamba_head_dim", "mamba_d_state", "mamba_chunk_size"), 16),
+    # Rotary on half of a 16-wide head (GPT-J's and CodeGen's rotary_dim is a width, not a fraction).
+    **dict.fromkeys(("qk_nope_head_dim", "qk_rope_head_dim", "rotary_dim", "mamba_dt_rank"), 8),
+    # Mamba heads: 8 of width 16 span the inner width (expand 2 x 64).
+    **dict.fromkeys(("mamba_n_heads", "n_mamba_heads", "mamba_num_heads"), 8),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_target_positions"), 64),
-    "vocab_size": 128,
+    **dict.fromkeys(("vocab_size", "entity_vocab_size", "encoder_hash_byte_group_vocab",
+                     "vocab_size_per_layer_input"), 128),
+    "hidden_size_per_layer_input": 16,
+    # Windows shorter than the batch's 16 tokens, so that sliding-window and chunked attention masks matter.
+    **dict.fromkeys(("sliding_window", "attention_chunk_size"), 8),
+    "num_latents": 16,
     "image_size": 32,
     "window_size": 4,
 }
 #: Upper bounds (the default is kept if smaller): routing to 2 of the 4 experts, one shared expert.
 _TINY_CAPS: dict[str, int] = {"num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-                              "num_key_value_heads": 2, "patch_size": 4, "first_k_dense_replace": 1}
-#: Per-family overrides the generic names cannot express (the value replaces the generic one).
+                              "num_key_value_heads": 2, "patch_size": 4, "first_k_dense_replace": 1,
+                              "num_dense_layers": 1}
+#: Sizes a configuration may leave as ``None`` for its model code to fail on (no default of its own): set to the
+#: tiny value where the configuration has the feature (a head dimension beside heads, expert counts beside an
+#: expert width, a vocabulary).
+_TINY_UNSET: dict[str, tuple[str, ...]] = {
+    "head_dim": ("num_attention_heads",), "vocab_size": (),
+    **dict.fromkeys(("num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group",
+                     "topk_group"), ("moe_intermediate_size",)),
+}
+#: Sizes that must stay equal to another (the key follows the value) where the default has them equal: MLA's
+#: rotary part is the rotary embedding's head dimension.
+_TIED: dict[str, str] = {"head_dim": "qk_rope_head_dim"}
+#: Layers repeat with a period from an offset (``attn_layer_period``, ``expert_layer_offset``): period 2, so
+#: that 2 layers hold each kind.
+_PERIODIC = ("_layer_period", "_layer_offset")
+#: Per-family overrides the generic names cannot express (the value replaces the generic one; a dict is merged
+#: into the shrunk sub-configuration).
 _TINY_FAMILY: dict[str, dict[str, Any]] = {
     # A convolutional feature encoder of 3 layers (stride 5 * 2 * 2 = 20 samples a frame) of 32 channels.
     **{family: {"conv_dim": [32, 32, 32], "conv_stride": [5, 2, 2], "conv_kernel": [10, 3, 3],
@@ -318,16 +347,38 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
        for family in ("wav2vec2", "hubert", "wavlm", "sew", "sew-d", "unispeech", "unispeech-sat", "data2vec-audio",
                       "wav2vec2-conformer", "wav2vec2-bert")},
     "whisper": {"max_source_positions": 32, "num_mel_bins": 16},
+    "encoder-decoder": {"pad_token_id": 0, "decoder_start_token_id": 0},  # what a checkpoint's config names
     "distilbert": {"n_layers": 2},
     "nemotron": {"num_key_value_heads": 2},  # its default None is not resolved by the config
     # One global and one local (windowed) layer: the attention types list its layers.
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    # Mamba-2 checks its heads span the inner width: 8 heads of 16 (the generic num_heads is attention's 4).
+    "mamba2": {"num_heads": 8},
+    # Its layer types default to None and its model code indexes them: one convolution and one attention layer.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # The last layers reuse the keys and values of the last earlier layer of their type: 2 layers computing
+    # them (one sliding-window, one global) and 2 sharing them.
+    "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "intermediate_size": [128] * 4,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2,
+                     "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]},
+    # A single hybrid layer fails its shared-weight tying (transformers ties the shared block across >= 2).
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # Its image-token map defaults to None and its model code reads it.
+    "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}},
+    # Its model code reads the attention's rotary base from the attention sub-configuration, which lacks it.
+    # (and clamps q, k, v by clip_qkv, whose default None it cannot clamp by: DBRX's released value, 8).
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    # The widths of its dense MLP and of its experts, its routing (12 of 256 "zero" experts plus the routed ones).
+    "longcat_flash": {"ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2, "zero_expert_num": 2},
+    # Emu3's image tokenizer (VQGAN): convolution channels and codebook.
+    "emu3_vqgan": {"base_channels": 32, "codebook_size": 128},
+    # Its model code compares ids with the padding and mask ids, which default to None.
+    "esm": {"pad_token_id": 1, "mask_token_id": 2},
 }
 #: Swin-like stages: a narrower first stage, and images large enough for each stage to hold a window.
 _STAGED = {"embed_dim": 16, "image_size": 64, "window_size": 2}
 #: Parameters above this count mean the shrinker missed a size attribute: such a model is skipped, not built.
 _MAX_TINY_PARAMS = 20_000_000
-
 
 def auto_architectures() -> list[tuple[str, str, str]]:
     """``(task, model_type, class name)`` for every architecture in the auto mappings of :data:`AUTO_TASKS`,
@@ -350,14 +401,76 @@ def _spells(cls: str, model_type: str) -> bool:
     return cls.lower().startswith(model_type.replace("-", "").replace("_", ""))
 
 
-def _shrunk(values: dict[str, Any], family: dict[str, Any]) -> dict[str, Any]:
+def _layer_count_key(values: dict[str, Any]) -> str | None:
+    return next((k for k in _LAYER_KEYS if isinstance(values.get(k), int) and not isinstance(values[k], bool)), None)
+
+
+def _is_layer_index_list(key: str, value: list[Any], layers: int) -> bool:
+    """Whether ``value`` names layers by index (``moe_layers``, ``hybrid_layer_ids``), not one entry per layer."""
+    return ("layer" in key and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+            and all(0 <= a < b < layers for a, b in itertools.pairwise(value)) and (not value or value[-1] < layers)
+            and not (len(value) == layers and set(value) <= {0, 1} and layers > 2))
+
+
+def _per_layer(values: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
+    """The overrides that keep a model's layer kinds when its layers are cut: per-layer lists (``layer_types``,
+    ``no_rope_layers``, per-layer widths), lists of layer indices (``moe_layers``) and cyclic patterns
+    (``block_types``). The layers kept are the first of each kind, where the kind is a layer's entries in the
+    categorical per-layer lists (strings, flags) and the index lists: Gemma 3's five sliding-window layers and one
+    global layer become one of each, Llama 4's chunked rotary layer and global no-rotary layer one of each. At
+    least 2 layers. A per-layer size (``num_key_value_heads_per_layer``) takes the shrunk size ``sizes`` has."""
+    key = _layer_count_key(values)
+    if key is None or values[key] <= 2:
+        return {}
+    n = values[key]
+    lists = {k: v for k, v in values.items() if isinstance(v, list)}
+    indices = {k: v for k, v in lists.items() if _is_layer_index_list(k, v, n)}
+    rows = {k: v for k, v in lists.items() if len(v) == n and k not in indices}
+    # Per-layer overrides keyed by layer index ("02": {"num_attention_heads": 64, ...}).
+    configs = {k: v for k, v in values.items() if isinstance(v, dict) and v and all(
+        isinstance(i, str) and i.isdigit() and int(i) < n and isinstance(c, dict) for i, c in v.items())}
+    kinds = [v for v in rows.values() if all(isinstance(x, (str, bool)) for x in v)
+             or all(isinstance(x, int) and x in (0, 1) for x in v)]
+    kinds += [[i in set(v) for i in range(n)] for v in indices.values()]
+    kinds += [[str(i) in {str(int(j)) for j in v} for i in range(n)] for v in configs.values()]
+    cycles = {k: list(dict.fromkeys(v)) for k, v in lists.items() if k.endswith("_types") and 0 < len(v) < n
+              and all(isinstance(x, str) for x in v)}
+    first: dict[tuple[Any, ...], int] = {}
+    for i in range(n):
+        first.setdefault(tuple(v[i] for v in kinds), i)
+    keep = set(first.values())
+    count = max([2, len(keep), *(len(c) for c in cycles.values())])  # a cycle longer than the kinds found
+    keep = sorted(keep | set([i for i in range(n) if i not in keep][:count - len(keep)]))
+    out: dict[str, Any] = {key: len(keep), **cycles}
+    for k, v in rows.items():
+        base = k.removesuffix("_per_layer")
+        size = sizes.get(base, _TINY_ATTRS.get(base))
+        if size is not None:
+            out[k] = [size] * len(keep)
+        elif any(v is kind for kind in kinds) or not all(isinstance(x, int) for x in v):
+            out[k] = [v[i] for i in keep]
+        # else a per-layer size the shrinker does not know: left for the configuration to derive, as it does
+        # for a list that does not match its layer count
+    for k, v in indices.items():
+        out[k] = [j for j, i in enumerate(keep) if i in set(v)]
+    for k, v in configs.items():
+        width = len(next(iter(v)))
+        by_layer = {int(i): c for i, c in v.items()}
+        out[k] = {f"{j:0{width}d}": {**by_layer[i], **_shrunk(by_layer[i], {}, layers=False)}
+                  for j, i in enumerate(keep) if i in by_layer}
+    return out
+
+
+def _shrunk(values: dict[str, Any], family: dict[str, Any], layers: bool = True) -> dict[str, Any]:
     """The tiny-size overrides of a configuration's fields ``values`` (a ``to_dict()``), sub-configurations
-    (``text_config``, ``vision_config``...) shrunk the same way."""
+    (``text_config``, ``vision_config``, MusicGen's ``decoder``...) shrunk the same way; ``layers``: keep each
+    kind of layer (:func:`_per_layer`), else the first layers."""
     out: dict[str, Any] = {}
     staged = isinstance(values.get("depths"), list)  # Swin-like stages: widths and depths are per stage
     for key, value in values.items():
-        if isinstance(value, dict) and key.endswith("_config") and "model_type" in value:
-            out[key] = {**value, **_shrunk(value, _TINY_FAMILY.get(value["model_type"], {}))}
+        if isinstance(value, dict) and "model_type" in value:
+            sub = {**value, **_shrunk(value, _TINY_FAMILY.get(value["model_type"], {}), layers)}
+            out[key] = {**sub, **family[key]} if isinstance(family.get(key), dict) else sub
         elif isinstance(value, bool) or not isinstance(value, int):
             continue
         elif staged and key in ("num_layers", "hidden_size"):
@@ -366,14 +479,24 @@ def _shrunk(values: dict[str, Any], family: dict[str, Any]) -> dict[str, Any]:
             out[key] = _STAGED.get(key, _TINY_ATTRS[key]) if staged else _TINY_ATTRS[key]
         elif key in _TINY_CAPS:
             out[key] = min(value, _TINY_CAPS[key])
-    if staged:
+        elif key.endswith(_PERIODIC[0]):
+            out[key] = 2
+        elif key.endswith(_PERIODIC[1]):
+            out[key] = value % 2
+    for key, needs in _TINY_UNSET.items():
+        if key in values and values[key] is None and all(values.get(k) is not None for k in needs):
+            out[key] = _TINY_ATTRS.get(key) or _TINY_CAPS[key]
+    for key, follow in _TIED.items():
+        if key in out and follow in out and values.get(key) == values.get(follow):
+            out[key] = out[follow]
+    if not staged and layers:
+        out.update(_per_layer(values, out))
+    elif staged:
         n = len(values["depths"])
         out["depths"] = [1] * n
         if isinstance(values.get("num_heads"), list):
             out["num_heads"] = [2**i for i in range(n)]
-        if isinstance(values.get("hidden_sizes"), list):
-            out["hidden_sizes"] = [16 * 2**i for i in range(len(values["hidden_sizes"]))]
-    elif isinstance(values.get("hidden_sizes"), list):
+    if isinstance(values.get("hidden_sizes"), list):
         out["hidden_sizes"] = [16 * 2**i for i in range(len(values["hidden_sizes"]))]
     vocab = out.get("vocab_size", values.get("vocab_size"))
     if isinstance(vocab, int):
@@ -384,7 +507,11 @@ def _shrunk(values: dict[str, Any], family: dict[str, Any]) -> dict[str, Any]:
     heads, kv = out.get("num_attention_heads"), values.get("num_key_value_heads")
     if heads and isinstance(kv, int) and kv == values.get("num_attention_heads"):
         out["num_key_value_heads"] = heads  # multi-head stays multi-head
-    return {**out, **family}
+    if "use_cache" in values:
+        # A training step keeps no cache: hybrid models' caches (Mamba, linear attention) cannot even be made
+        # for a step without one.
+        out["use_cache"] = False
+    return {**out, **{k: v for k, v in family.items() if not (isinstance(v, dict) and k in out)}}
 
 
 def tiny_config(model_type: str) -> Any:
@@ -393,7 +520,11 @@ def tiny_config(model_type: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    config = cls(**_shrunk(cls().to_dict(), _TINY_FAMILY.get(model_type, {})))
+    values, family = cls().to_dict(), _TINY_FAMILY.get(model_type, {})
+    try:
+        config = cls(**_shrunk(values, family))
+    except Exception:  # a configuration that derives its layer count its own way (Dory): the first layers
+        config = cls(**_shrunk(values, family, layers=False))
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = 0  # what a checkpoint's config names (T5's pad token); needed for labels
     return config
@@ -405,12 +536,24 @@ def build_auto(class_name: str, config: Any, seed: int = 0) -> nn.Module:
     import transformers
 
     cls = getattr(transformers, class_name)
+    config = _own_config(cls, config)
     with torch.device("meta"):
         n = sum(p.numel() for p in cls(config).parameters())
     if n > _MAX_TINY_PARAMS:
         raise ValueError(f"{n / 1e6:.0f}M parameters after shrinking (a size attribute the shrinker does not know)")
     torch.manual_seed(seed)
     return cls(config)
+
+
+def _own_config(cls: type, config: Any) -> Any:
+    """The configuration ``cls`` is made from: ``config``, or its sub-configuration of ``cls``'s config class
+    (a model type's text-only class, Llama4ForCausalLM, takes the ``text_config`` of the composite config the
+    auto mapping names it under)."""
+    want = getattr(cls, "config_class", None)
+    if want is None or isinstance(config, want):
+        return config
+    subs = [v for v in vars(config).values() if isinstance(v, want)]
+    return subs[0] if len(subs) == 1 else config
 
 
 def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, Tensor]:
@@ -437,7 +580,12 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
         shape = (batch, mel, frames) if getattr(config, "model_type", "") == "whisper" else (batch, frames, mel)
         inputs[main] = torch.randn(*shape, generator=g)
     else:
-        inputs[main] = torch.randint(0, vocab, (batch, seq), generator=g)
+        # Audio codes (MusicGen's decoder) come as one row of ids per codebook: labels [batch, seq, codebooks].
+        books = getattr(config, "num_codebooks", None) if main == "input_ids" else None
+        inputs[main] = torch.randint(0, vocab, (batch * (books or 1), seq), generator=g)
+        if books and task == "causal-lm":
+            inputs["labels"] = inputs[main].reshape(batch, books, seq).transpose(1, 2)
+            return inputs
     if task in ("causal-lm", "masked-lm"):
         inputs["labels"] = inputs[main]
     elif task == "ctc":
