@@ -355,3 +355,14 @@ def test_the_heads_input_changed_in_place_before_a_lazy_loss_raises():
     slim = slimact.convert(copy.deepcopy(model), "tempo")
     with pytest.raises(RuntimeError, match="input was changed in place after the head's call"):
         slim(ids, ids)
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_int32_labels_are_refused_as_pytorch_refuses_them(keep_logits):
+    # F.cross_entropy takes int64 (or uint8) targets only; the fused loss took int32 ones and trained on them.
+    model = _TinyLM()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    slim = slimact.convert(copy.deepcopy(model), slimact.Policy(name="p", keep_logits=keep_logits))
+    for m in (model, slim):
+        with pytest.raises(RuntimeError, match="expected target dtype to be Long"):
+            m(ids, ids.int())

@@ -396,7 +396,7 @@ class LossTracker:
         if (
             h is None or weight is not None or size_average is not None or reduce is not None
             or reduction not in ("mean", "sum") or logits.dim() != 2 or target.dim() != 1
-            or target.dtype not in (torch.int64, torch.int32) or logits.shape[-1] != head.weight.shape[0]
+            or target.dtype != torch.int64 or logits.shape[-1] != head.weight.shape[0]
         ):
             return None
         if h.numel() // h.shape[-1] != logits.shape[0]:
