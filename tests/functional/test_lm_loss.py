@@ -324,3 +324,18 @@ def test_under_autocast_the_forward_peak_is_no_higher_than_in_fp32(given, monkey
     rows = max(a_b[1] - a_b[0] for a_b in _chunks(tokens, vocab, torch.bfloat16))
     casts = (vocab + rows) * width * 2
     assert peaks[True] <= peaks[False] + casts, (peaks, casts)
+
+
+@pytest.mark.parametrize("bad", [-1, -5, 50])
+def test_a_target_out_of_bounds_raises_as_in_pytorch(bad):
+    # The loss clamps targets to index its chunks: a -1 pad (ignore_index left at -100) or a class id past the
+    # vocabulary silently trained on class 0 or the last one, where F.cross_entropy raises.
+    h, weight = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    target = torch.tensor([1, 2, bad, 3, -100, 4])
+    with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+        F.cross_entropy(F.linear(h, weight), target)
+    with pytest.raises(RuntimeError, match=r"a target is out of bounds: neither in \[0, 50\) nor ignore_index"):
+        linear_cross_entropy(h, weight, None, target)
+    target[4] = 0
+    torch.testing.assert_close(linear_cross_entropy(h, weight, None, target, ignore_index=bad),  # ignored: fine
+                               F.cross_entropy(F.linear(h, weight), target, ignore_index=bad))

@@ -285,3 +285,84 @@ def test_a_bf16_models_loss_is_computed_in_fp32_where_the_model_casts_its_logits
         losses.append(m(input_ids=ids, labels=labels).loss.detach())
     assert losses[0].dtype == losses[1].dtype == torch.float32
     torch.testing.assert_close(losses[1], losses[0])
+
+
+class _TargetsLM(torch.nn.Module):
+    """nanoGPT's shape: the loss in the forward on ``targets`` (not ``labels``: the head computes its logits), then
+    ``edit`` applied to the head's output ``[B, T, V]`` before the loss, as model code may do in place."""
+
+    def __init__(self, edit):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+        self.logit_bias = torch.nn.Parameter(torch.randn(VOCAB) / 10)
+        self.edit = edit
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, ids, targets):
+        logits = self.head(self.embed(ids))
+        self.edit(self, logits)
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+def _targets_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+_LOGIT_EDITS = {
+    "div_": lambda m, z: z.div_(2.0),  # a temperature
+    "add_param_": lambda m, z: z.add_(m.logit_bias),  # a learned bias, added in place
+    "retain_grad": lambda m, z: (z.retain_grad(), setattr(m, "logits", z)),
+}
+
+
+@pytest.mark.parametrize("edit", list(_LOGIT_EDITS))
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_logits_changed_in_place_or_retaining_their_grad_get_plains_gradients(edit, policy):
+    # The fused loss takes its gradients through the head's input and weight, not the logits' own graph: on
+    # logits scaled in place (div_) it gave the unscaled gradients (0 dB); a parameter added in place got no
+    # gradient; logits.retain_grad() got none. The loss runs as written there now.
+    torch.manual_seed(0)
+    model = _TargetsLM(_LOGIT_EDITS[edit])
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    slim = slimact.convert(copy.deepcopy(model), policy)
+    loss0, g0 = _targets_step(model, ids)
+    loss1, g1 = _targets_step(slim, ids)
+    torch.testing.assert_close(loss1, loss0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+    if edit == "retain_grad":
+        torch.testing.assert_close(slim.logits.grad, model.logits.grad)
+
+
+def test_the_heads_input_changed_in_place_before_a_lazy_loss_raises():
+    # A frozen head (plain PyTorch then keeps only its weight, and allows the change): the lazy logits stand for
+    # the head's product on h as it was, which is gone; the fused loss computed them from the changed h.
+    class _Mutating(_TinyLM):
+        def forward(self, ids, labels=None):
+            h = self.embed(ids)
+            logits = self.head(h)
+            h.mul_(0.5)
+            return F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1)), logits
+
+    model = _Mutating().requires_grad_(False)
+    model.embed.requires_grad_(True)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    slim = slimact.convert(copy.deepcopy(model), "tempo")
+    with pytest.raises(RuntimeError, match="input was changed in place after the head's call"):
+        slim(ids, ids)
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_int32_labels_are_refused_as_pytorch_refuses_them(keep_logits):
+    # F.cross_entropy takes int64 (or uint8) targets only; the fused loss took int32 ones and trained on them.
+    model = _TinyLM()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    slim = slimact.convert(copy.deepcopy(model), slimact.Policy(name="p", keep_logits=keep_logits))
+    for m in (model, slim):
+        with pytest.raises(RuntimeError, match="expected target dtype to be Long"):
+            m(ids, ids.int())

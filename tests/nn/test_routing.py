@@ -411,3 +411,52 @@ def test_the_mode_passes_calls_it_neither_routes_nor_follows_straight_through(mo
     assert torch.isfinite(loss)
     assert any(func in _ALIASES for func, _ in followed)
     assert all(func in _ALIASES or func in routing.handlers or lazy for func, lazy in followed)
+
+
+class _Outer(nn.Module):
+    """A model calling another model in its forward that it does not own as a submodule (a teacher, a model
+    held in a list): ``fc`` -> GELU -> ``inner``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.fc, self.inner = nn.Linear(32, 32), [inner]
+
+    def forward(self, x):
+        return self.inner[0](F.gelu(self.fc(x)))
+
+
+def _gelu_grad_fns(block):
+    """The ``grad_fn`` of each output of ``block.act`` (``_Block``'s activation), recorded by a forward hook."""
+    seen = []
+    block.act = _Recorded(block.act, seen)
+    return seen
+
+
+class _Recorded(nn.Module):
+    def __init__(self, fn, seen):
+        super().__init__()
+        self.fn, self.seen = fn, seen
+
+    def forward(self, x):
+        y = self.fn(x)
+        self.seen.append(type(y.grad_fn).__name__)
+        return y
+
+
+@pytest.mark.parametrize("inner_state", ["excluded", "eval"])
+def test_a_converted_model_called_in_anothers_forward_keeps_its_own_decisions(inner_state):
+    # The outer model's mode routed every call the inner model's own routing left as written: the GELU of a
+    # module the inner policy excludes, or of an inner model in eval, came out 8-bit (_ActivationFunction).
+    torch.manual_seed(0)
+    inner = _Block(F.gelu)
+    seen = _gelu_grad_fns(inner)
+    policy = slimact.PRESETS["int8"].replace(exclude=("act",)) if inner_state == "excluded" else "int8"
+    inner = slimact.convert(inner, policy)
+    if inner_state == "eval":
+        inner.eval()
+    x = torch.randn(4, 32, requires_grad=True)
+    inner(x)
+    outer = slimact.convert(_Outer(inner), "int8").train()
+    outer(x)
+    assert seen == ["GeluBackward0", "GeluBackward0"]
+    assert F.gelu(x).grad_fn.name() == "GeluBackward0"  # and the mode left with the forward

@@ -258,6 +258,16 @@ class _LinearCrossEntropy(SlimFunction):
         return *grads, None, None, None, None, None, None
 
 
+def _check_targets(target: Tensor, ignore_index: int, vocab: int) -> None:
+    """Refuse a target outside ``[0, vocab)`` that is not ``ignore_index`` (a ``-1`` pad with the default
+    ``ignore_index=-100``), as ``F.cross_entropy`` does: the loss clamps targets to index its chunks and would
+    silently train on the nearest class. An asynchronous assert, as PyTorch's own CUDA kernel raises there: no
+    read back to the host (on the CPU it raises at once)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))  # [N]
+    torch._assert_async(~bad.any(), f"slimact: a target is out of bounds: neither in [0, {vocab}) nor ignore_index "
+                        f"({ignore_index}), which F.cross_entropy refuses")
+
+
 def linear_cross_entropy(
     h: Tensor,
     weight: Tensor,
@@ -293,6 +303,7 @@ def linear_cross_entropy(
         raise ValueError(f"logits must be [tokens, vocab] = {want}, got {list(logits.shape)}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    _check_targets(target, ignore_index, weight.shape[0])
     # The divisor stays on the device (a 0-d float64 tensor): counting the kept tokens, or a tensor divisor
     # (Hugging Face's num_items_in_batch), needs no read back to the host.
     if divisor is None:

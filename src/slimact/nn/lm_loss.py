@@ -25,7 +25,9 @@ gets them, or an alias of them in the same token order (``float``, ``view``/``re
 keeping the gradients instead of the logits.
 
 Anything else (class weights, ``reduction="none"``, a logits tensor the head did not produce, ops that
-reorder tokens) runs exactly as written.
+reorder tokens, logits or the head's input changed in place since the head's call, logits whose own gradient is
+asked for with ``retain_grad`` or a hook) runs exactly as written; a lazy head's input changed in place before
+the loss raises (the logits it stood for are gone).
 """
 
 from __future__ import annotations
@@ -131,16 +133,26 @@ class _Spec:
             with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
                 yield
 
-    def compute(self, h: Tensor, weight: Tensor, bias: Tensor | None, *, by_head: bool = False) -> Tensor:
-        """The logits: ``F.linear`` on the given tensors, or (``by_head``) the head module's call on ``h``."""
-        changed = [t for t, v in zip((weight, bias), self.versions, strict=True) if t is not None and t._version != v]
-        if changed:
+    def check(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+        """Raise if the head's input, weight or bias was changed in place since the head's call: the logits it
+        stands for can no longer be computed (``versions``: theirs at that call)."""
+        if h._version != self.versions[0]:
+            raise RuntimeError(
+                "slimact: the LM head's input was changed in place after the head's call (the logits were not "
+                "computed then: the fused LM loss did not need them), so the logits the forward had can no longer "
+                "be computed. Write that operation out of place, or convert with Policy(keep_logits=True)."
+            )
+        if any(t is not None and t._version != v for t, v in zip((weight, bias), self.versions[1:], strict=True)):
             raise RuntimeError(
                 "slimact: these logits were never computed (the fused LM loss did not need them) and the head's "
                 "weight has been changed in place since the forward (an optimizer step?), so they can no longer be "
                 "computed as the forward had them. Read output.logits before the step, or convert with "
                 "Policy(keep_logits=True)."
             )
+
+    def compute(self, h: Tensor, weight: Tensor, bias: Tensor | None, *, by_head: bool = False) -> Tensor:
+        """The logits: ``F.linear`` on the given tensors, or (``by_head``) the head module's call on ``h``."""
+        self.check(h, weight, bias)
         with self.autocast_state():
             z = self.transform(self.head(h) if by_head and self.head is not None else F.linear(h, weight, bias))
         return z.reshape(self.shape)
@@ -271,7 +283,9 @@ class LossTracker:
     def __init__(self, head: nn.Linear, *, lazy: bool = True) -> None:
         self.head = head
         self.lazy = lazy
-        self._sources: dict[int, tuple[weakref.ref, Tensor]] = {}
+        # id(tracked tensor) -> (weak ref to it, the head input h, their versions when tracked, a weak ref to the
+        # tracked tensor it aliases or None for the head's output)
+        self._sources: dict[int, tuple[weakref.ref, Tensor, int, int, weakref.ref | None]] = {}
         self.active = False
         #: This forward was called with labels: the head is to return LazyLogits.
         self.lazy_now = False
@@ -324,7 +338,7 @@ class LossTracker:
         device = x.device.type
         autocast = (device, torch.get_autocast_dtype(device)) if _autocasting(x) else None
         dtype = autocast[1] if autocast is not None else torch.result_type(x, weight)
-        versions = (weight._version, None if bias is None else bias._version)
+        versions = (x._version, weight._version, None if bias is None else bias._version)
         spec = _Spec((*x.shape[:-1], weight.shape[0]), dtype, (), autocast, versions, self._head_call)
         self.lazy_made = True
         return LazyLogits.make(x, weight, bias, spec)
@@ -336,27 +350,53 @@ class LossTracker:
         finally:
             self._computing = False
 
-    def _track(self, t: Tensor, h: Tensor) -> None:
+    def _track(self, t: Tensor, h: Tensor, h_version: int | None = None, of: Tensor | None = None) -> None:
         key = id(t)
-        self._sources[key] = (weakref.ref(t, lambda _r, key=key: self._sources.pop(key, None)), h)
+        h_version = h._version if h_version is None else h_version
+        self._sources[key] = (weakref.ref(t, lambda _r, key=key: self._sources.pop(key, None)), h, t._version,
+                              h_version, None if of is None else weakref.ref(of))
+
+    def _entry(self, t: object) -> tuple | None:
+        """The entry of ``t`` (the head output or a tracked alias of it) while it still holds ``F.linear(h, ...)``
+        of the ``h`` it holds: an in-place change of either since it was tracked (``logits.div_(T)``,
+        ``logits += bias``, ``h.mul_(c)``) voids it, as the loss's gradients are taken through ``h`` and the head's
+        parameters, not through the logits' own graph."""
+        entry = self._sources.get(id(t)) if isinstance(t, Tensor) else None
+        if entry is None or entry[0]() is not t or t._version != entry[2] or entry[1]._version != entry[3]:
+            return None
+        return entry
 
     def source(self, t: object) -> Tensor | None:
         """The head input that ``t`` (the head output or a tracked alias of it) was computed from."""
-        entry = self._sources.get(id(t)) if isinstance(t, Tensor) else None
-        return entry[1] if entry is not None and entry[0]() is t else None
+        entry = self._entry(t)
+        return None if entry is None else entry[1]
 
     def alias(self, out: Tensor, of: Tensor) -> None:
-        self._track(out, self.source(of))
+        entry = self._entry(of)
+        if entry is not None:
+            self._track(out, entry[1], entry[3], of)
+
+    def _wants_own_grad(self, t: Tensor) -> bool:
+        """Whether ``t`` or a tracked tensor it aliases asks for its own gradient (``retain_grad``, a hook),
+        which a loss taken through ``h`` and the head's parameters would never give it."""
+        while t is not None:
+            if t.retains_grad or t._backward_hooks:
+                return True
+            entry = self._entry(t)
+            t = None if entry is None or entry[4] is None else entry[4]()
+        return False
 
     def fused_loss(self, logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
         lazy = logits.fused() if isinstance(logits, LazyLogits) else None
         h = lazy[0] if lazy is not None else self.source(logits)
+        if lazy is None and h is not None and self._wants_own_grad(logits):
+            return None  # the caller wants the logits' own gradient (retain_grad, a hook): the loss as written
         head = self.head
         if (
             h is None or weight is not None or size_average is not None or reduce is not None
             or reduction not in ("mean", "sum") or logits.dim() != 2 or target.dim() != 1
-            or target.dtype not in (torch.int64, torch.int32) or logits.shape[-1] != head.weight.shape[0]
+            or target.dtype != torch.int64 or logits.shape[-1] != head.weight.shape[0]
         ):
             return None
         if h.numel() // h.shape[-1] != logits.shape[0]:
@@ -368,6 +408,7 @@ class LossTracker:
             loss = linear_cross_entropy(h, head.weight, head.bias, target, logits=logits, **kwargs)
         else:
             h, w, b, spec = lazy
+            spec.check(h, w, b)
             with spec.autocast_state():
                 loss = linear_cross_entropy(h, w, b, target, transform=spec.transform if spec.steps else None,
                                             **kwargs)

@@ -29,6 +29,8 @@ forward hook) sends those calls to slimact:
   kept as it is. ``torch.gather`` there (DeBERTa-v2's relative scores) -> :mod:`slimact.functional.gather`:
   only the index is kept, where PyTorch keeps the gathered-from scores (exact; kind ``attention``).
 
+Calls made in the forward of another converted model (a teacher, a model held in a list) are that model's:
+its own mode routes them as its policy says, or they run as written (its excluded modules, its eval mode).
 Calls made inside a module the user left alone (the policy's ``exclude`` patterns, ``convert``'s ``filter_fn``)
 or inside a module ``convert`` would replace but the policy leaves alone (an excluded index, a norm kept as
 written) run as written: a pre-hook and a forward hook on each such module count how deep the forward is in one.
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -130,6 +133,19 @@ class _Notes:
         return entry[2]
 
 
+class _Running(threading.local):
+    """The routings whose model's forward runs now in this thread, innermost last. A mode routes the calls of its
+    own model's code only: a converted model called in another's forward (a teacher, a model held in a list)
+    decides its own calls (its policy, its excluded modules, its eval mode), which the outer mode would
+    otherwise route when the inner one leaves them as written."""
+
+    def __init__(self) -> None:
+        self.routings: list[Routing] = []
+
+
+_RUNNING = _Running()
+
+
 class _Mode(TorchFunctionMode):
     # slimact's Functions run their forwards with this mode off (functional._saving): their ops are no model code.
     _slimact_routes_model_code = True
@@ -146,6 +162,9 @@ class _Mode(TorchFunctionMode):
         if func not in routing.handlers and (loss is None or not (loss.lazy_made or func in _ALIASES)):
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
+        running = _RUNNING.routings
+        if running and running[-1] is not routing:  # another converted model's code
+            return func(*args, **kwargs)
         # A head's LazyLogits: answered lazily where it can be, else computed here, before any handler sees it
         # (F.cross_entropy, the fused loss's own handler, takes it as it is).
         if loss is not None and loss.lazy_made and func is not F.cross_entropy:
@@ -463,6 +482,7 @@ class Routing:
     def _enter(self, module, args, kwargs):
         if torch.compiler.is_compiling():
             return  # dynamo does not trace a mode entered in a hook: compiled models run the calls as written
+        _RUNNING.routings.append(self)
         if module.training and torch.is_grad_enabled() and self._mode is None and self.handlers:
             if self.loss is not None:
                 at = self._labels_at
@@ -472,6 +492,9 @@ class Routing:
             self._mode.__enter__()
 
     def _exit(self, module, args, output):
+        running = _RUNNING.routings
+        if running and running[-1] is self and not torch.compiler.is_compiling():
+            running.pop()
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
