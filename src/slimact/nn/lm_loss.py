@@ -372,16 +372,18 @@ class LossTracker:
         return None if entry is None else entry[1]
 
     def alias(self, out: Tensor, of: Tensor) -> None:
-        entry = self._entry(of)
+        entry = self._entry(of) if out is not of else None  # (`logits.float()` of fp32 logits is logits itself)
         if entry is not None:
             self._track(out, entry[1], entry[3], of)
 
     def _wants_own_grad(self, t: Tensor) -> bool:
         """Whether ``t`` or a tracked tensor it aliases asks for its own gradient (``retain_grad``, a hook),
         which a loss taken through ``h`` and the head's parameters would never give it."""
-        while t is not None:
+        seen: set[int] = set()
+        while t is not None and id(t) not in seen:  # (an op that returns its input aliases a tensor to itself)
             if t.retains_grad or t._backward_hooks:
                 return True
+            seen.add(id(t))
             entry = self._entry(t)
             t = None if entry is None or entry[4] is None else entry[4]()
         return False
