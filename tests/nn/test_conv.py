@@ -10,6 +10,18 @@ import slimact
 from slimact._metrics import cosine
 
 
+def _assert_same_step(plain, slim, x):
+    """One weighted-sum step of each: the converted output equal to plain's, every gradient at cosine >= 0.999."""
+    steps = []
+    for model in (plain, slim):
+        out = model(x)
+        (out * torch.linspace(-1.0, 2.0, out.numel()).view(out.shape)).sum().backward()
+        steps.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (out0, g0), (out1, g1) = steps
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert all(cosine(g0[n], g1[n]) >= 0.999 for n in g0)
+
+
 @pytest.mark.parametrize("conv, shape", [(nn.Conv1d(4, 6, 3), (4, 9)), (nn.Conv2d(4, 6, 3, padding=1), (4, 7, 7)),
                                          (nn.Conv3d(2, 3, 2), (2, 4, 4, 4))], ids=["1d", "2d", "3d"])
 def test_an_unbatched_input_runs_as_in_pytorch(conv, shape):
@@ -20,14 +32,7 @@ def test_an_unbatched_input_runs_as_in_pytorch(conv, shape):
     slim = slimact.convert(copy.deepcopy(plain), "int8")
     assert "0" in slimact.summary(slim).modules
     x = torch.randn(*shape)
-    steps = []
-    for model in (plain, slim):
-        out = model(x)
-        (out * torch.linspace(-1.0, 2.0, out.numel()).view(out.shape)).sum().backward()
-        steps.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (out0, g0), (out1, g1) = steps
-    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
-    assert all(cosine(g0[n], g1[n]) >= 0.999 for n in g0)
+    _assert_same_step(plain, slim, x)
 
 
 @pytest.mark.parametrize("change", ["padding_mode", "padding"])
@@ -44,11 +49,4 @@ def test_a_padding_set_after_convert_is_the_one_computed(change):
         else:
             model[0].padding = "same"
     x = torch.randn(2, 4, 7, 7)
-    steps = []
-    for model in (plain, slim):
-        out = model(x)
-        (out * torch.linspace(-1.0, 2.0, out.numel()).view(out.shape)).sum().backward()
-        steps.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (out0, g0), (out1, g1) = steps
-    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
-    assert all(cosine(g0[n], g1[n]) >= 0.999 for n in g0)
+    _assert_same_step(plain, slim, x)
