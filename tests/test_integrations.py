@@ -126,6 +126,57 @@ def test_low_rank_adapters_on_a_frozen_llama():
     assert slimact.profile(model, inputs).activation_bytes < 0.5 * plain_bytes
 
 
+_LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": ["q_proj", "v_proj", "gate_proj", "down_proj"]}
+
+
+def _peft_model(name: str, policy: str | None, convert_first: bool):
+    """A tiny ``name`` with `peft`'s LoRA (rank 4, adapter dropout, its up projections made non-zero so that
+    every adapter weight has a gradient), converted under ``policy`` after ``get_peft_model`` or, with
+    ``convert_first``, before it and again after (the adapters ``peft`` adds are plain modules)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = zoo.build(name, tiny=True).train()
+    if policy is not None and convert_first:
+        slimact.convert(model, policy=policy)
+    # GPT-2's fused projections are Hugging Face Conv1D, their weights [in, out]: peft's fan_in_fan_out.
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=_LORA_TARGETS[name],
+                        fan_in_fan_out=name == "gpt2")
+    torch.manual_seed(1)
+    model = get_peft_model(model, config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02)
+    return slimact.convert(model, policy=policy) if policy is not None else model
+
+
+@pytest.mark.parametrize("convert_first", [False, True], ids=["peft-then-convert", "convert-then-peft"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_peft_lora_adapters_on_a_converted_model(name, convert_first):
+    """The real `peft` (LoRA on GPT-2's Conv1D projections and on Llama's attention and gated-MLP projections):
+    ``"tempo"`` gives the plain adapters' gradients, ``"int8"`` the same at cosine >= 0.99 keeping under half
+    the bytes, and ``revert`` gives back the plain peft model, gradients bit for bit."""
+    plain = _peft_model(name, None, convert_first)
+    inputs = zoo.example_inputs(plain.base_model.model, 2, 32)
+    _, exact = loss_grads(plain, inputs)
+    trained = {n for n, p in plain.named_parameters() if p.requires_grad}
+    assert exact.keys() == trained and all("lora_" in n for n in trained)
+    plain_bytes = slimact.profile(plain, inputs).activation_bytes
+    for policy in ("tempo", "int8"):
+        slim = _peft_model(name, policy, convert_first)
+        _, grads = loss_grads(slim, inputs)
+        if policy == "tempo":
+            assert_gradients_equal(exact, grads)
+        else:
+            assert_gradients_close(exact, grads)
+            assert slimact.profile(slim, inputs).activation_bytes < 0.5 * plain_bytes
+        slimact.revert(slim)
+        assert not [m for m in slim.modules() if type(m).__module__.startswith("slimact.")]
+        _, reverted = loss_grads(slim, inputs)
+        assert all(torch.equal(exact[n], reverted[n]) for n in exact)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_fp16_autocast_with_grad_scaler(name):
     model = zoo.build(name, tiny=True).train()
