@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import slimact
-from _harness import assert_gradients_close
+from _harness import assert_gradients_close, assert_gradients_equal
 
 T = 32
 
@@ -129,3 +129,86 @@ def test_forward_identical_and_gradients_close(name, policy):
             torch.testing.assert_close(g1[n], g0[n], msg=n)
     else:
         assert_gradients_close(g0, g1, 0.99)
+
+
+class _TimmAttention(nn.Module):
+    """timm 1.0's ``vision_transformer.Attention`` as it writes it: LayerNorm on each head's q and k (``qk_norm``),
+    ``F.scaled_dot_product_attention`` with ``dropout_p`` read from its Dropout, or the same by hand."""
+
+    def __init__(self, dim: int, heads: int, fused: bool) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.fused_attn = heads, dim // heads, fused
+        self.scale = self.head_dim**-0.5
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.q_norm, self.k_norm = nn.LayerNorm(self.head_dim), nn.LayerNorm(self.head_dim)
+        self.attn_drop, self.proj_drop = nn.Dropout(0.1), nn.Dropout(0.1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)  # [B, H, N, D]
+        if self.fused_attn:
+            x = nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            attn = self.attn_drop((q * self.scale @ k.transpose(-2, -1)).softmax(dim=-1))
+            x = attn @ v
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, c)))
+
+
+class _TimmBlock(nn.Module):
+    """timm's ViT block with an in-place LayerScale (``x.mul_(gamma)``) and stochastic depth (a per-sample
+    ``bernoulli_`` mask), which an earlier layer's kept output must survive."""
+
+    def __init__(self, dim: int, fused: bool) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), _TimmAttention(dim, 4, fused)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * dim, dim))
+        self.gamma1, self.gamma2 = nn.Parameter(torch.full((dim,), 0.1)), nn.Parameter(torch.full((dim,), 0.1))
+
+    def _drop_path(self, x):
+        keep = x.new_empty((x.shape[0], 1, 1)).bernoulli_(0.8).div_(0.8)
+        return x * keep
+
+    def forward(self, x):
+        x = x + self._drop_path(self.attn(self.norm1(x)).mul_(self.gamma1))
+        return x + self._drop_path(self.mlp(self.norm2(x)).mul_(self.gamma2))
+
+
+class _Transpose(nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)  # [B, C, N] -> [B, N, C]
+
+
+def _timm_vit(fused: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 64, 8, 8), nn.Flatten(2), _Transpose(), _TimmBlock(64, fused),
+                         _TimmBlock(64, fused), nn.LayerNorm(64, eps=1e-6), nn.Linear(64, 10)).train()
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "by-hand"])
+def test_a_timm_style_vision_transformer(fused, policy):
+    """Mesa's model family as timm writes it: "tempo" gradients equal plain's, "int8" at cosine >= 0.99 keeping
+    under 0.3x; the forward is plain's (to float rounding where the fused attention draws its dropout)."""
+    plain = _timm_vit(fused)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    outs, grads = [], []
+    for model in (plain, slim):
+        torch.manual_seed(1)
+        out = model(x)
+        out.logsumexp(-1).mean().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    if fused:
+        torch.testing.assert_close(outs[1], outs[0])
+    else:
+        assert torch.equal(outs[1], outs[0])
+    if policy == "tempo":
+        assert_gradients_equal(grads[0], grads[1])
+    else:
+        assert_gradients_close(grads[0], grads[1])
+        ratio = slimact.profile(slim, x).activation_bytes / slimact.profile(plain, x).activation_bytes
+        assert ratio < 0.3, ratio
