@@ -100,10 +100,17 @@ def test_subclasses_with_their_own_forward_are_left_alone_with_the_reason(policy
     torch.manual_seed(0)
     plain = _ConvNet().train()
     slim = slimact.convert(copy.deepcopy(plain), policy)
-    skipped = slimact.summary(slim).skipped
-    for name, cls in (("ln", "LayerNorm2d"), ("bn", "BatchNormAct2d"), ("fc", "ScaledLinear"), ("head", "LoraConv1D")):
+    summary = slimact.summary(slim)
+    skipped = summary.skipped
+    for name, cls in (("bn", "BatchNormAct2d"), ("fc", "ScaledLinear"), ("head", "LoraConv1D")):
         assert not isinstance(getattr(slim, name), SlimModule), name
         assert cls in skipped[name] and "its own forward" in skipped[name]
+    # LayerNorm2d is left as it is, and the F.layer_norm its forward calls (over the last dim, after a permute) is
+    # routed: the summary says so, and what it keeps is the routed norm's.
+    assert not isinstance(slim.ln, SlimModule) and summary.modules["ln"] == "layernorm" and "ln" not in skipped
+    kept = [e.dtype for e in slimact.profile(slim, torch.randn(2, 3, 6, 6)).entries
+            if e.module == "ln" and e.shape == (2, 6, 6, 8)]  # the norm's [B, H, W, C] activation, once
+    assert kept == [torch.uint8 if policy == "int8" else torch.float32], kept
     # (a LoRA Conv1D and a conv standardising its weight in _conv_forward were converted as plain ones: the adapter
     # lost its branch and gradients, the conv's weight gradient skipped the standardisation)
     assert not isinstance(slim.std, SlimModule) and "_conv_forward" in skipped["std"]

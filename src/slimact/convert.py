@@ -197,6 +197,18 @@ def convert(
     return model
 
 
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    """The model's language-model head: Hugging Face's ``get_output_embeddings()``, else its one module named
+    ``lm_head`` (nanoGPT's, nanochat's, minGPT's, LitGPT's; at any depth, for a model held in a training
+    wrapper), else none (two such modules: which is this model's is a guess)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        named = [m for name, m in model.named_modules() if name.rpartition(".")[2] == "lm_head"]
+        head = named[0] if len(named) == 1 else None
+    return head
+
+
 def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
     """Route the LM loss, functional dropout/activations in model code, and the products and softmaxes of
     attention modules that compute attention in their own code through slimact (:mod:`slimact.nn.routing`), as
@@ -204,8 +216,7 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     old = model.__dict__.pop(_ROUTE_ATTR, None)
     if old is not None:
         old.remove()
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = _lm_head(model)
     # Only a head that computes a plain Linear: the loss is recomputed from its input and weight (a subclass
     # whose forward scales or caps the logits would lose that, and its parameters' gradients).
     head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
@@ -350,6 +361,11 @@ class Summary:
         return "\n".join(lines)
 
 
+#: Per kind, the function whose calls in a module's own code the routing sends through slimact.
+_ROUTED_CALLS = {"attention": "scaled_dot_product_attention", "layernorm": "layer_norm", "rmsnorm": "rms_norm",
+                 "gelu": "gelu", "silu": "silu", "relu": "relu", "dropout": "dropout"}
+
+
 def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], Any] | None = None) -> Summary:
     """What was converted (per kind), and every module left alone with the reason.
 
@@ -362,15 +378,23 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     skipped = dict(model.__dict__.get(_SKIPPED_ATTR, {}))
     modules: dict[str, str] = {}
     routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
-    sdpa_routed = routing is not None and "attention" in routing.kinds
     watched = routing.watched if routing is not None else {}
+    # Modules whose calls run as written (excluded, or inside an excluded one): none of their calls is routed.
+    excluded = {id(m) for m in routing.excluded} if routing is not None else set()
+    as_written = [n for n, m in model.named_modules() if id(m) in excluded]
     for name, module in model.named_modules():
+        routed = routing is not None and not any(name == n or name.startswith(n + ".") for n in as_written)
         if isinstance(module, SlimModule):
             modules[name] = kind_of(module)
         elif attention.POLICY_ATTR in module.__dict__:
             modules[name] = "attention"
-        elif sdpa_routed and kind_of(module) == "attention" and "scaled_dot_product_attention" in forward_names(module):
-            modules[name] = "attention"  # its own code calls F.scaled_dot_product_attention, which is routed
+        elif name in as_written and name not in skipped:
+            skipped[name] = "excluded (filter_fn or an exclude pattern): left as written, the calls in its code too"
+        elif (routed and (kind := kind_of(module)) in routing.kinds
+              and _ROUTED_CALLS.get(kind, "") in forward_names(module)):
+            # Its own code calls the functional form slimact routes (nanoGPT's LayerNorm calls F.layer_norm, timm's
+            # attention F.scaled_dot_product_attention).
+            modules[name] = kind
             skipped.pop(name, None)
         elif name and name not in skipped and kind_of(module) == "attention" and not any(
             attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")

@@ -2,9 +2,10 @@
 
 How it counts: one training forward runs under ``torch.autograd.graph.saved_tensors_hooks``, whose pack
 hook sees every tensor any op saves for backward, PyTorch's built-in ops and slimact's Functions alike
-(slimact saves only through ``ctx.save_for_backward``). Each saved tensor is charged the full size of its
-storage, once per unique storage (a view saved by two ops is counted once, by the first), and never if the
-storage belongs to a parameter or buffer. It is attributed to the innermost module whose forward was
+(slimact saves only through ``ctx.save_for_backward``). Each saved tensor still held for the backward when the
+forward ends is charged the full size of its storage, once per unique storage (a view saved by two ops is counted
+once, by the first), and never if the storage belongs to a parameter or buffer; one saved by a graph the forward
+itself frees (a local graph in a Function's forward) is not. It is attributed to the innermost module whose forward was
 running when it was saved, and to that module's kind (:func:`slimact._kinds.kind_of`); tensors the loss
 function saves go to ``"(loss)"``. The backward then runs, and the model is left as it was found: its
 training mode, gradients, buffers (running estimates, BatchNorm statistics) and the RNG state.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -476,25 +478,24 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     """One training step of ``model``: with ``keep``, under the saved-tensor hooks that count what is kept; with
     ``peak``, under the :class:`_Meter`."""
     excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    seen: set[tuple[str, int]] = set()
-    entries: list[SavedTensor] = []
-    # address -> what it is (0 kept, 1 gradient computed ahead, 2 a parameter's gradient computed ahead), of this
-    # device's saved storages
-    saved: dict[int, int] = {}
+    # storage key -> (the entry, a weak reference to the tensor saved, what it is: 0 kept, 1 a gradient computed
+    # ahead, 2 a parameter's gradient computed ahead; None off the model's device). A tensor saved by a graph the
+    # forward also frees (a local graph inside a Function's forward: the LM loss's soft cap, per chunk) is not
+    # kept, and its address may be reused.
+    seen: dict[tuple[str, int], tuple[SavedTensor, weakref.ref, int | None]] = {}
     device = _device_of(model)
     stack = _ModuleStack(model) if keep else None
 
     def pack_hook(t: Tensor) -> Tensor:
         key = _storage_key(t)
-        if key is None or key in excluded or key in seen:
+        if key is None or key in excluded or (key in seen and seen[key][1]() is not None):
             return t
-        seen.add(key)
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
         gradient = is_gradient(t)
-        entries.append(SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), gradient))
-        if t.device == device:
-            saved[key[1]] = (2 if is_parameter_gradient(t) else 1) if gradient else 0
+        entry = SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), gradient)
+        what = (2 if is_parameter_gradient(t) else 1) if gradient else 0
+        seen[key] = (entry, weakref.ref(t), what if t.device == device else None)
         return t
 
     use_cuda = torch.cuda.is_available() and device.type == "cuda"
@@ -518,6 +519,12 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
                 if stack is not None:
                     stack.remove()
             del output
+            # What the backward will read: the saved tensors still alive (autograd holds what pack_hook returned).
+            alive = [(key, entry, what) for key, (entry, ref, what) in seen.items() if ref() is not None]
+            entries = [entry for _, entry, _ in alive]
+            # address -> what it is, of this device's saved storages
+            saved = {key[1]: what for key, _, what in alive if what is not None}
+            seen.clear()
             if loss.requires_grad:  # nothing needs a gradient (frozen model, integer inputs): nothing was kept
                 with meter.backward() if meter else contextlib.nullcontext():
                     loss.backward()

@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import _nano
 import slimact
 from _harness import assert_gradients_close, assert_gradients_equal, loss_grads
 from slimact import zoo
@@ -366,3 +367,48 @@ def test_int32_labels_are_refused_as_pytorch_refuses_them(keep_logits):
     for m in (model, slim):
         with pytest.raises(RuntimeError, match="expected target dtype to be Long"):
             m(ids, ids.int())
+
+
+class _Wrapped(torch.nn.Module):
+    """A training wrapper holding the LM (its ``lm_head`` one level down), the targets passed through."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _nano.NanoGPT()
+
+    def forward(self, idx, targets=None):
+        return self.model(idx, targets)
+
+
+_NANO = {"nanogpt": _nano.NanoGPT, "nanochat": _nano.NanoChat, "wrapped-nanogpt": _Wrapped}
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("name", list(_NANO))
+def test_a_head_named_lm_head_and_a_targets_argument_make_the_lm_loss_outside_hugging_face(name, policy):
+    # nanoGPT's and nanochat's heads were not found (no get_output_embeddings) and their targets were not labels:
+    # their [tokens, vocab] logits (and nanochat's soft cap's tanh output) were kept in fp32.
+    torch.manual_seed(0)
+    plain = _NANO[name]().train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert slimact.summary(slim).modules["(loss)"] == "lmloss"
+    idx, targets = _nano.batch()
+    losses, grads = [], []
+    for model in (plain, slim):
+        torch.manual_seed(1)
+        output = model(idx, targets)
+        if model is slim and name != "nanochat":
+            assert isinstance(output[0], LazyLogits)
+        _nano.loss_of(output).backward()
+        losses.append(_nano.loss_of(output).detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0])
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(grads[0], grads[1])
+    entries = slimact.profile(slim, (idx, targets), loss_fn=_nano.loss_of).entries
+    assert not [e for e in entries if e.shape[-1] == _nano.VOCAB and not e.gradient]
+
+
+def test_two_modules_named_lm_head_are_no_lm_loss():
+    # Which of the two is this model's head is a guess: the loss runs as written.
+    pair = torch.nn.ModuleList([_nano.NanoGPT(), _nano.NanoGPT()])
+    assert "(loss)" not in slimact.summary(slimact.convert(pair, "int8")).modules

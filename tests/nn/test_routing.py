@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import _nano
 import slimact
 from slimact._metrics import sqnr_db
 
@@ -221,7 +222,7 @@ def test_attention_routes_off_in_eval_no_grad_float64_and_by_policy():
     maps = [s for s, dtype in _saved(first_off, x) if s[-2:] == (16, 16)]
     assert sorted(str(dtype) for s, dtype in _saved(first_off, x) if s[-2:] == (16, 16)) == [
         "torch.float32", "torch.uint8"], maps
-    assert "computes attention in its own code" in slimact.summary(first_off).skipped["0"]
+    assert slimact.summary(first_off).skipped["0"].startswith("excluded (filter_fn or an exclude pattern)")
 
 
 class _GatherAttention(nn.Module):
@@ -460,3 +461,19 @@ def test_a_converted_model_called_in_anothers_forward_keeps_its_own_decisions(in
     outer(x)
     assert seen == ["GeluBackward0", "GeluBackward0"]
     assert F.gelu(x).grad_fn.name() == "GeluBackward0"  # and the mode left with the forward
+
+
+def test_a_module_the_user_excluded_is_reported_left_alone_even_where_its_code_calls_a_routed_function():
+    # nanoGPT's attention calls F.scaled_dot_product_attention: the summary counted an excluded one as converted
+    # (its calls ran as written, rightly); its own LayerNorm module, whose F.layer_norm is routed, as left alone.
+    slim = slimact.convert(_nano.NanoGPT(), "int8", filter_fn=lambda module, name: name != "transformer.h.0.attn")
+    summary = slimact.summary(slim)
+    assert "transformer.h.0.attn" not in summary.modules
+    assert summary.skipped["transformer.h.0.attn"].startswith("excluded (filter_fn or an exclude pattern)")
+    assert summary.modules["transformer.h.1.attn"] == "attention"
+    assert summary.modules["transformer.h.0.ln_1"] == "layernorm" and "transformer.h.0.ln_1" not in summary.skipped
+    dtypes = {}
+    for e in slimact.profile(slim, _nano.batch(), loss_fn=_nano.loss_of).entries:
+        dtypes.setdefault(e.module, set()).add(e.dtype)
+    assert torch.uint8 not in dtypes["transformer.h.0.attn"] and torch.uint8 in dtypes["transformer.h.1.attn"]
+    assert torch.uint8 in dtypes["transformer.h.0.ln_1"]

@@ -4,20 +4,20 @@ Models compute ``F.cross_entropy(head(h), labels)`` in code slimact does not own
 ``ForCausalLMLoss``, BERT's inline ``CrossEntropyLoss``). While a converted model runs its forward, the
 ``TorchFunctionMode`` of :mod:`slimact.nn.routing` follows the head's output to the loss, in one of two ways.
 
-**Called with labels** (a ``labels`` argument of the model's ``forward`` that is not ``None``, in training with
-grad on, ``Policy.keep_logits`` off): the head does not compute its product. It returns a :class:`LazyLogits`,
-a tensor of the logits' shape, dtype and device that holds no data, only the head's input ``h``, weight and
-bias, and the model's elementwise ops applied to it since (``float``, a cast, ``/ c``, ``tanh``, ``* c``: Gemma
-2's soft cap, Cohere's and Granite's logit scales) and its views that keep the token order (``view``,
-``reshape``, ``flatten``, ``contiguous``). ``F.cross_entropy`` on it runs the head's product and the loss
-together over chunks of tokens (:mod:`slimact.functional.lm_loss`): no ``[tokens, vocab]`` tensor is ever
-allocated, in the forward or the backward. Any other use computes the logits then and there, exactly as the
-head would have (``F.linear`` under the autocast state of the head's call, then the recorded ops), with their
-autograd graph to ``h``, the weight and the bias: reading ``output.logits`` after the step works and costs
-the head's product once. That read raises if the head's weight or bias was changed in place since (an
-optimizer step): the logits it would give are not the ones the forward had. A custom autograd Function
-handed the lazy tensor itself (DDP's ``_DDPSink`` with ``find_unused_parameters``) gets a node that
-recomputes the logits in its backward, so gradients through it are exact too.
+**Called with labels** (a ``labels`` argument of the model's ``forward``, else ``targets`` as nanoGPT names it, that
+is not ``None``, in training with grad on, ``Policy.keep_logits`` off): the head does not compute its product. It
+returns a :class:`LazyLogits`, a tensor of the logits' shape, dtype and device that holds no data, only the head's
+input ``h``, weight and bias, and the model's elementwise ops applied to it since (``float``, a cast, ``/ c``,
+``tanh``, ``* c``: Gemma 2's soft cap, Cohere's and Granite's logit scales) and its views that keep the token order
+(``view``, ``reshape``, ``flatten``, ``contiguous``). ``F.cross_entropy`` on it runs the head's product and the loss
+together over chunks of tokens (:mod:`slimact.functional.lm_loss`): no ``[tokens, vocab]`` tensor is ever allocated,
+in the forward or the backward. Any other use computes the logits then and there, exactly as the head would have
+(``F.linear`` under the autocast state of the head's call, then the recorded ops), with their autograd graph to
+``h``, the weight and the bias: reading ``output.logits`` after the step works and costs the head's product once.
+That read raises if the head's weight or bias was changed in place since (an optimizer step): the logits it would
+give are not the ones the forward had. A custom autograd Function handed the lazy tensor itself (DDP's ``_DDPSink``
+with ``find_unused_parameters``) gets a node that recomputes the logits in its backward, so gradients through it are
+exact too.
 
 **Without labels** (or ``keep_logits``): the head computes its logits as usual; if ``F.cross_entropy`` then
 gets them, or an alias of them in the same token order (``float``, ``view``/``reshape``/``flatten``,
@@ -263,15 +263,20 @@ def _same_dtype(func: Callable, t: Tensor, args: tuple, kwargs: dict) -> bool:
     return len(wanted) == 1 and len(args) + len(kwargs) == 2 and wanted[0] == t.dtype
 
 
-def labels_position(model: nn.Module) -> int | None:
-    """The position of a ``labels`` parameter among the positional arguments of ``model.forward`` (``None``
-    where it has none, or takes it by keyword only)."""
+#: Names of a model's labels argument: Hugging Face's, and nanoGPT's, minGPT's and nanochat's.
+_LABELS_NAMES = ("labels", "targets")
+
+
+def labels_position(model: nn.Module) -> tuple[str, int | None]:
+    """The name of ``model.forward``'s labels parameter (``labels``, else ``targets``) and its position among the
+    positional arguments (``None`` where it takes it by keyword only, or has none)."""
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
-        return None
+        return _LABELS_NAMES[0], None
+    name = next((n for n in _LABELS_NAMES if any(p.name == n for p in params)), _LABELS_NAMES[0])
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return positional.index("labels") if "labels" in positional else None
+    return name, (positional.index(name) if name in positional else None)
 
 
 class LossTracker:

@@ -234,6 +234,8 @@ class Routing:
             model.register_forward_hook(self._exit, always_call=True),
         ]
         self._watch(attention)
+        #: Modules whose own calls (and their children's) run as written.
+        self.excluded = tuple(excluded)
         for module in excluded if self.handlers else ():
             self.handles += [module.register_forward_pre_hook(self._enter_excluded),
                              module.register_forward_hook(self._exit_excluded, always_call=True)]
@@ -485,8 +487,8 @@ class Routing:
         _RUNNING.routings.append(self)
         if module.training and torch.is_grad_enabled() and self._mode is None and self.handlers:
             if self.loss is not None:
-                at = self._labels_at
-                labels = kwargs.get("labels", args[at] if at is not None and at < len(args) else None)
+                name, at = self._labels_at
+                labels = kwargs.get(name, args[at] if at is not None and at < len(args) else None)
                 self.loss.start(labels is not None)
             self._mode = _Mode(self)
             self._mode.__enter__()
