@@ -518,13 +518,14 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             finally:
                 if stack is not None:
                     stack.remove()
-            del output
-            # What the backward will read: the saved tensors still alive (autograd holds what pack_hook returned).
+            # What the forward left: the saved tensors still alive with its output (autograd holds what pack_hook
+            # returned; a branch of the output the loss does not use counts, as a training step holds the output).
             alive = [(key, entry, what) for key, (entry, ref, what) in seen.items() if ref() is not None]
             entries = [entry for _, entry, _ in alive]
             # address -> what it is, of this device's saved storages
             saved = {key[1]: what for key, _, what in alive if what is not None}
             seen.clear()
+            del output
             if loss.requires_grad:  # nothing needs a gradient (frozen model, integer inputs): nothing was kept
                 with meter.backward() if meter else contextlib.nullcontext():
                     loss.backward()
