@@ -2,9 +2,12 @@
 both; under bf16 autocast too (benchmarks/results/integrations.{csv,md}). And what torch.compile does to the
 saving: bytes held after the forward of the zoo's Llama (2 layers, batch 2 x 256) and the peak of its forward
 and backward, eager and compiled, plain and "int8", measured by torch.profiler's memory events
-(benchmarks/results/compile.{csv,md}).
+(benchmarks/results/compile.{csv,md}). And nanoGPT's and nanochat's models as their repositories write them
+(``slimact.zoo.NanoGPT``/``NanoChat`` at their GPT-2-small sizes, fp32, batch 4 x 512): bytes kept and the step's
+peak, plain, "tempo" and "int8" (benchmarks/results/nano.{csv,md}).
 
-    python benchmarks/integrations.py
+    python benchmarks/integrations.py            # all three
+    python benchmarks/integrations.py nano       # one of: integrations, compile, nano
 """
 
 import copy
@@ -13,7 +16,7 @@ import transformers
 
 import slimact
 from slimact.bench import autocast, environment, write_results
-from slimact.zoo import build, example_inputs
+from slimact.zoo import NanoChat, NanoGPT, build, example_inputs
 
 
 def main() -> None:
@@ -41,7 +44,6 @@ def main() -> None:
                          "activation_mib": round(n / 2**20, 2), "ratio": round(n / plain, 4), **environment()})
             print(rows[-1]["dtype"], name, rows[-1]["activation_mib"], rows[-1]["ratio"], flush=True)
     print("wrote", write_results(rows, "integrations"))
-    compile_rows()
 
 
 def compile_rows() -> None:
@@ -72,5 +74,39 @@ def compile_rows() -> None:
     print("wrote", write_results(rows, "compile"))
 
 
+def nano_rows() -> None:
+    """Models outside Hugging Face: slimact finds their head by its name (``lm_head``) and their labels by theirs
+    (``targets``), and routes the norms, attention and activations their own code calls."""
+    import torch
+
+    rows = []
+    for name, ctor in (("nanoGPT (GPT-2 small)", NanoGPT), ("nanochat (depth 12)", NanoChat)):
+        torch.manual_seed(0)
+        base = ctor().train()
+        vocab = base.lm_head.out_features
+        idx = torch.randint(0, vocab, (4, 512), generator=torch.Generator().manual_seed(0))
+        inputs = (idx, idx.roll(-1, 1))
+        plain = None
+        for policy in ("plain", "tempo", "int8"):
+            model = base if policy == "plain" else slimact.convert(copy.deepcopy(base), policy)
+            report = slimact.profile(model, inputs, loss_fn=lambda out: out[1] if isinstance(out, tuple) else out,
+                                     peak=True)
+            plain = plain or report
+            rows.append({"model": name, "batch": 4, "tokens": 512, "vocab": vocab, "dtype": "fp32",
+                         "policy": policy, "kept_mib": round(report.kept_bytes / 2**20, 1),
+                         "kept_ratio": round(report.kept_bytes / plain.kept_bytes, 4),
+                         "activation_mib": round(report.activation_bytes / 2**20, 1),
+                         "peak_mib": round(report.peak_bytes / 2**20, 1),
+                         "peak_ratio": round(report.peak_bytes / plain.peak_bytes, 4), **environment()})
+            print(name, policy, rows[-1]["kept_mib"], rows[-1]["kept_ratio"], rows[-1]["peak_mib"],
+                  rows[-1]["peak_ratio"], flush=True)
+            del model
+    print("wrote", write_results(rows, "nano"))
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    parts = {"integrations": main, "compile": compile_rows, "nano": nano_rows}
+    for part in sys.argv[1:] or list(parts):
+        parts[part]()

@@ -14,16 +14,18 @@ source and target ids for T5), and :func:`load` reads a local Hugging Face model
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["AUTO_TASKS", "MODELS", "TorchEncoderLM", "auto_architectures", "build", "build_auto", "example_inputs",
-           "load", "projection_loss", "tiny_config", "tiny_inputs"]
+__all__ = ["AUTO_TASKS", "MODELS", "NanoChat", "NanoGPT", "TorchEncoderLM", "auto_architectures", "build",
+           "build_auto", "example_inputs", "load", "projection_loss", "tiny_config", "tiny_inputs"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,172 @@ class TorchEncoderLM(nn.Module):
 def _torch_encoder(d: _Dims) -> nn.Module:
     return TorchEncoderLM(d.vocab, d.hidden, d.layers, d.heads, d.ffn, d.positions)
 
+
+
+# ---------------------------------------------------------------- models outside Hugging Face, as written
+# Two models as their repositories write them, abridged to what they compute (no init scheme, no generate): the
+# shapes of model code slimact meets outside transformers (a norm module of its own, attention and norms in
+# functional calls, a head found by its name, targets instead of labels, a soft cap before the loss).
+
+
+class _NanoLayerNorm(nn.Module):
+    """nanoGPT's ``LayerNorm`` (its bias optional): its own module, calling ``F.layer_norm``."""
+
+    def __init__(self, ndim: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class _CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, flash: bool, block_size: int) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.n_head, self.n_embd, self.dropout, self.flash = n_head, n_embd, dropout, flash
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)  # [B, H, T, D]
+                   for z in self.c_attn(x).split(self.n_embd, dim=2))
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+
+
+class _NanoBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, flash: bool, block_size: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = _NanoLayerNorm(n_embd, True), _NanoLayerNorm(n_embd, True)
+        self.attn = _CausalSelfAttention(n_embd, n_head, dropout, flash, block_size)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's ``GPT`` (karpathy/nanoGPT, ``model.py``) as it computes: its own LayerNorm module calling
+    ``F.layer_norm``, attention by ``F.scaled_dot_product_attention`` (``flash``) or by hand with a causal mask
+    buffer, the head ``lm_head`` tied to the token embedding, and ``forward(idx, targets)`` returning ``(logits,
+    loss)`` with ``F.cross_entropy(..., ignore_index=-1)``. Defaults: GPT-2 small as nanoGPT trains it (vocabulary
+    50304, 1024 positions, no dropout). Not a Hugging Face model: no ``get_output_embeddings``, no ``labels``."""
+
+    def __init__(self, n_embd: int = 768, n_head: int = 12, n_layer: int = 12, dropout: float = 0.0,
+                 flash: bool = True, vocab_size: int = 50304, block_size: int = 1024) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(vocab_size, n_embd), "wpe": nn.Embedding(block_size, n_embd),
+            "drop": nn.Dropout(dropout),
+            "h": nn.ModuleList(_NanoBlock(n_embd, n_head, dropout, flash, block_size) for _ in range(n_layer)),
+            "ln_f": _NanoLayerNorm(n_embd, True)})
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def _norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def _rotary(x, cos, sin):
+    d = x.shape[3] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], 3).to(x.dtype)
+
+
+class _ChatAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, n_embd // n_head
+        self.c_q = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
+
+    def forward(self, x, cos_sin):
+        b, t, _ = x.size()
+        q = self.c_q(x).view(b, t, self.n_head, self.head_dim)
+        k = self.c_k(x).view(b, t, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(b, t, self.n_kv_head, self.head_dim)
+        q, k = _norm(_rotary(q, *cos_sin)), _norm(_rotary(k, *cos_sin))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=self.n_head != self.n_kv_head)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1))
+
+
+class _ChatMLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class _ChatBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int) -> None:
+        super().__init__()
+        self.attn, self.mlp = _ChatAttention(n_embd, n_head, n_kv_head), _ChatMLP(n_embd)
+
+    def forward(self, x, cos_sin):
+        x = x + self.attn(_norm(x), cos_sin)
+        return x + self.mlp(_norm(x))
+
+
+class NanoChat(nn.Module):
+    """nanochat's ``GPT`` as it computes: weightless ``F.rms_norm`` in model code, rotary embeddings, grouped-query
+    ``F.scaled_dot_product_attention``, a ReLU-squared MLP, the head ``lm_head`` untied, logits soft-capped at 15
+    and cast to fp32 before ``F.cross_entropy(..., ignore_index=-1)`` on ``targets``. Defaults: its depth-12 model
+    (width 768, heads of 128, vocabulary 65536)."""
+
+    def __init__(self, n_embd: int = 768, n_head: int = 6, n_kv_head: int = 6, n_layer: int = 12,
+                 vocab_size: int = 65536, block_size: int = 2048) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(vocab_size, n_embd),
+            "h": nn.ModuleList(_ChatBlock(n_embd, n_head, n_kv_head) for _ in range(n_layer))})
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        head_dim = n_embd // n_head
+        freqs = torch.outer(torch.arange(block_size, dtype=torch.float32),
+                            1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("cos", freqs.cos()[None, :, None, :], persistent=False)  # [1, T, 1, D / 2]
+        self.register_buffer("sin", freqs.sin()[None, :, None, :], persistent=False)
+
+    def forward(self, idx, targets=None, loss_reduction="mean"):
+        t = idx.size(1)
+        cos_sin = self.cos[:, :t], self.sin[:, :t]
+        x = _norm(self.transformer.wte(idx))
+        for block in self.transformer.h:
+            x = block(x, cos_sin)
+        softcap = 15
+        logits = softcap * torch.tanh(self.lm_head(_norm(x)) / softcap)
+        if targets is None:
+            return logits
+        logits = logits.float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                               reduction=loss_reduction)
 
 MODELS: dict[str, Callable[[_Dims], nn.Module]] = {
     "bert-base": lambda d: _encoder("BertConfig", "BertForMaskedLM", d),
