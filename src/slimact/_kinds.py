@@ -77,7 +77,8 @@ _PROBE_ERRORS = (TypeError, ValueError, RuntimeError, LookupError, NotImplemente
 GATED_MLP_PARTS = {"gate": "gate_proj", "up": "up_proj", "gate_up": "gate_up_proj", "down": "down_proj",
                    "act": ("act_fn", "activation_fn")}
 
-_FORM_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "silu": "silu", "relu": "relu"}
+_FORM_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "silu": "silu", "relu": "relu",
+              "relu2": "relu"}
 _ACTIVATION_NAME = re.compile(r"gelu|silu|swish|relu|act", re.IGNORECASE)
 #: An activation's probe: [-8, 8] finely, and far out, where a clipped form departs (transformers' ``gelu_10``, a GELU
 #: clipped to [-10, 10], is GELU on [-8, 8]).
@@ -223,7 +224,7 @@ def _probe_activation(module: nn.Module) -> str | None:
 
 
 def activation_form(module: nn.Module) -> str | None:
-    """``"gelu"``, ``"gelu_tanh"``, ``"quick_gelu"``, ``"silu"`` or ``"relu"`` if ``module`` computes that
+    """``"gelu"``, ``"gelu_tanh"``, ``"quick_gelu"``, ``"silu"``, ``"relu"`` or ``"relu2"`` if ``module`` computes that
     activation and its derivative (to fp32 rounding on [-8, 8] and at points out to 1e4), else ``None``."""
     found = recognise(module)
     return found.extra.get("form") if found.replace == "activation" else None
@@ -349,7 +350,7 @@ def _probe_gated_mlp(module: nn.Module) -> str | None:
         return None  # the fused block never calls them (their hooks would not run; one changing act's output: the
         # probe passes, its act(g) runs the hook too, but the backward would differentiate the bare form)
     form = activation_form(act)
-    if form in (None, "relu"):
+    if form in (None, "relu", "relu2"):  # (the fused block differentiates the smooth forms)
         return None
     first = projections[0]
     x = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0))

@@ -1,9 +1,11 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 import slimact
-from _harness import FLOAT_DTYPES, check_against_plain, non_contiguous, saved_ratio
+from _harness import FLOAT_DTYPES, _step, assert_gradients_equal, check_against_plain, non_contiguous, saved_ratio
 from slimact._kinds import activation_form
 from slimact.functional.activation import FORMS, INPLACE_ERROR_BOUNDS, derivative, reference
 
@@ -27,6 +29,7 @@ MODULES = {
     "hf_gelu_new": lambda: _hf("gelu_new"),  # GPT-2's tanh GELU spelled as five elementwise ops
     "hf_quick_gelu": lambda: _hf("quick_gelu"),
     "hf_gelu_pytorch_tanh": lambda: _hf("gelu_pytorch_tanh"),
+    "hf_relu2": lambda: _hf("relu2"),  # Nemotron's ReLUSquaredActivation: relu, then square
 }
 
 
@@ -46,7 +49,7 @@ def test_relu_mask_is_exact(shape, dtype):
 @pytest.mark.parametrize(
     "name,expected",
     [("gelu", "gelu"), ("gelu_tanh", "gelu_tanh"), ("silu", "silu"), ("hf_gelu_new", "gelu_tanh"),
-     ("hf_quick_gelu", "quick_gelu"), ("hf_gelu_pytorch_tanh", "gelu_tanh")],
+     ("hf_quick_gelu", "quick_gelu"), ("hf_gelu_pytorch_tanh", "gelu_tanh"), ("hf_relu2", "relu2")],
 )
 def test_recognised_by_what_they_compute(name, expected):
     assert activation_form(MODULES[name]()) == expected
@@ -266,3 +269,34 @@ def test_inplace_backward_as_one_compiled_loop_equals_the_eager_passes(form, dty
     # rounding of the product to the dtype.
     torch.testing.assert_close(grad.float(), eager.float(), rtol=torch.finfo(dtype).eps,
                                atol=1e-6 * g.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_squared_relu_under_tempo_is_exact_and_keeps_only_its_output(dtype):
+    # y' = 2 sqrt(y): the output alone gives the gradient, to sqrt's rounding; in a model the next Linear keeps the
+    # same y, so the activation costs nothing of its own where plain keeps relu(x) besides.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 64), _hf("relu2"), nn.Linear(64, 32)).to(dtype)
+    x = _input((3, 7, 32), dtype)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    (out0, g0), (out1, g1) = (_step(m, (x,), seed=1) for m in (plain, slim))
+    assert torch.equal(out1, out0)
+    # Normwise, as slimact.check judges a lossless policy: bf16's y is rounded before sqrt (0.2% of an element).
+    assert_gradients_equal(g0, g1)
+    hidden = 3 * 7 * 64 * x.element_size()  # bytes of one [3, 7, 64] tensor
+
+    def kept(model):
+        return [e.module for e in slimact.profile(model, x.requires_grad_(True)).entries if e.nbytes == hidden]
+
+    assert kept(plain) == ["1", "2"]  # relu(x) for the square, y for the Linear
+    assert kept(slim) == ["1"]  # y, for both
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+def test_squared_relu_shows_non_finite_inputs_in_the_gradient_as_torch(policy):
+    from _harness import _step, converted_copy
+
+    x = torch.tensor([[float("nan"), 1.5, -1.0, float("inf"), -float("inf"), 0.0, 3.0, -2.0]])
+    _, g0 = _step(_hf("relu2"), (x,), seed=1)
+    _, g1 = _step(converted_copy(_hf("relu2"), policy), (x,), seed=1)
+    torch.testing.assert_close(g1["input0"], g0["input0"], rtol=0, atol=0, equal_nan=True)

@@ -8,10 +8,11 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 import _nano
 import slimact
+from _harness import check_against_plain
 from slimact._metrics import sqnr_db
 
 
@@ -477,3 +478,44 @@ def test_a_module_the_user_excluded_is_reported_left_alone_even_where_its_code_c
         dtypes.setdefault(e.module, set()).add(e.dtype)
     assert torch.uint8 not in dtypes["transformer.h.0.attn"] and torch.uint8 in dtypes["transformer.h.1.attn"]
     assert torch.uint8 in dtypes["transformer.h.0.ln_1"]
+
+
+
+_SQUARES = {"square": Tensor.square, "torch.square": torch.square, "pow": lambda t: t.pow(2), "**": lambda t: t**2}
+
+
+class _SquaredReLUMLP(nn.Module):
+    """An MLP whose activation is written in its code as the ``square`` (spelled one of :data:`_SQUARES`) of
+    ``F.relu`` (nanochat's, modded-nanogpt's), or of the projection itself (``relu=False``)."""
+
+    def __init__(self, square: str, relu: bool = True):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(32), nn.Linear(32, 128), nn.Linear(128, 32)
+        self.square, self.relu = _SQUARES[square], relu
+
+    def forward(self, x):
+        h = self.up(self.norm(x))
+        return self.down(self.square(F.relu(h) if self.relu else h))
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+@pytest.mark.parametrize("square", list(_SQUARES))
+def test_squared_relu_in_model_code_keeps_no_fp32_copy_of_the_relu(square, policy):
+    # F.relu was routed (a 1-bit mask) but square kept the ReLU's fp32 output for its backward: 4 bytes per
+    # element of the MLP's widest tensor. Now squared ReLU: 8-bit (int8) or nothing beyond the square's output,
+    # which the next Linear keeps anyway (tempo).
+    torch.manual_seed(0)
+    plain = _SquaredReLUMLP(square).train()
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    slim = check_against_plain(plain, x, policy=policy, exact=policy == "tempo")
+    fp32 = [e.module for e in slimact.profile(slim, x).entries if e.shape[-1] == 128 and e.dtype == torch.float32]
+    assert fp32 == ([] if policy == "int8" else ["(model)"]), fp32  # tempo: the square's output, once
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+def test_the_square_of_a_tensor_no_relu_made_runs_as_written(policy):
+    # Squared ReLU's backward takes its input as non-negative (2 relu(x); tempo: sqrt of the output): on the
+    # square of a signed tensor it would drop (int8) or flip (tempo) the gradient of every negative element.
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    check_against_plain(_SquaredReLUMLP("square", relu=False).train(), x, policy=policy, exact=policy == "tempo")

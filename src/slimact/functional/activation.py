@@ -1,5 +1,6 @@
 """Pointwise activations: GELU (erf and tanh forms), QuickGELU and SiLU keep their 8-bit input, or, under a
-lossless policy, their output plus a 1-bit branch mask (Tempo's in-place GELU); ReLU keeps a 1-bit mask.
+lossless policy, their output plus a 1-bit branch mask (Tempo's in-place GELU); ReLU keeps a 1-bit mask; squared
+ReLU keeps its 8-bit input, or, lossless, its output alone.
 
 Math, per form, with ``s(z) = 1 / (1 + e^-z)``, ``Phi``/``phi`` the normal cdf/pdf, ``c = sqrt(2/pi)``::
 
@@ -9,6 +10,7 @@ Math, per form, with ``s(z) = 1 / (1 + e^-z)``, ``Phi``/``phi`` the normal cdf/p
     quick_gelu  y = x s(1.702 x)                      y' = s + 1.702 x s (1 - s)
     silu        y = x s(x)                            y' = s + x s (1 - s)
     relu        y = max(x, 0)                         y' = [x > 0]
+    relu2       y = max(x, 0)^2                       y' = 2 max(x, 0) = 2 sqrt(y)
 
 The forward is the replaced module's own code (identical output, whatever formula it spells the
 activation with: GPT-2's tanh GELU written as five elementwise ops keeps five full-size tensors in plain
@@ -50,6 +52,12 @@ below 5e-6 beyond 0.01 and 1.6e-4 everywhere, but the erf GELU's scalar path (st
 transposed tensor) is off by up to 6e-7 absolute (40 ulp near the minimum), measured at 1.1e-5 and 2.7e-4.
 (PyTorch's own bf16 gradient is rounded to bf16 too: a relative 4e-3.) Where ``y`` underflows to 0 on the
 left tail (GELU below about -5.3 in fp32) the derivative is below 1e-6 and the rebuilt one is 0.
+
+Squared ReLU (Primer's, Nemotron's ``ReLUSquaredActivation``, nanochat's ``F.relu(x).square()``) is simpler:
+``y' = 2 sqrt(y)`` on its whole domain, so the lossless path keeps ``y`` alone (which the next layer keeps anyway:
+no byte of its own) and its error is ``sqrt``'s rounding, one ulp of ``max(x, 0)`` (fp32; a bf16 ``y`` carries its
+own rounding, half of which reaches ``sqrt(y)``). Its 8-bit path keeps ``x`` unclipped (``y'`` is never
+constant on the right), so the derivative is within one step of ``x`` (``2 * step / 2``).
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ from slimact.quant.core import register_derivation, share_derived
 
 __all__ = ["FORMS", "INPLACE_ERROR_BOUNDS", "MINIMUM", "activation", "derivative", "invert", "reference"]
 
-FORMS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")
+FORMS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "relu2")
 
 _C = math.sqrt(2.0 / math.pi)
 _K = 0.044715
@@ -105,10 +113,12 @@ def reference(form: str, x: Tensor) -> Tensor:
         return x * torch.sigmoid(x)
     if form == "relu":
         return x.clamp_min(0)
+    if form == "relu2":
+        return x.clamp_min(0).square()
     raise ValueError(f"unknown activation form {form!r}; known: {FORMS}")
 
 
-for _form in ("gelu", "gelu_tanh", "quick_gelu", "silu"):
+for _form in ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu2"):
     register_derivation(_form, functools.partial(reference, _form))
 
 
@@ -124,6 +134,8 @@ def derivative(form: str, x: Tensor) -> Tensor:
         ax = 1.702 * x if form == "quick_gelu" else x
         s = torch.sigmoid(ax)
         return s + ax * s * (1.0 - s)
+    if form == "relu2":
+        return 2.0 * x.clamp_min(0)
     raise ValueError(f"no smooth derivative for activation form {form!r}")
 
 
@@ -133,7 +145,8 @@ def _gradient(form: str, x: Tensor, grad_y: Tensor) -> Tensor:
 
 
 #: One callable per form (unpack_map compiles one loop per callable).
-_GRADIENTS = {form: functools.partial(_gradient, form) for form in ("gelu", "gelu_tanh", "quick_gelu", "silu")}
+_GRADIENTS = {form: functools.partial(_gradient, form)
+              for form in ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu2")}
 
 
 def _stable(form: str, x: Tensor) -> Tensor:
@@ -309,9 +322,27 @@ class _InplaceActivationFunction(SlimFunction):
         return _inplace_gradient(*args), None, None, None
 
 
+class _SquaredReLUFunction(SlimFunction):
+    """Squared ReLU under a lossless policy: keeps its output ``y``; ``y' = 2 sqrt(y)`` (a NaN stays NaN, an
+    infinite ``y`` gives an infinite derivative, as PyTorch's ``relu`` then ``square`` do)."""
+
+    layer = "activation (output kept)"
+
+    @staticmethod
+    def forward(ctx, x, fn, inplace):
+        y = _apply(ctx, fn, x, inplace)
+        save(ctx, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (y,) = load(ctx)
+        return (grad_y.float() * (2.0 * y.float().sqrt())).to(grad_y.dtype), None, None
+
+
 @functools.cache
-def _clipped(cfg: QuantConfig, flat: float) -> QuantConfig:
-    return dataclasses.replace(cfg, clip=flat)
+def _clipped(cfg: QuantConfig, flat: float | None) -> QuantConfig:
+    return cfg if flat is None else dataclasses.replace(cfg, clip=flat)
 
 
 class _ActivationFunction(SlimFunction):
@@ -328,7 +359,7 @@ class _ActivationFunction(SlimFunction):
             # The range clipped to +-FLAT (NaN/inf still keep x exact, as PyTorch would), decided in the pack's one
             # host sync, with no pass of its own. Packed before fn, which may write y into x; where the pack is
             # x itself (NaN/inf), an in-place fn needs a copy of it.
-            packed = pack(x, _clipped(cfg, FLAT[form]), state)
+            packed = pack(x, _clipped(cfg, FLAT.get(form)), state)
             if inplace and packed.meta.raw:
                 packed = pack(x.clone(), None)
             y = _apply(ctx, fn, x, inplace, packed.tensors[0] if packed.meta.raw else None)
@@ -370,6 +401,8 @@ def activation(
     fn = fn or (lambda t: reference(form, t))
     if not torch.is_grad_enabled() or not x.requires_grad:
         return fn(x)
+    if cfg is None and form == "relu2":
+        return _SquaredReLUFunction.apply(x, fn, inplace)
     if cfg is None and form != "relu":
         return _InplaceActivationFunction.apply(x, fn, form, inplace)
     return _ActivationFunction.apply(x, fn, form, cfg, state, inplace)

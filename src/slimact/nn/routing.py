@@ -9,7 +9,9 @@ forward hook) sends those calls to slimact:
 
 * ``F.dropout`` -> :func:`slimact.functional.dropout` (the same draws; the mask kept as bits, exact);
 * ``F.relu``/``torch.relu`` -> a 1-bit mask (exact); ``F.gelu`` (both forms), ``F.silu`` -> the input kept
-  with the policy's codes (or, lossless, the output and a branch mask) as their modules are;
+  with the policy's codes (or, lossless, the output and a branch mask) as their modules are; the square
+  (``square``, ``pow(2)``, ``** 2``) of a routed ReLU's output, unchanged since -> squared ReLU on it (nanochat's
+  MLP): the ReLU's output kept with the policy's codes, or, lossless, nothing beyond the square's output;
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
   (:mod:`slimact.nn.lm_loss`);
 * ``F.layer_norm``/``torch.layer_norm``, ``F.rms_norm``/``torch.rms_norm`` over the last dim (OLMo's weightless
@@ -218,6 +220,12 @@ class Routing:
             F.dropout: ("dropout", self._dropout),
             F.relu: ("relu", self._relu),
             torch.relu: ("relu", self._relu),
+            # The square of a routed ReLU's output: squared ReLU (nanochat's and modded-nanogpt's MLP).
+            torch.square: ("relu", self._square),
+            Tensor.square: ("relu", self._square),
+            torch.pow: ("relu", self._square),
+            Tensor.pow: ("relu", self._square),
+            Tensor.__pow__: ("relu", self._square),
             F.gelu: ("gelu", self._gelu),
             F.silu: ("silu", self._silu),
             F.scaled_dot_product_attention: ("attention", self._sdpa),
@@ -251,6 +259,8 @@ class Routing:
         self._inside: list[tuple[str, frozenset[str]]] = []
         # Outputs of routed softmaxes, and dropouts of them (by id; each entry dies with its tensor).
         self._probs = _Notes()
+        # Outputs of routed ReLUs (non-negative: their square is squared ReLU).
+        self._relus = _Notes()
         self._dropped = _Notes()
         for name, module in attention:
             kinds = frozenset(k for k in _ATTENTION_CALLS if self.policy.skip_reason(k, name) is None)
@@ -377,7 +387,21 @@ class Routing:
     def _relu(self, x, inplace=False):
         if inplace or not _wants_grad(x):
             return None
-        return activation(x, "relu", self._cfg("relu", x), fn=torch.relu)
+        y = activation(x, "relu", self._cfg("relu", x), fn=torch.relu)
+        self._relus.put(y, True)
+        return y
+
+    def _square(self, x, exponent=2, *rest, **kwargs):
+        """``r.square()``, ``r.pow(2)``, ``r ** 2`` of a routed ReLU's output ``r`` (unchanged since): squared ReLU
+        on ``r`` (``relu2(r) = r^2`` for ``r >= 0``), keeping ``r`` 8-bit (not the fp32 ``r`` square keeps), or,
+        lossless, nothing beyond ``r^2`` (``r = sqrt(r^2)``). The ReLU keeps its mask for the gradient to its input.
+        Computed by the call itself: the forward is PyTorch's."""
+        if rest or kwargs or not isinstance(x, Tensor) or not (isinstance(exponent, int) and exponent == 2):
+            return None  # (an exponent given by keyword, a tensor exponent, out=: as written)
+        if self._relus.get(x) is None or not _wants_grad(x):
+            return None
+        # (square, pow(2) and ** 2 are one ATen op, pow(r, 2): the forward is PyTorch's whichever was called)
+        return activation(x, "relu2", self._cfg("relu", x), fn=torch.square)
 
     def _gelu(self, x, approximate="none"):
         if not _wants_grad(x):
