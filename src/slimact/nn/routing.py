@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -238,6 +239,8 @@ class Routing:
             self.handles += [module.register_forward_pre_hook(self._enter_excluded),
                              module.register_forward_hook(self._exit_excluded, always_call=True)]
         self._layer: nn.Module | None = None
+        # (a layer whose checkpointed forward runs with the mode suspended, the layer that had entered the mode)
+        self._suspended: tuple[nn.Module, nn.Module | None] | None = None
         self.handles += self._enter_in_layers(model)
 
     def _watch(self, attention: Sequence[tuple[str, nn.Module]]) -> None:
@@ -468,9 +471,28 @@ class Routing:
                             module.register_forward_hook(self._exit_layer, always_call=True)]
         return handles
 
+    # transformers (GradientCheckpointingLayer) checkpoints a layer's ``forward``, not its ``__call__``: the recompute
+    # fires no hook of the layer itself, only its submodules'. The calls in the layer's own forward (BART's, OPT's,
+    # Whisper's F.dropout) would be routed in the forward pass (the model's mode is on) and run as written in the
+    # recompute (CheckpointError with the non-reentrant checkpoint: "Recomputed values ... have different
+    # metadata"). Such a layer's own calls run as written in both passes: its pre-hook suspends the mode, which its
+    # submodules enter for their own calls as in the recompute, and its forward hook resumes it.
+
+    @staticmethod
+    def _checkpoints_its_forward(module: nn.Module) -> bool:
+        layers = sys.modules.get("transformers.modeling_layers")
+        layer = getattr(layers, "GradientCheckpointingLayer", None)
+        return layer is not None and isinstance(module, layer) and getattr(module, "gradient_checkpointing", False)
+
     def _enter_layer(self, module, args):
-        if (self._mode is None and self.handlers and module.training and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()):
+        if not self.handlers or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if self._checkpoints_its_forward(module):
+            if self._mode is not None and self._suspended is None:
+                self._mode.__exit__(None, None, None)
+                self._suspended = (module, self._layer)
+                self._mode, self._layer = None, None
+        elif self._mode is None:
             self._mode, self._layer = _Mode(self), module
             self._mode.__enter__()
 
@@ -478,6 +500,11 @@ class Routing:
         if self._layer is module and self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
+        if self._suspended is not None and self._suspended[0] is module:
+            if self._mode is None:
+                self._mode, self._layer = _Mode(self), self._suspended[1]
+                self._mode.__enter__()
+            self._suspended = None
 
     def _enter(self, module, args, kwargs):
         if torch.compiler.is_compiling():
@@ -498,6 +525,7 @@ class Routing:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
+        self._suspended = None
         if self.loss is not None:
             self.loss.stop()
 
