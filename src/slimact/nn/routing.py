@@ -156,6 +156,11 @@ class _Mode(TorchFunctionMode):
         self.routing = routing
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # A submodule compiled on its own (block.compile(), torch.compile(block)) runs in the mode its model's eager
+        # forward entered, and dynamo traces the mode: the calls there run as written, as in a compiled model (the
+        # routes read tensor bases and live notes that a traced graph cannot; Bloom's routed bmm failed in inductor).
+        if torch.compiler.is_compiling():
+            return func(*args, **(kwargs or {}))
         routing = self.routing
         loss = routing.loss
         # Most calls (the ops inside slimact's own Functions, tensor attribute reads: ~1,200 per "int8" GPT-2 block
@@ -197,7 +202,7 @@ class _NoteDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        noted = func is torch.native_dropout or func is slim_native_dropout
+        noted = not torch.compiler.is_compiling() and (func is torch.native_dropout or func is slim_native_dropout)
         out = self.routing._native_dropout(*args, **kwargs) if noted else None
         return func(*args, **kwargs) if out is None else out
 
