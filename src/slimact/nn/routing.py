@@ -45,8 +45,8 @@ Functional calls have no module to hold a running estimate, so they use each ten
 run as written; the forward result is PyTorch's own in every case. A layer that activation checkpointing
 recomputes in the backward (outside the model's forward) enters the mode for its own call: it routes as it did
 in the forward. Calls made directly in checkpointed code that is not a module's call (a checkpointed method, the
-``forward`` that transformers' gradient checkpointing wraps) run as written in both passes. A mode sees the calls of Python code
-only, not those made inside another torch function (the attention dropout inside
+``forward`` that transformers' gradient checkpointing wraps) run as written in both passes. A mode sees the calls
+of Python code only, not those made inside another torch function (the attention dropout inside
 ``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
 """
 
