@@ -23,6 +23,7 @@ and so do the calls of a model that had eager attention whose mask leaves a quer
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import weakref
 from typing import Any, NamedTuple
@@ -58,6 +59,8 @@ def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
     b, h, t, d = query.shape
     h_kv = key.shape[1]
     cfg = policy.quant_config("attention", 4)
+    if cfg is not None and cfg.scale == "running":  # no running state for these tensors: each its own range
+        cfg = dataclasses.replace(cfg, scale="dynamic")
     q = query.reshape(b, h_kv, h // h_kv, t, d)  # grouped: keys and values are never repeated
     scores = matmul(q, key.unsqueeze(2).transpose(-1, -2), cfg, cfg).reshape(b, h, t, -1) * scaling
     if mask is not None:

@@ -221,3 +221,25 @@ def test_probabilities_asked_for_in_training_are_the_dropped_ones(policy):
         torch.testing.assert_close(got.detach(), want.detach())
     torch.testing.assert_close(l1, l0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_probabilities_asked_for_under_running_scales_are_computed(name):
+    # The eager path that returns the probabilities packed q, k, the scores' probabilities and v with the policy's
+    # config as it is; under "mesa" (running scales) it had no running state to pack with and every training
+    # forward with output_attentions=True raised "scale='running' needs a RunningRange state".
+    plain, inputs = tiny_hf(name)
+    plain.config._attn_implementation = "eager"
+    plain.train()
+    slim = slimact.convert(copy.deepcopy(plain), "mesa")
+    steps = []
+    for model in (plain, slim):
+        torch.manual_seed(1)  # the same dropout draws
+        out = model(**inputs, output_attentions=True)
+        out.loss.backward()
+        steps.append((out.loss.detach(), out.attentions, {n: p.grad for n, p in model.named_parameters()}))
+    (l0, a0, g0), (l1, a1, g1) = steps
+    for want, got in zip(a0, a1, strict=True):
+        torch.testing.assert_close(got.detach(), want.detach())
+    torch.testing.assert_close(l1, l0)
+    assert_gradients_close(g0, g1)

@@ -519,3 +519,61 @@ def test_the_square_of_a_tensor_no_relu_made_runs_as_written(policy):
     torch.manual_seed(0)
     x = torch.randn(4, 16, 32, requires_grad=True)
     check_against_plain(_SquaredReLUMLP("square", relu=False).train(), x, policy=policy, exact=policy == "tempo")
+
+
+def test_an_attention_block_compiled_on_its_own_runs_its_calls_as_written():
+    # A block compiled on its own (block.compile(), torch.compile of a submodule) runs inside the routing mode its
+    # model's eager forward entered, and dynamo traced the mode's routes: Bloom's routed bmm failed to compile
+    # (BackendCompilerFailed: 'NoneType' object has no attribute 'size', the route's tensor._base). The compiled
+    # block's calls run as written, as in a wholly compiled model; its modules stay converted.
+    transformers = pytest.importorskip("transformers")
+    from _harness import assert_gradients_close, loss_grads
+
+    cfg = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=1, n_head=4, hidden_dropout=0.0,
+                                   attention_dropout=0.0)
+    plain = transformers.BloomForCausalLM(cfg).train()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    slim.transformer.h[0].compile(backend="aot_eager")
+    loss0, g0 = loss_grads(plain, inputs)
+    loss1, g1 = loss_grads(slim, inputs)
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_close(g0, g1)
+
+
+class _CheckpointedMethod(nn.Module):
+    """A block that checkpoints a method of its own (not a module's call): its F.gelu and F.dropout are model code
+    made directly in the checkpointed function."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def _inner(self, x):
+        return self.b(F.dropout(F.gelu(self.a(x)), 0.1, self.training))
+
+    def forward(self, x):
+        return x + torch.utils.checkpoint.checkpoint(self._inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_calls_in_a_checkpointed_function_route_alike_in_the_forward_and_the_recompute(policy, reentrant):
+    # The calls made directly in a checkpointed function were routed in the forward pass (the model's mode is on)
+    # and ran as written in the recompute (no module call begins it, so nothing entered the mode): the
+    # non-reentrant checkpoint raised CheckpointError ("A different number of tensors was saved"). They now run
+    # as written in both passes; the modules called there are converted and route their own calls as before.
+    torch.manual_seed(0)
+    plain = nn.Sequential(_CheckpointedMethod(reentrant), _CheckpointedMethod(reentrant)).train()
+    x = torch.randn(2, 8, 32)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    y0, g0 = _grads(plain, x)  # (the same dropout draws: _grads seeds before the forward)
+    y1, g1 = _grads(slim, x)
+    assert torch.equal(y0, y1)
+    for n in g0:
+        if policy == "tempo":
+            torch.testing.assert_close(g1[n], g0[n], msg=n)
+        else:
+            assert sqnr_db(g0[n], g1[n]) >= 30, n

@@ -154,7 +154,8 @@ class _Spec:
         """The logits: ``F.linear`` on the given tensors, or (``by_head``) the head module's call on ``h``."""
         self.check(h, weight, bias)
         with self.autocast_state():
-            z = self.transform(self.head(h) if by_head and self.head is not None else F.linear(h, weight, bias))
+            z = self.head(h, weight, bias) if by_head and self.head is not None else None
+            z = self.transform(F.linear(h, weight, bias) if z is None else z)
         return z.reshape(self.shape)
 
 
@@ -348,7 +349,12 @@ class LossTracker:
         self.lazy_made = True
         return LazyLogits.make(x, weight, bias, spec)
 
-    def _head_call(self, h: Tensor) -> Tensor:
+    def _head_call(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+        """The head module's own call on ``h``, or ``None`` where the head no longer holds the ``weight`` and
+        ``bias`` the forward used: a ``torch.func.functional_call`` has put its parameters back (the logits are
+        then ``F.linear`` of the forward's own tensors, not of the parameters now in place)."""
+        if self.head.weight is not weight or self.head.bias is not bias:
+            return None
         self._computing = True
         try:
             return self.head(h)

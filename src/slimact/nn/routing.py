@@ -46,8 +46,9 @@ Functional calls have no module to hold a running estimate, so they use each ten
 ``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
 run as written; the forward result is PyTorch's own in every case. A layer that activation checkpointing
 recomputes in the backward (outside the model's forward) enters the mode for its own call: it routes as it did
-in the forward. A mode sees the calls of Python code
-only, not those made inside another torch function (the attention dropout inside
+in the forward. Calls made directly in checkpointed code that is not a module's call (a checkpointed method, the
+``forward`` that transformers' gradient checkpointing wraps) run as written in both passes. A mode sees the calls
+of Python code only, not those made inside another torch function (the attention dropout inside
 ``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
 """
 
@@ -85,6 +86,12 @@ FUNCTIONAL_NAME = "(functional)"
 # The arguments after the input of F.layer_norm/torch.layer_norm (centered) and F.rms_norm/torch.rms_norm, in order.
 _NORM_ARGS = {True: ("normalized_shape", "weight", "bias", "eps"), False: ("normalized_shape", "weight", "eps")}
 _LAYER_NORM_EPS = 1e-5  # F.layer_norm's default
+
+
+def _top_saved_hook() -> object:
+    """The innermost saved-tensors pack hook in place now (``torch.autograd.graph.saved_tensors_hooks``), or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if hooks is None else hooks[0]
 
 
 def _wants_grad(x: object) -> bool:
@@ -157,6 +164,11 @@ class _Mode(TorchFunctionMode):
         self.routing = routing
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # A submodule compiled on its own (block.compile(), torch.compile(block)) runs in the mode its model's eager
+        # forward entered, and dynamo traces the mode: the calls there run as written, as in a compiled model (the
+        # routes read tensor bases and live notes that a traced graph cannot; Bloom's routed bmm failed in inductor).
+        if torch.compiler.is_compiling():
+            return func(*args, **(kwargs or {}))
         routing = self.routing
         loss = routing.loss
         # Most calls (the ops inside slimact's own Functions, tensor attribute reads: ~1,200 per "int8" GPT-2 block
@@ -176,7 +188,8 @@ class _Mode(TorchFunctionMode):
         handler = routing.handlers.get(func)
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
-        if handler is not None and args and (not routing.excluded_depth or func is F.linear) and not transformed():
+        if (handler is not None and args and (not routing.excluded_depth or func is F.linear) and not transformed()
+                and routing.in_scope()):
             out = handler(*args, **kwargs)
             if out is not None:
                 return out
@@ -198,7 +211,7 @@ class _NoteDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        noted = func is torch.native_dropout or func is slim_native_dropout
+        noted = not torch.compiler.is_compiling() and (func is torch.native_dropout or func is slim_native_dropout)
         out = self.routing._native_dropout(*args, **kwargs) if noted else None
         return func(*args, **kwargs) if out is None else out
 
@@ -248,6 +261,10 @@ class Routing:
             self.handles += [module.register_forward_pre_hook(self._enter_excluded),
                              module.register_forward_hook(self._exit_excluded, always_call=True)]
         self._layer: nn.Module | None = None
+        # The innermost saved-tensors pack hook where the innermost module call began (see _enter_layer), and the
+        # (module, outer scope) of the module calls that opened one.
+        self._scope: object = None
+        self._scopes: list[tuple[nn.Module, object]] = []
         self.handles += self._enter_in_layers(model)
 
     def _watch(self, attention: Sequence[tuple[str, nn.Module]]) -> None:
@@ -494,16 +511,40 @@ class Routing:
                             module.register_forward_hook(self._exit_layer, always_call=True)]
         return handles
 
+    # Activation checkpointing of code that is not a module's call: transformers' GradientCheckpointingLayer
+    # checkpoints the layer's ``forward``, not its ``__call__`` (the recompute fires no hook of the layer itself);
+    # a user's ``checkpoint(self._inner, x)`` checkpoints a method. The calls made directly in that code (BART's,
+    # OPT's, Whisper's F.dropout in their layers' forward) were routed in the forward pass (the model's mode is on)
+    # and ran as written in the recompute (the mode is off there, entered only by the submodules): the non-reentrant
+    # checkpoint raised CheckpointError ("Recomputed values ... have different metadata", "A different number of
+    # tensors was saved"). A non-reentrant checkpoint's forward runs under its own saved-tensors hooks: where the
+    # innermost saved-tensors hook is not the one in place when the innermost module call began (the scope), the
+    # mode runs calls as written; a module called there opens a new scope, as its recompute enters the mode anew.
+
     def _enter_layer(self, module, args):
-        if (self._mode is None and self.handlers and module.training and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()):
+        if not self.handlers or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if self._mode is None:
             self._mode, self._layer = _Mode(self), module
+            self._scope = _top_saved_hook()
             self._mode.__enter__()
+        else:
+            top = _top_saved_hook()
+            if top is not self._scope:
+                self._scopes.append((module, self._scope))
+                self._scope = top
 
     def _exit_layer(self, module, args, output):
+        if self._scopes and self._scopes[-1][0] is module:
+            self._scope = self._scopes.pop()[1]
         if self._layer is module and self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
+            self._scopes.clear()
+
+    def in_scope(self) -> bool:
+        """Whether a call now is made in code whose recompute (if it is checkpointed) routes it alike."""
+        return _top_saved_hook() is self._scope
 
     def _enter(self, module, args, kwargs):
         if torch.compiler.is_compiling():
@@ -515,6 +556,7 @@ class Routing:
                 labels = kwargs.get(name, args[at] if at is not None and at < len(args) else None)
                 self.loss.start(labels is not None)
             self._mode = _Mode(self)
+            self._scope = _top_saved_hook()
             self._mode.__enter__()
 
     def _exit(self, module, args, output):
@@ -524,6 +566,7 @@ class Routing:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
+        self._scopes.clear()
         if self.loss is not None:
             self.loss.stop()
 
