@@ -553,6 +553,27 @@ def test_a_masked_fused_call_reads_the_host_once_too(cfg, dead_row, emulated):
 
 
 @pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_row_masked_with_a_finite_fill_keeps_out_of_the_fused_kernels_in_the_same_read(cfg, emulated):
+    # The CUDA kernels rebuild probabilities from their log-sum-exp as the CPU flash kernel does (see
+    # test_a_row_masked_with_a_finite_fill_gets_the_math_paths_gradients): such a call takes the chunked path. A
+    # mask whose rows all keep a key stays fused, the flag read with the others (one read, two under int8).
+    from _host import HostReads
+
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.float32))
+    mask = torch.zeros(2, 1, 24, 24)
+    mask[:, :, :, 20:] = torch.finfo(torch.float32).min  # padded keys
+    for dead in (False, True):
+        m = mask.clone()
+        if dead:
+            m[1, :, 5] = torch.finfo(torch.float32).min
+        with HostReads() as reads:
+            out = scaled_dot_product_attention(q, k, v, attn_mask=m, cfg=cfg)
+        assert (type(out.grad_fn).__name__ == "_FusedAttentionBackward") != dead
+        if not dead:
+            assert reads.count == (1 if cfg is None else 2)
+
+
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
 def test_a_fused_call_launches_few_ops_of_its_own(cfg, emulated):
     # On CUDA each aten op is at least one launch. Outside the pack and the kernels, the fused path's forward runs the
     # NaN/inf check (one fp32 sum of q and of k: 5 ops, was isfinite of both and their all: 12 ops, 8 of them
