@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from slimact._metrics import sqnr_db
+from slimact._metrics import cosine, sqnr_db
 from slimact.quant import QuantConfig, RunningRange, pack, reference, unpack
 from slimact.quant.reference import _expand
 
@@ -630,3 +630,24 @@ def test_unpack_traced_by_dynamo_never_calls_the_triton_kernels(monkeypatch):
     restored = torch.compile(lambda p: core.unpack(p) * 2, backend="eager", fullgraph=True)(packed)
     torch.testing.assert_close(restored, expected * 2, rtol=0, atol=0)
     assert tripwire.calls == []
+
+
+def test_a_parameter_changed_through_data_is_packed_afresh_outside_a_forward():
+    # A slimact Linear used on its own, fed a parameter (learned queries, latents) that is updated through .data
+    # (weight clipping, an EMA, a custom optimizer): no version moves, and the pack kept from the previous step
+    # gave this step's weight gradient the old values (cosine -1 after a sign flip).
+    import slimact.nn as snn
+
+    torch.manual_seed(0)
+    latents = torch.nn.Parameter(torch.randn(5, 16))
+    slim = snn.Linear(16, 8, policy="int8")
+    plain = torch.nn.Linear(16, 8)
+    plain.load_state_dict(slim.state_dict())
+    for _ in range(2):
+        grads = []
+        for layer in (slim, plain):
+            layer.zero_grad()
+            layer(latents).square().sum().backward()
+            grads.append(layer.weight.grad)
+        assert cosine(grads[0], grads[1]) >= 0.999
+        latents.data.mul_(-3.0)
