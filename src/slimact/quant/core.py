@@ -137,6 +137,12 @@ class _SharedPacks:
         if source() is None or version != x._version or packed.meta.bits < cfg.bits:
             return None
         scope = reference.current_stream()
+        if scope is None and stream is None and x.grad_fn is None:
+            # Made and asked for outside any forward (slimact modules used on their own) for a tensor no op made
+            # (an input, a buffer): it outlives the step and can change without its version moving (a numpy array
+            # it shares memory with, refilled for the next batch; a write through .data), so a pack of an earlier
+            # call may hold old values (a weight gradient at cosine -0.01). Packed afresh.
+            return None
         return packed if scope is None or stream is scope else None
 
     def put(self, x: Tensor, packed: Packed) -> None:
