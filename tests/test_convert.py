@@ -115,6 +115,48 @@ def test_filter_fn_and_patterns_exclude_modules():
     assert not isinstance(model[1].fc2, SlimModule) and isinstance(model[1].fc1, SlimModule)
 
 
+class _GatedMLP(nn.Module):
+    """Llama's MLP: down(act(gate(x)) * up(x)), which slimact fuses (its down projection and activation computed
+    by the block itself)."""
+
+    def __init__(self, d=16, f=48):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f), nn.Linear(d, f), nn.Linear(f, d)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("how", ["filter_fn", "pattern"])
+@pytest.mark.parametrize("part", ["down_proj", "act_fn"])
+def test_a_part_of_a_fused_block_excluded_by_name_stays_exact(part, how):
+    # The fused gated MLP computes its down projection and activation itself: excluding one of them (filter_fn, a
+    # policy exclude pattern) changed nothing, their tensors were kept 8-bit all the same (down_proj's weight
+    # gradient at a relative 1e-2), and the summary said "computed by its parent". The block now stays as written.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _GatedMLP())
+    kwargs = ({"filter_fn": lambda m, name: not name.endswith(part)} if how == "filter_fn"
+              else {"policy": slimact.Policy(exclude=(f"*.{part}",))})
+    slim = slimact.convert(copy.deepcopy(plain), **kwargs)
+    assert not isinstance(slim[1], SlimModule) and not isinstance(getattr(slim[1], part), SlimModule)
+    assert isinstance(slim[1].gate_proj, SlimModule) and isinstance(slim[1].up_proj, SlimModule)
+    s = slimact.summary(slim)
+    assert part in s.skipped["1"] and s.modules.get("1") != "mlp"
+    x = torch.randn(4, 7, 16)
+    grads = []
+    for model in (plain, slim):
+        model.zero_grad()
+        torch.manual_seed(1)
+        model(x).square().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    if part == "down_proj":  # the last layer, its input kept exact: its gradients are plain's
+        for n in ("1.down_proj.weight", "1.down_proj.bias"):
+            torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
+    for n, g in grads[0].items():
+        assert cosine(g, grads[1][n]) >= 0.99, n
+
+
 def test_summary_reports_converted_and_left_alone():
     model = slimact.convert(_model())
     s = slimact.summary(model)

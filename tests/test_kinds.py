@@ -602,3 +602,60 @@ def test_a_gated_mlp_with_an_in_place_activation_is_left_alone(act, policy):
     (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+class _RunningStatsNorm(nn.Module):
+    """A norm of the model's own with running statistics (a BatchNorm over the last dim written by hand)."""
+
+    def __init__(self, c, eps=1e-5):
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c)), eps
+        self.register_buffer("running_mean", torch.zeros(c))
+        self.register_buffer("running_var", torch.ones(c))
+
+    def forward(self, x):
+        if self.training:
+            flat = x.reshape(-1, x.shape[-1])
+            mean, var = flat.mean(0), flat.var(0, unbiased=False)
+            with torch.no_grad():
+                self.running_mean.lerp_(mean, 0.1)
+                self.running_var.lerp_(var, 0.1)
+        else:
+            mean, var = self.running_mean, self.running_var
+        return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: its scale and shift initialised from the first training batch (through .data, a Python flag)."""
+
+    def __init__(self, c, eps=1e-6):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.eps, self.initialized = eps, False
+
+    def forward(self, x):
+        if self.training and not self.initialized:
+            flat = x.reshape(-1, x.shape[-1])
+            self.bias.data.copy_(-flat.mean(0))
+            self.weight.data.copy_(1 / (flat.std(0) + self.eps))
+            self.initialized = True
+        return (x + self.bias) * self.weight
+
+
+def test_convert_leaves_what_a_probed_module_holds_as_it_was():
+    # Recognising a norm or activation of the model's own runs its training forward on a random probe: a norm
+    # with running statistics had them moved towards the probe's (its eval output then changed), an ActNorm was
+    # initialised from the probe (and would never initialise from the data). state_dict must be unchanged.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _RunningStatsNorm(8), _ActNorm(8), nn.GELU(), nn.Linear(8, 2))
+    model[1].running_mean.normal_()  # trained statistics
+    model[1].running_var.uniform_(0.5, 2.0)
+    before = copy.deepcopy(model.state_dict())
+    slim = slimact.convert(copy.deepcopy(model), "int8")
+    after = slim.state_dict()
+    assert after.keys() == before.keys()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+    assert slim[2].initialized is False
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(slim.eval()(x), model.eval()(x))

@@ -320,13 +320,69 @@ def _act_name(module: nn.Module) -> str | None:
     return next((n for n in GATED_MLP_PARTS["act"] if module._modules.get(n) is not None), None)
 
 
+#: Tensors of a probed module up to this many elements are copied before the probe and put back after; a larger
+#: one (a gated MLP's projection) is only watched (its version counter), and an in-place change is an error.
+_KEPT_NUMEL = 1 << 20
+
+
+class _KeptState:
+    """A module's parameters, buffers and plain attributes (recursively) as they were before a probe ran its
+    training forward, put back after. ``convert`` must not change what a model holds (its ``state_dict`` is the
+    same after), and a forward may write it: a norm of the model's own with running statistics (updated with the
+    probe's random rows), a data-dependent initialisation on the first training batch (Glow's ActNorm), a call
+    counter."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.tables: list[tuple[dict, dict]] = []  # (a module's _parameters or _buffers, its entries as they were)
+        self.tensors: list[tuple[str, Tensor, int | None, Tensor | None]] = []  # (name, tensor, version, copy)
+        self.attrs: list[tuple[nn.Module, dict]] = []
+        for prefix, m in module.named_modules():
+            for table in (m._parameters, m._buffers):
+                self.tables.append((table, dict(table)))
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    version = None if t.is_inference() else t._version
+                    copy = t.detach().clone() if t.numel() <= _KEPT_NUMEL and not t.is_meta else None
+                    self.tensors.append((f"{prefix}.{name}" if prefix else name, t, version, copy))
+            self.attrs.append((m, {k: v for k, v in m.__dict__.items() if k not in ("_parameters", "_buffers",
+                                                                                    "_modules", "training")}))
+
+    def restore(self, module: nn.Module) -> None:
+        for m, before in self.attrs:
+            for key in [k for k in m.__dict__ if k not in before and k not in ("_parameters", "_buffers", "_modules",
+                                                                                "training")]:
+                del m.__dict__[key]  # set by the forward
+            for key, value in before.items():
+                if m.__dict__.get(key, _KeptState) is not value:
+                    m.__dict__[key] = value
+        for table, before in self.tables:  # entries the forward added, removed or assigned anew
+            table.clear()
+            table.update(before)
+        changed = []
+        with torch.no_grad():
+            for name, t, version, copy in self.tensors:
+                if copy is not None:
+                    if not torch.equal(t, copy):  # (also a write through .data, which no version counter sees)
+                        t.copy_(copy)
+                elif version is not None and t._version != version:
+                    changed.append(name)
+        if changed:
+            raise RuntimeError(
+                f"slimact: recognising {type(module).__name__} ran its forward on a probe, which changed "
+                f"{', '.join(changed[:3])} in place; slimact cannot put such a large tensor back. Exclude the module "
+                "(convert's filter_fn) or make its forward leave its parameters and buffers alone in training mode."
+            )
+
+
 @contextlib.contextmanager
 def _training(module: nn.Module) -> Iterator[None]:
     """``module`` and its children in training mode for a probe (what a converted module computes in training
     counts: a dropout in the block, inactive in eval, where a model loaded by ``from_pretrained`` is converted),
-    their modes and the RNG state (what a dropout draws) restored after."""
+    their modes, the RNG state (what a dropout draws) and what they hold (:class:`_KeptState`) restored after."""
     modes = [(m, m.training) for m in module.modules()]
     device = _params_of(module)[0]
+    kept = _KeptState(module)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         try:
             module.train(True)
@@ -334,6 +390,7 @@ def _training(module: nn.Module) -> Iterator[None]:
         finally:
             for m, mode in modes:
                 m.training = mode
+            kept.restore(module)
 
 
 def _probe_gated_mlp(module: nn.Module) -> str | None:

@@ -125,6 +125,20 @@ def _excluded(pol: Policy, name: str, module: nn.Module, filter_fn: FilterFn | N
     return by_name or (filter_fn is not None and not filter_fn(module, name))
 
 
+def _excluded_parts(pol: Policy, name: str, module: nn.Module, parts: tuple[str, ...],
+                    filter_fn: FilterFn | None) -> str | None:
+    """Why a module whose replacement computes some of its children itself (a gated MLP's down projection and
+    activation, ``nn.MultiheadAttention``'s ``out_proj``) stays as written: the user excluded one of those children
+    by name (a policy ``exclude`` pattern, ``filter_fn``), which the fused replacement would compute, and keep
+    for, all the same. ``None`` if none is excluded."""
+    excluded = [part for part in parts if (child := module._modules.get(part)) is not None
+                and _excluded(pol, f"{name}.{part}" if name else part, child, filter_fn)]
+    if not excluded:
+        return None
+    return (f"its {', '.join(excluded)} excluded by the policy or filter_fn, which slimact's fused "
+            f"{type(module).__name__} would compute itself: left as written, its other parts converted on their own")
+
+
 def _untag_attention(model: nn.Module) -> None:
     """Drop the attention tags and the running estimates they gathered from every module of ``model``."""
     for module in model.modules():
@@ -180,7 +194,8 @@ def convert(
             continue
         kind = found.kind
         index = seen[kind] = seen.get(kind, -1) + 1
-        reason = scale_free.get(name) or _leave_alone(pol, kind, name, module, filter_fn, index)
+        reason = (scale_free.get(name) or _leave_alone(pol, kind, name, module, filter_fn, index)
+                  or _excluded_parts(pol, name, module, found.parts, filter_fn))
         if reason is not None:
             detach(module)
             skipped[name] = reason

@@ -352,6 +352,35 @@ def test_a_fully_masked_row_of_an_additive_mask_gives_zero_and_finite_gradients(
             torch.testing.assert_close(a, e)
 
 
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9], ids=["finfo-min", "-1e9"])
+@pytest.mark.parametrize("h_kv", [4, 1], ids=["mha", "mqa"])
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_row_masked_with_a_finite_fill_gets_the_math_paths_gradients(fill, h_kv, cfg):
+    # Hugging Face masks with finfo.min: a left-padded row of a causal model (here query rows 0-2 of the second
+    # sequence) has every key at the fill, and PyTorch's math path gives it uniform probabilities and their
+    # gradient. The CPU flash kernel's backward recomputes them as exp(score - lse) from an fp32 lse of -3.4e38,
+    # which kept nothing of log(S): each probability came back 1, not 1/S, and the q, k, v gradients were off by
+    # up to S times (Falcon with ALiBi, whose multi-query keys PyTorch runs on the math path: a relative 4 to 11).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=gen)
+    k, v = (torch.randn(2, h_kv, 6, 8, generator=gen) for _ in range(2))
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    keep[1, :, :, :3] = False
+    mask = torch.zeros(2, 1, 6, 6).masked_fill(~keep, fill)
+    g = torch.randn(2, 4, 6, 8, generator=gen)
+    with sdpa_kernel([SDPBackend.MATH]):
+        out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g, attn_mask=mask, enable_gqa=h_kv != 4)
+    out1, g1 = _run(scaled_dot_product_attention, q, k, v, g, attn_mask=mask, enable_gqa=h_kv != 4, cfg=cfg)
+    torch.testing.assert_close(out1, out0)
+    for name, a, e in zip("qkv", g1, g0, strict=True):
+        if cfg is None:
+            torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}")
+        else:
+            assert cosine(a, e) >= 0.99, name
+
+
 def test_probabilities_of_tied_keys_with_huge_scores_are_exact():
     # fp16 inputs with outliers: scores of 1e8 in fp32, where exp(s - lse) with lse rounded to fp32's ulp of 8
     # gave two tied keys 0.47 each instead of 0.5 (the output 3250 for 3440). The chunked path now takes
@@ -521,6 +550,27 @@ def test_a_masked_fused_call_reads_the_host_once_too(cfg, dead_row, emulated):
     ref = F.scaled_dot_product_attention(q.detach().float(), k.float(), v.float(), attn_mask=mask).nan_to_num(0)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     assert torch.equal(out[1, :, 5] == 0, torch.full_like(out[1, :, 5], dead_row, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_row_masked_with_a_finite_fill_keeps_out_of_the_fused_kernels_in_the_same_read(cfg, emulated):
+    # The CUDA kernels rebuild probabilities from their log-sum-exp as the CPU flash kernel does (see
+    # test_a_row_masked_with_a_finite_fill_gets_the_math_paths_gradients): such a call takes the chunked path. A
+    # mask whose rows all keep a key stays fused, the flag read with the others (one read, two under int8).
+    from _host import HostReads
+
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.float32))
+    mask = torch.zeros(2, 1, 24, 24)
+    mask[:, :, :, 20:] = torch.finfo(torch.float32).min  # padded keys
+    for dead in (False, True):
+        m = mask.clone()
+        if dead:
+            m[1, :, 5] = torch.finfo(torch.float32).min
+        with HostReads() as reads:
+            out = scaled_dot_product_attention(q, k, v, attn_mask=m, cfg=cfg)
+        assert (type(out.grad_fn).__name__ == "_FusedAttentionBackward") != dead
+        if not dead:
+            assert reads.count == (1 if cfg is None else 2)
 
 
 @pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])

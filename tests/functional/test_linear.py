@@ -45,6 +45,22 @@ def test_linear_matches_torch(x_shape, out, dtype, contiguous):
     assert sqnr_db(gw0, gw1) >= 30
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("rows,fin,fout", [(5, 16, 0), (5, 0, 8), (0, 0, 8)], ids=["no-out", "no-in", "empty"])
+def test_zero_features_give_torchs_zero_gradients(rows, fin, fout, transposed):
+    # A layer of 0 input or output features (a pruned head, a config's 0-width branch): the backward reshaped to
+    # (-1, 0), which raised where PyTorch's backward returns empty and zero gradients.
+    x, w, b = torch.randn(rows, fin), torch.randn(fout, fin), torch.randn(fout)
+    torch.manual_seed(1)
+    y0, *g0 = _grads(F.linear, x, w, b)
+    torch.manual_seed(1)
+    y1, *g1 = _grads(lambda x, w, b: linear(x, w, b, CFG, transposed=transposed), x,
+                     w.t().contiguous() if transposed else w, b)
+    torch.testing.assert_close(y1, y0)
+    for name, a, e in zip(("x", "w", "b"), g1, g0, strict=True):
+        torch.testing.assert_close(a.t() if transposed and name == "w" else a, e, msg=name)
+
+
 def test_conv1d_layout_matches_addmm():
     x = torch.randn(3, 11, 24, requires_grad=True)
     w = torch.randn(24, 40, requires_grad=True)  # Conv1D: [in, out]

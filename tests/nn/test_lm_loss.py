@@ -360,6 +360,45 @@ def test_logits_changed_in_place_or_retaining_their_grad_get_plains_gradients(ed
         torch.testing.assert_close(slim.logits.grad, model.logits.grad)
 
 
+_HEAD_HOOKS = {  # a user's forward hook on the LM head (a deepcopy of the model copies it with the head's `calls` list)
+    "logit_bias": lambda bias: lambda m, args, z: z + bias,
+    "vocab_mask": lambda bias: lambda m, args, z: z.masked_fill(bias > 1.0, -1e4),
+    "clamp": lambda bias: lambda m, args, z: z.clamp(-0.3, 0.3),
+    "scale_in_place": lambda bias: lambda m, args, z: z.div_(2.0),
+    "logging": lambda bias: lambda m, args, z: m.calls.append(z.detach().float().abs().mean().item()),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("hook", list(_HEAD_HOOKS))
+def test_a_hook_on_the_lm_head_is_applied_once_and_differentiated(hook, when):
+    # With labels the head returned lazy logits, and a hook on it (a logit bias, a vocabulary mask, a clamp) made
+    # them compute by calling the head again: the hook ran twice (the bias added twice: loss 4.93 -> 5.55 on
+    # GPT-2), and a hook registered before convert had its output tracked as the head's product, so the fused
+    # loss differentiated F.linear(h) without the mask (gradient cosine 0.73). The loss now runs as written.
+    torch.manual_seed(0)
+    bias = torch.randn(VOCAB)
+    model = _TinyLM()
+    model.head.calls = []
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    if when == "before":
+        model.head.register_forward_hook(_HEAD_HOOKS[hook](bias))
+    slim = slimact.convert(copy.deepcopy(model), "tempo")
+    if when == "after":
+        for m in (model, slim):
+            m.head.register_forward_hook(_HEAD_HOOKS[hook](bias))
+    out = []
+    for m in (model, slim):
+        m.zero_grad(set_to_none=True)
+        loss, _ = m(ids, ids)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss0, g0), (loss1, g1) = out
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_equal(g0, g1)
+    assert slim.head.calls == pytest.approx(model.head.calls) and len(model.head.calls) == (hook == "logging")
+
+
 def test_the_heads_input_changed_in_place_before_a_lazy_loss_raises():
     # A frozen head (plain PyTorch then keeps only its weight, and allows the change): the lazy logits stand for
     # the head's product on h as it was, which is gone; the fused loss computed them from the changed h.

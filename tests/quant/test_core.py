@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from slimact._metrics import sqnr_db
+from slimact._metrics import cosine, sqnr_db
 from slimact.quant import QuantConfig, RunningRange, pack, reference, unpack
 from slimact.quant.reference import _expand
 
@@ -243,8 +243,14 @@ def test_bad_config_is_an_error(kwargs):
         QuantConfig(**kwargs)
 
 
+def _made(*shape: int) -> torch.Tensor:
+    """A tensor an op made (it has a ``grad_fn``), as a layer's input in a training step is: outside a converted
+    model's forward, only such a tensor's pack is served again (see the test of a refilled input below)."""
+    return torch.randn(*shape, requires_grad=True) * 1.0
+
+
 def test_same_tensor_is_packed_once_while_kept():
-    x = torch.randn(8, 16)
+    x = _made(8, 16)
     cfg = QuantConfig()
     first = pack(x, cfg)
     again = pack(x, cfg)
@@ -256,14 +262,14 @@ def test_same_tensor_is_packed_once_while_kept():
     assert pack(x[1:], cfg).tensors[0] is not first.tensors[0]  # another view
     low = pack(torch.randn(8, 16), QuantConfig(bits=4))
     assert low.meta.bits == 4
-    y = torch.randn(8, 16)
+    y = _made(8, 16)
     coarse = pack(y, QuantConfig(bits=4))
     fine = pack(y, cfg)  # asks for more bits than the cached pack has: packed anew
     assert fine.meta.bits == 8 and fine.tensors[0] is not coarse.tensors[0]
 
 
 def test_shared_pack_is_refreshed_after_in_place_change_and_released_with_its_source():
-    x = torch.randn(8, 16)
+    x = _made(8, 16)
     cfg = QuantConfig()
     first = pack(x, cfg)
     x.mul_(2)
@@ -520,7 +526,7 @@ def test_a_clipped_range_saturates_beyond_the_clip_and_still_sees_nan():
     torch.testing.assert_close(x_hat[~inside], x[~inside].clamp(-4, 4), rtol=0, atol=slack + 1e-6)
     assert step <= 8 / 255 * 1.01  # the scale is the clip's, not the far values'
     # Nothing beyond: an ordinary pack, shared with the next consumer of x.
-    small = torch.randn(64, 8)
+    small = _made(64, 8)
     p = pack(small, QuantConfig(clip=50.0))
     assert not p.meta.clipped and pack(small, QuantConfig()) is p
     # A clipped pack is not: it does not stand for x.
@@ -630,3 +636,48 @@ def test_unpack_traced_by_dynamo_never_calls_the_triton_kernels(monkeypatch):
     restored = torch.compile(lambda p: core.unpack(p) * 2, backend="eager", fullgraph=True)(packed)
     torch.testing.assert_close(restored, expected * 2, rtol=0, atol=0)
     assert tripwire.calls == []
+
+
+def test_a_parameter_changed_through_data_is_packed_afresh_outside_a_forward():
+    # A slimact Linear used on its own, fed a parameter (learned queries, latents) that is updated through .data
+    # (weight clipping, an EMA, a custom optimizer): no version moves, and the pack kept from the previous step
+    # gave this step's weight gradient the old values (cosine -1 after a sign flip).
+    import slimact.nn as snn
+
+    torch.manual_seed(0)
+    latents = torch.nn.Parameter(torch.randn(5, 16))
+    slim = snn.Linear(16, 8, policy="int8")
+    plain = torch.nn.Linear(16, 8)
+    plain.load_state_dict(slim.state_dict())
+    for _ in range(2):
+        grads = []
+        for layer in (slim, plain):
+            layer.zero_grad()
+            layer(latents).square().sum().backward()
+            grads.append(layer.weight.grad)
+        assert cosine(grads[0], grads[1]) >= 0.999
+        latents.data.mul_(-3.0)
+
+
+def test_an_input_refilled_in_place_without_a_version_bump_is_packed_afresh_outside_a_forward():
+    # A slimact Linear used on its own, fed a batch that shares memory with a numpy array the loop refills in place
+    # (no version counter moves): the pack of the previous batch was served again, and the weight gradient was
+    # the previous batch's (cosine -0.01).
+    import numpy as np
+
+    import slimact.nn as snn
+
+    torch.manual_seed(0)
+    buf = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    x = torch.from_numpy(buf)
+    slim = snn.Linear(16, 8, policy="int8")
+    plain = torch.nn.Linear(16, 8)
+    plain.load_state_dict(slim.state_dict())
+    for step in range(2):
+        grads = []
+        for layer in (slim, plain):
+            layer.zero_grad()
+            layer(x).square().sum().backward()
+            grads.append(layer.weight.grad)
+        assert cosine(grads[0], grads[1]) >= 0.999, step
+        buf[:] = -3.0 * buf[::-1]

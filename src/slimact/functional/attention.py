@@ -251,6 +251,26 @@ def _dead(mask: Tensor) -> Tensor:
     return (~mask.any(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)).unsqueeze(-1)
 
 
+#: An additive mask row whose every entry is at or below this is masked with a finite fill (Hugging Face's
+#: ``finfo.min``, ``-1e9``, ``-1e4``). PyTorch's math path computes that row's softmax from the fill-dominated scores
+#: (at ``finfo.min`` a uniform row, 1/S each) and differentiates the probabilities it computed. The fused kernels
+#: (the CPU flash kernel, CUDA's) recompute the probabilities in their backward as ``exp(score - lse)`` with the
+#: fp32 log-sum-exp of that magnitude, which keeps ``log(sum)`` only to within half an ulp of the fill: at -1e4 a
+#: relative 1e-4, at ``finfo.min`` nothing of it (each probability comes back 1 instead of 1/S, the q, k, v
+#: gradients off by up to S times; a Falcon with ALiBi and left padding: 4x to 11x). Such calls take the chunked
+#: path, which recomputes each row's softmax as the math path does.
+SWAMPED_FILL = -1024.0
+
+
+def _swamped(mask: Tensor) -> Tensor:
+    """A 0-dim bool tensor (not read): whether an additive ``mask`` has a row masked with a finite fill only (its
+    maximum at or below :data:`SWAMPED_FILL`, not -inf: a row of -inf is a dead row, which the kernels handle)."""
+    if mask.dtype == torch.bool or mask.shape[-1] == 0:
+        return torch.zeros((), dtype=torch.bool, device=mask.device)
+    top = mask.detach().amax(-1)
+    return ((top <= SWAMPED_FILL) & (top > -math.inf)).any()
+
+
 def _dead_rows(mask: Tensor | None) -> Tensor | None:
     """Query rows a mask allows nothing in (all False, or all -inf): PyTorch gives them 0, and 0 gradients."""
     if mask is None:
@@ -780,6 +800,8 @@ def scaled_dot_product_attention(
         if attn_mask is not None:  # whether the mask has fully masked rows: in the same read (was one of its own)
             dead = _dead(attn_mask)
             flags["dead"] = dead.any()
+            if attn_mask.is_floating_point():  # rows masked with a finite fill only: the chunked path (SWAMPED_FILL)
+                flags["swamped"] = _swamped(attn_mask)
     elif kind is not None:
         dead = _dead_rows(attn_mask)  # (compiling: no read; the rows are masked whether or not any is dead)
     if flags:
@@ -787,8 +809,8 @@ def scaled_dot_product_attention(
         both = values[0].reshape(1) if len(values) == 1 else torch.stack(values)  # (a lone flag: a view, no launch)
         read = dict(zip(flags, both.tolist(), strict=True))
         cfg = None if read.get("unsafe") else cfg
-        kind = None if read.get("not_finite") else kind
-        flash = flash and not read.get("not_finite")
+        kind = None if read.get("not_finite") or read.get("swamped") else kind
+        flash = flash and not read.get("not_finite") and not read.get("swamped")
         dead = dead if read.get("dead", True) else None
     if kind is not None:
         return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state,

@@ -53,16 +53,17 @@ class _LinearFunction(SlimFunction):
         x_hat, weight = load(ctx)
         grad_x = grad_w = grad_b = None
         out_features = grad_y.shape[-1]
+        rows = grad_y.shape[:-1].numel()  # (not -1 in the reshapes: ambiguous for 0 in or out features)
         if ctx.needs_input_grad[0]:
             w = weight.t() if ctx.transposed else weight  # [out, in]
             grad_x = grad_y.matmul(w.to(grad_y.dtype))
         if ctx.needs_input_grad[1]:
             dtype = ctx.compute_dtype
-            x2 = x_hat.reshape(-1, x_hat.shape[-1]).to(dtype)  # [N, in]
-            g2 = grad_y.reshape(-1, out_features).to(dtype)  # [N, out]
+            x2 = x_hat.reshape(rows, x_hat.shape[-1]).to(dtype)  # [N, in]
+            g2 = grad_y.reshape(rows, out_features).to(dtype)  # [N, out]
             grad_w = x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_y.reshape(-1, out_features).sum(0)
+            grad_b = grad_y.reshape(rows, out_features).sum(0)
         return grad_x, grad_w, grad_b, None, None, None
 
 

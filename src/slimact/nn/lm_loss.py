@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from slimact._kinds import _runs_hooks
 from slimact.functional._saving import SlimFunction
 from slimact.functional.lm_loss import linear_cross_entropy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
@@ -324,8 +325,10 @@ class LossTracker:
 
     def _head_input(self, module, args):
         # A converted (slimact) head runs its parent's forward for this call: the plain F.linear that
-        # lazy_head answers.
-        if self.active and self.lazy_now and not self._computing:
+        # lazy_head answers. Not a head that runs hooks of someone else's (or a forward set on it): what it
+        # returns is then not F.linear(h) (a hook adding a logit bias, masking the vocabulary, clamping), and the
+        # logits a LazyLogits computes by calling the head would run those hooks a second time.
+        if self.active and self.lazy_now and not self._computing and not _runs_hooks(module):
             self._in_head = True
             module.__dict__["_slimact_deferred"] = True
 
@@ -333,7 +336,8 @@ class LossTracker:
         if self._in_head:
             self._in_head = False
             module.__dict__.pop("_slimact_deferred", None)
-        if self.active and isinstance(output, Tensor) and not isinstance(output, LazyLogits) and args:
+        if (self.active and isinstance(output, Tensor) and not isinstance(output, LazyLogits) and args
+                and not _runs_hooks(module)):  # (a hook's output is not F.linear(h): the loss as written)
             self._track(output, args[0])
 
     def lazy_head(self, x, weight, bias=None):

@@ -118,7 +118,8 @@ class _SharedPacks:
     with that model's running estimate and that step's seeds (a global cache handed one model's codes to the
     next, so a run's losses depended on what ran before it in the process, or in another thread). Outside
     any forward (a checkpointed block recomputed in the backward, a slimact module used on its own) every live
-    entry serves, so a recomputation shares what its forward shared.
+    entry serves, so a recomputation shares what its forward shared; a parameter packed there is not kept
+    (:meth:`put`).
     """
 
     def __init__(self) -> None:
@@ -136,9 +137,21 @@ class _SharedPacks:
         if source() is None or version != x._version or packed.meta.bits < cfg.bits:
             return None
         scope = reference.current_stream()
+        if scope is None and stream is None and x.grad_fn is None:
+            # Made and asked for outside any forward (slimact modules used on their own) for a tensor no op made
+            # (an input, a buffer): it outlives the step and can change without its version moving (a numpy array
+            # it shares memory with, refilled for the next batch; a write through .data), so a pack of an earlier
+            # call may hold old values (a weight gradient at cosine -0.01). Packed afresh.
+            return None
         return packed if scope is None or stream is scope else None
 
     def put(self, x: Tensor, packed: Packed) -> None:
+        if isinstance(x, torch.nn.Parameter) and reference.current_stream() is None:
+            # Outside any forward (a slimact module used on its own): a parameter outlives the step and can change
+            # without its version moving (a write through .data: weight clipping, an EMA, a custom optimizer); a
+            # pack of it kept for later calls gave them the old values (a weight gradient at cosine -1). Packed
+            # afresh on each call instead. (In a forward the entry serves that forward only.)
+            return
         key = self._key(x)
         entries = self._entries
         # The entry dies with its source tensor (whose storage address may then be reused).
