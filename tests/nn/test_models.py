@@ -158,7 +158,7 @@ def test_an_in_place_activation_module_keeps_what_its_backward_needs(policy, nam
     out0, g0 = _grad(plain.train(), x)
     out1, g1 = _grad(slim, x)
     torch.testing.assert_close(out1, out0)  # forward (and its in-place write) as the plain module's
-    if form == "relu":
+    if form == "relu" or (form == "relu2" and policy == "tempo"):  # (relu2's y' = 2 sqrt(y): sqrt's rounding)
         torch.testing.assert_close(g1, g0)
     elif policy == "tempo":
         # the in-place path's stated bound on y' (fp32), times the factor 2 in _Net's y * 2 + h^2

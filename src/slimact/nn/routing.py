@@ -216,8 +216,24 @@ class _NoteDropout(TorchFunctionMode):
         return func(*args, **kwargs) if out is None else out
 
 
+#: Routed functions pickle cannot name (``Tensor.__pow__`` is a Python wrapper in ``torch._tensor``), by a name
+#: that stands for them in a pickled model (``torch.save`` of a whole converted model).
+_PICKLED_AS = {Tensor.__pow__: "Tensor.__pow__"}
+
+
 class Routing:
     """Installed on a converted model by ``convert``; ``remove()`` uninstalls it."""
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["handlers"] = {_PICKLED_AS.get(func, func): fn for func, fn in self.handlers.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        named = {name: func for func, name in _PICKLED_AS.items()}
+        state["handlers"] = {named.get(func, func) if isinstance(func, str) else func: fn
+                             for func, fn in state["handlers"].items()}
+        self.__dict__.update(state)
 
     def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None,
                  excluded: list[nn.Module] = (),
