@@ -206,9 +206,11 @@ class LazyLogits(Tensor):
         return _Lazy.apply(h, weight, bias, spec)
 
     def materialise(self) -> Tensor:
-        """The logits, computed on first use (cached)."""
+        """The logits, computed on first use (cached), as the forward would have computed them: with their graph, in
+        grad mode, whatever the mode of the first read (a metric under ``no_grad`` read before a loss term: cached
+        without a graph, the later term had no gradient at all)."""
         if self._value is None:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), torch.enable_grad():
                 self._value = self._spec.compute(*self._inputs, by_head=True)
         return self._value
 
