@@ -167,6 +167,37 @@ def test_summary_reports_converted_and_left_alone():
     assert slimact.summary(_model()).policy is None
 
 
+class _InplaceDropout(nn.Dropout):
+    def forward(self, x):
+        return nn.functional.dropout(x, self.p, self.training, self.inplace)
+
+
+class _SummaryOddCases(nn.Module):
+    """A LayerNorm over its last two dims and an in-place dropout of its own: their code calls F.layer_norm and
+    F.dropout, which the routes decline there (more than the last dim; in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.drop = nn.Linear(16, 16), nn.LayerNorm([8, 16]), _InplaceDropout(0.1, inplace=True)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.drop(self.norm(self.lin(x))))
+
+
+def test_summary_does_not_report_converted_a_module_whose_call_the_route_declines():
+    # summary reported nn.LayerNorm([8, 16]) and the in-place dropout converted (their code calls F.layer_norm and
+    # F.dropout, routed functions) and dropped the norm's reason, while both ran as written: the norm kept its
+    # [2, 8, 16] fp32 input.
+    model = slimact.convert(_SummaryOddCases(), "int8")
+    s = slimact.summary(model)
+    assert "norm" not in s.modules and "drop" not in s.modules, s.modules
+    assert "more than the last dim" in s.skipped["norm"] and "drop" in s.skipped
+    kept = {(e.module, e.dtype) for e in slimact.profile(model, torch.randn(2, 8, 16)).entries
+            if e.shape == (2, 8, 16)}
+    assert ("norm", torch.float32) in kept, kept  # as written, as the summary now says
+
+
 def test_tempo_policy_converts_only_lossless_kinds():
     model = slimact.convert(_model(), "tempo")
     kinds = {m._slimact_kind for m in model.modules() if isinstance(m, SlimModule)}

@@ -381,6 +381,21 @@ _ROUTED_CALLS = {"attention": "scaled_dot_product_attention", "layernorm": "laye
                  "gelu": "gelu", "silu": "silu", "relu": "relu", "dropout": "dropout"}
 
 
+def _call_routable(module: nn.Module, kind: str) -> bool:
+    """Whether the routed call in ``module``'s own code can be routed, as far as its attributes tell: a norm over
+    more than the last dim (``nn.LayerNorm([T, C])``, a 2-d weight) and an in-place ReLU, SiLU or dropout run as
+    written (the routes decline them), so such a module is not reported converted."""
+    if kind in ("layernorm", "rmsnorm"):
+        shape = getattr(module, "normalized_shape", None)
+        if shape is not None and not isinstance(shape, int) and len(tuple(shape)) != 1:
+            return False
+        return all(not isinstance(t, torch.Tensor) or t.dim() == 1
+                   for t in (getattr(module, "weight", None), getattr(module, "bias", None)))
+    if kind in ("relu", "silu", "dropout"):
+        return not getattr(module, "inplace", False)
+    return True
+
+
 def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], Any] | None = None) -> Summary:
     """What was converted (per kind), and every module left alone with the reason.
 
@@ -406,7 +421,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         elif name in as_written and name not in skipped:
             skipped[name] = "excluded (filter_fn or an exclude pattern): left as written, the calls in its code too"
         elif (routed and (kind := kind_of(module)) in routing.kinds
-              and _ROUTED_CALLS.get(kind, "") in forward_names(module)):
+              and _ROUTED_CALLS.get(kind, "") in forward_names(module) and _call_routable(module, kind)):
             # Its own code calls the functional form slimact routes (nanoGPT's LayerNorm calls F.layer_norm, timm's
             # attention F.scaled_dot_product_attention).
             modules[name] = kind
