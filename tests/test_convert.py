@@ -4,9 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+import _nano
 import slimact
 from slimact._metrics import cosine
 from slimact.nn import SlimModule
+from slimact.policy import KINDS
 
 
 class Block(nn.Module):
@@ -461,3 +463,21 @@ def test_layers_called_with_their_input_by_keyword_run_as_plain(policy):
     (out0, g0), (out1, g1) = steps
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_summary_with_inputs_drops_a_watched_attention_whose_products_never_reached_slimact(flash):
+    # With the policy's attention kind off, nanoGPT's attention (F.scaled_dot_product_attention, or by hand) is
+    # watched for its products and softmaxes, and summary reported it converted: right by hand (they are routed),
+    # wrong with flash, whose SDPA runs as written (its q, k, v kept fp32, nothing 8-bit), inputs given or not.
+    policy = slimact.Policy(kinds=tuple(k for k in KINDS if k != "attention"))
+    slim = slimact.convert(_nano.NanoGPT(flash=flash).train(), policy)
+    summary = slimact.summary(slim, _nano.batch(), loss_fn=_nano.loss_of)
+    dtypes = {e.dtype for e in slimact.profile(slim, _nano.batch(), loss_fn=_nano.loss_of).entries
+              if e.module == "transformer.h.0.attn"}
+    assert (torch.uint8 in dtypes) == (not flash), dtypes
+    if flash:
+        assert "transformer.h.0.attn" not in summary.modules
+        assert "none reached slimact" in summary.skipped["transformer.h.0.attn"]
+    else:
+        assert summary.modules["transformer.h.0.attn"] == "attention"
