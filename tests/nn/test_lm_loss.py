@@ -158,6 +158,22 @@ def test_reading_the_logits_after_an_optimizer_step_raises():
         out.logits.sum()
 
 
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_reading_the_logits_after_a_step_written_through_data_raises(policy):
+    # A hand-written optimizer step through .data (p.data -= lr * p.grad) moves no version: nanoGPT's lazy logits,
+    # read after it (an accuracy logged after the step), were computed with the new weight, 1.09 off the forward's,
+    # with no error.
+    torch.manual_seed(0)
+    slim = slimact.convert(_nano.NanoGPT().train(), policy)
+    idx, targets = _nano.batch()
+    logits, loss = slim(idx, targets)
+    loss.backward()
+    for p in slim.parameters():
+        p.data.add_(p.grad, alpha=-1.0)
+    with pytest.raises(RuntimeError, match="changed in place since the forward"):
+        logits.argmax(-1)
+
+
 def test_logits_of_a_functional_call_are_those_of_the_substituted_weights():
     # torch.func.functional_call (MAML, model soups, an EMA evaluated through the live module) runs the forward with
     # other tensors in place of the parameters and puts the parameters back on return. The LazyLogits were then
