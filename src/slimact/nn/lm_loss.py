@@ -451,8 +451,8 @@ def _fingerprint(t: Tensor | None) -> Tensor | None:
     it moves with a write to any element of ``t``, those made through ``.data`` too, which leave its version as it
     was. One pass over the head's weight per forward, with no temporary of its size (a fraction ``1 / tokens`` of
     the product the lazy logits skip), compared only when the logits are computed."""
-    if t is None or t.dim() == 0 or t.element_size() not in (1, 2, 4, 8):
-        return None
+    if t is None or type(t) not in (Tensor, nn.Parameter) or t.dim() == 0 or t.element_size() not in (1, 2, 4, 8):
+        return None  # (a tensor subclass, DTensor's, a quantised weight's: not fingerprinted)
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     with torch.no_grad():
         t = t.detach()
