@@ -13,11 +13,12 @@ input ``h``, weight and bias, and the model's elementwise ops applied to it sinc
 together over chunks of tokens (:mod:`slimact.functional.lm_loss`): no ``[tokens, vocab]`` tensor is ever allocated,
 in the forward or the backward. Any other use computes the logits then and there, exactly as the head would have
 (``F.linear`` under the autocast state of the head's call, then the recorded ops), with their autograd graph to
-``h``, the weight and the bias: reading ``output.logits`` after the step works and costs the head's product once.
-That read raises if the head's weight or bias was changed in place since (an optimizer step): the logits it would
-give are not the ones the forward had. A custom autograd Function handed the lazy tensor itself (DDP's ``_DDPSink``
-with ``find_unused_parameters``) gets a node that recomputes the logits in its backward, so gradients through it are
-exact too.
+``h``, the weight and the bias (in grad mode, as the forward would have, whatever the mode of the read): reading
+``output.logits`` after the step works and costs the head's product once. That read raises if the head's weight or
+bias was changed in place since (an optimizer step, a write through ``.data``, which a fingerprint of the weight
+taken in the forward shows): the logits it would give are not the ones the forward had. A custom autograd Function
+handed the lazy tensor itself (DDP's ``_DDPSink`` with ``find_unused_parameters``) gets a node that recomputes the
+logits in its backward, so gradients through it are exact too.
 
 **Without labels** (or ``keep_logits``): the head computes its logits as usual; if ``F.cross_entropy`` then
 gets them, or an alias of them in the same token order (``float``, ``view``/``reshape``/``flatten``,
