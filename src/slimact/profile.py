@@ -4,8 +4,9 @@ How it counts: one training forward runs under ``torch.autograd.graph.saved_tens
 hook sees every tensor any op saves for backward, PyTorch's built-in ops and slimact's Functions alike
 (slimact saves only through ``ctx.save_for_backward``). Each saved tensor still held for the backward when the
 forward ends is charged the full size of its storage, once per unique storage (a view saved by two ops is counted
-once, by the first), and never if the storage belongs to a parameter or buffer; one saved by a graph the forward
-itself frees (a local graph in a Function's forward) is not. It is attributed to the innermost module whose forward was
+once, by the first of them still held: a view saved by a graph the forward drops hides no kept tensor of its
+storage), and never if the storage belongs to a parameter or buffer; one saved by a graph the forward itself frees (a
+local graph in a Function's forward) is not. It is attributed to the innermost module whose forward was
 running when it was saved, and to that module's kind (:func:`slimact._kinds.kind_of`); tensors the loss
 function saves go to ``"(loss)"``. The backward then runs, and the model is left as it was found: its
 training mode, gradients, buffers (running estimates, BatchNorm statistics) and the RNG state.
