@@ -495,8 +495,7 @@ def test_logits_first_read_without_grad_still_carry_their_graph(first_read):
     # nanoGPT called with targets returns lazy logits; a metric read under no_grad (an accuracy, logged) computed and
     # cached them without a graph, so a loss term taken on them afterwards (a z-loss) had no gradient at all:
     # requires_grad False, the head's gradient that of the LM loss alone (off by 5.6e-4 at 6.9e-2), no error; the same
-    # under inference_mode. The logits are computed as the forward would
-    # have, with their graph.
+    # under inference_mode. The logits are computed as the forward would have, with their graph.
     torch.manual_seed(0)
     plain = _nano.NanoGPT().train()
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
