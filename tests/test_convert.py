@@ -4,9 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+import _nano
 import slimact
 from slimact._metrics import cosine
 from slimact.nn import SlimModule
+from slimact.policy import KINDS
 
 
 class Block(nn.Module):
@@ -165,6 +167,37 @@ def test_summary_reports_converted_and_left_alone():
     text = str(s)
     assert "policy: int8" in text and "linear" in text and "Embedding" in text
     assert slimact.summary(_model()).policy is None
+
+
+class _InplaceDropout(nn.Dropout):
+    def forward(self, x):
+        return nn.functional.dropout(x, self.p, self.training, self.inplace)
+
+
+class _SummaryOddCases(nn.Module):
+    """A LayerNorm over its last two dims and an in-place dropout of its own: their code calls F.layer_norm and
+    F.dropout, which the routes decline there (more than the last dim; in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.drop = nn.Linear(16, 16), nn.LayerNorm([8, 16]), _InplaceDropout(0.1, inplace=True)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.drop(self.norm(self.lin(x))))
+
+
+def test_summary_does_not_report_converted_a_module_whose_call_the_route_declines():
+    # summary reported nn.LayerNorm([8, 16]) and the in-place dropout converted (their code calls F.layer_norm and
+    # F.dropout, routed functions) and dropped the norm's reason, while both ran as written: the norm kept its
+    # [2, 8, 16] fp32 input.
+    model = slimact.convert(_SummaryOddCases(), "int8")
+    s = slimact.summary(model)
+    assert "norm" not in s.modules and "drop" not in s.modules, s.modules
+    assert "more than the last dim" in s.skipped["norm"] and "drop" in s.skipped
+    kept = {(e.module, e.dtype) for e in slimact.profile(model, torch.randn(2, 8, 16)).entries
+            if e.shape == (2, 8, 16)}
+    assert ("norm", torch.float32) in kept, kept  # as written, as the summary now says
 
 
 def test_tempo_policy_converts_only_lossless_kinds():
@@ -430,3 +463,21 @@ def test_layers_called_with_their_input_by_keyword_run_as_plain(policy):
     (out0, g0), (out1, g1) = steps
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_summary_with_inputs_drops_a_watched_attention_whose_products_never_reached_slimact(flash):
+    # With the policy's attention kind off, nanoGPT's attention (F.scaled_dot_product_attention, or by hand) is
+    # watched for its products and softmaxes, and summary reported it converted: right by hand (they are routed),
+    # wrong with flash, whose SDPA runs as written (its q, k, v kept fp32, nothing 8-bit), inputs given or not.
+    policy = slimact.Policy(kinds=tuple(k for k in KINDS if k != "attention"))
+    slim = slimact.convert(_nano.NanoGPT(flash=flash).train(), policy)
+    summary = slimact.summary(slim, _nano.batch(), loss_fn=_nano.loss_of)
+    dtypes = {e.dtype for e in slimact.profile(slim, _nano.batch(), loss_fn=_nano.loss_of).entries
+              if e.module == "transformer.h.0.attn"}
+    assert (torch.uint8 in dtypes) == (not flash), dtypes
+    if flash:
+        assert "transformer.h.0.attn" not in summary.modules
+        assert "none reached slimact" in summary.skipped["transformer.h.0.attn"]
+    else:
+        assert summary.modules["transformer.h.0.attn"] == "attention"

@@ -76,6 +76,27 @@ def test_tensors_saved_by_a_graph_the_forward_frees_are_not_counted():
     assert report.activation_bytes == 64 * 64 * 4, report.entries
 
 
+class _SideView(nn.Module):
+    """Keeps ``h`` for its second Linear after a side computation on a view of ``h`` (a statistic, a branch the
+    forward drops) saved that view first."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        side = h[:, :4].sin()  # noqa: F841 (sin saves the view h[:, :4]; its graph dies when the forward returns)
+        return self.b(h)  # saves h itself
+
+
+def test_a_storage_kept_by_one_op_counts_though_a_view_of_it_saved_by_a_dropped_graph_died():
+    # The storage's count went with the first tensor saved from it (a view in a side graph the forward drops): once
+    # that view died, h, which the second Linear keeps, was not counted at all (b's 512 bytes missing).
+    report = slimact.profile(_SideView(), torch.randn(4, 16))
+    assert report.by_module == {"a": 4 * 16 * 4, "b": 4 * 32 * 4}, report.entries
+
+
 def test_profile_leaves_the_model_as_found():
     model = _toy("mesa").eval()
     model[0].weight.grad = torch.ones_like(model[0].weight)

@@ -381,6 +381,21 @@ _ROUTED_CALLS = {"attention": "scaled_dot_product_attention", "layernorm": "laye
                  "gelu": "gelu", "silu": "silu", "relu": "relu", "dropout": "dropout"}
 
 
+def _call_routable(module: nn.Module, kind: str) -> bool:
+    """Whether the routed call in ``module``'s own code can be routed, as far as its attributes tell: a norm over
+    more than the last dim (``nn.LayerNorm([T, C])``, a 2-d weight) and an in-place ReLU, SiLU or dropout run as
+    written (the routes decline them), so such a module is not reported converted."""
+    if kind in ("layernorm", "rmsnorm"):
+        shape = getattr(module, "normalized_shape", None)
+        if shape is not None and not isinstance(shape, int) and len(tuple(shape)) != 1:
+            return False
+        return all(not isinstance(t, torch.Tensor) or t.dim() == 1
+                   for t in (getattr(module, "weight", None), getattr(module, "bias", None)))
+    if kind in ("relu", "silu", "dropout"):
+        return not getattr(module, "inplace", False)
+    return True
+
+
 def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], Any] | None = None) -> Summary:
     """What was converted (per kind), and every module left alone with the reason.
 
@@ -397,6 +412,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     # Modules whose calls run as written (excluded, or inside an excluded one): none of their calls is routed.
     excluded = {id(m) for m in routing.excluded} if routing is not None else set()
     as_written = [n for n, m in model.named_modules() if id(m) in excluded]
+    by_products: set[str] = set()  # reported converted as their products and softmaxes are routed
     for name, module in model.named_modules():
         routed = routing is not None and not any(name == n or name.startswith(n + ".") for n in as_written)
         if isinstance(module, SlimModule):
@@ -406,7 +422,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         elif name in as_written and name not in skipped:
             skipped[name] = "excluded (filter_fn or an exclude pattern): left as written, the calls in its code too"
         elif (routed and (kind := kind_of(module)) in routing.kinds
-              and _ROUTED_CALLS.get(kind, "") in forward_names(module)):
+              and _ROUTED_CALLS.get(kind, "") in forward_names(module) and _call_routable(module, kind)):
             # Its own code calls the functional form slimact routes (nanoGPT's LayerNorm calls F.layer_norm, timm's
             # attention F.scaled_dot_product_attention).
             modules[name] = kind
@@ -417,6 +433,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         ):  # attention computed in the module's own code (a wrapper around a routed one is fine)
             if {"matmul", "softmax"} & watched.get(name, set()):  # its products and softmaxes are routed
                 modules[name] = "attention"
+                by_products.add(name)
                 continue
             skipped[name] = (
                 f"{type(module).__name__} computes attention in its own code (not through transformers' "
@@ -445,7 +462,13 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             "(slimact compresses fp32, fp16 and bf16)"
         )
     if inputs is not None:
-        result.coverage, result.uncovered, unrouted = _coverage(model, set(modules), inputs, loss_fn)
+        result.coverage, result.uncovered, unrouted, idle = _coverage(model, set(modules), inputs, loss_fn, routing,
+                                                                      by_products)
+        for name in idle:
+            del modules[name]
+            skipped[name] = ("its products and softmaxes would be routed, but none reached slimact in the forward on "
+                             "these inputs (its attention ran otherwise, e.g. F.scaled_dot_product_attention with the "
+                             "policy's attention kind off): left as written")
         for name in unrouted:
             if routing is not None and any(r == name or r.startswith(f"{name}.") for r in routing.routed):
                 continue  # its products and softmaxes (or a child's: DeBERTa-v2's) were routed instead
@@ -457,10 +480,13 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
 
 
 def _coverage(
-    model: nn.Module, converted: set[str], inputs: Any, loss_fn
-) -> tuple[float, dict[str, int], list[str]]:
-    """``(share, {module: bytes}, unrouted)``: the share of the plain model's bytes that slimact handles, the
-    bytes it leaves by module, and the tagged attention modules whose attention never reached slimact.
+    model: nn.Module, converted: set[str], inputs: Any, loss_fn, routing: Routing | None = None,
+    by_products: set[str] = frozenset(),
+) -> tuple[float, dict[str, int], list[str], list[str]]:
+    """``(share, {module: bytes}, unrouted, idle)``: the share of the plain model's bytes that slimact handles, the
+    bytes it leaves by module, the tagged attention modules whose attention never reached slimact, and the modules of
+    ``by_products`` (reported converted as the routing watches their products and softmaxes) in which no call was
+    routed in the forward.
 
     Bytes kept inside converted modules (or their children) are covered. A module slimact did not convert
     still counts as uncovered with what it keeps in the converted model (measured), at most what it kept in
@@ -472,9 +498,18 @@ def _coverage(
     tagged = {name: m for name, m in model.named_modules() if attention.POLICY_ATTR in m.__dict__}
     for m in tagged.values():
         m.__dict__.pop(attention.SEEN_ATTR, None)
-    after = profile(model, inputs, loss_fn=loss_fn).by_module
+    earlier = set(routing.routed) if routing is not None else set()
+    if routing is not None:
+        routing.routed.clear()
+    try:
+        after = profile(model, inputs, loss_fn=loss_fn).by_module
+        routed = set(routing.routed) if routing is not None else set()
+    finally:
+        if routing is not None:
+            routing.routed |= earlier
     unrouted = [name for name, m in tagged.items() if not m.__dict__.get(attention.SEEN_ATTR)]
-    converted = converted - set(unrouted)
+    idle = sorted(name for name in by_products if not any(r == name or r.startswith(f"{name}.") for r in routed))
+    converted = converted - set(unrouted) - set(idle)
     plain = revert(copy.deepcopy(model))
     before = profile(plain, inputs, loss_fn=loss_fn).by_module
     del plain
@@ -486,4 +521,4 @@ def _coverage(
     uncovered = {name: min(n, after.get(name, 0)) for name, n in before.items() if not covered(name)}
     uncovered = {name: n for name, n in uncovered.items() if n}
     total = sum(before.values())
-    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted
+    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle

@@ -4,8 +4,9 @@ How it counts: one training forward runs under ``torch.autograd.graph.saved_tens
 hook sees every tensor any op saves for backward, PyTorch's built-in ops and slimact's Functions alike
 (slimact saves only through ``ctx.save_for_backward``). Each saved tensor still held for the backward when the
 forward ends is charged the full size of its storage, once per unique storage (a view saved by two ops is counted
-once, by the first), and never if the storage belongs to a parameter or buffer; one saved by a graph the forward
-itself frees (a local graph in a Function's forward) is not. It is attributed to the innermost module whose forward was
+once, by the first of them still held: a view saved by a graph the forward drops hides no kept tensor of its
+storage), and never if the storage belongs to a parameter or buffer; one saved by a graph the forward itself frees (a
+local graph in a Function's forward) is not. It is attributed to the innermost module whose forward was
 running when it was saved, and to that module's kind (:func:`slimact._kinds.kind_of`); tensors the loss
 function saves go to ``"(loss)"``. The backward then runs, and the model is left as it was found: its
 training mode, gradients, buffers (running estimates, BatchNorm statistics) and the RNG state.
@@ -478,24 +479,31 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     """One training step of ``model``: with ``keep``, under the saved-tensor hooks that count what is kept; with
     ``peak``, under the :class:`_Meter`."""
     excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    # storage key -> (the entry, a weak reference to the tensor saved, what it is: 0 kept, 1 a gradient computed
-    # ahead, 2 a parameter's gradient computed ahead; None off the model's device). A tensor saved by a graph the
-    # forward also frees (a local graph inside a Function's forward: the LM loss's soft cap, per chunk) is not
-    # kept, and its address may be reused.
-    seen: dict[tuple[str, int], tuple[SavedTensor, weakref.ref, int | None]] = {}
+    # storage key -> per tensor saved with that storage, in order: (the entry, a weak reference to the tensor
+    # saved, what it is: 0 kept, 1 a gradient computed ahead, 2 a parameter's gradient computed ahead; None off the
+    # model's device). A tensor saved by a graph the forward also frees (a local graph inside a Function's forward:
+    # the LM loss's soft cap, per chunk; a side computation the forward drops) is not kept, and its address may be
+    # reused; the storage counts (once, as the first of its tensors still alive) while any of them is alive: a view
+    # saved by a dropped graph does not hide the base a kept one saved.
+    seen: dict[tuple[str, int], list[tuple[SavedTensor, weakref.ref, int | None]]] = {}
     device = _device_of(model)
     stack = _ModuleStack(model) if keep else None
 
     def pack_hook(t: Tensor) -> Tensor:
         key = _storage_key(t)
-        if key is None or key in excluded or (key in seen and seen[key][1]() is not None):
+        if key is None or key in excluded:
             return t
+        saved_here = seen.setdefault(key, [])
+        if any(ref() is t for _, ref, _ in saved_here):
+            return t  # (the very tensor again)
+        if not any(ref() is not None for _, ref, _ in saved_here):
+            saved_here.clear()  # all freed: the address may hold another storage now
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
         gradient = is_gradient(t)
         entry = SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), gradient)
         what = (2 if is_parameter_gradient(t) else 1) if gradient else 0
-        seen[key] = (entry, weakref.ref(t), what if t.device == device else None)
+        saved_here.append((entry, weakref.ref(t), what if t.device == device else None))
         return t
 
     use_cuda = torch.cuda.is_available() and device.type == "cuda"
@@ -520,7 +528,9 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
                     stack.remove()
             # What the forward left: the saved tensors still alive with its output (autograd holds what pack_hook
             # returned; a branch of the output the loss does not use counts, as a training step holds the output).
-            alive = [(key, entry, what) for key, (entry, ref, what) in seen.items() if ref() is not None]
+            alive = [next(((key, entry, what) for entry, ref, what in saved_here if ref() is not None), None)
+                     for key, saved_here in seen.items()]
+            alive = [a for a in alive if a is not None]
             entries = [entry for _, entry, _ in alive]
             # address -> what it is, of this device's saved storages
             saved = {key[1]: what for key, _, what in alive if what is not None}

@@ -158,6 +158,22 @@ def test_reading_the_logits_after_an_optimizer_step_raises():
         out.logits.sum()
 
 
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_reading_the_logits_after_a_step_written_through_data_raises(policy):
+    # A hand-written optimizer step through .data (p.data -= lr * p.grad) moves no version: nanoGPT's lazy logits,
+    # read after it (an accuracy logged after the step), were computed with the new weight, 1.09 off the forward's,
+    # with no error.
+    torch.manual_seed(0)
+    slim = slimact.convert(_nano.NanoGPT().train(), policy)
+    idx, targets = _nano.batch()
+    logits, loss = slim(idx, targets)
+    loss.backward()
+    for p in slim.parameters():
+        p.data.add_(p.grad, alpha=-1.0)
+    with pytest.raises(RuntimeError, match="changed in place since the forward"):
+        logits.argmax(-1)
+
+
 def test_logits_of_a_functional_call_are_those_of_the_substituted_weights():
     # torch.func.functional_call (MAML, model soups, an EMA evaluated through the live module) runs the forward with
     # other tensors in place of the parameters and puts the parameters back on return. The LazyLogits were then
@@ -472,3 +488,29 @@ def test_two_modules_named_lm_head_are_no_lm_loss():
     # Which of the two is this model's head is a guess: the loss runs as written.
     pair = torch.nn.ModuleList([_nano.NanoGPT(), _nano.NanoGPT()])
     assert "(loss)" not in slimact.summary(slimact.convert(pair, "int8")).modules
+
+
+@pytest.mark.parametrize("first_read", ["no_grad", "inference_mode"])
+def test_logits_first_read_without_grad_still_carry_their_graph(first_read):
+    # nanoGPT called with targets returns lazy logits; a metric read under no_grad (an accuracy, logged) computed and
+    # cached them without a graph, so a loss term taken on them afterwards (a z-loss) had no gradient at all:
+    # requires_grad False, the head's gradient that of the LM loss alone (off by 5.6e-4 at 6.9e-2), no error; the same
+    # under inference_mode. The logits are computed as the forward would have, with their graph.
+    torch.manual_seed(0)
+    plain = _nano.NanoGPT().train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    idx, targets = _nano.batch()
+    grads, z_terms = [], []
+    for model in (plain, slim):
+        torch.manual_seed(1)
+        logits, loss = model(idx, targets)
+        with torch.no_grad() if first_read == "no_grad" else torch.inference_mode():
+            accuracy = (logits.argmax(-1) == targets).float().mean()
+        z = logits.logsumexp(-1).pow(2).mean()
+        z_terms.append(z)
+        (loss + 1e-2 * z).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        assert 0 <= accuracy.item() <= 1
+    assert z_terms[1].requires_grad
+    torch.testing.assert_close(z_terms[1], z_terms[0])
+    assert_gradients_equal(grads[0], grads[1])

@@ -13,11 +13,12 @@ input ``h``, weight and bias, and the model's elementwise ops applied to it sinc
 together over chunks of tokens (:mod:`slimact.functional.lm_loss`): no ``[tokens, vocab]`` tensor is ever allocated,
 in the forward or the backward. Any other use computes the logits then and there, exactly as the head would have
 (``F.linear`` under the autocast state of the head's call, then the recorded ops), with their autograd graph to
-``h``, the weight and the bias: reading ``output.logits`` after the step works and costs the head's product once.
-That read raises if the head's weight or bias was changed in place since (an optimizer step): the logits it would
-give are not the ones the forward had. A custom autograd Function handed the lazy tensor itself (DDP's ``_DDPSink``
-with ``find_unused_parameters``) gets a node that recomputes the logits in its backward, so gradients through it are
-exact too.
+``h``, the weight and the bias (in grad mode, as the forward would have, whatever the mode of the read): reading
+``output.logits`` after the step works and costs the head's product once. That read raises if the head's weight or
+bias was changed in place since (an optimizer step, a write through ``.data``, which a fingerprint of the weight
+taken in the forward shows): the logits it would give are not the ones the forward had. A custom autograd Function
+handed the lazy tensor itself (DDP's ``_DDPSink`` with ``find_unused_parameters``) gets a node that recomputes the
+logits in its backward, so gradients through it are exact too.
 
 **Without labels** (or ``keep_logits``): the head computes its logits as usual; if ``F.cross_entropy`` then
 gets them, or an alias of them in the same token order (``float``, ``view``/``reshape``/``flatten``,
@@ -89,14 +90,14 @@ class _Spec:
     head module's own call on ``h``, for computing the logits in the graph (a converted head keeps its input
     as the policy says, as it would have in the forward)."""
 
-    __slots__ = ("autocast", "dtype", "head", "shape", "steps", "versions")
+    __slots__ = ("autocast", "contents", "dtype", "head", "shape", "steps", "versions")
 
-    def __init__(self, shape, dtype, steps, autocast, versions, head) -> None:
+    def __init__(self, shape, dtype, steps, autocast, versions, head, contents=(None, None)) -> None:
         self.shape, self.dtype, self.steps, self.autocast, self.versions = shape, dtype, steps, autocast, versions
-        self.head = head
+        self.head, self.contents = head, contents
 
     def _with(self, shape, dtype, steps) -> _Spec:
-        return _Spec(shape, dtype, steps, self.autocast, self.versions, self.head)
+        return _Spec(shape, dtype, steps, self.autocast, self.versions, self.head, self.contents)
 
     def derived(self, func: Callable, rest: tuple, kwargs: dict) -> _Spec | None:
         """The spec of ``func(lazy, *rest, **kwargs)`` where that is a view in token order or an elementwise op
@@ -134,26 +135,30 @@ class _Spec:
             with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
                 yield
 
-    def check(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    def check(self, h: Tensor, weight: Tensor, bias: Tensor | None, *, contents: bool = False) -> None:
         """Raise if the head's input, weight or bias was changed in place since the head's call: the logits it
-        stands for can no longer be computed (``versions``: theirs at that call)."""
+        stands for can no longer be computed (``versions``: theirs at that call). With ``contents``, also a weight
+        or bias written through ``.data`` (``p.data -= lr * p.grad``: no version moves), by their fingerprints."""
         if h._version != self.versions[0]:
             raise RuntimeError(
                 "slimact: the LM head's input was changed in place after the head's call (the logits were not "
                 "computed then: the fused LM loss did not need them), so the logits the forward had can no longer "
                 "be computed. Write that operation out of place, or convert with Policy(keep_logits=True)."
             )
-        if any(t is not None and t._version != v for t, v in zip((weight, bias), self.versions[1:], strict=True)):
+        if any(t is not None and t._version != v for t, v in zip((weight, bias), self.versions[1:], strict=True)) or (
+            contents and any(f is not None and not torch.equal(_fingerprint(t), f)
+                             for t, f in zip((weight, bias), self.contents, strict=True))
+        ):
             raise RuntimeError(
                 "slimact: these logits were never computed (the fused LM loss did not need them) and the head's "
-                "weight has been changed in place since the forward (an optimizer step?), so they can no longer be "
-                "computed as the forward had them. Read output.logits before the step, or convert with "
-                "Policy(keep_logits=True)."
+                "weight has been changed in place since the forward (an optimizer step? a write through .data?), so "
+                "they can no longer be computed as the forward had them. Read output.logits before the step, or "
+                "convert with Policy(keep_logits=True)."
             )
 
     def compute(self, h: Tensor, weight: Tensor, bias: Tensor | None, *, by_head: bool = False) -> Tensor:
         """The logits: ``F.linear`` on the given tensors, or (``by_head``) the head module's call on ``h``."""
-        self.check(h, weight, bias)
+        self.check(h, weight, bias, contents=True)
         with self.autocast_state():
             z = self.head(h, weight, bias) if by_head and self.head is not None else None
             z = self.transform(F.linear(h, weight, bias) if z is None else z)
@@ -206,9 +211,11 @@ class LazyLogits(Tensor):
         return _Lazy.apply(h, weight, bias, spec)
 
     def materialise(self) -> Tensor:
-        """The logits, computed on first use (cached)."""
+        """The logits, computed on first use (cached), as the forward would have computed them: with their graph, in
+        grad mode, whatever the mode of the first read (a metric under ``no_grad`` read before a loss term: cached
+        without a graph, the later term had no gradient at all)."""
         if self._value is None:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), torch.enable_grad():
                 self._value = self._spec.compute(*self._inputs, by_head=True)
         return self._value
 
@@ -349,7 +356,8 @@ class LossTracker:
         autocast = (device, torch.get_autocast_dtype(device)) if _autocasting(x) else None
         dtype = autocast[1] if autocast is not None else torch.result_type(x, weight)
         versions = (x._version, weight._version, None if bias is None else bias._version)
-        spec = _Spec((*x.shape[:-1], weight.shape[0]), dtype, (), autocast, versions, self._head_call)
+        spec = _Spec((*x.shape[:-1], weight.shape[0]), dtype, (), autocast, versions, self._head_call,
+                     (_fingerprint(weight), _fingerprint(bias)))
         self.lazy_made = True
         return LazyLogits.make(x, weight, bias, spec)
 
@@ -437,6 +445,24 @@ class LossTracker:
             handle.remove()
         self.head.__dict__.pop("_slimact_deferred", None)
         self._sources.clear()
+
+
+def _fingerprint(t: Tensor | None) -> Tensor | None:
+    """The sum, wrapping in the integer type of ``t``'s width (int32 where the rows allow it), of ``t``'s bit patterns:
+    it moves with a write to any element of ``t``, those made through ``.data`` too, which leave its version as it
+    was. One pass over the head's weight per forward, with no temporary of its size (a fraction ``1 / tokens`` of
+    the product the lazy logits skip), compared only when the logits are computed."""
+    if t is None or type(t) not in (Tensor, nn.Parameter) or t.dim() == 0 or t.element_size() not in (1, 2, 4, 8):
+        return None  # (a tensor subclass, DTensor's, a quantised weight's: not fingerprinted)
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    with torch.no_grad():
+        t = t.detach()
+        if t.element_size() < 4 and t.stride(-1) == 1 and t.shape[-1] * t.element_size() % 4 == 0:
+            try:
+                return t.view(torch.int32).sum(dtype=torch.int32)
+            except RuntimeError:  # (strides or offset not aligned to 4 bytes: its own width)
+                pass
+        return t.view(ints[t.element_size()]).sum(dtype=ints[t.element_size()])
 
 
 def _autocasting(x: Tensor) -> bool:
