@@ -55,9 +55,11 @@ left tail (GELU below about -5.3 in fp32) the derivative is below 1e-6 and the r
 
 Squared ReLU (Primer's, Nemotron's ``ReLUSquaredActivation``, nanochat's ``F.relu(x).square()``) is simpler:
 ``y' = 2 sqrt(y)`` on its whole domain, so the lossless path keeps ``y`` alone (which the next layer keeps anyway:
-no byte of its own) and its error is ``sqrt``'s rounding, one ulp of ``max(x, 0)`` (fp32; a bf16 ``y`` carries its
-own rounding, half of which reaches ``sqrt(y)``). Its 8-bit path keeps ``x`` unclipped (``y'`` is never
-constant on the right), so the derivative is within one step of ``x`` (``2 * step / 2``).
+no byte of its own) and its error is the rounding of ``y`` halved by ``sqrt``: about one ulp of ``max(x, 0)`` in
+fp32 and bf16 (a relative 2^-9 in bf16), except where ``y`` underflows: there ``max(x, 0)`` is below ``sqrt`` of the
+smallest normal (1.1e-19 in fp32, 2.4e-4 in fp16, whose derivative then loses up to 5e-4 absolute, inside the
+1e-2 the in-place GELU states for fp16). Its 8-bit path keeps ``x`` unclipped (``y'`` is never constant on the
+right), so the derivative is within one step of ``x`` (``2 * step / 2``).
 """
 
 from __future__ import annotations
