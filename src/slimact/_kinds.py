@@ -323,6 +323,8 @@ def _act_name(module: nn.Module) -> str | None:
 #: Tensors of a probed module up to this many elements are copied before the probe and put back after; a larger
 #: one (a gated MLP's projection) is only watched (its version counter), and an in-place change is an error.
 _KEPT_NUMEL = 1 << 20
+#: A module's ``__dict__`` entries :class:`_KeptState` does not take as plain attributes (its tables, its mode).
+_NOT_ATTRS = ("_parameters", "_buffers", "_modules", "training")
 
 
 class _KeptState:
@@ -345,13 +347,11 @@ class _KeptState:
                     version = None if t.is_inference() else t._version
                     copy = t.detach().clone() if t.numel() <= _KEPT_NUMEL and not t.is_meta else None
                     self.tensors.append((f"{prefix}.{name}" if prefix else name, t, version, copy))
-            self.attrs.append((m, {k: v for k, v in m.__dict__.items() if k not in ("_parameters", "_buffers",
-                                                                                    "_modules", "training")}))
+            self.attrs.append((m, {k: v for k, v in m.__dict__.items() if k not in _NOT_ATTRS}))
 
     def restore(self, module: nn.Module) -> None:
         for m, before in self.attrs:
-            for key in [k for k in m.__dict__ if k not in before and k not in ("_parameters", "_buffers", "_modules",
-                                                                                "training")]:
+            for key in [k for k in m.__dict__ if k not in before and k not in _NOT_ATTRS]:
                 del m.__dict__[key]  # set by the forward
             for key, value in before.items():
                 if m.__dict__.get(key, _KeptState) is not value:
