@@ -376,6 +376,11 @@ class Summary:
         return "\n".join(lines)
 
 
+def _at_or_under(name: str, prefix: str) -> bool:
+    """Whether the module named ``name`` is the one named ``prefix`` or inside it."""
+    return name == prefix or name.startswith(prefix + ".")
+
+
 #: Per kind, the function whose calls in a module's own code the routing sends through slimact.
 _ROUTED_CALLS = {"attention": "scaled_dot_product_attention", "layernorm": "layer_norm", "rmsnorm": "rms_norm",
                  "gelu": "gelu", "silu": "silu", "relu": "relu", "dropout": "dropout"}
@@ -414,7 +419,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     as_written = [n for n, m in model.named_modules() if id(m) in excluded]
     by_products: set[str] = set()  # reported converted as their products and softmaxes are routed
     for name, module in model.named_modules():
-        routed = routing is not None and not any(name == n or name.startswith(n + ".") for n in as_written)
+        routed = routing is not None and not any(_at_or_under(name, n) for n in as_written)
         if isinstance(module, SlimModule):
             modules[name] = kind_of(module)
         elif attention.POLICY_ATTR in module.__dict__:
@@ -470,7 +475,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                              "these inputs (its attention ran otherwise, e.g. F.scaled_dot_product_attention with the "
                              "policy's attention kind off): left as written")
         for name in unrouted:
-            if routing is not None and any(r == name or r.startswith(f"{name}.") for r in routing.routed):
+            if routing is not None and any(_at_or_under(r, name) for r in routing.routed):
                 continue  # its products and softmaxes (or a child's: DeBERTa-v2's) were routed instead
             del modules[name]
             skipped[name] = ("tagged for slimact's attention, but its attention did not run through transformers' "
@@ -508,7 +513,7 @@ def _coverage(
         if routing is not None:
             routing.routed |= earlier
     unrouted = [name for name, m in tagged.items() if not m.__dict__.get(attention.SEEN_ATTR)]
-    idle = sorted(name for name in by_products if not any(r == name or r.startswith(f"{name}.") for r in routed))
+    idle = sorted(name for name in by_products if not any(_at_or_under(r, name) for r in routed))
     converted = converted - set(unrouted) - set(idle)
     plain = revert(copy.deepcopy(model))
     before = profile(plain, inputs, loss_fn=loss_fn).by_module
