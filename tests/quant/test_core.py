@@ -638,38 +638,12 @@ def test_unpack_traced_by_dynamo_never_calls_the_triton_kernels(monkeypatch):
     assert tripwire.calls == []
 
 
-def test_a_parameter_changed_through_data_is_packed_afresh_outside_a_forward():
-    # A slimact Linear used on its own, fed a parameter (learned queries, latents) that is updated through .data
-    # (weight clipping, an EMA, a custom optimizer): no version moves, and the pack kept from the previous step
-    # gave this step's weight gradient the old values (cosine -1 after a sign flip).
+def _weight_gradients_follow(x: torch.Tensor, change) -> None:
+    """A slimact Linear used on its own and a plain one with its weights, fed ``x`` for two steps, ``change()``
+    writing new values into ``x`` between them without moving its version: the weight gradients agree each step."""
     import slimact.nn as snn
 
     torch.manual_seed(0)
-    latents = torch.nn.Parameter(torch.randn(5, 16))
-    slim = snn.Linear(16, 8, policy="int8")
-    plain = torch.nn.Linear(16, 8)
-    plain.load_state_dict(slim.state_dict())
-    for _ in range(2):
-        grads = []
-        for layer in (slim, plain):
-            layer.zero_grad()
-            layer(latents).square().sum().backward()
-            grads.append(layer.weight.grad)
-        assert cosine(grads[0], grads[1]) >= 0.999
-        latents.data.mul_(-3.0)
-
-
-def test_an_input_refilled_in_place_without_a_version_bump_is_packed_afresh_outside_a_forward():
-    # A slimact Linear used on its own, fed a batch that shares memory with a numpy array the loop refills in place
-    # (no version counter moves): the pack of the previous batch was served again, and the weight gradient was
-    # the previous batch's (cosine -0.01).
-    import numpy as np
-
-    import slimact.nn as snn
-
-    torch.manual_seed(0)
-    buf = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
-    x = torch.from_numpy(buf)
     slim = snn.Linear(16, 8, policy="int8")
     plain = torch.nn.Linear(16, 8)
     plain.load_state_dict(slim.state_dict())
@@ -680,4 +654,26 @@ def test_an_input_refilled_in_place_without_a_version_bump_is_packed_afresh_outs
             layer(x).square().sum().backward()
             grads.append(layer.weight.grad)
         assert cosine(grads[0], grads[1]) >= 0.999, step
+        change()
+
+
+def test_a_parameter_changed_through_data_is_packed_afresh_outside_a_forward():
+    # A slimact Linear used on its own, fed a parameter (learned queries, latents) that is updated through .data
+    # (weight clipping, an EMA, a custom optimizer): no version moves, and the pack kept from the previous step
+    # gave this step's weight gradient the old values (cosine -1 after a sign flip).
+    latents = torch.nn.Parameter(torch.randn(5, 16, generator=torch.Generator().manual_seed(0)))
+    _weight_gradients_follow(latents, lambda: latents.data.mul_(-3.0))
+
+
+def test_an_input_refilled_in_place_without_a_version_bump_is_packed_afresh_outside_a_forward():
+    # A slimact Linear used on its own, fed a batch that shares memory with a numpy array the loop refills in place
+    # (no version counter moves): the pack of the previous batch was served again, and the weight gradient was
+    # the previous batch's (cosine -0.01).
+    import numpy as np
+
+    buf = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+
+    def refill():
         buf[:] = -3.0 * buf[::-1]
+
+    _weight_gradients_follow(torch.from_numpy(buf), refill)
