@@ -17,11 +17,15 @@ allocated before it (``cuda_peak_bytes``).
 The step's peak (``profile(..., peak=True)``, and :func:`peak_bytes`, which runs the same measurement without the
 saved-tensor hooks): the step runs under ``torch.profiler`` with its memory events, each allocation and free the
 allocator makes (CPU, or the CUDA caching allocator, in its block sizes, for a model on a GPU), with its address
-and the allocator's total after it. The bytes alive after an event are that total less the total before the step
-(so the parameters, the inputs and whatever else was allocated before it are in no figure, even where the forward
-saves them); its highest in the forward (the loss included) and in the backward are the two high-water marks. At
-each, what was alive, by what it was: pairing each free with the allocation at its address (events in the
-allocator's order: :func:`_in_allocator_order`) gives each block's lifetime; a storage saved for the backward
+and the allocator's total after it. Pairing each free with the allocation at its address (events in the allocator's
+order: :func:`_in_allocator_order`) gives the lifetime of each block the step allocated; the bytes alive after an
+event are those of the step's blocks not yet freed. So the parameters, the inputs and whatever else was allocated
+before the step are in no figure, even where the forward saves them, and neither is the free of such a block during
+the step: CPU's reporter sees one only where an earlier profiled step allocated the block (with its size, perhaps
+stale), so counting it made the figure depend on what the process had profiled before and on when its garbage
+collector ran (in CI, one of ``fit``'s probes fell 20% off the line through the others). The highest in the
+forward (the loss included) and in the backward are the two high-water marks. At each, what was alive, by what it
+was: a storage saved for the backward
 (the block alive at its address when the backward begins) is ``kept`` or, if saved as a gradient computed ahead,
 ``gradients_ahead``; a block that is a parameter's ``.grad`` when the backward ends is ``parameter_gradients``;
 the rest (layer outputs not yet read, tensors being packed or restored, the model's logits, the loss's chunks,
@@ -375,12 +379,11 @@ class _Meter:
         ahead, 2 a parameter's gradient computed ahead), of each storage saved for the backward; ``grads``:
         addresses of the parameters' gradients after the step.
 
-        The bytes alive after an event are the allocator's own total then, less its total before the step; kept,
+        The bytes alive after an event are those of the blocks the step allocated and had not freed by then; kept,
         gradients ahead and parameter gradients are the blocks identified as such, transients the rest."""
         events, t_backward = self._events()
         if not events:
             return Live(), Live(), 0
-        base = events[0][3] - events[0][2]
         first_backward = next((i for i, e in enumerate(events) if e[0] >= t_backward), len(events))
         # Every block the step allocated, [start, end) in event indices (end None: alive at the end), paired by
         # address; a block whose free was not seen ends where its address is allocated again.
@@ -410,12 +413,12 @@ class _Meter:
         parts = [0, 0, 0, 0]
         best = [(-math.inf, Live()), (-math.inf, Live())]  # forward, backward: (bytes alive, Live) at its highest
         less = 0
-        for i, (_, _, n, after) in enumerate(events):
+        for i, (_, _, n, _) in enumerate(events):
             for block, sign in changes[i]:
                 parts[block[4]] += sign * block[3]
             if n <= 0:
                 continue
-            alive = after - base
+            alive = sum(parts)  # the step's own blocks: a free of an older one is not the step's (module docstring)
             kept, ahead, param = parts[:3]
             phase = int(i >= first_backward)
             if alive > best[phase][0]:
