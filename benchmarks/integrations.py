@@ -3,8 +3,9 @@ both; under bf16 autocast too (benchmarks/results/integrations.{csv,md}). And wh
 saving: bytes held after the forward of the zoo's Llama (2 layers, batch 2 x 256) and the peak of its forward
 and backward, eager and compiled, plain and "int8", measured by torch.profiler's memory events
 (benchmarks/results/compile.{csv,md}). And nanoGPT's and nanochat's models as their repositories write them
-(``slimact.zoo.NanoGPT``/``NanoChat`` at their GPT-2-small sizes, fp32, batch 4 x 512): bytes kept and the step's
-peak, plain, "tempo" and "int8" (benchmarks/results/nano.{csv,md}).
+(``slimact.zoo.NanoGPT``/``NanoChat`` at their GPT-2-small sizes) and Meta's reference Llama
+(``slimact.zoo.MetaLlama``, a Llama of that size, its loss computed outside the model), fp32, batch 4 x 512: bytes
+kept and the step's peak, plain, "tempo" and "int8" (benchmarks/results/nano.{csv,md}).
 
     python benchmarks/integrations.py            # all three
     python benchmarks/integrations.py nano       # one of: integrations, compile, nano
@@ -16,7 +17,7 @@ import transformers
 
 import slimact
 from slimact.bench import autocast, environment, write_results
-from slimact.zoo import NanoChat, NanoGPT, build, example_inputs
+from slimact.zoo import MetaLlama, NanoChat, NanoGPT, build, example_inputs
 
 
 def main() -> None:
@@ -76,21 +77,36 @@ def compile_rows() -> None:
 
 def nano_rows() -> None:
     """Models outside Hugging Face: slimact finds their head by its name (``lm_head``) and their labels by theirs
-    (``targets``), and routes the norms, attention and activations their own code calls."""
+    (``targets``), routes the norms, attention and activations their own code calls, and fuses the gated MLPs it
+    finds by what they compute (Meta's ``w1``, ``w2``, ``w3``)."""
     import torch
+    import torch.nn.functional as F
 
     rows = []
-    for name, ctor in (("nanoGPT (GPT-2 small)", NanoGPT), ("nanochat (depth 12)", NanoChat)):
+    for name, ctor in (("nanoGPT (GPT-2 small)", NanoGPT), ("nanochat (depth 12)", NanoChat),
+                       ("Meta Llama (GPT-2-small size)", MetaLlama)):
         torch.manual_seed(0)
         base = ctor().train()
-        vocab = base.lm_head.out_features
+        head = base.output if ctor is MetaLlama else base.lm_head
+        vocab = head.out_features
         idx = torch.randint(0, vocab, (4, 512), generator=torch.Generator().manual_seed(0))
-        inputs = (idx, idx.roll(-1, 1))
+        targets = idx.roll(-1, 1)
+        if ctor is MetaLlama:  # the logits; the loss is the training loop's (torchtitan's), outside the model
+
+            def loss_fn(logits, targets=targets):
+                return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+            inputs = idx
+        else:  # (logits, loss) from nanoGPT, the loss from nanochat
+
+            def loss_fn(out):
+                return out[1] if isinstance(out, tuple) else out
+
+            inputs = (idx, targets)
         plain = None
         for policy in ("plain", "tempo", "int8"):
             model = base if policy == "plain" else slimact.convert(copy.deepcopy(base), policy)
-            report = slimact.profile(model, inputs, loss_fn=lambda out: out[1] if isinstance(out, tuple) else out,
-                                     peak=True)
+            report = slimact.profile(model, inputs, loss_fn=loss_fn, peak=True)
             plain = plain or report
             rows.append({"model": name, "batch": 4, "tokens": 512, "vocab": vocab, "dtype": "fp32",
                          "policy": policy, "kept_mib": round(report.kept_bytes / 2**20, 1),

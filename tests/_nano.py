@@ -1,5 +1,5 @@
-"""nanoGPT's and nanochat's models (:class:`slimact.zoo.NanoGPT`, :class:`slimact.zoo.NanoChat`) at test size,
-with their training batch."""
+"""nanoGPT's, nanochat's and Meta's Llama models (:class:`slimact.zoo.NanoGPT`, :class:`slimact.zoo.NanoChat`,
+:class:`slimact.zoo.MetaLlama`) at test size, with their training batch."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ def NanoGPT(**kwargs) -> torch.nn.Module:
 
 def NanoChat() -> torch.nn.Module:
     return zoo.NanoChat(n_embd=64, n_head=4, n_kv_head=2, n_layer=2, vocab_size=VOCAB, block_size=T)
+
+
+def MetaLlama() -> torch.nn.Module:
+    return zoo.MetaLlama(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=16, max_seq_len=T)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:

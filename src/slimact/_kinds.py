@@ -39,6 +39,7 @@ from torch.nn.modules import module as _torch_module
 
 __all__ = [
     "GATED_MLP_PARTS",
+    "GatedLayout",
     "Recognised",
     "activation_form",
     "forget",
@@ -76,6 +77,40 @@ _PROBE_ERRORS = (TypeError, ValueError, RuntimeError, LookupError, NotImplemente
 #: fused ``gate_up_proj`` (Phi-3); the down projection; the activation module.
 GATED_MLP_PARTS = {"gate": "gate_proj", "up": "up_proj", "gate_up": "gate_up_proj", "down": "down_proj",
                    "act": ("act_fn", "activation_fn")}
+#: The smooth forms a fused gated MLP differentiates, and the torch function a forward calls for each where its
+#: activation is a call, not a module (``F.silu(self.w1(x)) * self.w3(x)``: Meta's Llama, torchtitan, gpt-fast,
+#: LitGPT); quick GELU has none (``x * torch.sigmoid(1.702 * x)``, its formula).
+_GATED_CALLS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu,
+                "gelu_tanh": functools.partial(nn.functional.gelu, approximate="tanh"), "quick_gelu": None}
+
+
+@dataclass(frozen=True)
+class GatedLayout:
+    """Where a gated MLP ``down(act(gate(x)) * up(x))`` holds its parts: attribute names of its child modules.
+
+    Either ``gate`` and ``up`` (two Linears) or ``gate_up`` (one Linear computing both: ``[gate | up]`` along the
+    last dim, ``[up | gate]`` where not ``gate_first``); ``act`` names the activation module, or is ``None``
+    where the forward calls the form's function itself."""
+
+    down: str
+    gate: str | None = None
+    up: str | None = None
+    gate_up: str | None = None
+    gate_first: bool = True
+    act: str | None = None
+
+    def parts(self, module: nn.Module) -> tuple[nn.Module | None, ...]:
+        """``(gate_up, gate, up, down, act)`` of ``module``, ``None`` where this layout has none (read from
+        ``_modules``: a converted block reads its parts on every call, and ``getattr`` of a missing name raises
+        inside ``nn.Module.__getattr__``, a few microseconds each)."""
+        get = module._modules.get
+        return tuple(None if n is None else get(n) for n in (self.gate_up, self.gate, self.up, self.down, self.act))
+
+    @property
+    def computed(self) -> tuple[str, ...]:
+        """The children the fused block computes itself (it calls only the gate and up projections)."""
+        return (self.down,) if self.act is None else (self.down, self.act)
+
 
 _FORM_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "silu": "silu", "relu": "relu",
               "relu2": "relu"}
@@ -304,20 +339,49 @@ def norm_form(module: nn.Module) -> dict | None:
 # ------------------------------------------------------------------------------------------------ gated MLP
 
 
-def gated_mlp_parts(module: nn.Module) -> tuple[nn.Linear | None, nn.Module | None, nn.Module | None,
-                                                   nn.Module | None, nn.Module | None]:
-    """``(gate_up, gate, up, down, act)`` of a gated MLP's layout (:data:`GATED_MLP_PARTS`): its submodules of
-    those names (read from ``_modules``: ``getattr`` of a missing name raises inside ``nn.Module.__getattr__``,
-    a few microseconds each, and a converted block reads its parts on every call)."""
-    get = module._modules.get
-    gate_up = get(GATED_MLP_PARTS["gate_up"])
-    act = next((a for n in GATED_MLP_PARTS["act"] if (a := get(n)) is not None), None)
-    return ((gate_up if isinstance(gate_up, nn.Linear) else None), get(GATED_MLP_PARTS["gate"]),
-            get(GATED_MLP_PARTS["up"]), get(GATED_MLP_PARTS["down"]), act)
+def gated_mlp_parts(module: nn.Module) -> tuple[nn.Module | None, ...]:
+    """``(gate_up, gate, up, down, act)`` of a gated MLP (:meth:`GatedLayout.parts`): where a converted block has
+    them, else where :func:`recognise` found them, else in Hugging Face's names (:data:`GATED_MLP_PARTS`)."""
+    layout = module.__dict__.get("_slimact_layout") or recognise(module).extra.get("layout") or _named_layout(module)
+    return layout.parts(module) if layout is not None else (None,) * 5
 
 
-def _act_name(module: nn.Module) -> str | None:
-    return next((n for n in GATED_MLP_PARTS["act"] if module._modules.get(n) is not None), None)
+def _named_layout(module: nn.Module) -> GatedLayout | None:
+    """The parts in Hugging Face's names (:data:`GATED_MLP_PARTS`), where the module has them."""
+    get, names = module._modules.get, GATED_MLP_PARTS
+    act = next((n for n in names["act"] if get(n) is not None), None)
+    if act is None or get(names["down"]) is None:
+        return None
+    if isinstance(get(names["gate_up"]), nn.Linear):
+        return GatedLayout(names["down"], gate_up=names["gate_up"], act=act)
+    if get(names["gate"]) is None or get(names["up"]) is None:
+        return None
+    return GatedLayout(names["down"], gate=names["gate"], up=names["up"], act=act)
+
+
+def _shaped_layouts(module: nn.Module) -> list[GatedLayout]:
+    """Every way a module of other names could hold a gated MLP, by its children's shapes: two or three
+    ``nn.Linear`` children (fused ``[D -> 2I]`` and ``[I -> D]``, either half first; or two ``[D -> I]`` and one
+    ``[I -> D]``, in every assignment) and at most one activation module besides, nothing else, no parameter of
+    its own. The probe (:func:`_probe_gated_mlp`) decides which one, if any, the forward computes."""
+    children = list(module._modules.items())
+    linears = [(n, m) for n, m in children if isinstance(m, nn.Linear)]
+    others = [(n, m) for n, m in children if not isinstance(m, nn.Linear)]
+    if len(linears) not in (2, 3) or len(others) > 1 or next(module.parameters(recurse=False), None) is not None:
+        return []
+    act = others[0][0] if others else None
+    if others and (not _looks_like_activation(others[0][1]) or activation_form(others[0][1]) is None):
+        return []
+    layouts = []
+    for order in itertools.permutations(linears):
+        *ups, (down, d) = order
+        if any(m.in_features != d.out_features for _, m in ups):
+            continue
+        if len(ups) == 1 and ups[0][1].out_features == 2 * d.in_features:
+            layouts += [GatedLayout(down, gate_up=ups[0][0], gate_first=first, act=act) for first in (True, False)]
+        elif len(ups) == 2 and all(m.out_features == d.in_features for _, m in ups):
+            layouts.append(GatedLayout(down, gate=ups[0][0], up=ups[1][0], act=act))
+    return layouts
 
 
 #: Tensors of a probed module up to this many elements are copied before the probe and put back after; a larger
@@ -393,40 +457,102 @@ def _training(module: nn.Module) -> Iterator[None]:
             kept.restore(module)
 
 
-def _probe_gated_mlp(module: nn.Module) -> str | None:
-    """The activation form if ``module`` computes ``down(act(gate(x)) * up(x))`` on a probe, else ``None``."""
+def _gated_forms(module: nn.Module, layout: GatedLayout) -> tuple[str, ...]:
+    """The activation forms ``layout`` could fuse with in ``module``: none where a part is not a plain Linear
+    (an adapter or a quantised layer: the block is left as written) or runs hooks (the fused block never calls
+    the down projection or the activation: their hooks would not run; one changing act's output would pass the
+    probe, its act(g) running the hook too, but the backward would differentiate the bare form)."""
     from slimact.nn._base import SlimModule
 
-    gate_up, gate, up, down, act = gated_mlp_parts(module)
-    projections = (gate_up,) if gate_up is not None else (gate, up)
-    if not all(isinstance(p, nn.Linear) for p in (*projections, down)) or act is None:
-        return None
-    if type(down) is not nn.Linear and not isinstance(down, SlimModule):
-        return None  # an adapter or quantised layer in the down projection: leave the block as written
-    if _runs_hooks(down) or _runs_hooks(act):
-        return None  # the fused block never calls them (their hooks would not run; one changing act's output: the
-        # probe passes, its act(g) runs the hook too, but the backward would differentiate the bare form)
+    gate_up, gate, up, down, act = layout.parts(module)
+    projections = (gate_up,) if layout.gate_up is not None else (gate, up)
+    if not all(isinstance(p, nn.Linear) for p in (*projections, down)):
+        return ()
+    if (type(down) is not nn.Linear and not isinstance(down, SlimModule)) or _runs_hooks(down):
+        return ()
+    if act is None:
+        return tuple(_GATED_CALLS)
     form = activation_form(act)
-    if form in (None, "relu", "relu2"):  # (the fused block differentiates the smooth forms)
-        return None
-    first = projections[0]
-    x = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0))
-    x = x.to(device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad(), _training(module):
-        try:
+    return (form,) if form in _GATED_CALLS and not _runs_hooks(act) else ()  # (the fused block's smooth forms)
+
+
+def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tuple[GatedLayout, str]]:
+    """The ``(layout, form)`` for which ``module``'s training forward computes ``down(act(gate(x)) * up(x))`` on a
+    probe, and its gradients to ``gate(x)`` and ``up(x)`` are the form's (a detached or straight-through gate
+    would have others): the forward's own calls of its Linear children are watched (each called once, the gate
+    and up projections on the probe, the output the down projection's) and what reached the down projection is
+    compared with the form's product of what the others returned (so a zero down projection, as some
+    initialisations make it, hides nothing)."""
+    from slimact.functional.activation import derivative, reference
+
+    candidates = [(layout, form) for layout in layouts for form in _gated_forms(module, layout)]
+    if not candidates:
+        return []
+    names = {n for layout, _ in candidates for n in (layout.gate_up, layout.gate, layout.up, layout.down) if n}
+    # name -> (its input, its output, and the output as it was returned: the forward may write into it after)
+    calls: dict[str, list[tuple[Tensor | None, Tensor, Tensor]]] = {n: [] for n in names}
+    handles = [module._modules[n].register_forward_hook(lambda m, args, out, n=n: calls[n].append(
+        (args[0].detach().clone() if args and isinstance(args[0], Tensor) else None, out, out.detach().clone())))
+        for n in names]
+    first = module._modules[next(iter(names))]
+    dim = candidates[0][0].parts(module)[3].out_features  # (every layout's model width)
+    x = torch.randn(2, dim, generator=torch.Generator().manual_seed(0))
+    x = x.to(device=first.weight.device, dtype=first.weight.dtype).requires_grad_(True)
+    try:
+        with _probing_grad(), _training(module):
             y = _cls(module).forward(module, x)
-        except _PROBE_ERRORS:  # needs more than one tensor argument: not this kind of block
-            return None
-        if gate_up is None:
-            g, u = (nn.functional.linear(x, p.weight, p.bias) for p in projections)
-        else:
-            g, u = nn.functional.linear(x, gate_up.weight, gate_up.bias).chunk(2, dim=-1)
-        expected = nn.functional.linear(act(g) * u, down.weight, down.bias)
-    if not isinstance(y, Tensor) or y.shape != expected.shape:
-        return None
+    except _PROBE_ERRORS:  # needs more than one tensor argument: not this kind of block
+        return []
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(y, Tensor) or not y.requires_grad or any(len(c) != 1 for c in calls.values()):
+        return []
     tol = _tolerance(x.dtype)
-    scale = expected.float().abs().max().item()
-    return form if torch.allclose(y.float(), expected.float(), rtol=tol, atol=tol * scale) else None
+    found = []
+    for layout, form in candidates:
+        h, out, _ = calls[layout.down][0]
+        inputs = [calls[n][0][0] for n in (layout.gate_up, layout.gate, layout.up) if n]
+        if not torch.equal(out, y) or not all(isinstance(t, Tensor) and torch.equal(t, x) for t in inputs):
+            continue
+        if layout.gate_up is not None:
+            gu = calls[layout.gate_up][0][2]
+            g, u = gu.chunk(2, dim=-1) if layout.gate_first else reversed(gu.chunk(2, dim=-1))
+        else:
+            g, u = calls[layout.gate][0][2], calls[layout.up][0][2]
+        with _probing_grad(), torch.no_grad():
+            act = layout.parts(module)[4]
+            fn = act if act is not None else (_GATED_CALLS[form] or functools.partial(reference, form))
+            expected = fn(g) * u
+        scale = expected.float().abs().max().item()
+        if expected.shape == h.shape and torch.allclose(h.float(), expected.float(), rtol=tol, atol=tol * scale):
+            found.append((layout, form, g, u))
+    act = found[0][0].parts(module)[4] if len(found) == 1 else None
+    if len(found) != 1 or (act is not None and _writes_its_input(act)):  # (the rule says why it is left alone)
+        return [(layout, form) for layout, form, *_ in found]
+    # The gradients the model's code gives gate(x) and up(x) (through its down projection, whose input gradient
+    # is exact whatever slimact keeps), against the form's, which the fused block computes.
+    layout, form, g, u = found[0]
+    down = layout.parts(module)[3]
+    outputs = (calls[layout.gate_up][0][1],) if layout.gate_up is not None else (calls[layout.gate][0][1],
+                                                                                   calls[layout.up][0][1])
+    grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y)
+    with _probing_grad():
+        grads = torch.autograd.grad(y, outputs, grad_y, allow_unused=True)
+    if any(grad is None for grad in grads):
+        return []
+    grad_g, grad_u = grads if layout.gate_up is None else grads[0].chunk(2, dim=-1)
+    if not layout.gate_first:
+        grad_g, grad_u = grad_u, grad_g
+    with torch.no_grad():
+        g32, u32 = g.float(), u.float()
+        grad_h = grad_y.float() @ down.weight.float()  # [2, I]
+        exact = (grad_h * u32 * derivative(form, g32), grad_h * reference(form, g32))
+    for got, want in zip((grad_g, grad_u), exact, strict=True):
+        scale = want.abs().max().item()
+        if not torch.allclose(got.float(), want, rtol=2 * tol, atol=2 * tol * scale):
+            return []
+    return [(layout, form)]
 
 
 # ---------------------------------------------------------------------------------------------------- rules
@@ -440,15 +566,16 @@ def gated_mlp_form(module: nn.Module) -> str | None:
 
 def gated_mlp_intact(module: nn.Module, form: str) -> bool:
     """Whether a gated MLP converted with activation ``form`` still has the parts it was recognised with: a plain
-    ``nn.Linear`` down projection and an activation of that form, not in place, neither with hooks. Model code (an
-    adapter library, a user's hook) can change them after ``convert``; the fused block, which uses the down
-    projection's weight without calling it, would then silently compute something else."""
+    ``nn.Linear`` down projection and, where it has an activation module, one of that form, not in place, neither
+    with hooks. Model code (an adapter library, a user's hook) can change them after ``convert``; the fused block,
+    which uses the down projection's weight without calling it, would then silently compute something else."""
     from slimact.nn._base import SlimModule
 
     *_, down, act = gated_mlp_parts(module)
-    plain_down = type(down) is nn.Linear or isinstance(down, SlimModule)
-    return (plain_down and act is not None and activation_form(act) == form and not getattr(act, "inplace", False)
-            and not _runs_hooks(down) and not _runs_hooks(act))
+    if module.__dict__["_slimact_layout"].act is not None and (
+            act is None or activation_form(act) != form or getattr(act, "inplace", False) or _runs_hooks(act)):
+        return False
+    return (type(down) is nn.Linear or isinstance(down, SlimModule)) and not _runs_hooks(down)
 
 
 def _state_beyond(module: nn.Module, allowed: Iterable[Tensor]) -> list[str]:
@@ -461,21 +588,27 @@ def _state_beyond(module: nn.Module, allowed: Iterable[Tensor]) -> list[str]:
 
 
 def _rule_gated_mlp(module, cls):
-    form = _probe_gated_mlp(module)
-    if form is None:
+    named = _named_layout(module)
+    found = _probe_gated_mlp(module, [named] if named is not None else _shaped_layouts(module))
+    if not found:
         return None
-    beyond = _state_beyond(module, (t for part in gated_mlp_parts(module) if part is not None
-                                    for t in itertools.chain(part.parameters(), part.buffers())))
+    if len(found) > 1:
+        return Recognised("mlp", reason=(
+            f"{cls.__name__} computes a gated MLP on a probe in {len(found)} ways (which Linear is the gate, which "
+            "the up projection, which activation); slimact cannot tell which: its parts are converted on their own"))
+    ((layout, form),) = found
+    parts = [part for part in layout.parts(module) if part is not None]
+    beyond = _state_beyond(module, (t for part in parts for t in itertools.chain(part.parameters(), part.buffers())))
     if beyond:
         return Recognised("mlp", reason=(
             f"{cls.__name__} computes a gated MLP on a probe but holds {', '.join(beyond[:3])} besides its "
             "projections: slimact's fused block would neither use nor differentiate it; its parts are converted "
             "on their own"))
-    if _writes_its_input(gated_mlp_parts(module)[4]):
+    if layout.act is not None and _writes_its_input(module._modules[layout.act]):
         return Recognised("mlp", reason=(
             f"{cls.__name__} is a gated MLP whose activation writes into its input (in place): slimact's fused "
             "block keeps the gate projection it would overwrite; its parts are converted on their own"))
-    return Recognised("mlp", "mlp", {"form": form}, parts=(GATED_MLP_PARTS["down"], _act_name(module)))
+    return Recognised("mlp", "mlp", {"form": form, "layout": layout}, parts=layout.computed)
 
 
 def _writes_its_input(act: nn.Module) -> bool:

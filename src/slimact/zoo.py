@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["AUTO_TASKS", "MODELS", "NanoChat", "NanoGPT", "TorchEncoderLM", "auto_architectures", "build",
+__all__ = ["AUTO_TASKS", "MODELS", "MetaLlama", "NanoChat", "NanoGPT", "TorchEncoderLM", "auto_architectures", "build",
            "build_auto", "example_inputs", "load", "projection_loss", "tiny_config", "tiny_inputs"]
 
 
@@ -338,6 +338,100 @@ class NanoChat(nn.Module):
         logits = logits.float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
                                reduction=loss_reduction)
+
+class _MetaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        return self._norm(x.float()).type_as(x) * self.weight
+
+
+def _rope(x, freqs_cis):
+    # x [B, T, H, D] as D / 2 complex numbers, rotated by freqs_cis [T, D / 2]
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_ * freqs_cis[None, :, None, :]).flatten(3).type_as(x)
+
+
+class _MetaAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        b, t, _ = x.shape
+        xq = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        xk = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        xv = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        xq, xk = _rope(xq, freqs_cis), _rope(xk, freqs_cis)
+        rep = self.n_heads // self.n_kv_heads  # repeat_kv
+        xk, xv = (z.repeat_interleave(rep, dim=2) for z in (xk, xv))
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class _MetaFeedForward(nn.Module):
+    def __init__(self, dim: int, multiple_of: int) -> None:
+        super().__init__()
+        hidden = int(2 * 4 * dim / 3)
+        hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _MetaBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, multiple_of: int) -> None:
+        super().__init__()
+        self.attention = _MetaAttention(dim, n_heads, n_kv_heads)
+        self.feed_forward = _MetaFeedForward(dim, multiple_of)
+        self.attention_norm, self.ffn_norm = _MetaRMSNorm(dim), _MetaRMSNorm(dim)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class MetaLlama(nn.Module):
+    """Meta's Llama reference model (``llama3/model.py``; torchtitan's and gpt-fast's are alike) as it computes:
+    an RMSNorm class of its own (computed in fp32), rotary embeddings through complex numbers, grouped-query
+    heads repeated for ``F.scaled_dot_product_attention``, the SwiGLU feed-forward ``w2(F.silu(w1(x)) * w3(x))``
+    in those names, the head ``output``. It returns the fp32 logits; the training loop computes the loss (as
+    torchtitan's does), outside the model. Defaults: a Llama of GPT-2-small size (width 768, 12 heads over 4
+    key/value heads, 12 layers) with Llama 2's vocabulary."""
+
+    def __init__(self, dim: int = 768, n_layers: int = 12, n_heads: int = 12, n_kv_heads: int = 4,
+                 vocab_size: int = 32000, multiple_of: int = 256, max_seq_len: int = 2048) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(_MetaBlock(dim, n_heads, n_kv_heads, multiple_of) for _ in range(n_layers))
+        self.norm = _MetaRMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        head_dim = dim // n_heads
+        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32),
+                            1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[: tokens.shape[1]]
+        for layer in self.layers:
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h)).float()
+
 
 MODELS: dict[str, Callable[[_Dims], nn.Module]] = {
     "bert-base": lambda d: _encoder("BertConfig", "BertForMaskedLM", d),

@@ -1,11 +1,16 @@
 """Gated MLP blocks (``down(act(gate(x)) * up(x))``) computed by :func:`slimact.functional.mlp.gated_mlp`.
 
-``convert`` recognises a block by its parts (``gate_proj``, ``up_proj``, ``down_proj`` Linears and an
-``act_fn`` of a known smooth form, as Llama, Mistral, Qwen and Gemma name them; or Phi-3's fused
-``gate_up_proj`` with ``activation_fn``) and checks on a probe that the
-block computes exactly that; the gate and up Linears stay the block's own (converted) modules, the down
-projection's weight is used directly (its module is not called). A block whose down projection or activation
-changed since (an adapter swapped in, a hook registered, another activation) runs its own forward.
+``convert`` recognises a block by its parts (:class:`slimact._kinds.GatedLayout`): ``gate_proj``, ``up_proj``,
+``down_proj`` Linears and an ``act_fn`` of a known smooth form, as Llama, Mistral, Qwen and Gemma name them, or
+Phi-3's fused ``gate_up_proj`` with ``activation_fn``; or, in other names, two or three Linear children and at
+most one activation module, the activation possibly a call in the forward (``w2(F.silu(w1(x)) * w3(x))``: Meta's
+Llama, torchtitan, gpt-fast; LitGPT's ``fc_1``, ``fc_2``, ``proj``; one fused projection chunked either way round).
+A probe of the block's training forward decides which Linear is which and checks that the block computes exactly
+that, with the form's gradients. The gate and up Linears stay the block's own (converted) modules, the down
+projection's weight is used directly (its module is not called). The output is the block's own: its activation
+module, or the torch function of the form (``F.silu``, ``F.gelu``) where the forward called one (a forward
+that wrote the formula out, ``x * torch.sigmoid(x)``, rounds within an ulp of it). A block whose down projection
+or activation changed since (an adapter swapped in, a hook registered, another activation) runs its own forward.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimact._kinds import gated_mlp_form, gated_mlp_intact, gated_mlp_parts
+from slimact._kinds import _GATED_CALLS, gated_mlp_form, gated_mlp_intact, gated_mlp_parts
 from slimact.functional.mlp import gated_mlp
 from slimact.nn._base import SlimModule, slim_class
 
@@ -27,7 +32,7 @@ def _gate_up(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
     gate_up, gate, up, _, _ = gated_mlp_parts(module)
     if gate_up is not None:
         g, u = gate_up(x).chunk(2, dim=-1)
-        return g, u
+        return (g, u) if module._slimact_layout.gate_first else (u, g)
     return gate(x), up(x)
 
 
@@ -45,7 +50,9 @@ class _GatedMLPMixin(SlimModule):
         g, u = _gate_up(self, x)
         *_, down, act = gated_mlp_parts(self)
         form = self._slimact_form
-        if type(act).forward is nn.GELU.forward:  # read live (set after convert too), as nn.GELU does
+        if act is None:  # the forward called the form's function
+            act = _GATED_CALLS[form]
+        elif type(act).forward is nn.GELU.forward:  # read live (set after convert too), as nn.GELU does
             form = "gelu_tanh" if act.approximate == "tanh" else "gelu"
         return gated_mlp(g, u, down.weight, down.bias, form, self._slimact_cfg(g), act=act,
                          state_g=self._slimact_state("g"), state_u=self._slimact_state("u"))

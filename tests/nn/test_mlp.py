@@ -1,0 +1,306 @@
+"""Gated MLP blocks outside Hugging Face's names (``slimact.nn.mlp``, ``slimact._kinds.GatedLayout``): Meta's
+Llama, torchtitan and gpt-fast (``w2(F.silu(w1(x)) * w3(x))``), LitGPT (``fc_1``, ``fc_2``, ``proj``), OLMo's
+fused projection chunked with the gate second, GeGLU written in model code. Each is fused as Hugging Face's
+``LlamaMLP`` is, with the same bytes kept; a block that computes anything else, or whose gradients are not the
+form's, is left as written."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import _nano
+import slimact
+from _harness import assert_gradients_close, assert_gradients_equal
+from slimact._kinds import gated_mlp_form, recognise
+from slimact.nn import SlimModule
+
+D, F_ = 16, 40  # model width, intermediate width
+
+
+class HFMLP(nn.Module):
+    """Hugging Face's names (``LlamaMLP``): the reference every other layout is measured against."""
+
+    def __init__(self, d=D, i=F_):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, i, bias=False), nn.Linear(d, i, bias=False)
+        self.down_proj, self.act_fn = nn.Linear(i, d, bias=False), nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MetaFeedForward(nn.Module):
+    """Meta's Llama reference, torchtitan and gpt-fast: ``w1`` the gate, ``w3`` the up, ``w2`` the down projection
+    (declared in that order), SiLU a call."""
+
+    def __init__(self, d=D, i=F_):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, i, bias=False), nn.Linear(i, d, bias=False)
+        self.w3 = nn.Linear(d, i, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LitGPTMLP(nn.Module):
+    """LitGPT's ``LLaMAMLP``: ``fc_1`` the gate, ``fc_2`` the up, ``proj`` the down projection, with biases."""
+
+    def __init__(self, d=D, i=F_):
+        super().__init__()
+        self.fc_1, self.fc_2, self.proj = nn.Linear(d, i), nn.Linear(d, i), nn.Linear(i, d)
+
+    def forward(self, x):
+        x_fc_1 = self.fc_1(x)
+        x_fc_2 = self.fc_2(x)
+        x = torch.nn.functional.silu(x_fc_1) * x_fc_2
+        return self.proj(x)
+
+
+class OLMoMLP(nn.Module):
+    """OLMo's: one fused projection, its second half the gate; the activation a module of another name."""
+
+    def __init__(self, d=D, i=F_):
+        super().__init__()
+        self.ff_proj, self.ff_out, self.act = nn.Linear(d, 2 * i, bias=False), nn.Linear(i, d, bias=False), nn.SiLU()
+
+    def forward(self, x):
+        x, x_gate = self.ff_proj(x).chunk(2, dim=-1)
+        return self.ff_out(self.act(x_gate) * x)
+
+
+class FusedGeGLU(nn.Module):
+    """A fused projection with the gate first and tanh GELU called in the forward (Gemma's GeGLU in own code)."""
+
+    def __init__(self, d=D, i=F_):
+        super().__init__()
+        self.wi, self.wo = nn.Linear(d, 2 * i), nn.Linear(i, d)
+
+    def forward(self, x):
+        gate, up = self.wi(x).chunk(2, dim=-1)
+        return self.wo(F.gelu(gate, approximate="tanh") * up)
+
+
+class WrittenOutSwiGLU(nn.Module):
+    """SiLU written as its formula, the down projection declared first, square widths (any Linear could be any)."""
+
+    def __init__(self, d=D):
+        super().__init__()
+        self.out, self.a, self.b = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        g = self.b(x)
+        return self.out(g * torch.sigmoid(g) * self.a(x))
+
+
+LAYOUTS = [MetaFeedForward, LitGPTMLP, OLMoMLP, FusedGeGLU, WrittenOutSwiGLU]
+
+
+def _model(block, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.LayerNorm(D), block(), nn.Linear(D, 4)).train()
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _x(seed=1):
+    return torch.randn(4, 6, D, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize("block", LAYOUTS, ids=lambda b: b.__name__)
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_gated_mlp_in_other_names_is_fused_with_the_plain_blocks_output_and_gradients(block, policy):
+    plain = _model(block)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert isinstance(slim[1], SlimModule) and recognise(slim[1]).replace == "mlp"
+    assert slimact.summary(slim).modules["1"] == "mlp"
+    x = _x()
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    # The forward is the block's: its activation module or the form's torch function (a formula written out
+    # rounds within an ulp of F.silu).
+    exact = block is not WrittenOutSwiGLU
+    torch.testing.assert_close(out1, out0, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+@pytest.mark.parametrize("block", LAYOUTS, ids=lambda b: b.__name__)
+def test_a_gated_mlp_in_other_names_keeps_what_hugging_faces_llama_mlp_keeps(block):
+    # Unfused, the product's inputs act(g) and u stay in fp32 beside the 8-bit codes: 4.3x the bytes at these sizes.
+    x = _x()
+    i = F_ if block is not WrittenOutSwiGLU else D
+
+    def kept(model):
+        return slimact.profile(model, x, loss_fn=lambda y: y.square().sum()).by_module["1"]
+
+    for policy in ("tempo", "int8"):
+        reference = kept(slimact.convert(_model(lambda: HFMLP(D, i)), policy))
+        assert kept(slimact.convert(_model(block), policy)) == reference
+    plain = slimact.profile(_model(block), x, loss_fn=lambda y: y.square().sum()).by_module
+    assert plain.get("1", 0) + plain.get("1.w2", 0) > 0  # (the plain block keeps its tensors, under its parts)
+
+
+def test_the_down_projection_is_computed_by_the_block_and_reported_so():
+    slim = slimact.convert(_model(MetaFeedForward), "int8")
+    summary = slimact.summary(slim)
+    assert summary.skipped["1.w2"].startswith("computed by its parent")
+    assert isinstance(slim[1].w1, SlimModule) and isinstance(slim[1].w3, SlimModule)
+    assert not isinstance(slim[1].w2, SlimModule)
+    slimact.revert(slim)
+    assert type(slim[1]) is MetaFeedForward and "_slimact_layout" not in slim[1].__dict__
+
+
+def test_a_zero_initialised_down_projection_hides_nothing_from_the_probe():
+    # nanochat and modded-nanogpt zero their output projections: the block's output is then 0 for any layout and
+    # form; the probe compares what reached the down projection, not what it returned.
+    plain = _model(MetaFeedForward)
+    nn.init.zeros_(plain[1].w2.weight)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert gated_mlp_form(slim[1]) == "silu" and slim[1]._slimact_layout.gate == "w1"
+    (_, g0), (_, g1) = _grads(plain, _x()), _grads(slim, _x())
+    assert_gradients_equal(g0, g1)
+
+
+class _DetachedUp(MetaFeedForward):
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x).detach())
+
+
+class _StraightThroughGate(MetaFeedForward):
+    """The gate's SiLU in the forward, the identity's gradient in the backward."""
+
+    def forward(self, x):
+        g = self.w1(x)
+        return self.w2((g + (F.silu(g) - g).detach()) * self.w3(x))
+
+
+class _ScaledOutput(MetaFeedForward):
+    def forward(self, x):
+        return 0.5 * self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _Residual(MetaFeedForward):
+    def forward(self, x):
+        h = F.silu(self.w1(x)) * self.w3(x)
+        return self.w2(h + 0.1)
+
+
+class _NotGated(nn.Module):
+    """Three Linears of a gated MLP's shapes that compute something else."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(D, F_), nn.Linear(F_, D), nn.Linear(D, F_)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) + self.w3(x))
+
+
+class _DroppedProduct(MetaFeedForward):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.w2(self.drop(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class _GatedTwice(MetaFeedForward):
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x)) + self.w2(self.w3(x))[..., :1] * 0
+
+
+@pytest.mark.parametrize("block", [_DetachedUp, _StraightThroughGate, _ScaledOutput, _Residual, _NotGated,
+                                   _DroppedProduct, _GatedTwice], ids=lambda b: b.__name__.strip("_"))
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_block_that_is_not_exactly_a_gated_mlp_is_left_as_written(block, policy):
+    # Each computes a gated MLP's values on some inputs, or has its shapes, but not its gradients or not its
+    # output: fused, the backward would differentiate down(silu(g) * u) (the detached or straight-through ones:
+    # every gradient below the block off, no error).
+    plain = _model(block)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert recognise(slim[1]).replace is None and not isinstance(slim[1], SlimModule)
+    x = _x()
+    torch.manual_seed(2)
+    out0, g0 = _grads(plain, x)
+    torch.manual_seed(2)
+    out1, g1 = _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+def test_a_block_whose_gate_and_up_cannot_be_told_apart_is_left_alone_with_the_reason():
+    # Equal gate and up weights (a copy, a tied initialisation): silu(g) * u and silu(u) * g agree on every probe;
+    # which is the gate decides the gradients once training parts them.
+    plain = _model(MetaFeedForward)
+    with torch.no_grad():
+        plain[1].w3.weight.copy_(plain[1].w1.weight)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    assert "in 2 ways" in slimact.summary(slim).skipped["1"]
+    assert isinstance(slim[1].w1, SlimModule) and isinstance(slim[1].w2, SlimModule)  # converted on their own
+
+
+def test_a_hook_on_the_down_projection_after_convert_runs_the_blocks_own_forward():
+    plain = _model(MetaFeedForward)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    for model in (plain, slim):
+        model[1].w2.register_forward_hook(lambda m, args, out: out * 2)
+    (out0, g0), (out1, g1) = _grads(plain, _x()), _grads(slim, _x())
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+
+
+def test_converting_again_finds_the_same_layout_through_converted_parts():
+    # The second convert probes a block whose Linears are slimact's (8-bit): the probe's gradients to gate(x) and
+    # up(x) pass through the down projection's input gradient only, which is exact.
+    plain = _model(LitGPTMLP)
+    slim = slimact.convert(slimact.convert(copy.deepcopy(plain), "int8"), "tempo")
+    assert recognise(slim[1]).replace == "mlp" and slim[1]._slimact_layout.gate == "fc_1"
+    (_, g0), (_, g1) = _grads(plain, _x()), _grads(slim, _x())
+    assert_gradients_equal(g0, g1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_gated_mlp_in_other_names_is_recognised_in_half_precision(dtype):
+    plain = _model(MetaFeedForward).to(dtype)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    assert gated_mlp_form(slim[1]) == "silu"
+    (out0, g0), (out1, g1) = _grads(plain, _x().to(dtype)), _grads(slim, _x().to(dtype))
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_close(g0, g1)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_metas_llama_converts_whole_with_every_feed_forward_fused(policy):
+    # Meta's reference model (torchtitan's, gpt-fast's alike): its feed-forwards fused, its own fp32 RMSNorm and
+    # the attention its code calls converted; the loss is the training loop's, outside the model.
+    torch.manual_seed(0)
+    plain = _nano.MetaLlama().train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    idx, targets = _nano.batch()
+
+    def loss_fn(logits):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+    kinds = slimact.summary(slim).modules
+    assert [n for n, k in kinds.items() if k == "mlp"] == ["layers.0.feed_forward", "layers.1.feed_forward"]
+    assert sum(k == "rmsnorm" for k in kinds.values()) == 5
+    grads = []
+    for model in (plain, slim):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(idx))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss0, g0), (loss1, g1) = grads
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+    kept = {m: slimact.profile(m, idx, loss_fn=loss_fn).by_kind for m in (plain, slim)}
+    assert kept[slim]["mlp"] < (0.7 if policy == "tempo" else 0.2) * kept[plain]["mlp"]  # measured 0.67, 0.17
