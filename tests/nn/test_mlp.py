@@ -237,6 +237,42 @@ def test_a_block_that_is_not_exactly_a_gated_mlp_is_left_as_written(block, polic
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
 
 
+class _ClampedSwiGLU(MetaFeedForward):
+    """GPT-OSS's limit on the gate and up projections (``swiglu_limit``): only large values reach it."""
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x).clamp(max=7.0)) * self.w3(x).clamp(-7.0, 7.0))
+
+
+class _RankBranch(MetaFeedForward):
+    """A gated MLP on 2-D inputs (tokens flattened), scaled by the sequence length on 3-D ones."""
+
+    def forward(self, x):
+        y = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return y if x.dim() == 2 else y * x.shape[-2] ** -0.5
+
+
+class _ClampedInput(MetaFeedForward):
+    def forward(self, x):
+        x = x.clamp(-20.0, 20.0)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+@pytest.mark.parametrize("block", [_ClampedSwiGLU, _RankBranch, _ClampedInput], ids=lambda b: b.__name__.strip("_"))
+def test_a_block_that_is_a_gated_mlp_only_on_small_flat_inputs_is_left_as_written(block):
+    # Each computes down(silu(gate(x)) * up(x)) on a [2, D] input of unit scale, and something else on the
+    # [B, T, D] inputs of large values a model gives it: fused, the block computed the gated MLP there too (the
+    # output off by up to 100x here, no error).
+    torch.manual_seed(0)
+    plain = nn.Sequential(block(), nn.Linear(D, 4)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert recognise(slim[0]).replace is None and not isinstance(slim[0], SlimModule)
+    x = _x() * 20
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+
+
 def test_a_block_whose_gate_and_up_cannot_be_told_apart_is_left_alone_with_the_reason():
     # Equal gate and up weights (a copy, a tied initialisation): silu(g) * u and silu(u) * g agree on every probe;
     # which is the gate decides the gradients once training parts them.
