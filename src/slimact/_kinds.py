@@ -493,12 +493,17 @@ def _gated_probe_inputs(dim: int, dtype: torch.dtype) -> list[Tensor]:
 
 def _gated_calls(module: nn.Module, names: set[str], x: Tensor) -> tuple[Tensor, dict] | None:
     """``module``'s training forward of ``x`` with what its Linear children ``names`` were called with: ``(y,
-    {name: (its input, its output, and the output as it was returned: the forward may write into it after)})``,
-    or ``None`` where the forward fails, returns no differentiable tensor or calls one of them other than once."""
-    calls: dict[str, list[tuple[Tensor | None, Tensor, Tensor]]] = {n: [] for n in names}
-    handles = [module._modules[n].register_forward_hook(lambda m, args, out, n=n: calls[n].append(
-        (args[0].detach().clone() if args and isinstance(args[0], Tensor) else None, out, out.detach().clone())))
-        for n in names]
+    {name: (its input, its output, the output as it was returned: the forward may write into it after, and the
+    input as it was passed, in the forward's graph)})``, or ``None`` where the forward fails, returns no
+    differentiable tensor or calls one of them other than once."""
+    calls: dict[str, list[tuple[Tensor | None, Tensor, Tensor, Tensor | None]]] = {n: [] for n in names}
+
+    def watch(n: str, args: tuple, out: Tensor) -> None:
+        t = args[0] if args and isinstance(args[0], Tensor) else None
+        calls[n].append((None if t is None else t.detach().clone(), out, out.detach().clone(), t))
+
+    handles = [module._modules[n].register_forward_hook(lambda m, args, out, n=n: watch(n, args, out))
+               for n in names]
     try:
         with _probing_grad(), _training(module):
             y = _cls(module).forward(module, x)
@@ -526,7 +531,7 @@ def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor
     of ``x`` itself, the output the down projection's, what reached it the form's product (to float rounding)."""
     from slimact.functional.activation import reference
 
-    h, out, _ = calls[layout.down]
+    h, out, *_ = calls[layout.down]
     inputs = [calls[n][0] for n in (layout.gate_up, layout.gate, layout.up) if n]
     if not torch.equal(out, y) or not all(isinstance(t, Tensor) and torch.equal(t, x) for t in inputs):
         return False
@@ -539,11 +544,24 @@ def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor
     return expected.shape == h.shape and torch.allclose(h.float(), expected.float(), rtol=tol, atol=tol * scale)
 
 
-def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, y: Tensor, calls: dict) -> bool:
+def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor,
+                        calls: dict) -> bool:
     """Whether the gradients the model's code gives gate(x) and up(x) (through its down projection, whose input
-    gradient is exact whatever slimact keeps) are the form's, which the fused block computes."""
+    gradient is exact whatever slimact keeps) are the form's, which the fused block computes, and whether what
+    the gate and up projections were given passes its gradient to ``x`` unchanged, as the fused block's call of
+    them on ``x`` does (not ``w3(x.detach())``, nor a straight-through scale: equal values, other gradients)."""
     from slimact.functional.activation import derivative, reference
 
+    tol = _tolerance(y.dtype)
+    for n in (n for n in (layout.gate_up, layout.gate, layout.up) if n is not None):
+        passed = calls[n][3]
+        if passed is None or not passed.requires_grad:
+            return False
+        v = torch.randn(passed.shape, generator=torch.Generator().manual_seed(2)).to(passed)
+        with _probing_grad():
+            (got,) = torch.autograd.grad(passed, x, v, retain_graph=True, allow_unused=True)
+        if got is None or not torch.allclose(got.float(), v.float(), rtol=tol, atol=tol):
+            return False
     down = layout.parts(module)[3]
     outputs = (calls[layout.gate_up][1],) if layout.gate_up is not None else (calls[layout.gate][1],
                                                                               calls[layout.up][1])
@@ -556,7 +574,6 @@ def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, y: Te
     if not layout.gate_first:
         grad_g, grad_u = grad_u, grad_g
     g, u = _gate_and_up(layout, calls)
-    tol = _tolerance(y.dtype)
     with torch.no_grad():
         g32, u32 = g.float(), u.float()
         grad_h = grad_y.float() @ down.weight.float()  # [..., I]
@@ -571,10 +588,10 @@ def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, y: Te
 def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tuple[GatedLayout, str]]:
     """The ``(layout, form)`` for which ``module``'s training forward computes ``down(act(gate(x)) * up(x))`` on
     every probe (:func:`_gated_probe_inputs`), and its gradients to ``gate(x)`` and ``up(x)`` are the form's (a
-    detached or straight-through gate would have others): the forward's own calls of its Linear children are
-    watched (each called once, the gate and up projections on the probe, the output the down projection's) and
-    what reached the down projection is compared with the form's product of what the others returned (so a zero
-    down projection, as some initialisations make it, hides nothing)."""
+    detached or straight-through gate would have others) and reach ``x`` unchanged: the forward's own calls of
+    its Linear children are watched (each called once, the gate and up projections on the probe, the output the
+    down projection's) and what reached the down projection is compared with the form's product of what the
+    others returned (so a zero down projection, as some initialisations make it, hides nothing)."""
     candidates = [(layout, form) for layout in layouts for form in _gated_forms(module, layout)]
     if not candidates:
         return []
@@ -594,7 +611,7 @@ def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tupl
     if len(found) != 1 or (act is not None and _writes_its_input(act)):  # (the rule says why it is left alone)
         return found
     ((layout, form),) = found
-    if not all(_has_form_gradients(module, layout, form, y, calls) for _, y, calls in observed):
+    if not all(_has_form_gradients(module, layout, form, x, y, calls) for x, y, calls in observed):
         return []
     return found
 

@@ -182,6 +182,22 @@ class _StraightThroughGate(MetaFeedForward):
         return self.w2((g + (F.silu(g) - g).detach()) * self.w3(x))
 
 
+class _DetachedInput(MetaFeedForward):
+    """The up projection of a detached input: the values of a gated MLP and its gradients to gate(x) and up(x),
+    but none from up(x) to x (fused, the layers before the block got one: their gradients off, no error)."""
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x.detach()))
+
+
+class _HalfGradientInput(MetaFeedForward):
+    """The input at its value, half its gradient (a straight-through scale)."""
+
+    def forward(self, x):
+        x = 0.5 * x + (0.5 * x).detach()
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 class _ScaledOutput(MetaFeedForward):
     def forward(self, x):
         return 0.5 * self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -218,8 +234,9 @@ class _GatedTwice(MetaFeedForward):
         return self.w2(F.silu(self.w1(x)) * self.w3(x)) + self.w2(self.w3(x))[..., :1] * 0
 
 
-@pytest.mark.parametrize("block", [_DetachedUp, _StraightThroughGate, _ScaledOutput, _Residual, _NotGated,
-                                   _DroppedProduct, _GatedTwice], ids=lambda b: b.__name__.strip("_"))
+@pytest.mark.parametrize("block", [_DetachedUp, _StraightThroughGate, _DetachedInput, _HalfGradientInput,
+                                   _ScaledOutput, _Residual, _NotGated, _DroppedProduct, _GatedTwice],
+                         ids=lambda b: b.__name__.strip("_"))
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
 def test_a_block_that_is_not_exactly_a_gated_mlp_is_left_as_written(block, policy):
     # Each computes a gated MLP's values on some inputs, or has its shapes, but not its gradients or not its
