@@ -44,6 +44,7 @@ __all__ = [
     "activation_form",
     "forget",
     "forward_names",
+    "gated_layout",
     "gated_mlp_form",
     "gated_mlp_intact",
     "gated_mlp_parts",
@@ -340,10 +341,16 @@ def norm_form(module: nn.Module) -> dict | None:
 
 
 def gated_mlp_parts(module: nn.Module) -> tuple[nn.Module | None, ...]:
-    """``(gate_up, gate, up, down, act)`` of a gated MLP (:meth:`GatedLayout.parts`): where a converted block has
-    them, else where :func:`recognise` found them, else in Hugging Face's names (:data:`GATED_MLP_PARTS`)."""
-    layout = module.__dict__.get("_slimact_layout") or recognise(module).extra.get("layout") or _named_layout(module)
+    """``(gate_up, gate, up, down, act)`` of a gated MLP (:meth:`GatedLayout.parts` of :func:`gated_layout`)."""
+    layout = gated_layout(module)
     return layout.parts(module) if layout is not None else (None,) * 5
+
+
+def gated_layout(module: nn.Module) -> GatedLayout | None:
+    """Where a gated MLP holds its parts: where a converted block has them, else where :func:`recognise` found
+    them, else in Hugging Face's names (:data:`GATED_MLP_PARTS`; a block converted, then pickled, by a slimact
+    from before :class:`GatedLayout` has no layout of its own, and only ever had those names)."""
+    return module.__dict__.get("_slimact_layout") or recognise(module).extra.get("layout") or _named_layout(module)
 
 
 def _named_layout(module: nn.Module) -> GatedLayout | None:
@@ -632,8 +639,9 @@ def gated_mlp_intact(module: nn.Module, form: str) -> bool:
     which uses the down projection's weight without calling it, would then silently compute something else."""
     from slimact.nn._base import SlimModule
 
-    *_, down, act = gated_mlp_parts(module)
-    if module.__dict__["_slimact_layout"].act is not None and (
+    layout = gated_layout(module)
+    *_, down, act = layout.parts(module)
+    if layout.act is not None and (
             act is None or activation_form(act) != form or getattr(act, "inplace", False) or _runs_hooks(act)):
         return False
     return (type(down) is nn.Linear or isinstance(down, SlimModule)) and not _runs_hooks(down)

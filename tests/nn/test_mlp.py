@@ -321,6 +321,32 @@ def test_converting_again_finds_the_same_layout_through_converted_parts():
     assert_gradients_equal(g0, g1)
 
 
+class _Phi3MLP(nn.Module):
+    """Hugging Face's fused names (``Phi3MLP``)."""
+
+    def __init__(self, d=D, i=F_):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Linear(d, 2 * i, bias=False), nn.Linear(i, d, bias=False)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+@pytest.mark.parametrize("block", [HFMLP, _Phi3MLP], ids=lambda b: b.__name__.strip("_"))
+def test_a_block_converted_before_gated_layouts_still_runs_once_loaded(block):
+    # A model converted and saved whole (torch.save) by a slimact from before GatedLayout: its gated MLPs hold
+    # no _slimact_layout, and their parts are Hugging Face's names (the forward raised KeyError once loaded).
+    plain = _model(block)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    del slim[1].__dict__["_slimact_layout"]
+    slim = copy.deepcopy(slim)  # (pickled and rebuilt, as torch.load does)
+    (out0, g0), (out1, g1) = _grads(plain, _x()), _grads(slim, _x())
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_gated_mlp_in_other_names_is_recognised_in_half_precision(dtype):
     plain = _model(MetaFeedForward).to(dtype)
