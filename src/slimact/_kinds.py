@@ -535,12 +535,15 @@ def _gate_and_up(layout: GatedLayout, calls: dict, returned: bool = True) -> tup
 
 def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor, calls: dict) -> bool:
     """Whether the forward's calls on ``x`` are ``layout``'s gated MLP with ``form``: the gate and up projections
-    of ``x`` itself, the output the down projection's, what reached it the form's product (to float rounding)."""
+    of ``x`` itself, the output the down projection's (either possibly with its rows flattened, ``x.reshape(-1,
+    D)``, the output then of ``x``'s shape, as the fused block's is), what reached the down projection the form's
+    product (to float rounding)."""
     from slimact.functional.activation import reference
 
     h, out, *_ = calls[layout.down]
     inputs = [calls[n][0] for n in (layout.gate_up, layout.gate, layout.up) if n]
-    if not torch.equal(out, y) or not all(isinstance(t, Tensor) and torch.equal(t, x) for t in inputs):
+    if y.shape != (*x.shape[:-1], out.shape[-1]) or not _same_rows(out, y) or not all(
+            isinstance(t, Tensor) and _same_rows(t, x) for t in inputs):
         return False
     g, u = _gate_and_up(layout, calls)
     with _probing_grad(), torch.no_grad():
@@ -549,6 +552,11 @@ def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor
         expected = fn(g) * u
     tol, scale = _tolerance(x.dtype), expected.float().abs().max().item()
     return expected.shape == h.shape and torch.allclose(h.float(), expected.float(), rtol=tol, atol=tol * scale)
+
+
+def _same_rows(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` is ``b``, its rows (last dim) possibly flattened or reshaped in order."""
+    return a.shape[-1] == b.shape[-1] and a.numel() == b.numel() and torch.equal(a.reshape(b.shape), b)
 
 
 def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor,
@@ -567,7 +575,7 @@ def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, x: Te
         v = torch.randn(passed.shape, generator=torch.Generator().manual_seed(2)).to(passed)
         with _probing_grad():
             (got,) = torch.autograd.grad(passed, x, v, retain_graph=True, allow_unused=True)
-        if got is None or not torch.allclose(got.float(), v.float(), rtol=tol, atol=tol):
+        if got is None or not torch.allclose(got.float(), v.reshape(x.shape).float(), rtol=tol, atol=tol):
             return False
     down = layout.parts(module)[3]
     outputs = (calls[layout.gate_up][1],) if layout.gate_up is not None else (calls[layout.gate][1],
@@ -581,13 +589,13 @@ def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, x: Te
     if not layout.gate_first:
         grad_g, grad_u = grad_u, grad_g
     g, u = _gate_and_up(layout, calls)
-    with torch.no_grad():
-        g32, u32 = g.float(), u.float()
-        grad_h = grad_y.float() @ down.weight.float()  # [..., I]
+    with torch.no_grad():  # (as rows: the forward may have flattened them)
+        g32, u32 = g.float().reshape(-1, g.shape[-1]), u.float().reshape(-1, u.shape[-1])
+        grad_h = grad_y.float().reshape(-1, y.shape[-1]) @ down.weight.float()  # [rows, I]
         exact = (grad_h * u32 * derivative(form, g32), grad_h * reference(form, g32))
     for got, want in zip((grad_g, grad_u), exact, strict=True):
         scale = want.abs().max().item()
-        if not torch.allclose(got.float(), want, rtol=2 * tol, atol=2 * tol * scale):
+        if not torch.allclose(got.float().reshape(want.shape), want, rtol=2 * tol, atol=2 * tol * scale):
             return False
     return True
 

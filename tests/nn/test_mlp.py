@@ -97,7 +97,16 @@ class WrittenOutSwiGLU(nn.Module):
         return self.out(g * torch.sigmoid(g) * self.a(x))
 
 
-LAYOUTS = [MetaFeedForward, LitGPTMLP, OLMoMLP, FusedGeGLU, WrittenOutSwiGLU]
+class FlattenedRows(MetaFeedForward):
+    """Tokens flattened to rows for the projections, the output put back in the input's shape."""
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        return self.w2(F.silu(self.w1(x)) * self.w3(x)).reshape(shape)
+
+
+LAYOUTS = [MetaFeedForward, LitGPTMLP, OLMoMLP, FusedGeGLU, WrittenOutSwiGLU, FlattenedRows]
 
 
 def _model(block, seed=0):
@@ -198,6 +207,14 @@ class _HalfGradientInput(MetaFeedForward):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class _FlattenedOutput(MetaFeedForward):
+    """Rows flattened and left so: a [B, T, D] input gives a [B * T, D] output, which the fused block would not."""
+
+    def forward(self, x):
+        x = x.reshape(-1, x.shape[-1])
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 class _ScaledOutput(MetaFeedForward):
     def forward(self, x):
         return 0.5 * self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -235,7 +252,7 @@ class _GatedTwice(MetaFeedForward):
 
 
 @pytest.mark.parametrize("block", [_DetachedUp, _StraightThroughGate, _DetachedInput, _HalfGradientInput,
-                                   _ScaledOutput, _Residual, _NotGated, _DroppedProduct, _GatedTwice],
+                                   _FlattenedOutput, _ScaledOutput, _Residual, _NotGated, _DroppedProduct, _GatedTwice],
                          ids=lambda b: b.__name__.strip("_"))
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
 def test_a_block_that_is_not_exactly_a_gated_mlp_is_left_as_written(block, policy):
