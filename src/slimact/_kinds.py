@@ -44,6 +44,7 @@ __all__ = [
     "activation_form",
     "forget",
     "forward_names",
+    "gated_layout",
     "gated_mlp_form",
     "gated_mlp_intact",
     "gated_mlp_parts",
@@ -340,10 +341,16 @@ def norm_form(module: nn.Module) -> dict | None:
 
 
 def gated_mlp_parts(module: nn.Module) -> tuple[nn.Module | None, ...]:
-    """``(gate_up, gate, up, down, act)`` of a gated MLP (:meth:`GatedLayout.parts`): where a converted block has
-    them, else where :func:`recognise` found them, else in Hugging Face's names (:data:`GATED_MLP_PARTS`)."""
-    layout = module.__dict__.get("_slimact_layout") or recognise(module).extra.get("layout") or _named_layout(module)
+    """``(gate_up, gate, up, down, act)`` of a gated MLP (:meth:`GatedLayout.parts` of :func:`gated_layout`)."""
+    layout = gated_layout(module)
     return layout.parts(module) if layout is not None else (None,) * 5
+
+
+def gated_layout(module: nn.Module) -> GatedLayout | None:
+    """Where a gated MLP holds its parts: where a converted block has them, else where :func:`recognise` found
+    them, else in Hugging Face's names (:data:`GATED_MLP_PARTS`; a block converted, then pickled, by a slimact
+    from before :class:`GatedLayout` has no layout of its own, and only ever had those names)."""
+    return module.__dict__.get("_slimact_layout") or recognise(module).extra.get("layout") or _named_layout(module)
 
 
 def _named_layout(module: nn.Module) -> GatedLayout | None:
@@ -476,83 +483,152 @@ def _gated_forms(module: nn.Module, layout: GatedLayout) -> tuple[str, ...]:
     return (form,) if form in _GATED_CALLS and not _runs_hooks(act) else ()  # (the fused block's smooth forms)
 
 
-def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tuple[GatedLayout, str]]:
-    """The ``(layout, form)`` for which ``module``'s training forward computes ``down(act(gate(x)) * up(x))`` on a
-    probe, and its gradients to ``gate(x)`` and ``up(x)`` are the form's (a detached or straight-through gate
-    would have others): the forward's own calls of its Linear children are watched (each called once, the gate
-    and up projections on the probe, the output the down projection's) and what reached the down projection is
-    compared with the form's product of what the others returned (so a zero down projection, as some
-    initialisations make it, hides nothing)."""
-    from slimact.functional.activation import derivative, reference
+#: The gated MLP probe's second input: ``[3, 5, D]`` rows of the first's scale times this (at most; a quarter power
+#: of the dtype's largest value, so that the product ``act(g) * u`` of an fp16 block stays finite).
+_GATED_PROBE_SCALE = 100.0
 
-    candidates = [(layout, form) for layout in layouts for form in _gated_forms(module, layout)]
-    if not candidates:
-        return []
-    names = {n for layout, _ in candidates for n in (layout.gate_up, layout.gate, layout.up, layout.down) if n}
-    # name -> (its input, its output, and the output as it was returned: the forward may write into it after)
-    calls: dict[str, list[tuple[Tensor | None, Tensor, Tensor]]] = {n: [] for n in names}
-    handles = [module._modules[n].register_forward_hook(lambda m, args, out, n=n: calls[n].append(
-        (args[0].detach().clone() if args and isinstance(args[0], Tensor) else None, out, out.detach().clone())))
-        for n in names]
-    first = module._modules[next(iter(names))]
-    dim = candidates[0][0].parts(module)[3].out_features  # (every layout's model width)
-    x = torch.randn(2, dim, generator=torch.Generator().manual_seed(0))
-    x = x.to(device=first.weight.device, dtype=first.weight.dtype).requires_grad_(True)
+
+def _gated_probe_inputs(dim: int, dtype: torch.dtype) -> list[Tensor]:
+    """The inputs a gated MLP's forward is probed on: ``[2, D]`` rows of unit scale, and ``[3, 5, D]`` rows of a
+    large one. The converted block computes ``down(act(gate(x)) * up(x))`` on every input; a forward that
+    computes it on the first only (a branch on the input's rank or length, a clamp only large values reach:
+    GPT-OSS's ``swiglu_limit``, an fp16 guard) would otherwise be fused and silently replaced."""
+    gen = torch.Generator().manual_seed(0)
+    big = min(_GATED_PROBE_SCALE, torch.finfo(dtype).max ** 0.25)
+    return [torch.randn(2, dim, generator=gen), torch.randn(3, 5, dim, generator=gen) * big]
+
+
+def _gated_calls(module: nn.Module, names: set[str], x: Tensor) -> tuple[Tensor, dict] | None:
+    """``module``'s training forward of ``x`` with what its Linear children ``names`` were called with: ``(y,
+    {name: (its input, its output, the output as it was returned: the forward may write into it after, and the
+    input as it was passed, in the forward's graph)})``, or ``None`` where the forward fails, returns no
+    differentiable tensor or calls one of them other than once."""
+    calls: dict[str, list[tuple[Tensor | None, Tensor, Tensor, Tensor | None]]] = {n: [] for n in names}
+
+    def watch(n: str, args: tuple, out: Tensor) -> None:
+        t = args[0] if args and isinstance(args[0], Tensor) else None
+        calls[n].append((None if t is None else t.detach().clone(), out, out.detach().clone(), t))
+
+    handles = [module._modules[n].register_forward_hook(lambda m, args, out, n=n: watch(n, args, out))
+               for n in names]
     try:
         with _probing_grad(), _training(module):
             y = _cls(module).forward(module, x)
     except _PROBE_ERRORS:  # needs more than one tensor argument: not this kind of block
-        return []
+        return None
     finally:
         for h in handles:
             h.remove()
     if not isinstance(y, Tensor) or not y.requires_grad or any(len(c) != 1 for c in calls.values()):
-        return []
-    tol = _tolerance(x.dtype)
-    found = []
-    for layout, form in candidates:
-        h, out, _ = calls[layout.down][0]
-        inputs = [calls[n][0][0] for n in (layout.gate_up, layout.gate, layout.up) if n]
-        if not torch.equal(out, y) or not all(isinstance(t, Tensor) and torch.equal(t, x) for t in inputs):
-            continue
-        if layout.gate_up is not None:
-            gu = calls[layout.gate_up][0][2]
-            g, u = gu.chunk(2, dim=-1) if layout.gate_first else reversed(gu.chunk(2, dim=-1))
-        else:
-            g, u = calls[layout.gate][0][2], calls[layout.up][0][2]
-        with _probing_grad(), torch.no_grad():
-            act = layout.parts(module)[4]
-            fn = act if act is not None else (_GATED_CALLS[form] or functools.partial(reference, form))
-            expected = fn(g) * u
-        scale = expected.float().abs().max().item()
-        if expected.shape == h.shape and torch.allclose(h.float(), expected.float(), rtol=tol, atol=tol * scale):
-            found.append((layout, form, g, u))
-    act = found[0][0].parts(module)[4] if len(found) == 1 else None
-    if len(found) != 1 or (act is not None and _writes_its_input(act)):  # (the rule says why it is left alone)
-        return [(layout, form) for layout, form, *_ in found]
-    # The gradients the model's code gives gate(x) and up(x) (through its down projection, whose input gradient
-    # is exact whatever slimact keeps), against the form's, which the fused block computes.
-    layout, form, g, u = found[0]
+        return None
+    return y, {n: c[0] for n, c in calls.items()}
+
+
+def _gate_and_up(layout: GatedLayout, calls: dict, returned: bool = True) -> tuple[Tensor, Tensor]:
+    """The gate and up projections the forward computed (as returned, detached; else as in its graph)."""
+    if layout.gate_up is not None:
+        gu = calls[layout.gate_up][2 if returned else 1]
+        g, u = gu.chunk(2, dim=-1)
+        return (g, u) if layout.gate_first else (u, g)
+    return calls[layout.gate][2 if returned else 1], calls[layout.up][2 if returned else 1]
+
+
+def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor, calls: dict) -> bool:
+    """Whether the forward's calls on ``x`` are ``layout``'s gated MLP with ``form``: the gate and up projections
+    of ``x`` itself, the output the down projection's (either possibly with its rows flattened, ``x.reshape(-1,
+    D)``, the output then of ``x``'s shape, as the fused block's is), what reached the down projection the form's
+    product (to float rounding)."""
+    from slimact.functional.activation import reference
+
+    h, out, *_ = calls[layout.down]
+    inputs = [calls[n][0] for n in (layout.gate_up, layout.gate, layout.up) if n]
+    if y.shape != (*x.shape[:-1], out.shape[-1]) or not _same_rows(out, y) or not all(
+            isinstance(t, Tensor) and _same_rows(t, x) for t in inputs):
+        return False
+    g, u = _gate_and_up(layout, calls)
+    with _probing_grad(), torch.no_grad():
+        act = layout.parts(module)[4]
+        fn = act if act is not None else (_GATED_CALLS[form] or functools.partial(reference, form))
+        expected = fn(g) * u
+    tol, scale = _tolerance(x.dtype), expected.float().abs().max().item()
+    return expected.shape == h.shape and torch.allclose(h.float(), expected.float(), rtol=tol, atol=tol * scale)
+
+
+def _same_rows(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` is ``b``, its rows (last dim) possibly flattened or reshaped in order."""
+    return a.shape[-1] == b.shape[-1] and a.numel() == b.numel() and torch.equal(a.reshape(b.shape), b)
+
+
+def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor,
+                        calls: dict) -> bool:
+    """Whether the gradients the model's code gives gate(x) and up(x) (through its down projection, whose input
+    gradient is exact whatever slimact keeps) are the form's, which the fused block computes, and whether what
+    the gate and up projections were given passes its gradient to ``x`` unchanged, as the fused block's call of
+    them on ``x`` does (not ``w3(x.detach())``, nor a straight-through scale: equal values, other gradients)."""
+    from slimact.functional.activation import derivative, reference
+
+    tol = _tolerance(y.dtype)
+    for n in (n for n in (layout.gate_up, layout.gate, layout.up) if n is not None):
+        passed = calls[n][3]
+        if passed is None or not passed.requires_grad:
+            return False
+        v = torch.randn(passed.shape, generator=torch.Generator().manual_seed(2)).to(passed)
+        with _probing_grad():
+            (got,) = torch.autograd.grad(passed, x, v, retain_graph=True, allow_unused=True)
+        if got is None or not torch.allclose(got.float(), v.reshape(x.shape).float(), rtol=tol, atol=tol):
+            return False
     down = layout.parts(module)[3]
-    outputs = (calls[layout.gate_up][0][1],) if layout.gate_up is not None else (calls[layout.gate][0][1],
-                                                                                   calls[layout.up][0][1])
+    outputs = (calls[layout.gate_up][1],) if layout.gate_up is not None else (calls[layout.gate][1],
+                                                                              calls[layout.up][1])
     grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y)
     with _probing_grad():
         grads = torch.autograd.grad(y, outputs, grad_y, allow_unused=True)
     if any(grad is None for grad in grads):
-        return []
+        return False
     grad_g, grad_u = grads if layout.gate_up is None else grads[0].chunk(2, dim=-1)
     if not layout.gate_first:
         grad_g, grad_u = grad_u, grad_g
-    with torch.no_grad():
-        g32, u32 = g.float(), u.float()
-        grad_h = grad_y.float() @ down.weight.float()  # [2, I]
+    g, u = _gate_and_up(layout, calls)
+    with torch.no_grad():  # (as rows: the forward may have flattened them)
+        g32, u32 = g.float().reshape(-1, g.shape[-1]), u.float().reshape(-1, u.shape[-1])
+        grad_h = grad_y.float().reshape(-1, y.shape[-1]) @ down.weight.float()  # [rows, I]
         exact = (grad_h * u32 * derivative(form, g32), grad_h * reference(form, g32))
     for got, want in zip((grad_g, grad_u), exact, strict=True):
         scale = want.abs().max().item()
-        if not torch.allclose(got.float(), want, rtol=2 * tol, atol=2 * tol * scale):
+        if not torch.allclose(got.float().reshape(want.shape), want, rtol=2 * tol, atol=2 * tol * scale):
+            return False
+    return True
+
+
+def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tuple[GatedLayout, str]]:
+    """The ``(layout, form)`` for which ``module``'s training forward computes ``down(act(gate(x)) * up(x))`` on
+    every probe (:func:`_gated_probe_inputs`), and its gradients to ``gate(x)`` and ``up(x)`` are the form's (a
+    detached or straight-through gate would have others) and reach ``x`` unchanged: the forward's own calls of
+    its Linear children are watched (each called once, the gate and up projections on the probe, the output the
+    down projection's) and what reached the down projection is compared with the form's product of what the
+    others returned (so a zero down projection, as some initialisations make it, hides nothing)."""
+    candidates = [(layout, form) for layout in layouts for form in _gated_forms(module, layout)]
+    if not candidates:
+        return []
+    names = {n for layout, _ in candidates for n in (layout.gate_up, layout.gate, layout.up, layout.down) if n}
+    first = module._modules[next(iter(names))]
+    dim = candidates[0][0].parts(module)[3].out_features  # (every layout's model width)
+    observed = []
+    for x in _gated_probe_inputs(dim, first.weight.dtype):
+        x = x.to(device=first.weight.device, dtype=first.weight.dtype).requires_grad_(True)
+        seen = _gated_calls(module, names, x)
+        if seen is None:
             return []
-    return [(layout, form)]
+        observed.append((x, *seen))
+    found = [(layout, form) for layout, form in candidates
+             if all(_computes_gated(module, layout, form, x, y, calls) for x, y, calls in observed)]
+    act = found[0][0].parts(module)[4] if len(found) == 1 else None
+    if len(found) != 1 or (act is not None and _writes_its_input(act)):  # (the rule says why it is left alone)
+        return found
+    ((layout, form),) = found
+    if not all(_has_form_gradients(module, layout, form, x, y, calls) for x, y, calls in observed):
+        return []
+    return found
 
 
 # ---------------------------------------------------------------------------------------------------- rules
@@ -571,8 +647,9 @@ def gated_mlp_intact(module: nn.Module, form: str) -> bool:
     which uses the down projection's weight without calling it, would then silently compute something else."""
     from slimact.nn._base import SlimModule
 
-    *_, down, act = gated_mlp_parts(module)
-    if module.__dict__["_slimact_layout"].act is not None and (
+    layout = gated_layout(module)
+    *_, down, act = layout.parts(module)
+    if layout.act is not None and (
             act is None or activation_form(act) != form or getattr(act, "inplace", False) or _runs_hooks(act)):
         return False
     return (type(down) is nn.Linear or isinstance(down, SlimModule)) and not _runs_hooks(down)

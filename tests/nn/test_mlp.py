@@ -97,7 +97,16 @@ class WrittenOutSwiGLU(nn.Module):
         return self.out(g * torch.sigmoid(g) * self.a(x))
 
 
-LAYOUTS = [MetaFeedForward, LitGPTMLP, OLMoMLP, FusedGeGLU, WrittenOutSwiGLU]
+class FlattenedRows(MetaFeedForward):
+    """Tokens flattened to rows for the projections, the output put back in the input's shape."""
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        return self.w2(F.silu(self.w1(x)) * self.w3(x)).reshape(shape)
+
+
+LAYOUTS = [MetaFeedForward, LitGPTMLP, OLMoMLP, FusedGeGLU, WrittenOutSwiGLU, FlattenedRows]
 
 
 def _model(block, seed=0):
@@ -182,6 +191,30 @@ class _StraightThroughGate(MetaFeedForward):
         return self.w2((g + (F.silu(g) - g).detach()) * self.w3(x))
 
 
+class _DetachedInput(MetaFeedForward):
+    """The up projection of a detached input: the values of a gated MLP and its gradients to gate(x) and up(x),
+    but none from up(x) to x (fused, the layers before the block got one: their gradients off, no error)."""
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x.detach()))
+
+
+class _HalfGradientInput(MetaFeedForward):
+    """The input at its value, half its gradient (a straight-through scale)."""
+
+    def forward(self, x):
+        x = 0.5 * x + (0.5 * x).detach()
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _FlattenedOutput(MetaFeedForward):
+    """Rows flattened and left so: a [B, T, D] input gives a [B * T, D] output, which the fused block would not."""
+
+    def forward(self, x):
+        x = x.reshape(-1, x.shape[-1])
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 class _ScaledOutput(MetaFeedForward):
     def forward(self, x):
         return 0.5 * self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -218,8 +251,9 @@ class _GatedTwice(MetaFeedForward):
         return self.w2(F.silu(self.w1(x)) * self.w3(x)) + self.w2(self.w3(x))[..., :1] * 0
 
 
-@pytest.mark.parametrize("block", [_DetachedUp, _StraightThroughGate, _ScaledOutput, _Residual, _NotGated,
-                                   _DroppedProduct, _GatedTwice], ids=lambda b: b.__name__.strip("_"))
+@pytest.mark.parametrize("block", [_DetachedUp, _StraightThroughGate, _DetachedInput, _HalfGradientInput,
+                                   _FlattenedOutput, _ScaledOutput, _Residual, _NotGated, _DroppedProduct, _GatedTwice],
+                         ids=lambda b: b.__name__.strip("_"))
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
 def test_a_block_that_is_not_exactly_a_gated_mlp_is_left_as_written(block, policy):
     # Each computes a gated MLP's values on some inputs, or has its shapes, but not its gradients or not its
@@ -235,6 +269,42 @@ def test_a_block_that_is_not_exactly_a_gated_mlp_is_left_as_written(block, polic
     out1, g1 = _grads(slim, x)
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+class _ClampedSwiGLU(MetaFeedForward):
+    """GPT-OSS's limit on the gate and up projections (``swiglu_limit``): only large values reach it."""
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x).clamp(max=7.0)) * self.w3(x).clamp(-7.0, 7.0))
+
+
+class _RankBranch(MetaFeedForward):
+    """A gated MLP on 2-D inputs (tokens flattened), scaled by the sequence length on 3-D ones."""
+
+    def forward(self, x):
+        y = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return y if x.dim() == 2 else y * x.shape[-2] ** -0.5
+
+
+class _ClampedInput(MetaFeedForward):
+    def forward(self, x):
+        x = x.clamp(-20.0, 20.0)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+@pytest.mark.parametrize("block", [_ClampedSwiGLU, _RankBranch, _ClampedInput], ids=lambda b: b.__name__.strip("_"))
+def test_a_block_that_is_a_gated_mlp_only_on_small_flat_inputs_is_left_as_written(block):
+    # Each computes down(silu(gate(x)) * up(x)) on a [2, D] input of unit scale, and something else on the
+    # [B, T, D] inputs of large values a model gives it: fused, the block computed the gated MLP there too (the
+    # output off by up to 100x here, no error).
+    torch.manual_seed(0)
+    plain = nn.Sequential(block(), nn.Linear(D, 4)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert recognise(slim[0]).replace is None and not isinstance(slim[0], SlimModule)
+    x = _x() * 20
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
 
 
 def test_a_block_whose_gate_and_up_cannot_be_told_apart_is_left_alone_with_the_reason():
@@ -265,6 +335,32 @@ def test_converting_again_finds_the_same_layout_through_converted_parts():
     slim = slimact.convert(slimact.convert(copy.deepcopy(plain), "int8"), "tempo")
     assert recognise(slim[1]).replace == "mlp" and slim[1]._slimact_layout.gate == "fc_1"
     (_, g0), (_, g1) = _grads(plain, _x()), _grads(slim, _x())
+    assert_gradients_equal(g0, g1)
+
+
+class _Phi3MLP(nn.Module):
+    """Hugging Face's fused names (``Phi3MLP``)."""
+
+    def __init__(self, d=D, i=F_):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Linear(d, 2 * i, bias=False), nn.Linear(i, d, bias=False)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+@pytest.mark.parametrize("block", [HFMLP, _Phi3MLP], ids=lambda b: b.__name__.strip("_"))
+def test_a_block_converted_before_gated_layouts_still_runs_once_loaded(block):
+    # A model converted and saved whole (torch.save) by a slimact from before GatedLayout: its gated MLPs hold
+    # no _slimact_layout, and their parts are Hugging Face's names (the forward raised KeyError once loaded).
+    plain = _model(block)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    del slim[1].__dict__["_slimact_layout"]
+    slim = copy.deepcopy(slim)  # (pickled and rebuilt, as torch.load does)
+    (out0, g0), (out1, g1) = _grads(plain, _x()), _grads(slim, _x())
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     assert_gradients_equal(g0, g1)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimact._kinds import _GATED_CALLS, gated_mlp_form, gated_mlp_intact, gated_mlp_parts
+from slimact._kinds import _GATED_CALLS, gated_layout, gated_mlp_form, gated_mlp_intact, gated_mlp_parts
 from slimact.functional.mlp import gated_mlp
 from slimact.nn._base import SlimModule, slim_class
 
@@ -32,7 +32,7 @@ def _gate_up(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
     gate_up, gate, up, _, _ = gated_mlp_parts(module)
     if gate_up is not None:
         g, u = gate_up(x).chunk(2, dim=-1)
-        return (g, u) if module._slimact_layout.gate_first else (u, g)
+        return (g, u) if gated_layout(module).gate_first else (u, g)
     return gate(x), up(x)
 
 
