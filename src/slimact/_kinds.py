@@ -649,8 +649,9 @@ def gated_mlp_intact(module: nn.Module, form: str) -> bool:
 
     layout = gated_layout(module)
     *_, down, act = layout.parts(module)
-    if layout.act is not None and (
-            act is None or activation_form(act) != form or getattr(act, "inplace", False) or _runs_hooks(act)):
+    if layout.act is not None and (act is None or getattr(act, "inplace", False) or _runs_hooks(act) or (
+            type(act) is not module.__dict__.get("_slimact_act_type") if torch.compiler.is_compiling()
+            else activation_form(act) != form)):
         return False
     return (type(down) is nn.Linear or isinstance(down, SlimModule)) and not _runs_hooks(down)
 
@@ -685,7 +686,8 @@ def _rule_gated_mlp(module, cls):
         return Recognised("mlp", reason=(
             f"{cls.__name__} is a gated MLP whose activation writes into its input (in place): slimact's fused "
             "block keeps the gate projection it would overwrite; its parts are converted on their own"))
-    return Recognised("mlp", "mlp", {"form": form, "layout": layout}, parts=layout.computed)
+    act_type = None if layout.act is None else type(module._modules[layout.act])
+    return Recognised("mlp", "mlp", {"form": form, "layout": layout, "act_type": act_type}, parts=layout.computed)
 
 
 def _writes_its_input(act: nn.Module) -> bool:

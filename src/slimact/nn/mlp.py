@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from slimact._kinds import _GATED_CALLS, gated_layout, gated_mlp_form, gated_mlp_intact, gated_mlp_parts
@@ -41,9 +40,7 @@ class _GatedMLPMixin(SlimModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         # (Under torch.compile the parts are taken as converted: dynamo cannot guard on the recogniser's weak cache.)
-        if not self._slimact_one_input(args, kwargs) or not (
-            torch.compiler.is_compiling() or gated_mlp_intact(self, self._slimact_form)
-        ):
+        if not self._slimact_one_input(args, kwargs) or not gated_mlp_intact(self, self._slimact_form):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
         self._slimact_begin()
