@@ -574,6 +574,107 @@ def test_the_square_of_a_tensor_no_relu_made_runs_as_written(policy):
     check_against_plain(_SquaredReLUMLP("square", relu=False).train(), x, policy=policy, exact=policy == "tempo")
 
 
+class _InlineGate(nn.Module):
+    """A block whose gated unit is written in its own forward (no MLP module to fuse): ``act(g) * u`` with the
+    activation a call (``how="silu"``, ``"gelu"``), a module (``"module"``), or a product that is not a gate's
+    (``"broadcast"``, ``"scalar"``, ``"in-place after"``, ``"promoted"``)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.norm, self.g, self.u, self.down = nn.LayerNorm(32), nn.Linear(32, 96), nn.Linear(32, 96), nn.Linear(96, 32)
+        self.act, self.how = nn.GELU(), how
+
+    def forward(self, x):
+        h = self.norm(x)
+        g, u = self.g(h), self.u(h)
+        if self.how == "silu":
+            p = F.silu(g) * u
+        elif self.how == "gelu":
+            p = u * F.gelu(g, approximate="tanh")
+        elif self.how == "module":
+            p = torch.mul(self.act(g), u)
+        elif self.how == "broadcast":
+            p = F.silu(g) * u[..., :1]
+        elif self.how == "scalar":
+            p = F.silu(g) * 0.5 + u
+        elif self.how == "promoted":
+            p = F.silu(g) * u.double()
+            p = p.float()
+        else:  # "in-place after": the activation's output changed before the product
+            a = F.silu(g)
+            a.mul_(2)
+            p = a * u
+        return x + self.down(p)
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+@pytest.mark.parametrize("how", ["silu", "gelu", "module"])
+def test_a_gate_written_in_model_code_keeps_its_factors_8_bit(how, policy):
+    # The product kept both factors in fp32, 8 bytes per element of the block's widest tensor, beside the
+    # activation's 8-bit input. Now the up projection's 8-bit codes, and the activation's output through its
+    # input's (tempo: as written, nothing to compress losslessly).
+    from _harness import _step, assert_gradients_equal
+
+    torch.manual_seed(0)
+    plain = _InlineGate(how).train()
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    if policy == "int8":
+        slim = check_against_plain(plain, x, policy=policy)
+    else:  # (the lossless GELU's gradient is rebuilt from its output: equal normwise, as tempo's gradients are)
+        slim = slimact.convert(copy.deepcopy(plain), policy)
+        (out0, g0), (out1, g1) = _step(plain, (x,), seed=1), _step(slim, (x,), seed=1)
+        assert torch.equal(out0, out1)
+        assert_gradients_equal(g0, g1)
+    wide = [e for e in slimact.profile(slim, x).entries if e.shape[-1] == 96]
+    fp32 = [e for e in wide if e.dtype == torch.float32]
+    if policy == "int8":
+        assert not fp32 and sum(e.nbytes for e in wide) == 3 * x.shape[0] * x.shape[1] * 96  # g, u, the product
+    else:
+        assert fp32  # (tempo keeps the factors as PyTorch does)
+
+
+@pytest.mark.parametrize("how", ["broadcast", "scalar", "in-place after", "promoted"])
+def test_a_product_that_is_not_a_gates_runs_as_written(how):
+    torch.manual_seed(0)
+    plain = _InlineGate(how).train()
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    check_against_plain(plain, x, policy="int8")
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    assert not any(type(n).__name__ == "_ProductFunctionBackward" for n in _nodes(slim(x)))
+
+
+def _nodes(y):
+    seen, todo = [], [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or any(node is s for s in seen):
+            continue
+        seen.append(node)
+        todo += [n for n, _ in node.next_functions]
+    return seen
+
+
+def test_t5s_gated_gelu_keeps_its_product_8_bit():
+    # T5 v1.1, Flan-T5, mT5: act(wi_0(h)) * wi_1(h), then a dropout, then wo; no fusable block (the dropout).
+    transformers = pytest.importorskip("transformers")
+    from _harness import assert_gradients_close, loss_grads
+
+    cfg = transformers.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=96, num_layers=1, num_heads=4,
+                                feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    plain = transformers.T5ForConditionalGeneration(cfg).train()
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    loss0, g0 = loss_grads(plain, inputs)
+    loss1, g1 = loss_grads(slim, inputs)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    assert_gradients_close(g0, g1)
+    kept = {m: slimact.profile(m, inputs).by_module for m in (plain, slim)}
+    ff = "encoder.block.0.layer.1.DenseReluDense"
+    assert kept[slim][ff] <= kept[plain][ff] / 4  # the two fp32 factors: 1 byte per element each, and scales
+
+
 def test_an_attention_block_compiled_on_its_own_runs_its_calls_as_written():
     # A block compiled on its own (block.compile(), torch.compile of a submodule) runs inside the routing mode its
     # model's eager forward entered, and dynamo traced the mode's routes: Bloom's routed bmm failed to compile

@@ -76,7 +76,7 @@ from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack, unpack_map
 from slimact.quant.core import register_derivation, share_derived
 
-__all__ = ["FORMS", "INPLACE_ERROR_BOUNDS", "MINIMUM", "activation", "derivative", "invert", "reference"]
+__all__ = ["FORMS", "INPLACE_ERROR_BOUNDS", "MINIMUM", "activation", "derivative", "invert", "output_form", "reference"]
 
 FORMS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "relu2")
 
@@ -379,6 +379,14 @@ class _ActivationFunction(SlimFunction):
         (packed,) = load(ctx, restore=False)
         # grad_y * y'(x_hat), with x restored inside the same loop where it can be (unpack_map)
         return unpack_map(packed, _GRADIENTS[ctx.form], grad_y), None, None, None, None, None
+
+
+def output_form(t: Tensor) -> str | None:
+    """The form of the slimact activation whose output ``t`` is, unchanged since (its ``grad_fn`` is that
+    Function's node, which an in-place change or a view would replace), on the path that keeps its input compressed
+    or, for ReLU, a mask; else ``None``."""
+    node = t.grad_fn
+    return node.form if type(node) is _ActivationFunction._backward_cls else None
 
 
 def activation(

@@ -12,6 +12,11 @@ forward hook) sends those calls to slimact:
   with the policy's codes (or, lossless, the output and a branch mask) as their modules are; the square
   (``square``, ``pow(2)``, ``** 2``) of a routed ReLU's output, unchanged since -> squared ReLU on it (nanochat's
   MLP): the ReLU's output kept with the policy's codes, or, lossless, nothing beyond the square's output;
+* ``a * b`` (``torch.mul``, ``Tensor.mul``) of two tensors of one shape and dtype, one of them the output of an
+  activation slimact computed (routed or a converted module; unchanged since) of a kind the policy compresses: a
+  gate's product written in model code (T5's gated GELU, Mamba's ``y * act(gate)``, a SwiGLU inline) ->
+  :func:`slimact.functional.product.product`, both factors kept with the policy's codes (the activation's output
+  through its input's: no bytes of its own), not in full precision; any other product runs as written;
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
   (:mod:`slimact.nn.lm_loss`);
 * ``F.layer_norm``/``torch.layer_norm``, ``F.rms_norm``/``torch.rms_norm`` over the last dim (OLMo's weightless
@@ -65,14 +70,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from slimact._kinds import _FORM_KIND
 from slimact.functional._saving import Mask, transformed
-from slimact.functional.activation import activation
+from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.norm import norm, rms_default_eps
+from slimact.functional.product import product
 from slimact.functional.softmax import softmax
 from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
 from slimact.policy import Policy
@@ -257,6 +264,9 @@ class Routing:
             Tensor.__pow__: ("relu", self._square),
             F.gelu: ("gelu", self._gelu),
             F.silu: ("silu", self._silu),
+            # The product of an activation's output (T5's gated GELU, Mamba's gate, a SwiGLU written inline).
+            torch.mul: ("product", self._product),
+            Tensor.mul: ("product", self._product),
             F.scaled_dot_product_attention: ("attention", self._sdpa),
             **self._norm_routes(),
         }
@@ -403,6 +413,8 @@ class Routing:
         return gather(x, dim, index) if _wants_grad(x) and self._routing("attention") else None
 
     def _on(self, kind: str) -> bool:
+        if kind == "product":  # on where an activation's kind is (each call checks its factor's)
+            return any(self._on(k) for k in ("relu", "gelu", "silu"))
         return self.policy.skip_reason(kind, FUNCTIONAL_NAME) is None and not self.policy.include
 
     def _cfg(self, kind: str, x: Tensor):
@@ -435,6 +447,20 @@ class Routing:
             return None
         # (square, pow(2) and ** 2 are one ATen op, pow(r, 2): the forward is PyTorch's whichever was called)
         return activation(x, "relu2", self._cfg("relu", x), fn=torch.square)
+
+    def _product(self, a, b=None, *rest, **kwargs):
+        """``a * b`` where one factor is the output of an activation slimact computed (a routed call or a converted
+        module; unchanged since) whose kind the policy compresses: both factors kept with the policy's codes (the
+        activation's output through its input's, no bytes of its own), not in full precision. Factors of other
+        shapes or dtypes (a broadcast, a scalar, a type promotion) multiply as written."""
+        if rest or kwargs or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+            return None
+        if a.shape != b.shape or a.dtype != b.dtype or not (_wants_grad(a) or _wants_grad(b)):
+            return None
+        forms = [f for f in (output_form(a), output_form(b)) if f is not None]
+        kinds = [_FORM_KIND[f] for f in forms if self._on(_FORM_KIND[f])]
+        cfg = self._cfg(kinds[0], a) if kinds else None
+        return None if cfg is None else product(a, b, cfg)
 
     def _gelu(self, x, approximate="none"):
         if not _wants_grad(x):
