@@ -422,3 +422,31 @@ def test_a_part_changed_after_convert_is_honoured_under_torch_compile(change):
     out1.square().sum().backward()
     torch.testing.assert_close(out1.detach(), out0, rtol=1e-5, atol=1e-6)
     assert_gradients_equal(g0, {n: p.grad for n, p in slim.named_parameters()})
+
+
+def test_a_block_converted_before_act_types_is_still_fused_under_torch_compile_once_loaded(monkeypatch):
+    # A gated MLP converted and saved whole (torch.save) before 792cb99 holds no _slimact_act_type: under compile
+    # its activation's class was then never the one recognised, and the block ran its own forward (the parts
+    # converted on their own, the fused block's memory lost), no error; eager fused it.
+    import slimact.nn.mlp as mlp
+
+    fused = []
+
+    def counted(*args, **kwargs):
+        fused.append(1)
+        return gated_mlp(*args, **kwargs)
+
+    gated_mlp = mlp.gated_mlp
+    monkeypatch.setattr(mlp, "gated_mlp", counted)
+    plain = _model(HFMLP)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    del slim[1].__dict__["_slimact_act_type"]
+    slim = copy.deepcopy(slim)  # (pickled and rebuilt, as torch.load does)
+    torch._dynamo.reset()
+    out0, g0 = _grads(plain, _x())
+    out1 = torch.compile(slim, backend="eager", fullgraph=True)(_x())
+    out1.square().sum().backward()
+    torch._dynamo.reset()
+    assert fused
+    torch.testing.assert_close(out1.detach(), out0, rtol=1e-5, atol=1e-6)
+    assert_gradients_equal(g0, {n: p.grad for n, p in slim.named_parameters()})

@@ -133,6 +133,9 @@ def _rebuild(mixin: type, cls: type[nn.Module], state: dict) -> nn.Module:
     module = cls.__new__(cls)
     module.__setstate__(state)
     module.__class__ = slim_class(mixin, cls)
+    loaded = getattr(mixin, "_slimact_loaded", None)
+    if loaded is not None:  # (state a slimact from before it did not keep)
+        loaded(module)
     return module
 
 

@@ -19,7 +19,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from slimact._kinds import _GATED_CALLS, gated_layout, gated_mlp_form, gated_mlp_intact, gated_mlp_parts
+from slimact._kinds import (
+    _GATED_CALLS,
+    activation_form,
+    gated_layout,
+    gated_mlp_form,
+    gated_mlp_intact,
+    gated_mlp_parts,
+)
 from slimact.functional.mlp import gated_mlp
 from slimact.nn._base import SlimModule, slim_class
 
@@ -53,6 +60,17 @@ class _GatedMLPMixin(SlimModule):
             form = "gelu_tanh" if act.approximate == "tanh" else "gelu"
         return gated_mlp(g, u, down.weight, down.bias, form, self._slimact_cfg(g), act=act,
                          state_g=self._slimact_state("g"), state_u=self._slimact_state("u"))
+
+    def _slimact_loaded(self) -> None:
+        # A block converted and saved whole before 792cb99 holds no _slimact_act_type, the class its activation
+        # was recognised with (checked under torch.compile, where the recogniser cannot run): without it the
+        # compiled block always ran its own forward. Its activation's class, where still of the form converted.
+        if "_slimact_act_type" in self.__dict__:
+            return
+        layout = gated_layout(self)
+        act = None if layout is None else layout.parts(self)[4]
+        if act is not None and activation_form(act) == self._slimact_form:
+            self._slimact_act_type = type(act)
 
 
 def gated_mlp_class(cls: type[nn.Module]) -> type[nn.Module]:
