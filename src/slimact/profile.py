@@ -30,7 +30,9 @@ was: a storage saved for the backward
 ``gradients_ahead``; a block that is a parameter's ``.grad`` when the backward ends is ``parameter_gradients``;
 the rest (layer outputs not yet read, tensors being packed or restored, the model's logits, the loss's chunks,
 gradients of activations, the allocator's rounding on CUDA) is ``transients``. On CUDA the overall peak is also the
-allocator's own ``max_memory_allocated`` (equal on an H200 with torch 2.11: GPT-2, Llama, plain and converted).
+allocator's own ``max_memory_allocated`` (equal on an H200 with torch 2.11: GPT-2, Llama, plain and converted,
+measured while the marks still counted the allocator's total; where a step frees a block from before it, the
+allocator's own peak is the lower of the two by that block's size).
 Unpack buffers that would go on huge pages go through the allocator while it is measured (the profiler would not
 see them).
 """
