@@ -675,55 +675,64 @@ def test_t5s_gated_gelu_keeps_its_product_8_bit():
     assert kept[slim][ff] <= kept[plain][ff] / 4  # the two fp32 factors: 1 byte per element each, and scales
 
 
-class _GatedHeadNorm(nn.Module):
+class _GroupRMSNormGated(nn.Module):
+    """Mamba2's ``MambaRMSNormGated`` with a group per head: ``s * silu(z)``, then RMS-normed per head."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, s, z):
+        g = (s * F.silu(z)).unflatten(-1, (self.heads, -1))
+        return (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + 1e-6)).flatten(-2)
+
+
+class _MixerTail(nn.Module):
     """Mamba2's mixer tail at test size: the scan output ``s = y + D * x`` (``D`` one learned scale per head, ``y``
-    small beside it, as at init), gated (``s * silu(z)``), then RMS-normed per head (``MambaRMSNormGated`` with
-    ``n_groups == num_heads``: a group is a head)."""
+    small beside it, as at init), gated and RMS-normed per head in a norm module."""
 
     def __init__(self, heads: int = 4, width: int = 16, ssm: float = 0.02):
         super().__init__()
         self.heads, self.width, self.ssm = heads, width, ssm
         self.wx, self.wz, self.wy = (nn.Linear(32, heads * width) for _ in range(3))
         self.D = nn.Parameter(torch.ones(heads))
+        self.norm = _GroupRMSNormGated(heads)
         self.out = nn.Linear(heads * width, 32)
 
     def forward(self, h):
         x, z, y = (w(h).unflatten(-1, (self.heads, self.width)) for w in (self.wx, self.wz, self.wy))
         s = (self.ssm * y + self.D[:, None] * x).flatten(-2)
-        g = (s * F.silu(z.flatten(-2))).unflatten(-1, (self.heads, self.width))
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return h + self.out(g.flatten(-2))
+        return h + self.out(self.norm(s, z.flatten(-2)))
 
 
-@pytest.mark.xfail(strict=True, reason="the routed product's 8-bit silu(gate) breaks the per-head norm's "
-                   "orthogonality, which D's gradient (a small remainder of a cancellation) depends on")
-def test_a_gate_before_a_per_head_norm_keeps_the_head_scales_gradient():
-    # Before the product was routed, D's gradient was PyTorch's to float rounding (cosine 1.0). The product's backward
-    # gives the scan output grad_p * silu_hat(z): the exact part of sum(grad_s * x) over a head cancels (the norm's
-    # gradient is orthogonal to its input per head, and s is nearly D * x), its 8-bit error does not: D's gradient at
-    # cosine 0.92 (this model, seed 2), 0.90-0.98 in the zoo's tiny Mamba2ForCausalLM (slimact.check FAILS there for
-    # seeds 0-2; docs/models.md lists it ok at 0.99996).
+def test_a_product_in_a_norms_own_code_runs_as_written():
+    # The norm removes every per-head scale of its input, so D's gradient is the small remainder of a cancellation
+    # (the norm's gradient is orthogonal to its input per head, and s is nearly D * x). Routed, the product's backward
+    # gave the scan output grad_p * silu_hat(z), whose 8-bit error does not cancel: D's gradient at cosine 0.92 here
+    # (seed 2), 0.90-0.98 in the tiny Mamba2ForCausalLM. A product in a norm module's own code runs as written.
     from slimact._metrics import cosine
 
     torch.manual_seed(2)
-    plain = _GatedHeadNorm().train()
+    plain = _MixerTail().train()
     slim = slimact.convert(copy.deepcopy(plain), "int8")
     x = torch.randn(4, 16, 32)
     grads = []
     for model in (plain, slim):
         model(x).pow(2).sum().backward()
         grads.append(model.D.grad)
-    assert cosine(*grads) >= 0.99
+    assert cosine(*grads) >= 0.999
+    assert not any(type(n).__name__ == "_ProductFunctionBackward" for n in _nodes(slim(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="as test_a_gate_before_a_per_head_norm_keeps_the_head_scales_gradient")
 def test_mamba2s_gated_norm_passes_the_check():
     pytest.importorskip("transformers")
     from slimact import zoo
 
-    plain = zoo.build_auto("Mamba2ForCausalLM", zoo.tiny_config("mamba2")).train()
-    report = slimact.check(plain, zoo.tiny_inputs(plain, "causal-lm"))
-    assert report.passed, str(report)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        plain = zoo.build_auto("Mamba2ForCausalLM", zoo.tiny_config("mamba2"), seed=seed).train()
+        report = slimact.check(plain, zoo.tiny_inputs(plain, "causal-lm", seed=seed))
+        assert report.passed, str(report)
 
 
 def test_an_attention_block_compiled_on_its_own_runs_its_calls_as_written():

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from slimact._kinds import _FORM_KIND
+from slimact._kinds import _FORM_KIND, kind_of
 from slimact.functional._saving import Mask, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
@@ -99,6 +99,11 @@ def _top_saved_hook() -> object:
     """The innermost saved-tensors pack hook in place now (``torch.autograd.graph.saved_tensors_hooks``), or None."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return None if hooks is None else hooks[0]
+
+
+#: The kinds of norm modules, in whose own code a product runs as written (``Routing._product``; also a module whose
+#: class is named a norm: a gated or grouped norm, ``MambaRMSNormGated``, is no form slimact knows).
+_NORM_KINDS = frozenset({"layernorm", "rmsnorm", "norm", "batchnorm"})
 
 
 def _wants_grad(x: object) -> bool:
@@ -286,6 +291,12 @@ class Routing:
         for module in excluded if self.handlers else ():
             self.handles += [module.register_forward_pre_hook(self._enter_excluded),
                              module.register_forward_hook(self._exit_excluded, always_call=True)]
+        #: How deep the forward is in norm modules' own code, where products run as written (see _product).
+        self.norm_depth = 0
+        for module in model.modules() if Tensor.mul in self.handlers else ():
+            if kind_of(module) in _NORM_KINDS or "Norm" in type(module).__name__:  # (a gated norm is no known form)
+                self.handles += [module.register_forward_pre_hook(self._enter_norm),
+                                 module.register_forward_hook(self._exit_norm, always_call=True)]
         self._layer: nn.Module | None = None
         # The innermost saved-tensors pack hook where the innermost module call began (see _enter_layer), and the
         # (module, outer scope) of the module calls that opened one.
@@ -453,7 +464,10 @@ class Routing:
         module; unchanged since) whose kind the policy compresses: both factors kept with the policy's codes (the
         activation's output through its input's, no bytes of its own), not in full precision. Factors of other
         shapes or dtypes (a broadcast, a scalar, a type promotion) multiply as written."""
-        if rest or kwargs or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        if rest or kwargs or not isinstance(a, Tensor) or not isinstance(b, Tensor) or self.norm_depth:
+            # (In a norm module's own code, a gated norm's (Mamba2's ``MambaRMSNormGated``), the product is then
+            # normalised per group, which removes every scale of its factors: the gradient reaching such a scale
+            # (Mamba2's D) is the small remainder of a cancellation, which 8-bit factors swamp: cosine 0.90.)
             return None
         if a.shape != b.shape or a.dtype != b.dtype or not (_wants_grad(a) or _wants_grad(b)):
             return None
@@ -494,6 +508,14 @@ class Routing:
     # hooks would be a side effect for dynamo to replay, and around a module applying a slimact Function (Llama's
     # gated MLP, whose act_fn is excluded) it broke the trace ("an intermediate tensor ... created inside a
     # higher-order op subgraph aliases an input or output").
+
+    def _enter_norm(self, module, args):
+        if not torch.compiler.is_compiling():
+            self.norm_depth += 1
+
+    def _exit_norm(self, module, args, output):
+        if not torch.compiler.is_compiling():
+            self.norm_depth -= 1
 
     def _enter_excluded(self, module, args):
         if not torch.compiler.is_compiling():
