@@ -16,7 +16,9 @@ forward hook) sends those calls to slimact:
   activation slimact computed (routed or a converted module; unchanged since) of a kind the policy compresses: a
   gate's product written in model code (T5's gated GELU, Mamba's ``y * act(gate)``, a SwiGLU inline) ->
   :func:`slimact.functional.product.product`, both factors kept with the policy's codes (the activation's output
-  through its input's: no bytes of its own), not in full precision; any other product runs as written;
+  through its input's: no bytes of its own), not in full precision; any other product runs as written, and so does
+  one in a norm module's own code (a gated norm: the normalisation that follows removes every scale of the
+  factors, and the gradient to such a scale is a cancellation 8-bit factors swamp);
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
   (:mod:`slimact.nn.lm_loss`);
 * ``F.layer_norm``/``torch.layer_norm``, ``F.rms_norm``/``torch.rms_norm`` over the last dim (OLMo's weightless
