@@ -27,6 +27,7 @@ from slimact.functional._saving import SlimFunction
 from slimact.functional.activation import FORMS, reference
 from slimact.functional.gather import gather
 from slimact.functional.matmul import baddbmm, einsum
+from slimact.functional.product import product
 from slimact.quant import QuantConfig
 
 ROWS = QuantConfig(groups=8, clamp_groups=True)  # as the default policy builds a Linear's config
@@ -80,6 +81,8 @@ def _cases() -> list[Case]:
              False),
         Case("gather", lambda x: gather(x, 2, _index(x)), lambda x: torch.gather(x, 2, _index(x)),
              (lambda n: (n, 3, 8),), True),
+        Case("product", lambda a, b: product(a, b, ROWS), torch.mul, (lambda n: (n, 3, 8), lambda n: (n, 3, 8)),
+             False),
     ]
     out += [_act(form, cfg) for form in FORMS for cfg in (ROWS, None)]
     for cfg in (ROWS, None):
