@@ -290,15 +290,11 @@ class Routing:
         self._watch(attention)
         #: Modules whose own calls (and their children's) run as written.
         self.excluded = tuple(excluded)
-        for module in excluded if self.handlers else ():
-            self.handles += [module.register_forward_pre_hook(self._enter_excluded),
-                             module.register_forward_hook(self._exit_excluded, always_call=True)]
+        self._count_depth("excluded_depth", excluded if self.handlers else ())
         #: How deep the forward is in norm modules' own code, where products run as written (see _product).
         self.norm_depth = 0
-        for module in model.modules() if Tensor.mul in self.handlers else ():
-            if kind_of(module) in _NORM_KINDS or "Norm" in type(module).__name__:  # (a gated norm is no known form)
-                self.handles += [module.register_forward_pre_hook(self._enter_norm),
-                                 module.register_forward_hook(self._exit_norm, always_call=True)]
+        self._count_depth("norm_depth", [m for m in model.modules() if Tensor.mul in self.handlers and (
+            kind_of(m) in _NORM_KINDS or "Norm" in type(m).__name__)])  # (a gated norm is no form slimact knows)
         self._layer: nn.Module | None = None
         # The innermost saved-tensors pack hook where the innermost module call began (see _enter_layer), and the
         # (module, outer scope) of the module calls that opened one.
@@ -511,21 +507,16 @@ class Routing:
     # gated MLP, whose act_fn is excluded) it broke the trace ("an intermediate tensor ... created inside a
     # higher-order op subgraph aliases an input or output").
 
-    def _enter_norm(self, module, args):
-        if not torch.compiler.is_compiling():
-            self.norm_depth += 1
+    def _count_depth(self, attr: str, modules: Sequence[nn.Module]) -> None:
+        """Count in ``attr`` how deep the forward is in ``modules``' calls (a pre-hook and a forward hook each)."""
+        for module in modules:
+            self.handles += [module.register_forward_pre_hook(functools.partial(self._step_depth, attr, 1)),
+                             module.register_forward_hook(functools.partial(self._step_depth, attr, -1),
+                                                          always_call=True)]
 
-    def _exit_norm(self, module, args, output):
+    def _step_depth(self, attr: str, step: int, module, args, output=None) -> None:
         if not torch.compiler.is_compiling():
-            self.norm_depth -= 1
-
-    def _enter_excluded(self, module, args):
-        if not torch.compiler.is_compiling():
-            self.excluded_depth += 1
-
-    def _exit_excluded(self, module, args, output):
-        if not torch.compiler.is_compiling():
-            self.excluded_depth -= 1
+            setattr(self, attr, getattr(self, attr) + step)
 
     # Functional norms: F.layer_norm / torch.layer_norm ("layernorm"), F.rms_norm / torch.rms_norm ("rmsnorm"),
     # as a model's own norm class calls them (OLMo's weightless LayerNorm, a user's norm module).
