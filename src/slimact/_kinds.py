@@ -47,7 +47,6 @@ __all__ = [
     "gated_layout",
     "gated_mlp_form",
     "gated_mlp_intact",
-    "gated_mlp_parts",
     "is_hf_conv1d",
     "kind_of",
     "norm_eps",
@@ -106,6 +105,11 @@ class GatedLayout:
         inside ``nn.Module.__getattr__``, a few microseconds each)."""
         get = module._modules.get
         return tuple(None if n is None else get(n) for n in (self.gate_up, self.gate, self.up, self.down, self.act))
+
+    def split(self, gate_up: Tensor) -> tuple[Tensor, Tensor]:
+        """``(gate, up)``: the two halves of the fused projection's ``[..., 2F]`` output (or of its gradient)."""
+        first, second = gate_up.chunk(2, dim=-1)
+        return (first, second) if self.gate_first else (second, first)
 
     @property
     def computed(self) -> tuple[str, ...]:
@@ -340,12 +344,6 @@ def norm_form(module: nn.Module) -> dict | None:
 # ------------------------------------------------------------------------------------------------ gated MLP
 
 
-def gated_mlp_parts(module: nn.Module) -> tuple[nn.Module | None, ...]:
-    """``(gate_up, gate, up, down, act)`` of a gated MLP (:meth:`GatedLayout.parts` of :func:`gated_layout`)."""
-    layout = gated_layout(module)
-    return layout.parts(module) if layout is not None else (None,) * 5
-
-
 def gated_layout(module: nn.Module) -> GatedLayout | None:
     """Where a gated MLP holds its parts: where a converted block has them, else where :func:`recognise` found
     them, else in Hugging Face's names (:data:`GATED_MLP_PARTS`; a block converted, then pickled, by a slimact
@@ -524,13 +522,11 @@ def _gated_calls(module: nn.Module, names: set[str], x: Tensor) -> tuple[Tensor,
     return y, {n: c[0] for n, c in calls.items()}
 
 
-def _gate_and_up(layout: GatedLayout, calls: dict, returned: bool = True) -> tuple[Tensor, Tensor]:
-    """The gate and up projections the forward computed (as returned, detached; else as in its graph)."""
+def _gate_and_up(layout: GatedLayout, calls: dict) -> tuple[Tensor, Tensor]:
+    """The gate and up projections the forward computed, as returned (detached)."""
     if layout.gate_up is not None:
-        gu = calls[layout.gate_up][2 if returned else 1]
-        g, u = gu.chunk(2, dim=-1)
-        return (g, u) if layout.gate_first else (u, g)
-    return calls[layout.gate][2 if returned else 1], calls[layout.up][2 if returned else 1]
+        return layout.split(calls[layout.gate_up][2])
+    return calls[layout.gate][2], calls[layout.up][2]
 
 
 def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor, calls: dict) -> bool:
@@ -585,9 +581,7 @@ def _has_form_gradients(module: nn.Module, layout: GatedLayout, form: str, x: Te
         grads = torch.autograd.grad(y, outputs, grad_y, allow_unused=True)
     if any(grad is None for grad in grads):
         return False
-    grad_g, grad_u = grads if layout.gate_up is None else grads[0].chunk(2, dim=-1)
-    if not layout.gate_first:
-        grad_g, grad_u = grad_u, grad_g
+    grad_g, grad_u = grads if layout.gate_up is None else layout.split(grads[0])
     g, u = _gate_and_up(layout, calls)
     with torch.no_grad():  # (as rows: the forward may have flattened them)
         g32, u32 = g.float().reshape(-1, g.shape[-1]), u.float().reshape(-1, u.shape[-1])

@@ -25,7 +25,6 @@ from slimact._kinds import (
     gated_layout,
     gated_mlp_form,
     gated_mlp_intact,
-    gated_mlp_parts,
 )
 from slimact.functional.mlp import gated_mlp
 from slimact.nn._base import SlimModule, slim_class
@@ -33,26 +32,18 @@ from slimact.nn._base import SlimModule, slim_class
 __all__ = ["gated_mlp_class", "gated_mlp_form"]
 
 
-def _gate_up(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
-    """The gate and up projections of ``x`` (``[..., F]`` each; halves of one product when fused)."""
-    gate_up, gate, up, _, _ = gated_mlp_parts(module)
-    if gate_up is not None:
-        g, u = gate_up(x).chunk(2, dim=-1)
-        return (g, u) if gated_layout(module).gate_first else (u, g)
-    return gate(x), up(x)
-
-
 class _GatedMLPMixin(SlimModule):
     _slimact_form: str
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        # (Under torch.compile the parts are taken as converted: dynamo cannot guard on the recogniser's weak cache.)
         if not self._slimact_one_input(args, kwargs) or not gated_mlp_intact(self, self._slimact_form):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
         self._slimact_begin()
-        g, u = _gate_up(self, x)
-        *_, down, act = gated_mlp_parts(self)
+        layout = gated_layout(self)
+        gate_up, gate, up, down, act = layout.parts(self)
+        # [..., F] each; halves of one product when fused
+        g, u = layout.split(gate_up(x)) if gate_up is not None else (gate(x), up(x))
         form = self._slimact_form
         if act is None:  # the forward called the form's function
             act = _GATED_CALLS[form]

@@ -470,7 +470,7 @@ class Routing:
         if a.shape != b.shape or a.dtype != b.dtype or not (_wants_grad(a) or _wants_grad(b)):
             return None
         forms = [f for f in (output_form(a), output_form(b)) if f is not None]
-        kinds = [_FORM_KIND[f] for f in forms if self._on(_FORM_KIND[f])]
+        kinds = [_FORM_KIND[f] for f in forms if _FORM_KIND[f] in self.kinds]  # (the routes the policy has on)
         cfg = self._cfg(kinds[0], a) if kinds else None
         return None if cfg is None else product(a, b, cfg)
 
