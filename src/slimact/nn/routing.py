@@ -293,8 +293,8 @@ class Routing:
         self._count_depth("excluded_depth", excluded if self.handlers else ())
         #: How deep the forward is in norm modules' own code, where products run as written (see _product).
         self.norm_depth = 0
-        self._count_depth("norm_depth", [m for m in model.modules() if Tensor.mul in self.handlers and (
-            kind_of(m) in _NORM_KINDS or "Norm" in type(m).__name__)])  # (a gated norm is no form slimact knows)
+        self._count_depth("norm_depth", [m for m in model.modules() if kind_of(m) in _NORM_KINDS
+                                         or "Norm" in type(m).__name__] if Tensor.mul in self.handlers else ())
         self._layer: nn.Module | None = None
         # The innermost saved-tensors pack hook where the innermost module call began (see _enter_layer), and the
         # (module, outer scope) of the module calls that opened one.
