@@ -411,3 +411,40 @@ def test_multihead_attention_calls_slimact_does_not_cover_run_its_own_code(case,
         assert torch.equal(out, plain(q, kv, kv, **called)[0])
         if weights is not None:
             assert weights.shape == (3, 4, 5, 7 + built.get("add_zero_attn", False) + built.get("add_bias_kv", False))
+
+
+def _generate(model, inputs):
+    ids = inputs["input_ids"]
+    kwargs = {} if model.config.is_encoder_decoder else {"attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        return model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_generation_between_training_steps(name, policy):
+    """A rollout or a sample between steps (RL fine-tuning, an eval callback): ``generate`` with its cache,
+    in eval mode and in train mode under ``no_grad`` (dropout off), gives plain's tokens, and the training
+    step after it plain's loss and gradients (equal under tempo, close under int8)."""
+    plain = zoo.build(name, tiny=True)
+    for module in plain.modules():  # dropout off everywhere, modules and the floats attention code reads
+        for attr, value in list(vars(module).items()):
+            if "dropout" in attr and isinstance(value, float):
+                setattr(module, attr, 0.0)
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    inputs = zoo.example_inputs(plain, 2, 8)
+    runs = []
+    for model in (plain, slim):
+        tokens = [_generate(model.eval(), inputs), _generate(model.train(), inputs)]
+        runs.append((tokens, *loss_grads(model, inputs)))
+    (tokens0, loss0, grads0), (tokens1, loss1, grads1) = runs
+    assert torch.equal(tokens0[0], tokens0[1])  # dropout is off: train mode generates eval mode's tokens
+    for a, b in zip(tokens0, tokens1, strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(loss1, loss0)
+    if policy == "tempo":
+        assert_gradients_equal(grads0, grads1)
+    else:
+        assert_gradients_close(grads0, grads1)
