@@ -146,7 +146,7 @@ def test_stochastic_rounding_temporaries_do_not_grow_with_the_tensor():
     # The hash's bits are made a chunk at a time, in place: what a stochastic quantise has allocated at its most,
     # beyond a round-to-nearest one (the fp32 temporary and the codes), is no more for 2 Mi elements than for
     # 256 Ki, and less than the tensor's own bytes. Made for the whole tensor at once, the hash's int64 temporaries
-    # were ~12x its fp32 bytes (under "mesa", 2.3x "int8"'s forward transients on tiny Llama).
+    # were ~12x its fp32 bytes (under "mesa", 2.5x "int8"'s forward transients on tiny Llama).
     extra, sizes = [], []
     for numel in (1 << 18, 1 << 21):
         x = torch.randn(numel // 512, 512)

@@ -387,7 +387,7 @@ def scale_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
 #: Elements per chunk of the stochastic-rounding bits (:func:`quantize`): the hash's temporaries are two int64 buffers
 #: of at most this many elements and one fp32 one (1.25 MiB), whatever the size of the tensor packed. Made for the
 #: whole tensor at once, they were ~6 int64 tensors of its size alive together, 12x its fp32 bytes: under ``"mesa"``
-#: the forward's transients were 2.3x ``"int8"``'s on tiny Llama (docs/mesa.md, "Memory during the forward").
+#: the forward's transients were 2.5x ``"int8"``'s on tiny Llama (docs/mesa.md, "Memory during the forward").
 _HASH_CHUNK = 1 << 16
 _FMIX1 = 0x85EBCA6B
 _FMIX2 = 0xC2B2AE35
