@@ -125,6 +125,62 @@ def test_stochastic_rounding_never_advances_torchs_generator():
     assert torch.equal(torch.rand(5), expected)  # dropout masks after it are the plain model's
 
 
+def _bytes_allocated_at_most(fn, *args) -> int:
+    """The most bytes ``fn(*args)`` had allocated at once on the CPU, above what was allocated before it (the
+    allocator's running total in ``torch.profiler``'s memory events)."""
+    from torch._C._profiler import _ExtraFields_Allocation
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    totals, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if isinstance(node.extra_fields, _ExtraFields_Allocation):
+            totals.append((node.extra_fields.total_allocated, node.extra_fields.alloc_size))
+    return max(total for total, _ in totals) - min(total - size for total, size in totals)
+
+
+def test_stochastic_rounding_temporaries_do_not_grow_with_the_tensor():
+    # The hash's bits are made a chunk at a time, in place: what a stochastic quantise has allocated at its most,
+    # beyond a round-to-nearest one (the fp32 temporary and the codes), is no more for 2 Mi elements than for
+    # 256 Ki, and less than the tensor's own bytes. Made for the whole tensor at once, the hash's int64 temporaries
+    # were ~12x its fp32 bytes (under "mesa", 2.5x "int8"'s forward transients on tiny Llama).
+    extra, sizes = [], []
+    for numel in (1 << 18, 1 << 21):
+        x = torch.randn(numel // 512, 512)
+        layout = reference.group_layout(x.shape, QuantConfig(groups=8))
+        lo, step = reference.scale_params(*reference.group_minmax(x, layout), 255)
+        nearest = _bytes_allocated_at_most(reference.quantize, x, layout, lo, step, 8, None)
+        assert nearest >= x.nbytes  # (the measure sees the fp32 temporary)
+        extra.append(_bytes_allocated_at_most(reference.quantize, x, layout, lo, step, 8, 1234) - nearest)
+        sizes.append(x.nbytes)
+    assert extra[1] <= extra[0] < sizes[0], (extra, sizes)
+
+
+def test_stochastic_bits_are_the_hash_of_each_flat_index_across_chunks():
+    # Element i's bits are fmix32(i mod 2**32 ^ seed_key(seed)) >> 8, as the Triton kernel's: here from Python ints
+    # (seed_key is fmix32 of its argument), at the ends of the chunks the hash is made in and past 2**32; the codes
+    # of a tensor of several chunks are those of the whole tensor's bits.
+    chunk = reference._HASH_CHUNK
+    seed, n = 99, 2 * chunk + 1
+    u = reference.hash_uniform(n, seed)
+
+    def bits(i):
+        return reference.seed_key((i & 0xFFFFFFFF) ^ reference.seed_key(seed)) >> 8
+
+    for i in (0, 1, chunk - 1, chunk, chunk + 1, 2 * chunk, n - 1):
+        assert u[i].item() == bits(i) / (1 << 24), i
+    far = reference.hash_uniform(4, seed, start=(1 << 32) - 2)
+    assert far.tolist() == [bits(i) / (1 << 24) for i in range((1 << 32) - 2, (1 << 32) + 2)]
+    x = torch.randn(n) * 40
+    layout = reference.group_layout(x.shape, QuantConfig(group_dim=None))
+    lo, step = reference.scale_params(*reference.group_minmax(x, layout), 255)
+    expected = ((x - lo) / step + u).clamp(0, 255).to(torch.uint8)
+    assert torch.equal(reference.quantize(x, layout, lo, step, 8, seed), expected)
+
+
 def _module_with_state():
     module = torch.nn.Module()
     return module, RunningRange(module, "_x")

@@ -384,24 +384,28 @@ def scale_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
     return lo.float(), torch.where(ok, step, torch.ones_like(step))
 
 
+#: Elements per chunk of the stochastic-rounding bits (:func:`quantize`): the hash's temporaries are two int64 buffers
+#: of at most this many elements and one fp32 one (1.25 MiB), whatever the size of the tensor packed. Made for the
+#: whole tensor at once, they were ~6 int64 tensors of its size alive together, 12x its fp32 bytes: under ``"mesa"``
+#: the forward's transients were 2.5x ``"int8"``'s on tiny Llama (docs/mesa.md, "Memory during the forward").
+_HASH_CHUNK = 1 << 16
 _FMIX1 = 0x85EBCA6B
 _FMIX2 = 0xC2B2AE35
 
 
-def _mul32(h: Tensor, c: int) -> Tensor:
-    # (h * c) mod 2**32 on int64 without overflowing int64: split c into 16-bit halves.
-    lo = h * (c & 0xFFFF)
-    hi = ((h * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _MASK32
+def _mul32_(h: Tensor, c: int, scratch: Tensor) -> None:
+    # h <- (h * c) mod 2**32, in place, on int64 without overflowing int64: split c into 16-bit halves.
+    torch.mul(h, c >> 16, out=scratch).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    h.mul_(c & 0xFFFF).add_(scratch).bitwise_and_(_MASK32)
 
 
-def _fmix32(h: Tensor) -> Tensor:
-    # MurmurHash3's finaliser on uint32 values held in int64.
-    h = h ^ (h >> 16)
-    h = _mul32(h, _FMIX1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, _FMIX2)
-    return h ^ (h >> 16)
+def _fmix32_(h: Tensor, scratch: Tensor) -> None:
+    # MurmurHash3's finaliser on uint32 values held in int64, in place (scratch: an int64 tensor of h's shape).
+    h.bitwise_xor_(torch.bitwise_right_shift(h, 16, out=scratch))
+    _mul32_(h, _FMIX1, scratch)
+    h.bitwise_xor_(torch.bitwise_right_shift(h, 13, out=scratch))
+    _mul32_(h, _FMIX2, scratch)
+    h.bitwise_xor_(torch.bitwise_right_shift(h, 16, out=scratch))
 
 
 def seed_key(seed: int) -> int:
@@ -414,11 +418,12 @@ def seed_key(seed: int) -> int:
     return h ^ (h >> 16)
 
 
-def hash_uniform(numel: int, seed: int, device: torch.device | str = "cpu") -> Tensor:
-    """``[numel]`` fp32 in [0, 1): 24 bits of ``fmix32(index ^ seed_key(seed))`` per element."""
-    idx = torch.arange(numel, dtype=torch.int64, device=device) & _MASK32
-    h = _fmix32(idx ^ seed_key(seed))
-    return (h >> 8).float() * (1.0 / (1 << 24))
+def hash_uniform(numel: int, seed: int, device: torch.device | str = "cpu", start: int = 0) -> Tensor:
+    """``[numel]`` fp32 in [0, 1): 24 bits of ``fmix32(index ^ seed_key(seed))`` per element, for the flat indices
+    ``start`` to ``start + numel - 1``. Two int64 temporaries of ``numel`` elements, updated in place."""
+    h = torch.arange(start, start + numel, dtype=torch.int64, device=device).bitwise_and_(_MASK32)
+    _fmix32_(h.bitwise_xor_(seed_key(seed)), torch.empty_like(h))
+    return h.bitwise_right_shift_(8).float().mul_(1.0 / (1 << 24))
 
 
 def _digest(*values: int | bytes) -> int:
@@ -545,6 +550,7 @@ def quantize(
     """
     # One fp32 temporary, updated in place: (x - lo) / step + (0.5 or u), clamped to [0, qmax]; there the cast
     # to uint8 truncates, which is floor for values >= 0: clamp(floor(w), 0, qmax) == trunc(clamp(w, 0, qmax)).
+    # The stochastic bits u are added a chunk at a time (_HASH_CHUNK), so their temporaries stay small.
     v = torch.sub(x, _expand(lo, layout, x.dim()), out=torch.empty(x.shape, dtype=torch.float32, device=x.device))
     v.div_(_expand(step, layout, x.dim()))
     if noise is not None:
@@ -552,7 +558,10 @@ def quantize(
     elif seed is None:
         v.add_(0.5)
     else:
-        v.add_(hash_uniform(x.numel(), seed, x.device).view(x.shape))
+        flat = v.view(-1)  # (a fresh contiguous tensor)
+        for at in range(0, flat.numel(), _HASH_CHUNK):
+            part = flat[at : at + _HASH_CHUNK]
+            part.add_(hash_uniform(part.numel(), seed, x.device, start=at))
     codes = v.clamp_(0, (1 << bits) - 1).to(torch.uint8)
     return codes if bits == 8 else pack_bits(codes.reshape(-1), bits)
 
