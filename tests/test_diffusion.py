@@ -108,7 +108,7 @@ def test_forward_gradients_and_bytes(name, policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", ["unet", "vae-mid", "dit", "dit-unfused"])
+@pytest.mark.parametrize("name", ["unet", "vae-mid", "dit"])
 def test_check_passes(name, policy):
     plain, inputs = MODELS[name][0]()
     report = slimact.check(plain, inputs, policy)
@@ -116,10 +116,15 @@ def test_check_passes(name, policy):
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8"])  # ("mesa" routes what "int8" does)
-@pytest.mark.parametrize("name", ["unet-baddbmm", "vae-mid", "dit", "dit-unfused"])
+@pytest.mark.parametrize("name", ["unet", "unet-baddbmm", "vae-mid", "vae-mid-sdpa", "dit", "dit-unfused"])
 def test_summary_is_truthful(name, policy):
     """What summary reports converted is converted (a replacement module, or a module whose routed calls keep fewer
-    bytes than plain's); GroupNorm is left alone with the true reason, and is the plain torch module."""
+    bytes than plain's), and an attention module it reports left alone keeps what plain keeps; GroupNorm is left
+    alone with the true reason, and is the plain torch module.
+
+    diffusers' Attention with AttnProcessor2_0 (F.scaled_dot_product_attention, called by the processor) under
+    "int8" was reported left alone ("none reached slimact") while its SDPA was routed: 12,336 bytes kept of
+    plain's 66,560 in the VAE mid block (coverage reported 0.738, 0.818 true)."""
     plain, inputs = MODELS[name][0]()
     slim = slimact.convert(copy.deepcopy(plain), policy).train()
     summary = slimact.summary(slim, inputs)
@@ -132,6 +137,9 @@ def test_summary_is_truthful(name, policy):
             assert after[name_] < before[name_], (name_, after[name_], before[name_])
         else:
             assert named[name_]._slimact_kind == kind
+    for name_ in summary.skipped:
+        if "Attention" in type(named.get(name_)).__name__:
+            assert after[name_] == before[name_], (name_, summary.skipped[name_], after[name_], before[name_])
     for name_, module in named.items():
         if type(module) is torch.nn.GroupNorm:
             assert summary.skipped[name_] == "no slimact replacement yet for GroupNorm (kind 'norm')"
