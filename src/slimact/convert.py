@@ -417,7 +417,9 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     # Modules whose calls run as written (excluded, or inside an excluded one): none of their calls is routed.
     excluded = {id(m) for m in routing.excluded} if routing is not None else set()
     as_written = [n for n, m in model.named_modules() if id(m) in excluded]
-    by_products: set[str] = set()  # reported converted as their products and softmaxes are routed
+    # Reported converted as the attention calls in their code are routed (their products and softmaxes, or the
+    # F.scaled_dot_product_attention their forward mentions): with inputs, kept only where one was routed.
+    by_products: set[str] = set()
     for name, module in model.named_modules():
         routed = routing is not None and not any(_at_or_under(name, n) for n in as_written)
         if isinstance(module, SlimModule):
@@ -429,9 +431,12 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         elif (routed and (kind := kind_of(module)) in routing.kinds
               and _ROUTED_CALLS.get(kind, "") in forward_names(module) and _call_routable(module, kind)):
             # Its own code calls the functional form slimact routes (nanoGPT's LayerNorm calls F.layer_norm, timm's
-            # attention F.scaled_dot_product_attention).
+            # attention F.scaled_dot_product_attention). A watched attention module may not call it on every path
+            # (timm's with fused_attn off computes q @ k^T, softmax and @ v, which a lossless policy leaves as written).
             modules[name] = kind
             skipped.pop(name, None)
+            if kind == "attention" and name in watched:
+                by_products.add(name)
         elif name and name not in skipped and kind_of(module) == "attention" and not any(
             attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
             for sub in module.modules()
@@ -471,9 +476,10 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                                                                       by_products)
         for name in idle:
             del modules[name]
-            skipped[name] = ("its products and softmaxes would be routed, but none reached slimact in the forward on "
-                             "these inputs (its attention ran otherwise, e.g. F.scaled_dot_product_attention with the "
-                             "policy's attention kind off): left as written")
+            skipped[name] = ("its attention calls (products and softmaxes, or F.scaled_dot_product_attention) would be "
+                             "routed, but none reached slimact in the forward on these inputs (its attention ran "
+                             "otherwise, e.g. F.scaled_dot_product_attention with the policy's attention kind off, or "
+                             "products and softmaxes under a lossless policy): left as written")
         for name in unrouted:
             if routing is not None and any(_at_or_under(r, name) for r in routing.routed):
                 continue  # its products and softmaxes (or a child's: DeBERTa-v2's) were routed instead
@@ -490,8 +496,8 @@ def _coverage(
 ) -> tuple[float, dict[str, int], list[str], list[str]]:
     """``(share, {module: bytes}, unrouted, idle)``: the share of the plain model's bytes that slimact handles, the
     bytes it leaves by module, the tagged attention modules whose attention never reached slimact, and the modules of
-    ``by_products`` (reported converted as the routing watches their products and softmaxes) in which no call was
-    routed in the forward.
+    ``by_products`` (reported converted as the routing watches their products and softmaxes, or for the
+    F.scaled_dot_product_attention their forward mentions) in which no such call was routed in the forward.
 
     Bytes kept inside converted modules (or their children) are covered. A module slimact did not convert
     still counts as uncovered with what it keeps in the converted model (measured), at most what it kept in
@@ -506,9 +512,10 @@ def _coverage(
     earlier = set(routing.routed) if routing is not None else set()
     if routing is not None:
         routing.routed.clear()
+        routing.attended.clear()
     try:
         after = profile(model, inputs, loss_fn=loss_fn).by_module
-        routed = set(routing.routed) if routing is not None else set()
+        routed = routing.routed | routing.attended if routing is not None else set()
     finally:
         if routing is not None:
             routing.routed |= earlier

@@ -307,6 +307,9 @@ class Routing:
         self.watched: dict[str, frozenset[str]] = {}
         #: Watched modules in which a call was routed (at least once since convert).
         self.routed: set[str] = set()
+        #: Watched modules in whose code an F.scaled_dot_product_attention call was routed (summary's evidence that a
+        #: module reported converted for the call its forward mentions made one).
+        self.attended: set[str] = set()
         # (name, kinds) of the watched modules running now, innermost last (empty kinds: in eval mode).
         self._inside: list[tuple[str, frozenset[str]]] = []
         # Outputs of routed softmaxes, and dropouts of them (by id; each entry dies with its tensor).
@@ -499,6 +502,8 @@ class Routing:
         enable_gqa = enable_gqa or h_kv == 1
         if h_kv != h and not enable_gqa:
             return None
+        if self._inside:
+            self.attended.add(self._inside[-1][0])
         return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             cfg=self._cfg("attention", query))
 
