@@ -1,0 +1,350 @@
+"""slimact on research-code patterns (tests/_research.py: lucidrains' attention with rotary, talking heads and
+qk-norm, MLP-Mixer, Perceiver, a hand-written top-k MoE, mamba-minimal, RWKV-4) and on unusual training loops
+(gradient penalties, torch.func per-sample gradients, gradient accumulation, two losses from one forward,
+gradients to and hooks on an intermediate tensor, a frozen half, an EMA teacher, two views in one step)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import slimact
+from _harness import assert_gradients_close, assert_gradients_equal
+from _research import RWKV, Mamba, MLPMixer, MoEBlock, Perceiver, TinyLM
+from slimact import zoo
+
+POLICIES = ["tempo", "int8", "mesa"]
+_GEN = torch.Generator().manual_seed(0)
+IDS = torch.randint(0, 50, (2, 16), generator=_GEN)
+IMAGES = torch.randn(2, 3, 16, 16, generator=_GEN)
+DATA = torch.randn(2, 20, 24, generator=_GEN)
+SEQ = torch.randn(2, 16, 32, generator=_GEN)
+
+
+def lm_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on :data:`IDS`, computed outside the model as research training loops do."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), IDS[:, 1:].reshape(-1))
+
+
+def mean_square(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+#: name -> (builder, input, loss, {policy: bound on converted/plain bytes kept}, {module: kind} the summary must
+#: list under the 8-bit policies). Bounds: the measured ratio (in brackets) with about 15% margin.
+MODELS = {
+    # causal, dropout 0.1 (tempo 0.703, int8/mesa 0.198)
+    "x-transformers": (lambda: TinyLM(causal=True, dropout=0.1), IDS, lm_loss, {"tempo": 0.80, "int8": 0.23},
+                       {"transformer.layers.0.0.fn": "attention", "transformer.layers.0.1.fn.net.1": "gelu"}),
+    # (0.785, 0.275)
+    "rotary": (lambda: TinyLM(causal=True, rotary=True), IDS, lm_loss, {"tempo": 0.90, "int8": 0.32},
+               {"transformer.layers.1.0.fn": "attention"}),
+    # pre- and post-softmax head mixing by einsum with a [h, h] parameter (0.740, 0.205)
+    "talking-heads": (lambda: TinyLM(causal=True, talking_heads=True, dropout=0.1), IDS, lm_loss,
+                      {"tempo": 0.85, "int8": 0.24}, {"transformer.layers.0.0.fn": "attention"}),
+    # F.normalize'd q, k and a learned temperature (0.842, 0.466)
+    "qk-norm": (lambda: TinyLM(causal=True, qk_norm=True), IDS, lm_loss, {"tempo": 0.95, "int8": 0.54},
+                {"transformer.layers.0.0.fn": "attention"}),
+    # token mixing on the transposed LayerNorm output (0.617, 0.170)
+    "mlp-mixer": (MLPMixer, IMAGES, mean_square, {"tempo": 0.71, "int8": 0.20},
+                  {"2.norm1": "layernorm", "2.mlp_tokens.0": "linear", "2.mlp_tokens.1": "gelu"}),
+    # lucidrains' kernel-1 Conv1d token mixing (0.554, 0.155)
+    "mlp-mixer-conv": (lambda: MLPMixer(conv_tokens=True), IMAGES, mean_square, {"tempo": 0.64, "int8": 0.18},
+                       {"2.0.fn.0": "conv", "2.0.norm": "layernorm"}),
+    # latents expanded over the batch cross-attend the data (0.874, 0.497)
+    "perceiver": (Perceiver, DATA, mean_square, {"tempo": 0.97, "int8": 0.57},
+                  {"cross_attn.fn": "attention", "cross_attn.norm_context": "layernorm", "layers.0.0.fn": "attention"}),
+    # index_select + index_add_ over gated SiLU experts (0.762, 0.337)
+    "moe": (MoEBlock, SEQ, mean_square, {"tempo": 0.87, "int8": 0.39},
+            {"moe.experts.0": "mlp", "moe.experts.3": "mlp", "attn": "attention"}),
+    # Mixtral's one-hot expert mask and x[None, top_x] (same bytes)
+    "moe-mixtral": (lambda: MoEBlock(mixtral=True), SEQ, mean_square, {"tempo": 0.87, "int8": 0.39},
+                    {"moe.experts.1": "mlp"}),
+    # the Python-loop scan keeps most of the bytes, as written (0.931, 0.793)
+    "mamba-minimal": (Mamba, IDS, lm_loss, {"tempo": 0.98, "int8": 0.88},
+                      {"layers.0.mixer.conv1d": "conv", "layers.0.norm": "rmsnorm",
+                       "layers.0.mixer.in_proj": "linear"}),
+    # the WKV loop as written (0.837, 0.649)
+    "rwkv": (RWKV, IDS, lm_loss, {"tempo": 0.93, "int8": 0.73},
+             {"blocks.0.ffn.key": "linear", "blocks.0.ln1": "layernorm"}),
+}
+
+
+def _step(model: nn.Module, x: torch.Tensor, loss_fn) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    out = model(x)
+    loss_fn(out).backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _judge(policy: str, exact: dict, approx: dict) -> None:
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(exact, approx)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_research_model_trains_as_plain_pytorch_does(name, policy):
+    build, x, loss_fn, bounds, kinds = MODELS[name]
+    torch.manual_seed(0)
+    plain = build().train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    want_out, want = _step(plain, x, loss_fn)
+    got_out, got = _step(slim, x, loss_fn)
+    assert torch.equal(got_out, want_out)
+    _judge(policy, want, got)
+    # What was converted is what the summary says, under the 8-bit policies the attention and MLP modules too.
+    modules = dict(slim.named_modules())
+    listed = slimact.summary(slim).modules
+    assert all(m in modules for m in listed if m != "(loss)")
+    if policy != "tempo":
+        assert {m: listed.get(m) for m in kinds} == kinds
+    bound = bounds["tempo" if policy == "tempo" else "int8"]
+    kept = slimact.profile(slim, x, loss_fn=loss_fn).activation_bytes
+    assert kept <= bound * slimact.profile(plain, x, loss_fn=loss_fn).activation_bytes
+    assert slimact.check(plain, x, policy, loss_fn=loss_fn).passed
+    slimact.revert(slim)
+    back_out, back = _step(slim, x, loss_fn)
+    assert torch.equal(back_out, want_out) and back.keys() == want.keys()
+    assert all(torch.equal(back[n], want[n]) for n in want)
+
+
+# --- LayerNorm's shift invariance under 8-bit codes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa"])
+def test_a_shift_that_only_layernorms_read_gets_no_gradient_from_8_bit_codes(policy):
+    # MLP-Mixer's token-mixing output bias is added to every channel of its token, and every path from there meets a
+    # LayerNorm, which ignores a per-row shift: its exact gradient is zero (plain fp32: float noise, 1e-7 of a
+    # typical gradient). The LayerNorm backward restored xn from 8-bit codes with a nonzero row mean, so its grad_x
+    # no longer summed to zero and the bias got 0.7-1.8e-3 of a typical gradient (slimact.check failing for seeds 0
+    # and 2 under both policies); the restored xn is re-centred now (1e-7).
+    for seed in range(3):
+        torch.manual_seed(seed)
+        plain = MLPMixer().train()
+        _, grads = _step(slimact.convert(copy.deepcopy(plain), policy), IMAGES, mean_square)
+        typical = torch.stack([g.norm() for g in grads.values()]).median()
+        for block in (2, 3):
+            assert grads[f"{block}.mlp_tokens.2.bias"].norm() <= 1e-5 * typical, (seed, block)
+        assert slimact.check(plain, IMAGES, policy, loss_fn=mean_square).passed, seed
+
+
+def test_a_layernorm_input_gradient_sums_to_zero_per_row_from_8_bit_codes():
+    from slimact.functional import norm
+    from slimact.policy import Policy
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 48, generator=g) * 3 + 5).requires_grad_()
+    w, b = torch.rand(48, generator=g) + 0.5, torch.randn(48, generator=g)
+    grad_y = torch.randn(64, 48, generator=g)
+    norm(x, w, b, 1e-5, Policy().quant_config("layernorm", 2)).backward(grad_y)
+    exact = torch.autograd.grad(F.layer_norm(x, [48], w, b), x, grad_y)[0]
+    # Row sums up to 3.4e-3 of the row's gradient norm before; now 3.5e-7 (PyTorch's own: 4.5e-7).
+    assert (x.grad.sum(-1).abs() <= 1e-5 * exact.norm(dim=-1)).all()
+
+
+# --- training loops ------------------------------------------------------------------------------------------------
+
+
+def _hf(name: str) -> tuple[nn.Module, torch.Tensor]:
+    model = zoo.build(name, tiny=True).train()
+    return model, zoo.example_inputs(model, 2, 16)["input_ids"]
+
+
+def _grads(model: nn.Module) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _both(loop, name: str, policy: str) -> None:
+    """``loop(model, ids) -> {name: gradient}`` on the tiny zoo model ``name``, plain and converted, judged."""
+    plain, ids = _hf(name)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    _judge(policy, loop(plain, ids), loop(slim, ids))
+
+
+def _two_losses(model, ids):
+    # Two backward passes through one forward's graph: the LM loss (whose head gradients slimact computes in the
+    # forward) and a loss on the last hidden state.
+    torch.manual_seed(1)
+    out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    out.loss.backward(retain_graph=True)
+    out.hidden_states[-1].square().mean().backward()
+    return _grads(model)
+
+
+def _intermediate(model, ids):
+    # The gradient to an intermediate activation (inputs=[hidden]), then a hook that scales that tensor's gradient.
+    torch.manual_seed(1)
+    out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    hidden = out.hidden_states[1]
+    (to_hidden,) = torch.autograd.grad(out.loss, inputs=[hidden], retain_graph=True)
+    hidden.register_hook(lambda g: g * 3.0)
+    out.loss.backward()
+    return {**_grads(model), "d loss / d hidden": to_hidden}
+
+
+def _accumulated(model, ids):
+    for i in range(2):
+        torch.manual_seed(i)
+        (model(input_ids=ids[i:i + 1], labels=ids[i:i + 1]).loss / 2).backward()
+    return _grads(model)
+
+
+def _two_views(model, ids):
+    # SimCLR-style: one model, two views, an InfoNCE loss over both, one backward.
+    torch.manual_seed(1)
+    a = model(input_ids=ids, output_hidden_states=True).hidden_states[-1].mean(1)
+    b = model(input_ids=ids.flip(1), output_hidden_states=True).hidden_states[-1].mean(1)
+    logits = F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).t() / 0.1
+    F.cross_entropy(logits, torch.arange(len(ids))).backward()
+    return _grads(model)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("loop", [_two_losses, _intermediate, _two_views], ids=lambda f: f.__name__[1:])
+def test_training_loop_patterns_give_plain_gradients(loop, name, policy):
+    _both(loop, name, policy)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_gradient_accumulation_over_micro_batches(name, policy):
+    _both(_accumulated, name, policy)
+
+
+@pytest.mark.xfail(strict=True, reason="Mesa's running estimate: a micro-batch packed with the estimate of the ones "
+                   "before saturates where its own range is wider (left as Mesa publishes it; 'int8' is unaffected)")
+def test_mesa_gradient_accumulation_over_small_micro_batches():
+    # Micro-batches of one 16-token row: Llama's post-attention norm weight at cosine 0.91 in the first step, 0.97
+    # to 0.98 after ten steps of fresh batches (a whole batch of 4 rows per call: 0.993-0.997).
+    _both(_accumulated, "llama", "mesa")
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("name", ["llama", "x-transformers", "mamba-minimal"])
+def test_a_gradient_penalty_raises_a_clear_error(name, policy):
+    # d/dθ |d loss/dθ|^2 needs a double backward, which slimact's Functions refuse by name (plain PyTorch runs it:
+    # eager attention for Llama, whose CPU SDPA kernels have no double backward).
+    if name == "llama":
+        plain = zoo.build("llama", tiny=True, attn="eager").train()
+        def loss_of(m):
+            return m(input_ids=IDS, labels=IDS).loss
+    else:
+        build, x, loss_fn, _, _ = MODELS[name]
+        plain = build().train()
+        def loss_of(m):
+            return loss_fn(m(x))
+
+    def penalty(model):
+        grads = torch.autograd.grad(loss_of(model), list(model.parameters()), create_graph=True)
+        sum(g.square().sum() for g in grads).backward()
+
+    penalty(plain)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    with pytest.raises(RuntimeError, match=r"slimact's .* cannot be differentiated twice.*create_graph=True"):
+        penalty(slim)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("name", ["x-transformers", "perceiver", "rwkv"])
+def test_per_sample_gradients_by_vmap_are_pytorchs(name, policy):
+    # Opacus-style vmap(grad(functional_call)): slimact steps aside under torch.func (as PyTorch computes).
+    from torch.func import functional_call, grad, vmap
+
+    build, x, loss_fn, _, _ = MODELS[name]
+    torch.manual_seed(0)
+    plain = build().train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+
+    def per_sample(model):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p, sample):
+            out = functional_call(model, p, (sample[None],))
+            return mean_square(out) if loss_fn is mean_square else F.cross_entropy(out[0, :-1], sample[1:])
+
+        torch.manual_seed(1)
+        return vmap(grad(loss), in_dims=(None, 0), randomness="same")(params, x)
+
+    want, got = per_sample(plain), per_sample(slim)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_frozen_half_keeps_nothing_for_it_and_the_rest_train_as_plain(name):
+    def frozen(model):
+        for n, p in model.named_parameters():
+            if ".0." in n or "wte" in n or "wpe" in n or "embed_tokens" in n:
+                p.requires_grad_(False)
+        return model
+
+    plain, ids = _hf(name)
+    frozen(plain)
+    batch = {"input_ids": ids, "labels": ids}
+    plain_bytes = slimact.profile(plain, batch).activation_bytes
+    for policy in ("tempo", "int8"):
+        slim = slimact.convert(copy.deepcopy(plain), policy)
+        torch.manual_seed(1)
+        plain.zero_grad(set_to_none=True)
+        plain(**batch).loss.backward()
+        torch.manual_seed(1)
+        slim(**batch).loss.backward()
+        want, got = _grads(plain), _grads(slim)
+        assert not any(".0." in n for n in got)
+        _judge(policy, want, got)
+        kept = slimact.profile(slim, batch).activation_bytes
+        whole = slimact.profile(slimact.convert(_hf(name)[0], policy), batch).activation_bytes
+        assert kept < whole  # the frozen layer's weights need no saved input
+        if policy == "int8":
+            assert kept <= 0.3 * plain_bytes, kept / plain_bytes
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_ema_teacher_and_its_student_both_converted(policy):
+    # DINO/BYOL-style: the teacher is a deep copy of the converted student, run under no_grad, moved towards the
+    # student by torch._foreach_lerp_ (or p.data.mul_().add_()) after each step.
+    def train(student, lerp):
+        teacher = copy.deepcopy(student).requires_grad_(False)
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        targets = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            view1, view2 = DATA + 0.1 * torch.randn(DATA.shape, generator=g), DATA.flip(1)
+            with torch.no_grad():
+                target = teacher(view2).softmax(-1)
+            torch.manual_seed(step)
+            loss = -(target * student(view1).log_softmax(-1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                if lerp:
+                    torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 0.1)
+                else:
+                    for t, s in zip(teacher.parameters(), student.parameters(), strict=True):
+                        t.data.mul_(0.9).add_(s.data, alpha=0.1)
+            targets.append(target)
+        return student, teacher, targets
+
+    torch.manual_seed(0)
+    plain = Perceiver().train()
+    for lerp in (True, False):
+        s0, t0, want = train(copy.deepcopy(plain), lerp)
+        s1, t1, got = train(slimact.convert(copy.deepcopy(plain), policy), lerp)
+        assert slimact.summary(t1).converted
+        # The first target is the same teacher's on the same input: PyTorch's forward, bit for bit.
+        assert torch.equal(got[0], want[0])
+        tol = 1e-4 if policy == "tempo" else 5e-2
+        for a, b in zip([*s0.parameters(), *t0.parameters()], [*s1.parameters(), *t1.parameters()], strict=True):
+            assert (b - a).norm() <= tol * a.norm().clamp_min(1.0)
+        # The teacher's forward under no_grad leaves its state (Mesa's running estimates) as it was.
+        state = [b.clone() for b in t1.buffers()]
+        with torch.no_grad():
+            t1(DATA)
+        assert all(torch.equal(a, b) for a, b in zip(state, t1.buffers(), strict=True))
