@@ -307,6 +307,8 @@ class LossTracker:
         self.lazy_made = False
         self._in_head = False
         self._computing = False  # the head is called to compute a LazyLogits' values: not lazily again
+        #: Losses the fused head and loss computed (``summary(model, inputs)`` tells whether one ran).
+        self.fused = 0
         self.handles = [
             head.register_forward_pre_hook(self._head_input),
             head.register_forward_hook(self._head_output, always_call=True),
@@ -437,6 +439,7 @@ class LossTracker:
             with spec.autocast_state():
                 loss = linear_cross_entropy(h, w, b, target, transform=spec.transform if spec.steps else None,
                                             **kwargs)
+        self.fused += 1
         # Autocast runs cross_entropy in fp32 (its fp32 op list): the loss is fp32 whatever the logits' dtype.
         return loss.float() if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)
 
