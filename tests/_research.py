@@ -157,6 +157,68 @@ class TinyLM(nn.Module):
         return self.to_logits(self.transformer(self.token_emb(x)))
 
 
+class XAttention(nn.Module):
+    """x-transformers' ``Attention`` with more of its options on: learned memory key/values (``num_mem_kv``,
+    expanded over the batch and concatenated), an ALiBi bias, a key padding mask, the max-subtracted softmax in fp32
+    (``sim - sim.amax(-1, keepdim=True).detach()``, ``softmax(dtype=torch.float32)``), a 1x1 ``Conv2d`` for
+    pre-softmax talking heads, a sigmoid output gate, and cross-attention to a context."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, dim_head: int = 16, num_mem_kv: int = 2, dropout: float = 0.1,
+                 talking_heads: bool = True, gate: bool = True) -> None:
+        super().__init__()
+        inner = heads * dim_head
+        self.heads, self.scale = heads, dim_head**-0.5
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_kv = nn.Linear(dim, inner * 2, bias=False)
+        self.mem_k = nn.Parameter(torch.randn(heads, num_mem_kv, dim_head))
+        self.mem_v = nn.Parameter(torch.randn(heads, num_mem_kv, dim_head))
+        self.pre_softmax_talking_heads = nn.Conv2d(heads, heads, 1, bias=False) if talking_heads else None
+        self.to_v_gate = nn.Linear(dim, inner) if gate else None
+        self.dropout = nn.Dropout(dropout)
+        self.to_out = nn.Linear(inner, dim)
+        slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)])
+        self.register_buffer("slopes", slopes.view(heads, 1, 1), persistent=False)
+
+    def forward(self, x, context=None, mask=None):
+        b = x.shape[0]
+        kv_input = x if context is None else context
+        q = _split_heads(self.to_q(x), self.heads)
+        k, v = (_split_heads(t, self.heads) for t in self.to_kv(kv_input).chunk(2, dim=-1))
+        k = torch.cat((self.mem_k.expand(b, -1, -1, -1), k), dim=-2)  # repeat(mem_k, 'h n d -> b h n d', b=b)
+        v = torch.cat((self.mem_v.expand(b, -1, -1, -1), v), dim=-2)
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        i, j = sim.shape[-2:]
+        sim = sim - self.slopes * (torch.arange(j) - torch.arange(i)[:, None] - (j - i)).abs()
+        if self.pre_softmax_talking_heads is not None:
+            sim = self.pre_softmax_talking_heads(sim)
+        if mask is not None:
+            mask = F.pad(mask, (self.mem_k.shape[-2], 0), value=True)
+            sim = sim.masked_fill(~mask[:, None, None, :], -torch.finfo(sim.dtype).max)
+        sim = sim - sim.amax(dim=-1, keepdim=True).detach()
+        attn = sim.softmax(dim=-1, dtype=torch.float32).to(sim.dtype)
+        attn = self.dropout(attn)
+        out = _merge_heads(torch.einsum("b h i j, b h j d -> b h i d", attn, v))
+        if self.to_v_gate is not None:
+            out = out * self.to_v_gate(x).sigmoid()
+        return self.to_out(out)
+
+
+class XBlock(nn.Module):
+    """Self-attention over a padded batch, cross-attention to a context, a GELU feed-forward; pre-norm."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.self_attn = XAttention(dim)
+        self.cross_attn = XAttention(dim, talking_heads=False, gate=False)
+        self.ff = FeedForward(dim, 2 * dim)
+
+    def forward(self, x, context, mask):
+        x = x + self.self_attn(self.norm1(x), mask=mask)
+        x = x + self.cross_attn(self.norm2(x), context=context)
+        return x + self.ff(self.norm3(x))
+
+
 # --- MLP-Mixer -------------------------------------------------------------------------------------------------
 
 

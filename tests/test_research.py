@@ -14,7 +14,7 @@ from torch import nn
 
 import slimact
 from _harness import assert_gradients_close, assert_gradients_equal
-from _research import RWKV, Mamba, MLPMixer, MoEBlock, Perceiver, TinyLM
+from _research import RWKV, Mamba, MLPMixer, MoEBlock, Perceiver, TinyLM, XBlock
 from slimact import zoo
 
 POLICIES = ["tempo", "int8", "mesa"]
@@ -23,6 +23,8 @@ IDS = torch.randint(0, 50, (2, 16), generator=_GEN)
 IMAGES = torch.randn(2, 3, 16, 16, generator=_GEN)
 DATA = torch.randn(2, 20, 24, generator=_GEN)
 SEQ = torch.randn(2, 16, 32, generator=_GEN)
+PADDED = (torch.randn(2, 10, 32, generator=_GEN), torch.randn(2, 14, 32, generator=_GEN),
+          torch.arange(10).expand(2, 10) < torch.tensor([[10], [6]]))  # (x, context, key padding mask)
 
 
 def lm_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -49,6 +51,11 @@ MODELS = {
     # F.normalize'd q, k and a learned temperature (0.842, 0.466)
     "qk-norm": (lambda: TinyLM(causal=True, qk_norm=True), IDS, lm_loss, {"tempo": 0.95, "int8": 0.54},
                 {"transformer.layers.0.0.fn": "attention"}),
+    # memory key/values, ALiBi, padding mask, fp32 max-subtracted softmax, conv talking heads, gate, cross-attention
+    # (0.837, 0.334)
+    "x-transformers-options": (XBlock, PADDED, mean_square, {"tempo": 0.95, "int8": 0.38},
+                               {"self_attn": "attention", "cross_attn": "attention",
+                                "self_attn.pre_softmax_talking_heads": "conv"}),
     # token mixing on the transposed LayerNorm output (0.617, 0.170)
     "mlp-mixer": (MLPMixer, IMAGES, mean_square, {"tempo": 0.71, "int8": 0.20},
                   {"2.norm1": "layernorm", "2.mlp_tokens.0": "linear", "2.mlp_tokens.1": "gelu"}),
@@ -77,7 +84,7 @@ MODELS = {
 def _step(model: nn.Module, x: torch.Tensor, loss_fn) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    out = model(x)
+    out = model(*x) if isinstance(x, tuple) else model(x)
     loss_fn(out).backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
