@@ -382,3 +382,61 @@ def test_summary_does_not_count_a_loss_computed_outside_the_model_as_slimacts():
 
     nano = slimact.convert(NanoGPT().train(), "int8")
     assert slimact.summary(nano, batch(), loss_fn=loss_of).modules["(loss)"] == "lmloss"
+
+
+# --- hooks on the logits of a fused LM loss ---------------------------------------------------------------------
+
+
+def _hooked_logits(model, ids, how):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    out = model(input_ids=ids, labels=ids)
+    if how == "hook":  # registered after the forward, where the loss was computed (Hugging Face, with labels)
+        out.logits.register_hook(lambda g: g * 0.5)
+    elif how == "retain_grad":
+        out.logits.retain_grad()
+    else:  # on a view made after the forward: no part of the loss's graph, so the hook sees nothing, in plain too
+        out.logits.view(-1, out.logits.shape[-1]).register_hook(lambda g: g * 0.5)
+    out.loss.backward()
+    return _grads(model), (out.logits.grad if how == "retain_grad" else None)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8", "keep_logits"])
+@pytest.mark.parametrize("how", ["hook", "retain_grad"])
+def test_a_hook_on_the_logits_of_a_fused_lm_loss_is_refused_not_ignored(how, policy):
+    # The fused LM loss computes its gradients in the forward and never builds the logits (or, with keep_logits,
+    # never passes a gradient through them): a hook or retain_grad on output.logits after the forward was silently
+    # ignored (tempo: every gradient off by the hook's factor, relative difference 1.0; logits.grad None where plain
+    # has it). Now a clear error; with the loss excluded, plain's gradients.
+    plain, ids = _hf("gpt2")
+    want, want_logits = _hooked_logits(plain, ids, how)
+    pol = slimact.Policy(keep_logits=True) if policy == "keep_logits" else policy
+    with pytest.raises(RuntimeError, match="hook or retain_grad on the logits after the LM loss"):
+        _hooked_logits(slimact.convert(copy.deepcopy(plain), pol), ids, how)
+    written = slimact.convert(copy.deepcopy(plain), slimact.PRESETS["tempo"].replace(exclude=("(loss)",)))
+    assert "(loss)" not in slimact.summary(written).modules
+    got, got_logits = _hooked_logits(written, ids, how)
+    assert_gradients_equal(want, got)
+    if how == "retain_grad":
+        torch.testing.assert_close(got_logits, want_logits)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_hook_on_a_view_of_the_logits_made_after_the_forward_is_ignored_as_in_plain(policy):
+    plain, ids = _hf("llama")
+    want, _ = _hooked_logits(plain, ids, "view")
+    got, _ = _hooked_logits(slimact.convert(copy.deepcopy(plain), policy), ids, "view")
+    _judge(policy, want, got)
+
+
+def test_an_exclude_pattern_naming_the_loss_leaves_it_as_written():
+    # convert reported "(loss)" left alone ("matched by policy exclude patterns") and, in the same summary, converted
+    # as "lmloss": the routing fused it all the same.
+    plain, ids = _hf("gpt2")
+    want, _ = _hooked_logits(plain, ids, "hook")
+    slim = slimact.convert(copy.deepcopy(plain), slimact.PRESETS["int8"].replace(exclude=("(loss)",)))
+    summary = slimact.summary(slim)
+    assert "(loss)" not in summary.modules and "exclude" in summary.skipped["(loss)"]
+    got, _ = _hooked_logits(slim, ids, "hook")
+    assert_gradients_close(want, got)
+    assert all((got[n] - want[n]).norm() <= 0.05 * want[n].norm() for n in want)  # (the hook's factor 0.5 applied)

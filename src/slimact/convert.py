@@ -237,6 +237,7 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
         skipped["(loss)"] = reason
+        head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
     excluded = [m for name, m in model.named_modules() if name and (
         _excluded(pol, name, m, filter_fn) or (name in skipped and recognise(m).replace is not None))]
     own = [(name, m) for name, m in model.named_modules() if name not in skipped and kind_of(m) == "attention"
