@@ -393,6 +393,8 @@ def _hooked_logits(model, ids, how):
     out = model(input_ids=ids, labels=ids)
     if how == "hook":  # registered after the forward, where the loss was computed (Hugging Face, with labels)
         out.logits.register_hook(lambda g: g * 0.5)
+    elif how == "autograd.grad":
+        return torch.autograd.grad(out.loss, inputs=[out.logits], allow_unused=True)[0]
     elif how == "retain_grad":
         out.logits.retain_grad()
     else:  # on a view made after the forward: no part of the loss's graph, so the hook sees nothing, in plain too
@@ -402,16 +404,26 @@ def _hooked_logits(model, ids, how):
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8", "keep_logits"])
-@pytest.mark.parametrize("how", ["hook", "retain_grad"])
+@pytest.mark.parametrize("how", ["hook", "retain_grad", "autograd.grad"])
 def test_a_hook_on_the_logits_of_a_fused_lm_loss_is_refused_not_ignored(how, policy):
     # The fused LM loss computes its gradients in the forward and never builds the logits (or, with keep_logits,
     # never passes a gradient through them): a hook or retain_grad on output.logits after the forward was silently
     # ignored (tempo: every gradient off by the hook's factor, relative difference 1.0; logits.grad None where plain
-    # has it). Now a clear error; with the loss excluded, plain's gradients.
+    # has it), autograd.grad(loss, inputs=[output.logits], allow_unused=True) gave None. Now a clear error; with the
+    # loss excluded, plain's gradients.
+    if how == "autograd.grad" and policy == "keep_logits":
+        pytest.skip("computed logits outside the loss's graph: PyTorch's own 'unused' error (or None if allowed)")
     plain, ids = _hf("gpt2")
+    if how == "autograd.grad":
+        want = _hooked_logits(plain, ids, how)
+        with pytest.raises(RuntimeError, match="on logits an LM loss was computed from, after that loss"):
+            _hooked_logits(slimact.convert(copy.deepcopy(plain), policy), ids, how)
+        written = slimact.convert(copy.deepcopy(plain), slimact.PRESETS["tempo"].replace(exclude=("(loss)",)))
+        torch.testing.assert_close(_hooked_logits(written, ids, how), want)
+        return
     want, want_logits = _hooked_logits(plain, ids, how)
     pol = slimact.Policy(keep_logits=True) if policy == "keep_logits" else policy
-    with pytest.raises(RuntimeError, match="hook or retain_grad on the logits after the LM loss"):
+    with pytest.raises(RuntimeError, match="on logits an LM loss was computed from, after that loss"):
         _hooked_logits(slimact.convert(copy.deepcopy(plain), pol), ids, how)
     written = slimact.convert(copy.deepcopy(plain), slimact.PRESETS["tempo"].replace(exclude=("(loss)",)))
     assert "(loss)" not in slimact.summary(written).modules

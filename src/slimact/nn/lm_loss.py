@@ -248,12 +248,25 @@ NOT_LAZY = object()
 #: What asks for a tensor's own gradient, which logits a fused loss was taken through never get.
 _GRAD_HOOKS = {Tensor.register_hook, Tensor.retain_grad}
 _HOOKED_AFTER_LOSS = (
-    "slimact: a gradient hook or retain_grad on the logits after the LM loss was computed from them: slimact fused "
-    "the loss with the head in the forward (its gradients computed there, the [tokens, vocab] logits never built), "
-    "so no gradient of that loss ever passes through these logits, and the hook would silently see none of it (plain "
-    "PyTorch applies it). Register the hook on the head's input, or convert with the 'lmloss' kind off "
-    "(slimact.Policy(kinds=...) without it, or exclude=('(loss)',)) to have the loss computed as written."
+    "slimact: a gradient hook, retain_grad or autograd.grad(inputs=...) on logits an LM loss was computed from, after "
+    "that loss: slimact fused the loss with the head in the forward (its gradients computed there, the [tokens, vocab] "
+    "logits never built), so no gradient of that loss ever passes through these logits, and the hook would silently "
+    "see none of it (plain PyTorch gives it them). Register the hook on the head's input, or convert with "
+    "exclude=('(loss)',) in the policy (or the 'lmloss' kind off) to have the loss computed as written."
 )
+
+
+def _grad_of_taken(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` is ``torch.autograd.grad`` (or ``backward``) asking for the gradient of lazy logits a fused
+    loss was taken through (``inputs=[output.logits]``): PyTorch would find them unused, or give None."""
+    if func is torch.autograd.grad:
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    elif func is torch.autograd.backward:
+        inputs = kwargs.get("inputs")
+    else:
+        return False
+    flat, _ = tree_flatten(inputs)
+    return any(isinstance(x, LazyLogits) and x._taken for x in flat)
 
 
 def _not_hooked_since(aliases: list[weakref.ref], grad_outputs) -> None:
@@ -281,7 +294,7 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs), args, kwargs
     first = args[0] if args else None
-    if func in _GRAD_HOOKS and isinstance(first, cls) and first._taken:
+    if (func in _GRAD_HOOKS and isinstance(first, cls) and first._taken) or _grad_of_taken(func, args, kwargs):
         raise RuntimeError(_HOOKED_AFTER_LOSS)
     if isinstance(first, cls) and first._value is None and (func in _VIEWS or func in _ELEMENTWISE):
         if func is Tensor.contiguous or (func in (Tensor.float, Tensor.to) and _same_dtype(func, first, args, kwargs)):
