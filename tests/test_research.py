@@ -227,9 +227,21 @@ def _first_order_maml(model, ids):
     return _grads(model)
 
 
+def _adversarial_embeddings(model, ids):
+    # FreeLB/PGD-style: two ascent steps on a perturbation of the input embeddings, by the gradient to it alone.
+    emb = model.get_input_embeddings()(ids).detach()
+    delta = torch.empty_like(emb).uniform_(-0.01, 0.01, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    for _ in range(2):
+        torch.manual_seed(1)
+        (grad,) = torch.autograd.grad(model(inputs_embeds=emb + delta, labels=ids).loss, delta)
+        delta = (delta + 0.01 * grad / grad.norm()).detach().requires_grad_()
+    return {"d loss / d delta": grad}
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-@pytest.mark.parametrize("loop", [_two_losses, _intermediate, _two_views], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("loop", [_two_losses, _intermediate, _two_views, _adversarial_embeddings],
+                         ids=lambda f: f.__name__[1:])
 def test_training_loop_patterns_give_plain_gradients(loop, name, policy):
     _both(loop, name, policy)
 
