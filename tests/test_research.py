@@ -120,6 +120,20 @@ def test_a_research_model_trains_as_plain_pytorch_does(name, policy):
     assert all(torch.equal(back[n], want[n]) for n in want)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["talking-heads", "x-transformers-options", "perceiver", "rwkv"])
+def test_a_research_model_under_bf16_autocast(name, policy):
+    build, x, loss_fn, _, _ = MODELS[name]
+    torch.manual_seed(0)
+    plain = build().train()
+    _, gold = _step(plain, x, loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_out, want = _step(plain, x, loss_fn)
+        got_out, got = _step(slimact.convert(copy.deepcopy(plain), policy), x, loss_fn)
+    assert torch.equal(got_out, want_out)
+    assert_gradients_close(want, got, gold=gold)
+
+
 # --- LayerNorm's shift invariance under 8-bit codes ---------------------------------------------------------------
 
 
