@@ -494,7 +494,7 @@ class LossTracker:
             taken = logits
             while taken is not None:
                 taken._taken, taken = True, taken._parent
-        if lazy is None:
+        if lazy is None and loss.grad_fn is not None:
             loss.grad_fn.register_prehook(functools.partial(_not_hooked_since, self._aliases(logits)))
         self.fused += 1
         # Autocast runs cross_entropy in fp32 (its fp32 op list): the loss is fp32 whatever the logits' dtype.
