@@ -83,13 +83,16 @@ class FeedForward(nn.Module):
 
 class Attention(nn.Module):
     """x-transformers' attention: ``causal``, ``talking_heads`` (pre- and post-softmax head mixing), ``qk_norm``
-    (l2-normalised q, k and a learned per-head temperature in place of ``dim_head ** -0.5``), ``rotary``."""
+    (l2-normalised q, k and a learned per-head temperature in place of ``dim_head ** -0.5``), ``rotary``,
+    ``save_attn`` (the attention map and its gradient kept for attribution, as vit-pytorch's explainability fork)."""
 
     def __init__(self, dim: int, heads: int = 4, dim_head: int = 16, dropout: float = 0.0, causal: bool = False,
-                 talking_heads: bool = False, qk_norm: bool = False, rotary: bool = False) -> None:
+                 talking_heads: bool = False, qk_norm: bool = False, rotary: bool = False,
+                 save_attn: bool = False) -> None:
         super().__init__()
         inner_dim = dim_head * heads
         self.heads, self.causal, self.talking_heads, self.qk_norm = heads, causal, talking_heads, qk_norm
+        self.save_attn = save_attn
         self.scale = dim_head**-0.5
         self.to_qkv = nn.Linear(dim, inner_dim * 3, bias=False)
         self.dropout = nn.Dropout(dropout)
@@ -119,11 +122,17 @@ class Attention(nn.Module):
             mask = torch.ones(i, j, dtype=torch.bool).triu(j - i + 1)
             dots = dots.masked_fill(mask, -torch.finfo(dots.dtype).max)
         attn = dots.softmax(dim=-1)
+        if self.save_attn:  # vit-pytorch's explainability fork (Chefer et al.): the map and its gradient, by a hook
+            self.attn = attn
+            attn.register_hook(self.save_attn_gradients)
         attn = self.dropout(attn)
         if self.talking_heads:
             attn = torch.einsum("b h i j, h k -> b k i j", attn, self.post_softmax_proj)
         out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
         return self.to_out(_merge_heads(out))
+
+    def save_attn_gradients(self, grad: torch.Tensor) -> None:
+        self.attn_gradients = grad
 
 
 class Transformer(nn.Module):

@@ -134,6 +134,20 @@ def test_a_research_model_under_bf16_autocast(name, policy):
     assert_gradients_close(want, got, gold=gold)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_attention_attribution_by_a_hook_on_the_map(policy):
+    # Chefer et al.'s relevance: the attention map saved in the forward and its gradient by a hook on it; the map is
+    # what a routed softmax packs and the next product reads.
+    torch.manual_seed(0)
+    plain = TinyLM(causal=True, dropout=0.1, save_attn=True).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    _step(plain, IDS, lm_loss)
+    _step(slim, IDS, lm_loss)
+    for a, b in zip(plain.transformer.layers, slim.transformer.layers, strict=True):
+        assert torch.equal(b[0].fn.attn, a[0].fn.attn)
+        _judge(policy, {"grad": a[0].fn.attn_gradients}, {"grad": b[0].fn.attn_gradients})
+
+
 # --- LayerNorm's shift invariance under 8-bit codes ---------------------------------------------------------------
 
 
