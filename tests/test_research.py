@@ -1,7 +1,8 @@
-"""slimact on research-code patterns (tests/_research.py: lucidrains' attention with rotary, talking heads and
-qk-norm, MLP-Mixer, Perceiver, a hand-written top-k MoE, mamba-minimal, RWKV-4) and on unusual training loops
-(gradient penalties, torch.func per-sample gradients, gradient accumulation, two losses from one forward,
-gradients to and hooks on an intermediate tensor, a frozen half, an EMA teacher, two views in one step)."""
+"""slimact on research-code patterns (tests/_research.py: lucidrains' attention with rotary, talking heads, qk-norm
+and more of x-transformers' options, MLP-Mixer, Perceiver, a hand-written top-k MoE, mamba-minimal, RWKV-4) and on
+unusual training loops (gradient penalties, torch.func per-sample gradients, gradient accumulation, first-order MAML,
+PGD on the input embeddings, two losses from one forward, gradients to and hooks on an intermediate tensor, hooks on
+the logits of a fused LM loss, attention attribution, a frozen half, an EMA teacher, two views in one step)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def mean_square(out: torch.Tensor) -> torch.Tensor:
 
 
 #: name -> (builder, input, loss, {policy: bound on converted/plain bytes kept}, {module: kind} the summary must
-#: list under the 8-bit policies). Bounds: the measured ratio (in brackets) with about 15% margin.
+#: list under the 8-bit policies). Bounds: the measured ratios (in the comments) with about 15% margin.
 MODELS = {
     # causal, dropout 0.1 (tempo 0.703, int8/mesa 0.198)
     "x-transformers": (lambda: TinyLM(causal=True, dropout=0.1), IDS, lm_loss, {"tempo": 0.80, "int8": 0.23},
