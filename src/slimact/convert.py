@@ -237,6 +237,7 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
         skipped["(loss)"] = reason
+        head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
     excluded = [m for name, m in model.named_modules() if name and (
         _excluded(pol, name, m, filter_fn) or (name in skipped and recognise(m).replace is not None))]
     own = [(name, m) for name, m in model.named_modules() if name not in skipped and kind_of(m) == "attention"
@@ -476,7 +477,10 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                                                                       by_products)
         for name in idle:
             del modules[name]
-            skipped[name] = ("its attention calls (products and softmaxes, or F.scaled_dot_product_attention) would be "
+            skipped[name] = ("the LM loss would be fused with the head, but no F.cross_entropy on the head's logits "
+                             "ran in the model's forward on these inputs (a loss computed outside the model, or no "
+                             "labels): left as written" if name == "(loss)" else
+                             "its attention calls (products and softmaxes, or F.scaled_dot_product_attention) would be "
                              "routed, but none reached slimact in the forward on these inputs (its attention ran "
                              "otherwise, e.g. F.scaled_dot_product_attention with the policy's attention kind off, or "
                              "products and softmaxes under a lossless policy): left as written")
@@ -497,7 +501,9 @@ def _coverage(
     """``(share, {module: bytes}, unrouted, idle)``: the share of the plain model's bytes that slimact handles, the
     bytes it leaves by module, the tagged attention modules whose attention never reached slimact, and the modules of
     ``by_products`` (reported converted as the routing watches their products and softmaxes, or for the
-    F.scaled_dot_product_attention their forward mentions) in which no such call was routed in the forward.
+    F.scaled_dot_product_attention their forward mentions) in which no such call was routed in the forward, with
+    ``"(loss)"`` where the routing would fuse the LM loss but none was fused (a loss the training loop computes
+    outside the model is never the model's to route: its bytes are not covered).
 
     Bytes kept inside converted modules (or their children) are covered. A module slimact did not convert
     still counts as uncovered with what it keeps in the converted model (measured), at most what it kept in
@@ -513,6 +519,8 @@ def _coverage(
     if routing is not None:
         routing.routed.clear()
         routing.attended.clear()
+    tracker = routing.loss if routing is not None else None
+    fused = tracker.fused if tracker is not None else 0
     try:
         after = profile(model, inputs, loss_fn=loss_fn).by_module
         routed = routing.routed | routing.attended if routing is not None else set()
@@ -521,6 +529,8 @@ def _coverage(
             routing.routed |= earlier
     unrouted = [name for name, m in tagged.items() if not m.__dict__.get(attention.SEEN_ATTR)]
     idle = sorted(name for name in by_products if not any(_at_or_under(r, name) for r in routed))
+    if tracker is not None and tracker.fused == fused:
+        idle.append("(loss)")
     converted = converted - set(unrouted) - set(idle)
     plain = revert(copy.deepcopy(model))
     before = profile(plain, inputs, loss_fn=loss_fn).by_module

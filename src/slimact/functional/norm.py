@@ -21,6 +21,15 @@ constant row). A layer any of whose channels (or, lossless, rows) fails (exact: 
 an 8-bit policy, Mesa's scheme) and the exact ``mean``/``rstd``; the gradients are then computed from it by
 the same formula. The forward is the replaced module's own code either way: identical output.
 
+A LayerNorm ignores a shift of its input row, so its exact ``grad_x`` sums to zero over the row: a per-row
+constant added before it (MLP-Mixer's token-mixing output bias, added to every channel of its token, feeds only
+LayerNorms) has a gradient of exactly zero. The formula gives that only where ``sum(xn) = 0``; an ``xn`` restored
+from 8-bit codes (output or input) misses it by a fraction of a step per element, and that leaked such a bias a
+gradient of 1e-3 of a typical one (``slimact.check`` failing on MLP-Mixer under ``"int8"`` and ``"mesa"``). The
+backward therefore re-centres the restored ``xn`` (a projection: it only removes error, the exact ``xn`` having
+zero mean), which brings that gradient back to float noise (1e-7). A scale of the row has no such fix: the
+direction it would project out is the restored ``xn``'s own (see the next paragraph).
+
 A learned mix of streams (found in the autograd graph, not by class): where the norm's input is
 ``h = sum_k a_k * x_k`` with mixing weights ``a_k`` that require a gradient (DeepSeek-V4's hyper-connection
 heads: ``(pre.unsqueeze(-1) * streams).sum(dim)``), the weights' gradient is ``grad_h . x_k``. The exact
@@ -209,6 +218,8 @@ def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | 
             xn = xn / w
     else:
         xn = (kept.float() - mean) * rstd if centered else kept.float() * rstd
+    if centered:  # an exact xn has zero mean per row; one restored from 8-bit codes not (module docstring)
+        xn = xn - xn.mean(-1, keepdim=True)
     gw = g if w is None else g * w
     inner = gw - xn * (gw * xn).mean(-1, keepdim=True)
     if centered:

@@ -28,7 +28,11 @@ keeping the gradients instead of the logits.
 Anything else (class weights, ``reduction="none"``, a logits tensor the head did not produce, ops that
 reorder tokens, logits or the head's input changed in place since the head's call, logits whose own gradient is
 asked for with ``retain_grad`` or a hook) runs exactly as written; a lazy head's input changed in place before
-the loss raises (the logits it stood for are gone).
+the loss raises (the logits it stood for are gone). So does a hook or ``retain_grad`` on the logits a loss was fused
+from, asked for after that loss (``output.logits.register_hook(...)`` once a model called with labels returns): no
+gradient of the loss ever passes through them, and plain PyTorch would apply the hook (lazy logits refuse it at
+once, computed ones when the loss's backward starts). Exclude ``"(loss)"`` in the policy to compute the loss as
+written.
 """
 
 from __future__ import annotations
@@ -204,6 +208,9 @@ class LazyLogits(Tensor):
     def __new__(cls, h: Tensor, weight: Tensor, bias: Tensor | None, spec: _Spec):
         t = Tensor._make_wrapper_subclass(cls, spec.shape, dtype=spec.dtype, device=h.device)
         t._inputs, t._spec, t._value = (h, weight, bias), spec, None
+        # The LazyLogits this one was derived from (a view, a cast), and whether a fused loss was taken through this
+        # one or one derived from it: no gradient of that loss passes through it (lazy_call refuses its hooks).
+        t._parent, t._taken = None, False
         return t
 
     @classmethod
@@ -238,6 +245,38 @@ class LazyLogits(Tensor):
 
 NOT_LAZY = object()
 
+#: What asks for a tensor's own gradient, which logits a fused loss was taken through never get.
+_GRAD_HOOKS = {Tensor.register_hook, Tensor.retain_grad}
+_HOOKED_AFTER_LOSS = (
+    "slimact: a gradient hook, retain_grad or autograd.grad(inputs=...) on logits an LM loss was computed from, after "
+    "that loss: slimact fused the loss with the head in the forward (its gradients computed there, the [tokens, vocab] "
+    "logits never built), so no gradient of that loss ever passes through these logits, and the hook would silently "
+    "see none of it (plain PyTorch gives it them). Register the hook on the head's input, or convert with "
+    "exclude=('(loss)',) in the policy (or the 'lmloss' kind off) to have the loss computed as written."
+)
+
+
+def _grad_of_taken(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` is ``torch.autograd.grad`` (or ``backward``) asking for the gradient of lazy logits a fused
+    loss was taken through (``inputs=[output.logits]``): PyTorch would find them unused, or give None."""
+    if func is torch.autograd.grad:
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    elif func is torch.autograd.backward:
+        inputs = kwargs.get("inputs")
+    else:
+        return False
+    flat, _ = tree_flatten(inputs)
+    return any(isinstance(x, LazyLogits) and x._taken for x in flat)
+
+
+def _not_hooked_since(aliases: list[weakref.ref], grad_outputs) -> None:
+    """A fused loss's backward pre-hook: raise where the logits it was taken from (or an alias of them) were given a
+    gradient hook or ``retain_grad`` after the loss (checked then by :meth:`LossTracker._wants_own_grad`)."""
+    for ref in aliases:
+        t = ref()
+        if t is not None and (t.retains_grad or t._backward_hooks):
+            raise RuntimeError(_HOOKED_AFTER_LOSS)
+
 
 def _materialised(tree):
     return tree_map(lambda x: x.materialise() if isinstance(x, LazyLogits) else x, tree)
@@ -255,13 +294,17 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs), args, kwargs
     first = args[0] if args else None
+    if (func in _GRAD_HOOKS and isinstance(first, cls) and first._taken) or _grad_of_taken(func, args, kwargs):
+        raise RuntimeError(_HOOKED_AFTER_LOSS)
     if isinstance(first, cls) and first._value is None and (func in _VIEWS or func in _ELEMENTWISE):
         if func is Tensor.contiguous or (func in (Tensor.float, Tensor.to) and _same_dtype(func, first, args, kwargs)):
             return first, args, kwargs  # as PyTorch: the tensor itself
         spec = first._spec.derived(func, args[1:], kwargs)
         if spec is not None:
             h, weight, bias = first._inputs
-            return LazyLogits.make(h, weight, bias, spec), args, kwargs
+            derived = LazyLogits.make(h, weight, bias, spec)
+            derived._parent = first
+            return derived, args, kwargs
     return NOT_LAZY, _materialised(args), _materialised(kwargs)
 
 
@@ -307,6 +350,8 @@ class LossTracker:
         self.lazy_made = False
         self._in_head = False
         self._computing = False  # the head is called to compute a LazyLogits' values: not lazily again
+        #: Losses the fused head and loss computed (``summary(model, inputs)`` tells whether one ran).
+        self.fused = 0
         self.handles = [
             head.register_forward_pre_hook(self._head_input),
             head.register_forward_hook(self._head_output, always_call=True),
@@ -411,6 +456,15 @@ class LossTracker:
             t = None if entry is None or entry[4] is None else entry[4]()
         return False
 
+    def _aliases(self, t: Tensor) -> list[weakref.ref]:
+        """Weak references to ``t`` and the tracked tensors it aliases (:meth:`_wants_own_grad`'s walk)."""
+        refs: list[weakref.ref] = []
+        while t is not None and not any(r() is t for r in refs):
+            refs.append(weakref.ref(t))
+            entry = self._entry(t)
+            t = None if entry is None or entry[4] is None else entry[4]()
+        return refs
+
     def fused_loss(self, logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
         lazy = logits.fused() if isinstance(logits, LazyLogits) else None
@@ -437,6 +491,12 @@ class LossTracker:
             with spec.autocast_state():
                 loss = linear_cross_entropy(h, w, b, target, transform=spec.transform if spec.steps else None,
                                             **kwargs)
+            taken = logits
+            while taken is not None:
+                taken._taken, taken = True, taken._parent
+        if lazy is None and loss.grad_fn is not None:
+            loss.grad_fn.register_prehook(functools.partial(_not_hooked_since, self._aliases(logits)))
+        self.fused += 1
         # Autocast runs cross_entropy in fp32 (its fp32 op list): the loss is fp32 whatever the logits' dtype.
         return loss.float() if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)
 
