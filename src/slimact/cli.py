@@ -272,8 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_check)
 
     d = sub.add_parser("demo", help="train small models plainly and converted on real data; compare loss and memory")
-    d.add_argument("--quick", action="store_true", help="a one-minute version (60 steps per run)")
-    d.add_argument("--steps", type=int, default=300, help="training steps per run")
+    d.add_argument("--quick", action="store_true",
+                   help="a one-minute version (40 steps per text run, 200 per digits run)")
+    d.add_argument("--steps", type=int, default=300,
+                   help="training steps per text run (the digits task runs 400; --quick overrides both)")
     d.add_argument("--out", default="slimact-out", help="folder for demo.png, demo.md, demo.csv")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="cpu")
