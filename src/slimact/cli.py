@@ -338,15 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch", type=int, default=None, help="--throughput: the largest batch to time")
     b.add_argument("--rounds", type=int, default=7,
                    help="--speed/--throughput/--ops: interleaved rounds (median reported)")
-    b.add_argument("--models", nargs="+", default=None, help="default: bert-base gpt2 llama vit-b16; --zoo: all")
+    b.add_argument("--models", nargs="+", default=None,
+                   help="default: bert-base gpt2 llama vit-b16 (--memory), gpt2 llama (--speed), gpt2 "
+                        "(--throughput), all (--zoo)")
     b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"],
                    help="--memory: each; --speed: the first (autocast)")
     b.add_argument("--policies", nargs="+", default=["int8", "tempo"],
                    help="--memory, --throughput: policies; --speed: setups (default tempo int8 checkpoint "
                         "checkpoint+int8)")
     b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")
-    b.add_argument("--batch", type=int, default=None, help="default 4 (--memory), 2 (--zoo)")
-    b.add_argument("--seq", type=int, default=None, help="default 512 (--memory), 128 (--zoo)")
+    b.add_argument("--batch", type=int, default=None,
+                   help="default 4 (--memory, --speed, --ops-table), 2 (--zoo)")
+    b.add_argument("--seq", type=int, default=None,
+                   help="default 512 (--memory), 256 (--speed, --ops-table, --throughput), 128 (--zoo)")
     b.add_argument("--mib", nargs="+", type=float, default=[64.0],
                    help="--ops: tensor sizes in MiB (fp32; whole 4 KiB rows): the first for the op table, each for "
                         "the per-layout pack/unpack rows (default 64)")
