@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resume", action="store_true", help="--zoo --all: keep the rows already in its CSV")
     b.add_argument("--docs", default="docs/models.md", help="--zoo --all: the document its table goes into")
     b.add_argument("--layers", type=int, default=None,
-                   help="--speed, --throughput: layers of each model (default 4); --memory: (default: the model's)")
+                   help="--speed, --throughput, --memory: layers of each model (default: the model's own, 12 for "
+                        "gpt2 and llama; the Python API's bench.speed and bench.throughput default to 4)")
     b.add_argument("--vocab", type=int, default=None,
                    help="--speed: the models' vocabulary size (default: their real one; a small one times the "
                         "blocks alone)")
