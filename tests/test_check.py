@@ -44,6 +44,25 @@ def test_a_correct_conversion_passes_and_the_model_is_left_as_found(policy):
     assert torch.equal(torch.random.get_rng_state(), rng)
 
 
+
+def test_an_already_converted_model_is_checked_against_its_plain_self_and_left_converted():
+    # check's docstring: an already converted model is reverted in its copy to give the plain run, and the
+    # user's model is not changed. Converted under "int8", checked under "tempo": the lossless floor can only be
+    # met if the reference run is the plain model (against the int8 model "tempo" differs by 8-bit noise).
+    model, inputs = _tiny("llama")
+    slimact.convert(model, "int8")
+    model.eval()
+    classes = [type(m) for m in model.modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = slimact.check(model, inputs, "tempo")
+    assert report.lossless and report.passed, str(report)
+    # Equal to float rounding, not merely passed (the verdict alone would also pass an int8 reference: plain's own
+    # float32 gradients far from the float64 run make the converted ones count as close as plain's).
+    assert all(p.diff <= rounding_tolerance(torch.float32) * p.norm for p in report.params), str(report)
+    assert [type(m) for m in model.modules()] == classes  # still converted
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not model.training and all(p.grad is None for p in model.parameters())
+
 def test_dropout_draws_agree_so_a_model_with_dropout_passes_lossless():
     model, inputs = _tiny("bert-base")  # dropout 0.1 everywhere: different draws would fail the lossless floor
     report = slimact.check(model, inputs, "tempo")

@@ -371,6 +371,22 @@ def test_two_models_sharing_one_config_restore_it_when_the_last_reverts():
     assert cfg._attn_implementation == original
 
 
+
+def test_t5s_encoder_and_decoder_config_copies_are_all_switched_and_restored():
+    """docs/models.md (T5): T5 gives its encoder and decoder copies of the config; every config an attention module
+    reads is switched to slimact's attention, and revert restores each."""
+    pytest.importorskip("transformers")
+    from slimact import zoo
+
+    model = zoo.build("t5", tiny=True)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    assert len(configs) >= 3  # the model's, the encoder's and the decoder's
+    before = {k: c._attn_implementation for k, c in configs.items()}
+    slimact.convert(model)
+    assert {c._attn_implementation for c in configs.values()} == {"slimact"}
+    slimact.revert(model)
+    assert {k: c._attn_implementation for k, c in configs.items()} == before
+
 def test_parametrisation_added_after_convert_survives_revert():
     """Item 6 of issue 18: weight_norm on a converted Linear, then revert, lost the parametrised class."""
     torch.manual_seed(0)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 
@@ -110,6 +111,29 @@ def test_profile_leaves_the_model_as_found():
     assert model[1].bias.grad is None
     assert "_slimact_x_lo" not in model[0]._buffers  # no running estimate was created or advanced
 
+
+
+@pytest.mark.parametrize("policy", [None, "mesa"])
+def test_profile_leaves_batchnorm_statistics_and_settled_running_estimates_as_found(policy):
+    # README ("What is measured"): the model is left exactly as found, buffers included: BatchNorm's running
+    # statistics and counter, and running estimates a training step had already made, which profile's own
+    # training step would otherwise move.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+    if policy is not None:
+        slimact.convert(model, policy)
+    x = torch.randn(6, 16)
+    model(x).sum().backward()  # a first step: BatchNorm statistics moved, running estimates made
+    model.zero_grad(set_to_none=True)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    assert before, "no buffers: the assertions below could not fail"
+    if policy is not None:
+        assert any("_slimact" in n for n in before)
+    slimact.profile(model, x * 3 + 1)  # other statistics than the first step's
+    after = dict(model.named_buffers())
+    assert after.keys() == before.keys()
+    for n, b in before.items():
+        assert torch.equal(after[n], b), n
 
 def test_loss_fn_and_tuple_inputs_and_tables():
     model = _toy()

@@ -272,8 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_check)
 
     d = sub.add_parser("demo", help="train small models plainly and converted on real data; compare loss and memory")
-    d.add_argument("--quick", action="store_true", help="a one-minute version (60 steps per run)")
-    d.add_argument("--steps", type=int, default=300, help="training steps per run")
+    d.add_argument("--quick", action="store_true",
+                   help="a one-minute version (40 steps per text run, 200 per digits run)")
+    d.add_argument("--steps", type=int, default=300,
+                   help="training steps per text run (the digits task runs 400; --quick overrides both)")
     d.add_argument("--out", default="slimact-out", help="folder for demo.png, demo.md, demo.csv")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="cpu")
@@ -325,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resume", action="store_true", help="--zoo --all: keep the rows already in its CSV")
     b.add_argument("--docs", default="docs/models.md", help="--zoo --all: the document its table goes into")
     b.add_argument("--layers", type=int, default=None,
-                   help="--speed, --throughput: layers of each model (default 4); --memory: (default: the model's)")
+                   help="--speed, --throughput, --memory: layers of each model (default: the model's own, 12 for "
+                        "gpt2 and llama; the Python API's bench.speed and bench.throughput default to 4)")
     b.add_argument("--vocab", type=int, default=None,
                    help="--speed: the models' vocabulary size (default: their real one; a small one times the "
                         "blocks alone)")
@@ -336,15 +339,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch", type=int, default=None, help="--throughput: the largest batch to time")
     b.add_argument("--rounds", type=int, default=7,
                    help="--speed/--throughput/--ops: interleaved rounds (median reported)")
-    b.add_argument("--models", nargs="+", default=None, help="default: bert-base gpt2 llama vit-b16; --zoo: all")
+    b.add_argument("--models", nargs="+", default=None,
+                   help="default: bert-base gpt2 llama vit-b16 (--memory), gpt2 llama (--speed), gpt2 "
+                        "(--throughput), all (--zoo)")
     b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"],
                    help="--memory: each; --speed: the first (autocast)")
     b.add_argument("--policies", nargs="+", default=["int8", "tempo"],
                    help="--memory, --throughput: policies; --speed: setups (default tempo int8 checkpoint "
                         "checkpoint+int8)")
     b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")
-    b.add_argument("--batch", type=int, default=None, help="default 4 (--memory), 2 (--zoo)")
-    b.add_argument("--seq", type=int, default=None, help="default 512 (--memory), 128 (--zoo)")
+    b.add_argument("--batch", type=int, default=None,
+                   help="default 4 (--memory, --speed, --ops-table), 2 (--zoo)")
+    b.add_argument("--seq", type=int, default=None,
+                   help="default 512 (--memory), 256 (--speed, --ops-table, --throughput), 128 (--zoo)")
     b.add_argument("--mib", nargs="+", type=float, default=[64.0],
                    help="--ops: tensor sizes in MiB (fp32; whole 4 KiB rows): the first for the op table, each for "
                         "the per-layout pack/unpack rows (default 64)")

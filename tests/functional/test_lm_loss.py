@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,26 @@ def test_matches_f_cross_entropy(smoothing, reduction, chunked, monkeypatch):
     for a, e in zip(g1, g0, strict=True):
         torch.testing.assert_close(a, e)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunks_are_as_docs_lm_loss_md_says(dtype):
+    # docs/lm_loss.md, "Chunk size": CHUNK_ELEMENTS (2**24, 64 MiB of fp32) logits a chunk, 2/3 of that under a bf16
+    # autocast; never all tokens in one chunk from two tokens on; the chunk does not grow with the batch.
+    from slimact.functional.lm_loss import CHUNK_ELEMENTS
+
+    assert CHUNK_ELEMENTS * 4 == 64 << 20
+    budget = CHUNK_ELEMENTS if dtype == torch.float32 else CHUNK_ELEMENTS * 2 // 3
+    vocab = 50257
+    for n in (1, 2, 3, 333, 2048, 8192, 65536):
+        chunks = list(_chunks(n, vocab, dtype))
+        assert chunks[0][0] == 0 and chunks[-1][1] == n  # every token, once, in order
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+        assert all((end - start) * vocab <= budget for start, end in chunks)
+        if n >= 2:
+            assert len(chunks) >= 2
+    rows = [max(e - s for s, e in _chunks(n, vocab, dtype)) for n in (8192, 65536)]
+    assert rows[0] == rows[1] == budget // vocab
 
 def test_custom_ignore_index_and_divisor():
     h, w, b, t = _data()
