@@ -9,7 +9,7 @@ from slimact.functional.linear import linear
 from slimact.functional.lm_loss import linear_cross_entropy
 from slimact.functional.matmul import matmul
 from slimact.functional.mlp import gated_mlp
-from slimact.functional.norm import norm
+from slimact.functional.norm import group_norm, norm
 from slimact.functional.softmax import softmax
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "conv",
     "dropout",
     "gated_mlp",
+    "group_norm",
     "linear",
     "linear_cross_entropy",
     "matmul",

@@ -1,4 +1,4 @@
-"""LayerNorm and RMSNorm keeping their output, the tensor the next layer keeps anyway (one shared copy).
+"""LayerNorm, RMSNorm and GroupNorm keeping their output, the tensor the next layer keeps anyway (one shared copy).
 
 Math, per row over the last dim (``M`` channels); ``centered`` (LayerNorm) subtracts the mean, RMSNorm not::
 
@@ -44,10 +44,33 @@ Under ``torch.compile`` the traced graph has no autograd history to read: there 
 norm keeps its 8-bit tensor (a graph break per norm otherwise; a model of this form should be checked eagerly with
 ``slimact.check``).
 
+GroupNorm (``groups = G >= 1``) is the same normalisation over other rows: ``x [N, C, *]`` seen as
+``[N, G, C/G, S]`` (``S = prod(*)``), one row per ``(n, g)`` of ``C/G * S`` elements, the affine per channel ``c``
+(dim 1)::
+
+    xn     = (x - mean_ng) * rstd_ng,   y = xn * w_c + b_c
+    grad_x = rstd_ng * (gw - mean_ng(gw) - xn * mean_ng(gw * xn)),   gw = grad_y * w_c
+    grad_w = sum_{n, *}(grad_y * xn),   grad_b = sum_{n, *}(grad_y)
+
+so the backward needs what LayerNorm's needs, ``xn`` (from ``y``, ``w_c``, ``b_c``) and the per-row ``rstd``
+(``[N, G]``), and the same guard holds channel by channel (a GroupNorm ignores a shift of its row too: the restored
+``xn`` is re-centred per row, as above). The 8-bit pack of ``y`` has one scale per channel along
+dim 1 (the step of ``y_c`` is ``|w_c| * range(xn_c) / 255``, as above), which the next layer's pack reuses (the
+SiLU and the conv of a diffusion UNet's ``GroupNorm -> SiLU -> Conv``). The forward is ``native_group_norm``, which
+``F.group_norm`` runs on the same contiguous input (its output bit for bit, its statistics with it), under
+autocast ``F.group_norm`` itself (whose casts the native op would not see) with the statistics taken afresh.
+GroupNorm's bytes: plain keeps ``x`` (4 per element, fp32) + mean and rstd (8 per ``(n, g)``); slimact ``y``, 1 per
+element (+ 8 per channel) at 8 bits, 4 exact (0 extra where the next layer keeps ``y``: GroupNorm -> Conv), + rstd
+(4 per ``(n, g)``). A lossless SiLU after it keeps its own output (the conv's input) and a bit mask, not ``y``, so
+``GroupNorm -> SiLU -> Conv`` keeps two full tensors under a lossless policy whether the norm keeps ``x`` or ``y``,
+and more where a shortcut conv keeps ``x`` too: the ``"tempo"`` preset leaves GroupNorm alone
+(:data:`slimact.policy.PRESETS`). Error at 8 bits: ``xn`` within half a step, ``range(xn_c) / 510``, whatever
+``w_c``; measured gradient SQNR 57-64 dB (input), 44-53 dB (weight) in fp32, the bias gradient exact.
+
 Bytes kept, fp32 model: plain PyTorch keeps ``x`` (4 per element) + mean and rstd (8 per row); slimact
 keeps 0 extra per element under a lossless policy (``y`` is kept by the next layer anyway) or 1 per element
 (+ 8 per channel) at 8 bits, + 4 per row. Tests: gradients equal PyTorch's to float rounding (lossless),
-SQNR >= 30 dB (8-bit).
+SQNR >= 30 dB (8-bit), for GroupNorm too.
 """
 
 from __future__ import annotations
@@ -57,11 +80,12 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch._prims_common import suggest_memory_format
 
 from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
-__all__ = ["norm", "output_recoverable", "rms_default_eps"]
+__all__ = ["group_norm", "norm", "output_recoverable", "rms_default_eps"]
 
 
 def rms_default_eps(dtype: torch.dtype) -> float:
@@ -114,13 +138,37 @@ def _learned_mix(x: Tensor) -> bool:
     return any(fn is not None for fn, _ in inner.next_functions)
 
 
-def _row_stats(x: Tensor, centered: bool, eps: float) -> tuple[Tensor | None, Tensor]:
-    """Per-row fp32 ``(mean, rstd)`` over the last dim, shaped ``[..., 1]`` (``mean`` None if not centered)."""
-    xf = x.float()
+def _rows(t: Tensor, groups: int) -> Tensor:
+    """``t`` as the rows the norm normalises: ``[..., C]`` itself (``groups`` 0: over the last dim), or
+    ``[N, C, *]`` as ``[N, G, C/G, S]`` (GroupNorm: a row per ``(n, g)``, over the last two dims)."""
+    return t if not groups else t.reshape(t.shape[0], groups, t.shape[1] // groups, -1)
+
+
+def _row_dims(groups: int) -> tuple[int, ...]:
+    """The dims of :func:`_rows`' view that one row spans."""
+    return (-2, -1) if groups else (-1,)
+
+
+def _per_channel(p: Tensor | None, groups: int) -> Tensor | None:
+    """A ``[C]`` parameter shaped to broadcast over :func:`_rows`' view: ``[C]``, or ``[G, C/G, 1]``."""
+    return p if p is None or not groups else p.reshape(groups, -1, 1)
+
+
+def _channel_sums(t: Tensor, groups: int) -> Tensor:
+    """Per channel, the sum of :func:`_rows`' view ``t`` over everything else: ``[C]``."""
+    if groups:
+        return t.sum((0, 3)).reshape(-1)  # [G, C/G] -> [C]
+    return t.reshape(-1, t.shape[-1]).sum(0)
+
+
+def _row_stats(x: Tensor, centered: bool, eps: float, groups: int = 0) -> tuple[Tensor | None, Tensor]:
+    """Per-row fp32 ``(mean, rstd)``, shaped ``[..., 1]`` (or ``[N, G, 1, 1]``: :func:`_rows`) (``mean`` None if not
+    centered)."""
+    xf, dims = _rows(x.float(), groups), _row_dims(groups)
     if centered:
-        var, mean = torch.var_mean(xf, -1, unbiased=False, keepdim=True)
+        var, mean = torch.var_mean(xf, dims, unbiased=False, keepdim=True)
         return mean, torch.rsqrt(var + eps)
-    return None, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return None, torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
 
 
 def _output_kept(weight: Tensor | None, bias: Tensor | None, offset: float, mean: Tensor | None, rstd: Tensor,
@@ -158,27 +206,52 @@ def _layer_norm_with_stats(x: Tensor, weight: Tensor | None, bias: Tensor | None
     return y, None, None
 
 
+def _group_norm_with_stats(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
+                           eps: float) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``F.group_norm(x, groups, weight, bias, eps)`` with the kernel's per-row fp32 ``(mean, rstd)`` (``[N, G, 1,
+    1]``): ``torch.native_group_norm`` on the input ``F.group_norm`` hands it (contiguous in its suggested memory
+    format on the CPU, contiguous elsewhere; ATen's ``group_norm``), whose output it returns. Under autocast
+    ``F.group_norm`` itself (autocast may cast its inputs, not the native op's); the statistics are then ``None``,
+    as where they are not fp32 (half-precision inputs), to be computed in fp32 from ``x``."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.nn.functional.group_norm(x, groups, weight, bias, eps), None, None
+    n, c = x.shape[0], x.shape[1]
+    on_cpu = x.device.type in ("cpu", "xpu")
+    inner = x.contiguous(memory_format=suggest_memory_format(x)) if on_cpu else x.contiguous()  # (ATen's choice)
+    y, mean, rstd = torch.native_group_norm(
+        inner, None if weight is None else weight.contiguous(), None if bias is None else bias.contiguous(),
+        n, c, x.numel() // max(n * c, 1), groups, eps)
+    if mean.dtype == torch.float32 and rstd.dtype == torch.float32:
+        return y, mean.view(n, groups, 1, 1), rstd.view(n, groups, 1, 1)
+    return y, None, None
+
+
 def _default_fn(channels: int, w_eff: Tensor | None, bias: Tensor | None, eps: float,
-                centered: bool) -> Callable[[Tensor], Tensor]:
-    """``F.layer_norm`` (centered) or ``F.rms_norm`` over the last dim, as a function of the input."""
+                centered: bool, groups: int = 0) -> Callable[[Tensor], Tensor]:
+    """``F.layer_norm`` (centered) or ``F.rms_norm`` over the last dim, or ``F.group_norm`` (``groups``), as a
+    function of the input."""
+    if groups:
+        return lambda t: torch.nn.functional.group_norm(t, groups, w_eff, bias, eps)
     if centered:
         return lambda t: torch.nn.functional.layer_norm(t, [channels], w_eff, bias, eps)
     return lambda t: torch.nn.functional.rms_norm(t, [channels], w_eff, eps)
 
 
 class _NormFunction(SlimFunction):
-    layer = "LayerNorm/RMSNorm"
+    layer = "LayerNorm/RMSNorm/GroupNorm"
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fn, centered, eps, offset, cfg, state):
-        # fn None: F.layer_norm itself (centered), taken with its kernel's statistics
-        if fn is None:
+    def forward(ctx, x, weight, bias, fn, centered, eps, offset, groups, cfg, state):
+        # fn None: F.layer_norm (centered) or F.group_norm (groups) itself, taken with its kernel's statistics
+        if fn is None and groups:
+            y, mean, rstd = _group_norm_with_stats(x, groups, weight, bias, eps)
+        elif fn is None:
             y, mean, rstd = _layer_norm_with_stats(x, _effective(weight, offset), bias, eps)
         else:
             y, mean, rstd = fn(x), None, None
         if rstd is None:
-            mean, rstd = _row_stats(x, centered, eps)
-        ctx.centered, ctx.offset = centered, offset
+            mean, rstd = _row_stats(x, centered, eps, groups)
+        ctx.centered, ctx.offset, ctx.groups = centered, offset, groups
         exact = cfg is None
         if torch.compiler.is_compiling():
             # Under torch.compile (where a host read would break the graph) the input is kept whenever the
@@ -187,7 +260,8 @@ class _NormFunction(SlimFunction):
         else:
             ctx.from_output = _output_kept(weight, bias, offset, mean, rstd, x.dtype, exact)
         if ctx.from_output:
-            per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=-1, groups=0)
+            # one scale per channel: the last dim's, or GroupNorm's dim 1
+            per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=1 if groups else -1, groups=0)
             save(ctx, pack(y, per_channel, state), None, rstd, weight, bias)
         else:
             save(ctx, pack(x, cfg, state), mean, rstd, weight, bias)
@@ -197,37 +271,39 @@ class _NormFunction(SlimFunction):
     def backward(ctx, grad_y):
         kept, mean, rstd, weight, bias = load(ctx)
         need = ctx.needs_input_grad  # x, weight, bias, ...
-        args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output)
+        groups = ctx.groups
+        args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output, groups)
         key = ("norm", ctx.centered, ctx.offset, ctx.from_output, mean is None, weight is None, bias is None,
-               kept.dtype, grad_y.dtype)
+               kept.dtype, grad_y.dtype, groups > 0)
         grad_x, grad_w, grad_b = inductor.fused_or_eager(_backward, key, *args)
         return (grad_x if need[0] else None, grad_w if weight is not None and need[1] else None,
-                grad_b if bias is not None and need[2] else None, None, None, None, None, None, None)
+                grad_b if bias is not None and need[2] else None, None, None, None, None, None, None, None)
 
 
 def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
-              grad_y: Tensor, centered: bool, offset: float, from_output: bool):
-    """``(grad_x, grad_w, grad_b)`` from what the forward kept (the module docstring's formulas, in fp32); one
-    compiled loop per row pass where the tensor is large (:func:`slimact.quant.inductor.fused`: about 12 eager
-    passes otherwise)."""
-    g = grad_y.float()
-    w = None if weight is None else weight.float() + offset
+              grad_y: Tensor, centered: bool, offset: float, from_output: bool, groups: int = 0):
+    """``(grad_x, grad_w, grad_b)`` from what the forward kept (the module docstring's formulas, in fp32, over the
+    rows of :func:`_rows`); one compiled loop per row pass where the tensor is large
+    (:func:`slimact.quant.inductor.fused`: about 12 eager passes otherwise)."""
+    g = _rows(grad_y.float(), groups)  # [..., C] or [N, G, C/G, S]
+    kept = _rows(kept.float(), groups)
+    dims = _row_dims(groups)
+    w = None if weight is None else _per_channel(weight.float() + offset, groups)  # [C] or [G, C/G, 1]
     if from_output:
-        xn = kept.float() if bias is None else kept.float() - bias.float()
+        xn = kept if bias is None else kept - _per_channel(bias.float(), groups)
         if w is not None:
             xn = xn / w
     else:
-        xn = (kept.float() - mean) * rstd if centered else kept.float() * rstd
+        xn = (kept - mean) * rstd if centered else kept * rstd
     if centered:  # an exact xn has zero mean per row; one restored from 8-bit codes not (module docstring)
-        xn = xn - xn.mean(-1, keepdim=True)
+        xn = xn - xn.mean(dims, keepdim=True)
     gw = g if w is None else g * w
-    inner = gw - xn * (gw * xn).mean(-1, keepdim=True)
+    inner = gw - xn * (gw * xn).mean(dims, keepdim=True)
     if centered:
-        inner = inner - gw.mean(-1, keepdim=True)
-    grad_x = (rstd * inner).to(grad_y.dtype)
-    rows = g.reshape(-1, g.shape[-1])
-    grad_w = None if weight is None else (rows * xn.reshape(rows.shape)).sum(0).to(weight.dtype)
-    grad_b = None if bias is None else rows.sum(0).to(bias.dtype)
+        inner = inner - gw.mean(dims, keepdim=True)
+    grad_x = (rstd * inner).reshape(grad_y.shape).to(grad_y.dtype)
+    grad_w = None if weight is None else _channel_sums(g * xn, groups).to(weight.dtype)
+    grad_b = None if bias is None else _channel_sums(g, groups).to(bias.dtype)
     return grad_x, grad_w, grad_b
 
 
@@ -242,23 +318,56 @@ def norm(
     centered: bool = True,
     offset: float = 0.0,
     fn: Callable[[Tensor], Tensor] | None = None,
+    groups: int = 0,
 ) -> Tensor:
-    """LayerNorm (``centered``) or RMSNorm over the last dim, keeping its output for the backward.
+    """LayerNorm (``centered``) or RMSNorm over the last dim, or GroupNorm (``groups``), keeping its output for the
+    backward.
 
     Args:
-        x: ``[..., C]``.
+        x: ``[..., C]``; ``[N, C, *]`` for GroupNorm.
         weight, bias: ``[C]`` or ``None``; the effective scale is ``weight + offset`` (Gemma: ``offset=1``).
         eps: added to the variance (or mean square).
         cfg: how kept tensors are compressed; ``None`` keeps them exact.
         fn: the forward to run (a module's own code); default ``F.layer_norm`` (run as ``native_layer_norm``,
-            whose statistics the backward keeps: no second pass over ``x``) / ``F.rms_norm``.
+            whose statistics the backward keeps: no second pass over ``x``) / ``F.rms_norm`` / ``F.group_norm``
+            (run as ``native_group_norm``).
+        groups: ``G >= 1``: GroupNorm over dim 1 of ``x`` in ``G`` groups (``centered``, no ``offset``); 0: over the
+            last dim.
     """
     if fn is None and not centered:
         fn = _default_fn(x.shape[-1], _effective(weight, offset), bias, eps, False)
     params = [t for t in (weight, bias) if t is not None]
     # An empty batch keeps nothing: its row statistics would be reductions over nothing.
     if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params)) or not x.numel():
-        return _default_fn(x.shape[-1], _effective(weight, offset), bias, eps, centered)(x) if fn is None else fn(x)
+        if fn is not None:
+            return fn(x)
+        return _default_fn(x.shape[-1], _effective(weight, offset), bias, eps, centered, groups)(x)
     if cfg is not None and not torch.compiler.is_compiling() and _learned_mix(x):
         cfg = None  # see the module docstring: a learned mix of streams, kept exact
-    return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, cfg, state)
+    return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, groups, cfg, state)
+
+
+def group_norm(
+    x: Tensor,
+    groups: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    cfg: QuantConfig | None,
+    state: RunningRange | None = None,
+    *,
+    fn: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """``F.group_norm(x, groups, weight, bias, eps)`` (or ``fn``, a module's own code computing it) keeping its
+    output and per-row ``rstd`` for the backward: :func:`norm` with ``groups`` (see the module docstring).
+
+    Args:
+        x: ``[N, C, *]``, ``C`` a multiple of ``groups``.
+        weight, bias: ``[C]`` or ``None``.
+        cfg: how kept tensors are compressed (one scale per channel, dim 1); ``None`` keeps them exact.
+    """
+    c = x.shape[1] if x.dim() >= 2 else -1
+    if c < 0 or groups < 1 or c % groups or any(t is not None and tuple(t.shape) != (c,) for t in (weight, bias)):
+        # Not a GroupNorm of x: the call as written (PyTorch's own error).
+        return fn(x) if fn is not None else torch.nn.functional.group_norm(x, groups, weight, bias, eps)
+    return norm(x, weight, bias, eps, cfg, state, fn=fn, groups=groups)
