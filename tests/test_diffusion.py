@@ -3,9 +3,12 @@
 Each model is tiny (widths 32-64, 16x16 latents, batch 2), in training mode with dropout > 0 in places (the
 ResNet blocks, the attention output, GEGLU's feed-forward; DiT's attention dropout) and 0 elsewhere. Measured
 (fp32, one training step, ``slimact.profile`` bytes over plain's): UNet with SDPA attention 0.756x under
-``"tempo"``, 0.259x under ``"int8"`` and ``"mesa"``; UNet with the baddbmm ``AttnProcessor`` 0.841x / 0.257x; the
-VAE mid block 0.854x / 0.341x; DiT 0.658x / 0.360x (fused attention; 0.713x / 0.348x with timm's explicit
-``q @ k^T``). GroupNorm has no replacement: it is left alone, with that reason in the summary.
+``"tempo"``, 0.162x under ``"int8"`` and ``"mesa"``; UNet with the baddbmm ``AttnProcessor`` 0.841x / 0.194x; the
+VAE mid block 0.854x / 0.161x (0.828x / 0.144x with SDPA); DiT 0.658x / 0.360x (fused attention; 0.713x / 0.348x
+with timm's explicit ``q @ k^T``). GroupNorm is converted under ``"int8"`` and ``"mesa"`` (its output kept 8-bit
+per channel, the pack the SiLU and conv after it reuse: 0.259x / 0.257x / 0.341x / 0.357x before, coverage 0.86 /
+0.91 / 0.85 / 0.82, now 0.96 / 0.98 / 1.0 / 1.0); ``"tempo"`` leaves it alone, with that reason in the summary (its
+lossless form saves nothing before a lossless SiLU: see ``slimact.policy.PRESETS``).
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ MODELS = {
     "dit-unfused": (lambda: _dit(randomised=True, fused=False), False),
 }
 #: Bytes kept over plain's, measured above (fp32), with margin: (tempo, int8 and mesa).
-RATIO_BOUNDS = {"unet": (0.80, 0.30), "unet-baddbmm": (0.88, 0.30), "vae-mid": (0.90, 0.40),
-                "vae-mid-sdpa": (0.88, 0.40), "dit-zero-init": (0.70, 0.40), "dit": (0.70, 0.40),
+RATIO_BOUNDS = {"unet": (0.80, 0.20), "unet-baddbmm": (0.88, 0.23), "vae-mid": (0.90, 0.20),
+                "vae-mid-sdpa": (0.88, 0.18), "dit-zero-init": (0.70, 0.40), "dit": (0.70, 0.40),
                 "dit-unfused": (0.76, 0.40)}
 
 
@@ -119,8 +122,9 @@ def test_check_passes(name, policy):
 @pytest.mark.parametrize("name", ["unet", "unet-baddbmm", "vae-mid", "vae-mid-sdpa", "dit", "dit-unfused"])
 def test_summary_is_truthful(name, policy):
     """What summary reports converted is converted (a replacement module, or a module whose routed calls keep fewer
-    bytes than plain's), and an attention module it reports left alone keeps what plain keeps; GroupNorm is left
-    alone with the true reason, and is the plain torch module.
+    bytes than plain's), and an attention module it reports left alone keeps what plain keeps; GroupNorm is
+    converted under "int8" (a slimact module keeping fewer bytes than plain's, coverage then at least 0.95) and left
+    alone under "tempo" with the true reason, the plain torch module.
 
     diffusers' Attention with AttnProcessor2_0 (F.scaled_dot_product_attention, called by the processor) under
     "int8" was reported left alone ("none reached slimact") while its SDPA was routed: 12,336 bytes kept of
@@ -140,11 +144,17 @@ def test_summary_is_truthful(name, policy):
     for name_ in summary.skipped:
         if "Attention" in type(named.get(name_)).__name__:
             assert after[name_] == before[name_], (name_, summary.skipped[name_], after[name_], before[name_])
-    for name_, module in named.items():
-        if type(module) is torch.nn.GroupNorm:
-            assert summary.skipped[name_] == "no slimact replacement yet for GroupNorm (kind 'norm')"
-        assert not isinstance(module, torch.nn.GroupNorm) or not isinstance(module, SlimModule)
-    assert any(type(m) is torch.nn.GroupNorm for m in named.values()) == name.startswith(("unet", "vae"))
+    norms = [name_ for name_, module in named.items() if isinstance(module, torch.nn.GroupNorm)]
+    for name_ in norms:
+        if policy == "tempo":
+            assert summary.skipped[name_] == "kind 'groupnorm' not enabled by policy 'tempo'"
+            assert type(named[name_]) is torch.nn.GroupNorm
+        else:
+            assert summary.modules[name_] == "groupnorm" and isinstance(named[name_], SlimModule)
+            assert after[name_] < before[name_] / 3, (name_, after[name_], before[name_])
+    assert bool(norms) == name.startswith(("unet", "vae"))
+    if norms and policy == "int8":
+        assert summary.coverage >= 0.95, summary.coverage
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8"])

@@ -1,4 +1,4 @@
-"""Norm calls in model code (F.layer_norm, F.rms_norm, their torch.* forms) routed through slimact's norm
+"""Norm calls in model code (F.layer_norm, F.rms_norm, F.group_norm, their torch.* forms) routed through slimact's norm
 Function while a converted model trains: OLMo's weightless LayerNorm, a user's module calling the functional
 norm; the forward is PyTorch's own, the gradients exact under "tempo" and within the 8-bit floors under "int8";
 nothing routed twice, nor inside a norm module the policy leaves alone, nor where nothing would be saved."""
@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slimact
+from _harness import assert_gradients_equal
 from slimact._metrics import cosine, sqnr_db
 from slimact.nn.routing import Routing
 
@@ -325,3 +326,61 @@ def test_olmo_with_gradient_checkpointing():
                 torch.testing.assert_close(g1[name], g0[name], msg=name)
             else:
                 assert cosine(g0[name], g1[name]) >= 0.99, name
+
+
+class _OwnGroupNorm(nn.Module):
+    """A norm module of a model's own that calls the functional GroupNorm (no nn.GroupNorm to replace)."""
+
+    def __init__(self, c, g, func):
+        super().__init__()
+        self.g, self.func = g, func
+        self.weight, self.bias = nn.Parameter(torch.rand(c) + 0.5), nn.Parameter(torch.randn(c) * 0.1)
+
+    def forward(self, x):
+        if self.func is torch.group_norm:
+            return torch.group_norm(x, self.g, self.weight, self.bias, 1e-6, False)
+        return F.group_norm(x, self.g, self.weight, self.bias, eps=1e-6)
+
+
+class _GroupNormBlock(nn.Module):
+    def __init__(self, func):
+        super().__init__()
+        self.norm, self.conv = _OwnGroupNorm(16, 4, func), nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(F.silu(self.norm(x)))
+
+
+_LOSSLESS_GN = slimact.Policy(name="lossless", quantize=False)  # ("tempo" leaves GroupNorm alone)
+
+
+@pytest.mark.parametrize("policy", ["int8", _LOSSLESS_GN, "tempo"], ids=["int8", "lossless", "tempo"])
+@pytest.mark.parametrize("func", [F.group_norm, torch.group_norm], ids=["F.group_norm", "torch.group_norm"])
+def test_group_norm_called_in_model_code_is_routed(func, policy):
+    # int8: the call's output kept 8-bit per channel (the SiLU's and conv's pack too); lossless: its output and
+    # rstd, exact gradients; "tempo", whose kinds leave GroupNorm out: the call runs as written.
+    torch.manual_seed(0)
+    plain = _GroupNormBlock(func).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy).train()
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    before, after = slimact.profile(copy.deepcopy(plain), x), slimact.profile(slim, x)
+    kept = {e.dtype for e in after.entries if e.module == "norm"}
+    if policy == "int8":
+        assert kept == {torch.uint8, torch.float32} and after.by_module["norm"] < before.by_module["norm"] / 3
+    elif policy == "tempo":
+        assert after.by_module["norm"] == before.by_module["norm"]  # x, mean and rstd, as written
+    else:
+        assert after.by_module["norm"] == before.by_module["norm"] - 2 * 4 * 4  # its output and rstd; no mean
+    outs, grads = [], []
+    for m in (plain, slim):
+        m.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_()
+        out = m(xi)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        outs.append(out)
+        grads.append({"x": xi.grad, **{n: p.grad for n, p in m.named_parameters()}})
+    assert torch.equal(outs[0], outs[1])
+    if policy != "int8":  # (normwise: the lossless SiLU's gradient is rebuilt from its output)
+        assert_gradients_equal(grads[0], grads[1])
+    for name, exact in grads[0].items():
+        assert sqnr_db(exact, grads[1][name]) >= (30 if policy == "int8" else 100), name

@@ -288,6 +288,15 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
     and a norm then cannot tell ``norm(x) * (1 + w)`` from a norm that scales its input first,
     ``norm(x * (1 + w))`` (MuseSpark's input-scaled RMSNorm), whose gradients differ as soon as ``w`` moves.
     """
+    with _shifted_params(module, weight) as gen:
+        return _probe_norm_as_is(module, weight, eps, gen)
+
+
+@contextlib.contextmanager
+def _shifted_params(module: nn.Module, weight: Tensor | None) -> Iterator[torch.Generator]:
+    """A norm's probe's setting (see :func:`_probe_norm`): its own weight (``weight``) and bias shifted by random
+    non-uniform values, the module in training mode (a dropout in its forward: see :func:`_probe_activation`);
+    what it held restored after. Gives the probe's generator."""
     gen = torch.Generator().manual_seed(0)
     own = [p for p in (weight, getattr(module, "bias", None))
            if isinstance(p, nn.Parameter) and any(p is q for q in module.parameters(recurse=False))]
@@ -297,8 +306,8 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
             for p in own:
                 shift = torch.rand(p.shape, generator=gen) - (0.5 if p is not weight else 0.0)
                 p.add_(shift.to(device=p.device, dtype=p.dtype))
-        with _training(module):  # as it trains (a dropout in its forward: see _probe_activation)
-            return _probe_norm_as_is(module, weight, eps, gen)
+        with _training(module):
+            yield gen
     finally:
         with torch.no_grad():
             for p, value in zip(own, saved, strict=True):
@@ -332,6 +341,33 @@ def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.
             return None
         found = match
     return found
+
+
+def _probe_group_norm(module: nn.GroupNorm) -> bool:
+    """Whether a subclass of ``nn.GroupNorm`` with a forward of its own (guided diffusion's ``GroupNorm32``, which
+    runs it in fp32) computes ``F.group_norm`` of its ``num_groups``, weight, bias and ``eps`` on ``[2, C, 3]`` and
+    ``[2, C, 2, 3]`` probes, within its parameters' dtype's rounding (weight and bias shifted as
+    :func:`_probe_norm` shifts them; a forward that cannot run on them, or gives another shape, is no GroupNorm)."""
+    cls, (device, dtype) = _cls(module), _params_of(module)
+    weight, bias = (t if isinstance(t, Tensor) else None for t in (module.weight, module.bias))
+    if not isinstance(module.eps, float) or not isinstance(module.num_groups, int) or module.num_groups < 1:
+        return False
+    tol = _tolerance(dtype)
+    with _shifted_params(module, weight) as gen:
+        w, b = (None if t is None else t.detach().float() for t in (weight, bias))
+        for shape in ((2, module.num_channels, 3), (2, module.num_channels, 2, 3)):
+            x = (torch.randn(*shape, generator=gen) * 3 + 1).to(device=device, dtype=dtype)
+            try:
+                with torch.no_grad():
+                    y = cls.forward(module, x)
+            except _PROBE_ERRORS:  # not an [N, C, *] -> [N, C, *] norm
+                return False
+            if not isinstance(y, Tensor) or y.shape != x.shape:
+                return False
+            want = nn.functional.group_norm(x.float(), module.num_groups, w, b, module.eps)
+            if not torch.allclose(y.float(), want, rtol=tol, atol=tol / 10):
+                return False
+    return True
 
 
 def norm_form(module: nn.Module) -> dict | None:
@@ -770,6 +806,23 @@ def _rule_norm(module, cls):
     return None
 
 
+def _rule_group_norm(module, cls):
+    """``nn.GroupNorm``, and a subclass with its own forward that computes one on a probe (else left alone)."""
+    if not isinstance(module, nn.GroupNorm):
+        return None
+    reason = _own_forward(cls)
+    if reason is None:
+        return Recognised("groupnorm", "groupnorm")
+    if next(module.children(), None) is not None or not _probe_group_norm(module):
+        return Recognised("groupnorm", reason=reason + " (its probe is not a GroupNorm)")
+    beyond = _state_beyond(module, (t for t in (module.weight, module.bias) if isinstance(t, Tensor)))
+    if beyond:
+        return Recognised("groupnorm", reason=(
+            f"{cls.__name__} computes a GroupNorm on a probe but holds {', '.join(beyond[:3])} besides its weight and "
+            "bias: slimact's backward would not differentiate it"))
+    return Recognised("groupnorm", "groupnorm")
+
+
 def _rule_exact(base: type[nn.Module], kind: str, replace: str):
     """A module of exactly ``base`` (a subclass may compute anything: left alone)."""
 
@@ -803,7 +856,6 @@ _REPORTED: tuple[tuple[type[nn.Module], str], ...] = (
     (nn.modules.conv._ConvNd, "conv"),
     (nn.LayerNorm, "layernorm"),
     (nn.RMSNorm, "rmsnorm"),
-    (nn.GroupNorm, "norm"),
     (nn.modules.batchnorm._BatchNorm, "batchnorm"),
     (nn.Softmax, "softmax"),
     (nn.modules.dropout._DropoutNd, "dropout"),
@@ -835,6 +887,7 @@ _RULES: tuple[Callable[[nn.Module, type], Recognised | None], ...] = (
     _rule_typed(nn.Linear, "linear", "linear"),
     _rule_typed(nn.modules.conv._ConvNd, "conv", "conv", _conv_unsupported),
     _rule_typed(nn.modules.batchnorm._BatchNorm, "batchnorm", "batchnorm", _batch_norm_unsupported),
+    _rule_group_norm,
     _rule_norm,
     _rule_typed(nn.Softmax, "softmax", "softmax"),
     _rule_matmul,

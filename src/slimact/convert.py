@@ -30,7 +30,7 @@ from slimact.nn.dropout import dropout_class
 from slimact.nn.linear import conv1d_class, linear_class
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
-from slimact.nn.norm import norm_class
+from slimact.nn.norm import group_norm_class, norm_class
 from slimact.nn.routing import FUNCTIONAL_NAME, Routing
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, resolve
@@ -56,6 +56,7 @@ _FACTORIES: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] = {
     "conv": conv_class,
     "batchnorm": batch_norm_class,
     "norm": norm_class,
+    "groupnorm": group_norm_class,
     "softmax": softmax_class,
     "matmul": lambda cls: MatMul,
     "dropout": dropout_class,
@@ -384,14 +385,14 @@ def _at_or_under(name: str, prefix: str) -> bool:
 
 #: Per kind, the function whose calls in a module's own code the routing sends through slimact.
 _ROUTED_CALLS = {"attention": "scaled_dot_product_attention", "layernorm": "layer_norm", "rmsnorm": "rms_norm",
-                 "gelu": "gelu", "silu": "silu", "relu": "relu", "dropout": "dropout"}
+                 "groupnorm": "group_norm", "gelu": "gelu", "silu": "silu", "relu": "relu", "dropout": "dropout"}
 
 
 def _call_routable(module: nn.Module, kind: str) -> bool:
     """Whether the routed call in ``module``'s own code can be routed, as far as its attributes tell: a norm over
     more than the last dim (``nn.LayerNorm([T, C])``, a 2-d weight) and an in-place ReLU, SiLU or dropout run as
     written (the routes decline them), so such a module is not reported converted."""
-    if kind in ("layernorm", "rmsnorm"):
+    if kind in ("layernorm", "rmsnorm", "groupnorm"):
         shape = getattr(module, "normalized_shape", None)
         if shape is not None and not isinstance(shape, int) and len(tuple(shape)) != 1:
             return False

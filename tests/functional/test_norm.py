@@ -2,6 +2,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import slimact
@@ -299,3 +300,202 @@ def test_a_weight_computed_afresh_each_call_is_judged_by_its_own_values():
         want = torch.autograd.grad((nn.functional.layer_norm(x, (16,), g * scale, b, 1e-5) * upstream).sum(), (x, g, b))
         for name, w_grad, g_grad in zip("xgb", want, got, strict=True):
             torch.testing.assert_close(g_grad, w_grad, msg=f"step {step}: {name}")
+
+
+# ------------------------------------------------------------------------------------------------------ GroupNorm
+
+#: A lossless policy that converts GroupNorm ("tempo" leaves it alone: see slimact.policy.PRESETS).
+LOSSLESS = slimact.Policy(name="lossless", quantize=False)
+
+
+def _gn(groups, c, dtype=torch.float32, affine=True, eps=1e-5):
+    gn = nn.GroupNorm(groups, c, eps=eps, affine=affine)
+    return _affine(gn, dtype) if affine else gn.to(dtype)
+
+
+def _gn_input(shape, dtype, layout="contiguous"):
+    gen = torch.Generator().manual_seed(3)
+    if layout == "transposed":  # diffusers' attention: group_norm(h.transpose(1, 2)) of h [N, L, C]
+        x = torch.randn(shape[0], shape[2], shape[1], generator=gen).transpose(1, 2)
+    else:
+        x = torch.randn(shape, generator=gen)
+    x = (x * 2 + 0.5).to(dtype)
+    return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
+
+
+#: (shape, groups, layout): Conv1d nets' [N, C, L], 4-d, 5-d; G == 1 and G == C; channels_last; a transposed view.
+GN_CASES = [((2, 12, 7), 3, "contiguous"), ((2, 8, 5, 6), 2, "contiguous"), ((2, 8, 5, 6), 1, "contiguous"),
+            ((2, 8, 5, 6), 8, "channels_last"), ((2, 6, 3, 4, 2), 3, "contiguous"), ((3, 16, 9), 4, "transposed")]
+GN_IDS = ["3d", "4d", "G=1", "G=C-channels_last", "5d", "3d-transposed"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", GN_CASES, ids=GN_IDS)
+@pytest.mark.parametrize("cfg", [None, "int8"], ids=["lossless", "int8"])
+def test_group_norm_forward_is_torchs_bit_for_bit(case, dtype, cfg):
+    from slimact.functional import group_norm
+    from slimact.policy import Policy
+
+    shape, groups, layout = case
+    x = _gn_input(shape, dtype, layout).requires_grad_()
+    w = (torch.rand(shape[1]) + 0.5).to(dtype).requires_grad_()
+    b = (torch.randn(shape[1]) * 0.1).to(dtype).requires_grad_()
+    config = None if cfg is None else Policy().quant_config("groupnorm", x.dim())
+    for weight, bias in ((w, b), (None, None)):
+        y = group_norm(x, groups, weight, bias, 1e-5, config)
+        want = F.group_norm(x, groups, weight, bias, 1e-5)
+        assert torch.equal(y, want) and y.stride() == want.stride()
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", GN_CASES, ids=GN_IDS)
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm_8bit_matches_torch(case, dtype, affine):
+    shape, groups, layout = case
+    slim = check_against_plain(_gn(groups, shape[1], dtype, affine), _gn_input(shape, dtype, layout))
+    assert isinstance(slim, slimact.nn.GroupNorm) and slim._slimact_kind == "groupnorm"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", GN_CASES, ids=GN_IDS)
+def test_group_norm_lossless_gradients_equal_torchs(case, dtype):
+    from _harness import _step, assert_gradients_equal, converted_copy
+
+    shape, groups, layout = case
+    plain = _gn(groups, shape[1], dtype).train()
+    x = _gn_input(shape, dtype, layout)
+    out0, g0 = _step(plain, (x,), seed=1)
+    out1, g1 = _step(converted_copy(plain, LOSSLESS).train(), (x,), seed=1)
+    assert torch.equal(out1, out0)
+    if dtype == torch.float32:
+        for name in g0:
+            torch.testing.assert_close(g1[name], g0[name], msg=name)
+    else:  # bf16 gradients: PyTorch's and slimact's fp32 sums rounded once to bf16, normwise as slimact.check judges
+        assert_gradients_equal(g0, g1)
+
+
+@pytest.mark.parametrize("policy", [LOSSLESS, "int8"], ids=["lossless", "int8"])
+def test_group_norm_under_autocast(policy):
+    # fp32 parameters, bf16 activations (CPU autocast runs group_norm in the input's dtype): the forward is
+    # F.group_norm's under autocast itself; gradients against PyTorch's own under autocast.
+    from _harness import converted_copy
+    from slimact._metrics import sqnr_db
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1), _gn(4, 16), nn.SiLU()).train()
+    slim = converted_copy(plain, policy).train()
+    x = torch.randn(2, 4, 8, 8)
+    grads = []
+    for m in (plain, slim):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        out.float().pow(2).sum().backward()
+        grads.append((out, {n: p.grad for n, p in m.named_parameters()}))
+    assert torch.equal(grads[1][0], grads[0][0])
+    for name, exact in grads[0][1].items():
+        assert sqnr_db(exact, grads[1][1][name]) >= (40 if policy is LOSSLESS else 30), name
+
+
+def test_group_norm_bytes_before_silu_and_conv():
+    # GroupNorm -> SiLU -> Conv2d, as in every diffusion ResNet block. int8: the norm keeps its output at one byte
+    # per element with a scale per channel (+ rstd per (n, g)); the SiLU and the conv reuse that pack (the SiLU's
+    # output restored through it) and keep nothing of their own. Lossless: the norm keeps its output and rstd, the
+    # SiLU its own output (the conv's input: one storage) and a bit mask; plain keeps x, y and silu(y), so the
+    # lossless chain keeps two tensors with GroupNorm converted or not (the mean's bytes apart).
+    torch.manual_seed(0)
+    n, c, g, hw = 4, 32, 8, 16 * 16
+    model = nn.Sequential(_gn(g, c), nn.SiLU(), nn.Conv2d(c, c, 3, padding=1))
+    x = torch.randn(n, c, 16, 16, requires_grad=True)
+    elements, rows = n * c * hw, n * g
+    plain = slimact.profile(copy.deepcopy(model), x)
+    assert plain.by_module == {"0": 4 * elements + 8 * rows, "1": 4 * elements, "2": 4 * elements}
+    int8 = slimact.profile(slimact.convert(copy.deepcopy(model), "int8"), x)
+    assert int8.by_module == {"0": elements + 2 * 4 * c + 4 * rows}
+    lossless = slimact.profile(slimact.convert(copy.deepcopy(model), LOSSLESS), x)
+    tempo = slimact.profile(slimact.convert(copy.deepcopy(model), "tempo"), x)  # GroupNorm left alone
+    assert lossless.by_module["0"] == 4 * elements + 4 * rows and "2" not in lossless.by_module
+    assert tempo.activation_bytes - lossless.activation_bytes == 4 * rows
+
+
+def test_group_norm_keeps_no_bytes_per_element_where_the_next_layer_keeps_its_output():
+    # GroupNorm -> Conv2d: the conv keeps the norm's output anyway; the lossless norm keeps that very storage and
+    # rstd, 0 bytes per element of its own (plain: its input, 4, and mean and rstd).
+    torch.manual_seed(0)
+    model = nn.Sequential(_gn(4, 16), nn.Conv2d(16, 16, 1))
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    plain = slimact.profile(copy.deepcopy(model), x)
+    lossless = slimact.profile(slimact.convert(copy.deepcopy(model), LOSSLESS), x)
+    assert plain.by_module == {"0": 4 * x.numel() + 8 * 2 * 4, "1": 4 * x.numel()}
+    assert lossless.by_module == {"0": 4 * x.numel() + 4 * 2 * 4}
+
+
+@pytest.mark.parametrize("policy", [LOSSLESS, "int8"], ids=["lossless", "int8"])
+@pytest.mark.parametrize("guarded", ["zero-weight", "bias-dwarfs-weight", "constant-row"])
+def test_group_norm_keeps_its_input_where_xn_cannot_come_back(policy, guarded):
+    # A channel whose weight is 0 (xn = (y - b) / w divides by it) or whose bias dwarfs its weight (y's rounding
+    # swamps xn), or, lossless, a constant group row (xn's rounding in y: see the LayerNorm test above): the layer
+    # keeps its input (8-bit under int8) and mean, and the gradients are right.
+    from _harness import _step, converted_copy
+
+    torch.manual_seed(0)
+    plain = _gn(4, 16)
+    x = torch.randn(3, 16, 5, 5)
+    with torch.no_grad():
+        if guarded == "zero-weight":
+            plain.weight[5] = 0.0
+        elif guarded == "bias-dwarfs-weight":
+            plain.weight[5], plain.bias[5] = 1e-6, 10.0
+        else:
+            x[1, 4:8] = 300.0  # group 1 of sample 1
+    slim = converted_copy(plain, policy).train()
+    kept = slimact.profile(slim, x.clone().requires_grad_())
+    from_input = guarded != "constant-row" or policy is LOSSLESS
+    dtypes = {e.dtype for e in kept.entries}
+    assert (torch.float32 if policy is LOSSLESS else torch.uint8) in dtypes
+    assert len(kept.entries) == (3 if from_input else 2) + (0 if policy is LOSSLESS else 2)  # (x: + mean; + scales)
+    _, exact = _step(copy.deepcopy(plain).double().train(), (x.double(),), seed=1)
+    _, approx = _step(slim, (x,), seed=1)
+    for name in exact:
+        assert torch.isfinite(approx[name]).all(), name
+        assert cosine(exact[name], approx[name]) >= 0.9999, name
+
+
+class GroupNorm32(nn.GroupNorm):  # guided diffusion's: computed in fp32, cast back
+    def forward(self, x):
+        return super().forward(x.float()).type(x.dtype)
+
+
+class GroupNormShifted(nn.GroupNorm):  # a forward of its own that is no GroupNorm
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+def test_group_norm_module_converted_and_reverted_exactly():
+    plain = nn.Sequential(_gn(4, 16), GroupNorm32(4, 16), GroupNormShifted(4, 16), nn.GroupNorm(2, 16, affine=False))
+    params = list(plain.parameters())
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    slim = slimact.convert(plain, "int8")
+    summary = slimact.summary(slim)
+    assert [type(m).__name__ for m in slim] == ["GroupNorm", "GroupNorm32", "GroupNormShifted", "GroupNorm"]
+    assert {n: summary.modules.get(n) for n in "0123"} == {"0": "groupnorm", "1": "groupnorm", "2": None,
+                                                            "3": "groupnorm"}
+    assert "its own forward" in summary.skipped["2"] and "probe is not a GroupNorm" in summary.skipped["2"]
+    assert not isinstance(slim[2], slimact.nn.SlimModule)
+    assert all(a is b for a, b in zip(slim.parameters(), params, strict=True))
+    assert slim.state_dict().keys() == state.keys()
+    assert all(torch.equal(slim.state_dict()[k], v) for k, v in state.items())
+    x = torch.randn(2, 16, 4, 4)
+    slim.train()(x.requires_grad_()).sum().backward()
+    slimact.revert(slim)
+    assert [type(m) for m in slim] == [nn.GroupNorm, GroupNorm32, GroupNormShifted, nn.GroupNorm]
+    assert "groupnorm" not in slimact.summary(slimact.convert(copy.deepcopy(slim), "tempo")).modules.values()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_group_norm_subclass_with_its_own_forward_runs_it(dtype):
+    # GroupNorm32 in a half-precision model (guided diffusion keeps its parameters fp32): its forward (fp32 math,
+    # cast back) is what runs, bit for bit; the gradients are GroupNorm's, from its kept (half-precision) output.
+    x = _gn_input((2, 16, 6, 6), dtype)
+    slim = check_against_plain(_affine(GroupNorm32(4, 16), torch.float32), x)
+    assert isinstance(slim, GroupNorm32) and not slim._slimact_group_norm_forward  # its own forward runs

@@ -7,7 +7,7 @@ from slimact.nn.conv import Conv2d
 from slimact.nn.dropout import Dropout
 from slimact.nn.linear import Linear
 from slimact.nn.matmul import MatMul, MatMulBase
-from slimact.nn.norm import LayerNorm, RMSNorm
+from slimact.nn.norm import GroupNorm, LayerNorm, RMSNorm
 from slimact.nn.softmax import Softmax
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "BatchNorm2d",
     "Conv2d",
     "Dropout",
+    "GroupNorm",
     "LayerNorm",
     "Linear",
     "MatMul",

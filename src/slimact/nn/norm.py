@@ -1,8 +1,11 @@
-"""``slimact.nn.LayerNorm`` / ``slimact.nn.RMSNorm``: keep their output (shared with the next layer) and rstd.
+"""``slimact.nn.LayerNorm`` / ``slimact.nn.RMSNorm`` / ``slimact.nn.GroupNorm``: keep their output (shared with the
+next layer) and rstd.
 
 ``convert`` also turns model-specific norm classes into these by what they compute (see
 :func:`slimact._kinds.norm_form`): Hugging Face's ``LlamaRMSNorm`` and its copies, ``GemmaRMSNorm`` with its
-``1 + weight``, ``T5LayerNorm`` (an RMSNorm by another name). The forward stays the module's own code.
+``1 + weight``, ``T5LayerNorm`` (an RMSNorm by another name); and a subclass of ``nn.GroupNorm`` with a forward of
+its own that computes a GroupNorm on a probe (the fp32 ``GroupNorm32`` of guided diffusion). The forward stays the
+module's own code.
 """
 
 from __future__ import annotations
@@ -12,10 +15,16 @@ from typing import Any
 from torch import Tensor, nn
 
 from slimact._kinds import norm_eps, norm_form
-from slimact.functional.norm import norm, rms_default_eps
+from slimact.functional.norm import group_norm, norm, rms_default_eps
 from slimact.nn._base import SlimModule, slim_class, standalone
 
-__all__ = ["LayerNorm", "RMSNorm", "norm_class"]
+__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "group_norm_class", "norm_class"]
+
+
+def _runs_forward_of(cls: type, mixin: type, base: type[nn.Module]) -> bool:
+    """Whether the forward ``cls`` (a slimact class: ``mixin`` first) runs after ``mixin``'s is ``base.forward``."""
+    after = cls.__mro__[cls.__mro__.index(mixin) + 1:]
+    return next((c.__dict__["forward"] for c in after if "forward" in c.__dict__), None) is base.forward
 
 
 class _NormMixin(SlimModule):
@@ -29,9 +38,7 @@ class _NormMixin(SlimModule):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        after = cls.__mro__[cls.__mro__.index(_NormMixin) + 1:]
-        forward = next((c.__dict__["forward"] for c in after if "forward" in c.__dict__), None)
-        cls._slimact_layer_norm_forward = forward is nn.LayerNorm.forward
+        cls._slimact_layer_norm_forward = _runs_forward_of(cls, _NormMixin, nn.LayerNorm)
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         if not self._slimact_one_input(args, kwargs):
@@ -71,3 +78,31 @@ RMSNorm = standalone(
 
 def norm_class(cls: type[nn.Module]) -> type[nn.Module]:
     return {nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm}.get(cls) or slim_class(_NormMixin, cls)
+
+
+class _GroupNormMixin(SlimModule):
+    #: Whether the forward this class runs is ``nn.GroupNorm.forward`` (``F.group_norm``; per class, as
+    #: :attr:`_NormMixin._slimact_layer_norm_forward`); otherwise a subclass's own, which passed the probe.
+    _slimact_group_norm_forward: bool = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._slimact_group_norm_forward = _runs_forward_of(cls, _GroupNormMixin, nn.GroupNorm)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._slimact_one_input(args, kwargs):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        x = args[0]
+        self._slimact_begin()
+        # num_groups, eps, weight and bias read live, as nn.GroupNorm.forward reads them.
+        return group_norm(
+            x, self.num_groups, self.weight, self.bias, self.eps, self._slimact_cfg(x), self._slimact_state(),
+            fn=None if self._slimact_group_norm_forward else super().forward,  # type: ignore[misc]
+        )
+
+
+GroupNorm = standalone(_GroupNormMixin, nn.GroupNorm, "groupnorm", "GroupNorm", _DOC.format("GroupNorm"))
+
+
+def group_norm_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return GroupNorm if cls is nn.GroupNorm else slim_class(_GroupNormMixin, cls)

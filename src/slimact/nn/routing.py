@@ -23,7 +23,8 @@ forward hook) sends those calls to slimact:
   (:mod:`slimact.nn.lm_loss`);
 * ``F.layer_norm``/``torch.layer_norm``, ``F.rms_norm``/``torch.rms_norm`` over the last dim (OLMo's weightless
   LayerNorm, any norm class ``convert`` does not recognise) -> :func:`slimact.functional.norm`, its output
-  kept (kinds ``layernorm``, ``rmsnorm``).
+  kept (kinds ``layernorm``, ``rmsnorm``); ``F.group_norm``/``torch.group_norm`` (a norm class of a model's own
+  that calls it) likewise, kind ``groupnorm``.
 * ``F.scaled_dot_product_attention`` on ``[B, H, T, D]`` tensors (Falcon's attention, timm's, any model that
   calls it itself) -> :func:`slimact.functional.scaled_dot_product_attention`, keeping q, k, v 8-bit per head
   (exact under a lossless policy) and no ``[T, S]`` tensor.
@@ -80,7 +81,7 @@ from slimact.functional.dropout import dropout
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
-from slimact.functional.norm import norm, rms_default_eps
+from slimact.functional.norm import group_norm, norm, rms_default_eps
 from slimact.functional.product import product
 from slimact.functional.softmax import softmax
 from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
@@ -95,6 +96,9 @@ FUNCTIONAL_NAME = "(functional)"
 # The arguments after the input of F.layer_norm/torch.layer_norm (centered) and F.rms_norm/torch.rms_norm, in order.
 _NORM_ARGS = {True: ("normalized_shape", "weight", "bias", "eps"), False: ("normalized_shape", "weight", "eps")}
 _LAYER_NORM_EPS = 1e-5  # F.layer_norm's default
+# The arguments of F.group_norm/torch.group_norm after the input, in order (torch's: then cudnn_enabled); its eps.
+_GROUP_NORM_ARGS = ("num_groups", "weight", "bias", "eps")
+_GROUP_NORM_EPS = 1e-5
 
 
 def _top_saved_hook() -> object:
@@ -105,7 +109,7 @@ def _top_saved_hook() -> object:
 
 #: The kinds of norm modules, in whose own code a product runs as written (``Routing._product``; also a module whose
 #: class is named a norm: a gated or grouped norm, ``MambaRMSNormGated``, is no form slimact knows).
-_NORM_KINDS = frozenset({"layernorm", "rmsnorm", "norm", "batchnorm"})
+_NORM_KINDS = frozenset({"layernorm", "rmsnorm", "groupnorm", "batchnorm"})
 
 
 def _wants_grad(x: object) -> bool:
@@ -524,6 +528,7 @@ class Routing:
             setattr(self, attr, getattr(self, attr) + step)
 
     # Functional norms: F.layer_norm / torch.layer_norm ("layernorm"), F.rms_norm / torch.rms_norm ("rmsnorm"),
+    # F.group_norm / torch.group_norm ("groupnorm"),
     # as a model's own norm class calls them (OLMo's weightless LayerNorm, a user's norm module).
 
     def _norm_routes(self) -> dict:
@@ -532,7 +537,26 @@ class Routing:
                                       (False, "rmsnorm", (F.rms_norm, torch.rms_norm))):
             for func in funcs:
                 routes[func] = (kind, functools.partial(self._norm, func, centered, kind))
+        for func in (F.group_norm, torch.group_norm):
+            routes[func] = ("groupnorm", functools.partial(self._group_norm, func))
         return routes
+
+    def _group_norm(self, func, x, *args, **kwargs):
+        """``func(x, *args, **kwargs)`` (``F.group_norm``/``torch.group_norm``) through
+        :func:`slimact.functional.group_norm`, or ``None`` to run it as written: when nothing would be saved, in a
+        dtype slimact does not pack, or where the call is not a well-formed GroupNorm (PyTorch's own error then)."""
+        bound = {**dict(zip(_GROUP_NORM_ARGS, args, strict=False)),
+                 **{k: v for k, v in kwargs.items() if k in _GROUP_NORM_ARGS}}
+        groups, weight, bias = bound.get("num_groups"), bound.get("weight"), bound.get("bias")
+        params = [t for t in (weight, bias) if t is not None]
+        if (not isinstance(x, Tensor) or x.dtype not in COMPRESSIBLE_DTYPES
+                or not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params))):
+            return None
+        if (x.dim() < 2 or not isinstance(groups, int) or groups < 1 or x.shape[1] % groups
+                or any(not isinstance(t, Tensor) or tuple(t.shape) != (x.shape[1],) for t in params)):
+            return None
+        eps = float(bound.get("eps", _GROUP_NORM_EPS))
+        return group_norm(x, groups, weight, bias, eps, self._cfg("groupnorm", x))
 
     def _norm(self, func, centered, kind, x, *args, **kwargs):
         """``func(x, *args, **kwargs)`` through :func:`slimact.functional.norm` (its forward is this very call),
