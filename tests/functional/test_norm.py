@@ -491,6 +491,22 @@ def test_group_norm_backward_as_compiled_loops_equals_the_eager_passes(quantized
         if not quantized:
             assert (a - t).norm() <= 1e-5 * t.norm()  # and PyTorch's gradients, to float rounding
 
+
+def test_group_norm_input_gradient_sums_to_zero_per_row_from_8_bit_codes():
+    # A GroupNorm ignores a shift of its (n, g) row (a conv bias feeding it gets its gradient from that sum): the
+    # restored xn is re-centred per row as LayerNorm's is, so grad_x sums to zero per row from 8-bit codes too.
+    from slimact.functional import group_norm
+    from slimact.policy import Policy
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 16, 6, 6, generator=g) * 3 + 5).requires_grad_()
+    w, b = torch.rand(16, generator=g) + 0.5, torch.randn(16, generator=g)
+    grad_y = torch.randn(4, 16, 6, 6, generator=g)
+    group_norm(x, 4, w, b, 1e-5, Policy().quant_config("groupnorm", 4)).backward(grad_y)
+    exact = torch.autograd.grad(F.group_norm(x, 4, w, b), x, grad_y)[0]
+    rows = x.grad.reshape(4, 4, -1)
+    assert (rows.sum(-1).abs() <= 1e-5 * exact.reshape(4, 4, -1).norm(dim=-1)).all()
+
 class GroupNorm32(nn.GroupNorm):  # guided diffusion's: computed in fp32, cast back
     def forward(self, x):
         return super().forward(x.float()).type(x.dtype)
