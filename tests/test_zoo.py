@@ -143,6 +143,45 @@ def test_shrinker_sets_sizes_models_need_consistently():
     assert jamba.attn_layer_period == jamba.expert_layer_period == 2  # both kinds within 2 layers
 
 
+def test_shrinker_fits_multimodal_rotary_sections_to_the_shrunk_head():
+    # Sections in the configuration (Cosmos3-Edge's on head_dim, HY-V4-VL's on MLA's rotary part), sections only
+    # model code names (Qwen2-VL's), and on a partially rotary head (GLM-4V-MoE's factor 0.5): they sum to the
+    # head's rotary frequencies, each section kept.
+    for model_type, width in (("cosmos3_edge_text", "head_dim"), ("hy_v4_vl_text", "qk_rope_head_dim")):
+        config = zoo.tiny_config(model_type)
+        section = config.rope_parameters["mrope_section"]
+        assert sum(section) == getattr(config, width) // 2 and min(section) > 0, (model_type, section)
+    qwen = zoo.tiny_config("qwen2_vl_text")
+    assert qwen.rope_parameters["mrope_section"] == [2, 3, 3]  # [16, 24, 24] of its model code, on 16-wide heads
+    glm = zoo.tiny_config("glm4v_moe_text")
+    assert sum(glm.rope_parameters["mrope_section"]) == 16 // 2 // 2
+
+
+def test_shrinker_keeps_sizes_consistent_across_sub_configs_and_stages():
+    glm5 = zoo.tiny_config("glm5_next_text")
+    assert glm5.qk_rope_head_dim == 0  # its sparse attention has no rotary part: 0 is kept, not shrunk to 8
+    docling, inkling = zoo.tiny_config("granite_docling"), zoo.tiny_config("inkling2")
+    assert docling.vision_config.out_hidden_size == docling.text_config.hidden_size  # the tower's output width
+    assert inkling.vision_config.text_hidden_size == inkling.text_config.hidden_size
+    audio = zoo.tiny_config("muse_spark_audio")
+    assert audio.num_hidden_layers == len(audio.depths) == len(audio.hidden_sizes)  # its layer count counts stages
+    assert zoo.tiny_config("molmo2").adapter_config.vision_feature_layer == [1, 0]
+    apertus = zoo.tiny_config("apertus1p5")  # image then audio codes in the vocabulary
+    assert apertus.audio_token_offset + apertus.audio_config.codebook_size <= apertus.text_config.vocab_size
+
+
+@pytest.mark.parametrize("arch, model_type", [
+    ("Apertus1p5Model", "apertus1p5"), ("Glm4vModel", "glm4v"), ("JanusModel", "janus"),
+    ("Florence2Model", "florence2"), ("EfficientNetModel", "efficientnet"), ("MuseSparkModel", "muse_spark"),
+])
+def test_shrinker_builds_within_the_tiny_bound(arch, model_type):
+    # Each failed validation or was over zoo._MAX_TINY_PARAMS (a width or a scaling the shrinker did not know: a
+    # VQ image tokenizer's channels, a vision tower's output width, EfficientNet's compound scaling...).
+    with torch.device("meta"):
+        model = _transformers_class(arch)(zoo._own_config(_transformers_class(arch), zoo.tiny_config(model_type)))
+    assert sum(p.numel() for p in model.parameters()) <= zoo._MAX_TINY_PARAMS
+
+
 def test_a_text_only_class_gets_its_own_sub_config():
     config = zoo.tiny_config("llama4")
     assert type(zoo._own_config(_transformers_class("Llama4ForCausalLM"), config)) is type(config.text_config)

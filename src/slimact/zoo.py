@@ -556,11 +556,14 @@ _TINY_ATTRS: dict[str, int] = {
     **dict.fromkeys(_LAYER_KEYS, 2),
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "d_embed",
                      "word_embed_proj_dim", "embedding_size", "emb_dim", "d_latents", "hidden_size_global",
-                     "vision_output_dim", "projector_input_dim", "projector_output_dim"), 64),
+                     "vision_output_dim", "projector_input_dim", "projector_output_dim",
+                     # a vision tower's output width: the text model's width it is projected into
+                     "out_hidden_size", "text_hidden_size"), 64),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
                      "decoder_attention_heads", "num_self_attention_heads", "num_cross_attention_heads"), 4),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim",
-                     "mlp_dim", "hidden_dim", "decoder_intermediate_size", "mamba_d_ssm"), 128),
+                     "mlp_dim", "hidden_dim", "decoder_intermediate_size", "mamba_d_ssm",
+                     "projector_hidden_size"), 128),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "projection_dim",
                      "q_lora_rank", "entity_emb_size"), 32),
     **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_size", "v_head_dim", "qk_head_dim",
@@ -581,6 +584,8 @@ _TINY_ATTRS: dict[str, int] = {
     "image_size": 32,
     "window_size": 4,
 }
+#: Sizes whose 0 turns their part off: kept off (GLM-5 Next's sparse attention requires heads without rotary).
+_KEPT_OFF = ("qk_rope_head_dim",)
 #: Upper bounds (the default is kept if smaller): routing to 2 of the 4 experts, one shared expert.
 _TINY_CAPS: dict[str, int] = {"num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
                               "num_key_value_heads": 2, "patch_size": 4, "first_k_dense_replace": 1,
@@ -596,6 +601,11 @@ _TINY_UNSET: dict[str, tuple[str, ...]] = {
 #: Sizes that must stay equal to another (the key follows the value) where the default has them equal: MLA's
 #: rotary part is the rotary embedding's head dimension.
 _TIED: dict[str, str] = {"head_dim": "qk_rope_head_dim"}
+#: The multimodal rotary sections model code takes where a text configuration names none (Qwen2-VL's, GLM-4V's).
+_MROPE_SECTION: dict[str, list[int]] = {
+    **{key: [16, 24, 24] for key in ("qwen2_vl_text", "qwen2_5_vl_text", "paddleocr_vl_text", "qwen2_5_omni_text")},
+    **{key: [8, 12, 12] for key in ("glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text")},
+}
 #: Layers repeat with a period from an offset (``attn_layer_period``, ``expert_layer_offset``): period 2, so
 #: that 2 layers hold each kind.
 _PERIODIC = ("_layer_period", "_layer_offset")
@@ -634,6 +644,24 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
     "longcat_flash": {"ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2, "zero_expert_num": 2},
     # Emu3's image tokenizer (VQGAN): convolution channels and codebook.
     "emu3_vqgan": {"base_channels": 32, "codebook_size": 128},
+    # No projections around its quantizer: the codebook's width is the encoder's.
+    **{family: {"codebook_dim": 64} for family in ("wavtokenizer", "wavtokenizer_encoder")},
+    # Its image and audio tokens are ranges of the vocabulary, one after the other (image codes from its VQ image
+    # tokenizer, audio codes from WavTokenizer): 32 image codes from id 32, 64 audio codes from id 64.
+    "apertus1p5": {"image_token_offset": 32, "audio_token_offset": 64,
+                   "vision_config": {"codebook_size": 32, "base_channels": 32, "num_res_blocks": 1},
+                   "audio_config": {"codebook_size": 64}},
+    # Its adapter reads the image features of the vision tower's last layer and of an earlier one ([24, 18] of 25).
+    "molmo2": {"adapter_config": {"vision_feature_layer": [1, 0]}},
+    # EfficientNet's compound scaling (B7's by default: depth x 3.1, width x 2) scales its blocks' repeats and
+    # channels: B0's at half the depth (1 to 2 blocks a stage) and a quarter of the width, whose last
+    # convolution's 1280 channels are 320 (hidden_dim: the width its model code gives it).
+    **{family: {"depth_coefficient": 0.5, "width_coefficient": 0.25, "hidden_dim": 320}
+       for family in ("efficientnet", "align_vision_model")},
+    # Janus's image tokenizer (VQGAN): convolution channels, codebook, the codes' embedding width.
+    "janus_vqgan": {"base_channels": 32, "num_res_blocks": 1, "num_embeddings": 128, "image_token_embed_dim": 64},
+    # Florence-2's DaViT stages: a width per stage.
+    "florence_vision": {"embed_dim": [16, 32, 64, 128]},
     # Its model code compares ids with the padding and mask ids, which default to None.
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
 }
@@ -735,8 +763,11 @@ def _shrunk(values: dict[str, Any], family: dict[str, Any], layers: bool = True)
             out[key] = {**sub, **family[key]} if isinstance(family.get(key), dict) else sub
         elif isinstance(value, bool) or not isinstance(value, int):
             continue
-        elif staged and key in ("num_layers", "hidden_size"):
-            continue  # derived from the stages
+        elif staged and (key in ("num_layers", "hidden_size")
+                         or (key in _LAYER_KEYS and value == len(values["depths"]))):
+            continue  # derived from the stages (as is a layer count that counts the stages)
+        elif key in _KEPT_OFF and value == 0:
+            continue
         elif key in _TINY_ATTRS:
             out[key] = _STAGED.get(key, _TINY_ATTRS[key]) if staged else _TINY_ATTRS[key]
         elif key in _TINY_CAPS:
@@ -766,6 +797,7 @@ def _shrunk(values: dict[str, Any], family: dict[str, Any], layers: bool = True)
         special = [k for k, v in values.items() if (k.endswith("_token_id") or k.endswith("_token_index"))
                    and isinstance(v, int) and not isinstance(v, bool) and v >= vocab]
         out.update({key: vocab - 1 - i for i, key in enumerate(special)})
+    out.update(_mrope(values, out))
     heads, kv = out.get("num_attention_heads"), values.get("num_key_value_heads")
     if heads and isinstance(kv, int) and kv == values.get("num_attention_heads"):
         out["num_key_value_heads"] = heads  # multi-head stays multi-head
@@ -774,6 +806,36 @@ def _shrunk(values: dict[str, Any], family: dict[str, Any], layers: bool = True)
         # for a step without one.
         out["use_cache"] = False
     return {**out, **{k: v for k, v in family.items() if not (isinstance(v, dict) and k in out)}}
+
+
+def _head_width(values: dict[str, Any]) -> int | None:
+    """The width rotary embeddings turn: the rotary part of a latent-attention head, else a head's width."""
+    for key in ("qk_rope_head_dim", "head_dim"):
+        if isinstance(values.get(key), int) and values[key] > 0:
+            return values[key]
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _mrope(values: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal rotary sections (``mrope_section``: a head's rotary frequencies split among time, height and
+    width) for the shrunk head, whose rotary frequencies they must sum to: the configuration's sections, else
+    its model code's (:data:`_MROPE_SECTION`), in the same proportions, rounded to whole frequencies by largest
+    remainder."""
+    width, rope = _head_width({**values, **out}), values.get("rope_parameters")
+    rope = rope if isinstance(rope, dict) else {}
+    section = values.get("mrope_section") or rope.get("mrope_section") or _MROPE_SECTION.get(values.get("model_type"))
+    if not width or not isinstance(section, list) or not all(isinstance(x, int) for x in section):
+        return {}
+    factor = rope.get("partial_rotary_factor", values.get("partial_rotary_factor")) or 1.0
+    target = int(width * factor) // 2
+    exact = [x * target / sum(section) for x in section]
+    parts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: parts[i] - exact[i])[:target - sum(parts)]:
+        parts[i] += 1
+    if values.get("mrope_section"):
+        return {"mrope_section": parts}
+    return {"rope_parameters": {**rope, "mrope_section": parts}}
 
 
 def tiny_config(model_type: str) -> Any:
