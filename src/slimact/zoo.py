@@ -655,8 +655,10 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
     "molmo2": {"adapter_config": {"vision_feature_layer": [1, 0]}},
     # EfficientNet's compound scaling (B7's by default: depth x 3.1, width x 2) scales its blocks' repeats and
     # channels: B0's at half the depth (1 to 2 blocks a stage) and a quarter of the width, whose last
-    # convolution's 1280 channels are 320 (hidden_dim: the width its model code gives it).
-    **{family: {"depth_coefficient": 0.5, "width_coefficient": 0.25, "hidden_dim": 320}
+    # convolution's 1280 channels are 320 (hidden_dim: the width its model code gives it). Images of 64 x 64: its
+    # strides (32 in all) leave 2 x 2 pixels, where 32 x 32 left one, and a training-mode BatchNorm over a batch
+    # of 2 single pixels gives +-1 whatever its input: no gradient before it but float noise.
+    **{family: {"depth_coefficient": 0.5, "width_coefficient": 0.25, "hidden_dim": 320, "image_size": 64}
        for family in ("efficientnet", "align_vision_model")},
     # Janus's image tokenizer (VQGAN): convolution channels, codebook, the codes' embedding width.
     "janus_vqgan": {"base_channels": 32, "num_res_blocks": 1, "num_embeddings": 128, "image_token_embed_dim": 64},

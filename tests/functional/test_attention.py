@@ -1027,3 +1027,24 @@ def test_the_backward_rows_of_a_non_causal_block_compile(dropout_p, masked, kv_h
         grads.append([t.grad for t in ins if t is not None])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("cfg", [None, QuantConfig(group_dim=1, groups=0)], ids=["lossless", "8bit"])
+def test_value_heads_of_another_width_than_query_and_key_heads_on_the_cpu(cfg):
+    # GLM-5 Next's attention: queries and keys of 8 (no rotary part), values of 16. PyTorch's CPU flash kernel
+    # takes one head width only (F.scaled_dot_product_attention picks its math kernel here): slimact's CPU flash
+    # path raised "Q/K/V should have the same head size".
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 16, 8, generator=gen).requires_grad_(True) for _ in range(2))
+    v = torch.randn(2, 4, 16, 16, generator=gen).requires_grad_(True)
+    g = torch.randn(2, 4, 16, 16, generator=gen)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    g0 = torch.autograd.grad(ref, (q, k, v), g)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, cfg=cfg)
+    g1 = torch.autograd.grad(out, (q, k, v), g)
+    torch.testing.assert_close(out, ref)
+    for a, e in zip(g1, g0, strict=True):
+        if cfg is None:
+            torch.testing.assert_close(a, e)
+        else:
+            assert cosine(a, e) >= 0.99

@@ -788,6 +788,9 @@ def scaled_dot_product_attention(
     # or in the key of a one-key row: F.scaled_dot_product_attention's too, torch 2.13): a query or key holding
     # NaN/inf takes the chunked path, whose output is NaN there, as the math path's.
     flash = dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad
+    # The kernel takes one head width for q, k and v (F.scaled_dot_product_attention picks its math kernel where
+    # the value heads are of another width, GLM-5 Next's): the chunked path.
+    flash = flash and query.shape[-1] == key.shape[-1] == value.shape[-1]
     flags = {}
     error = checked_score_error(query, key, scale, cfg)
     if error is not None:
