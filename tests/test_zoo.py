@@ -170,9 +170,20 @@ def test_shrinker_keeps_sizes_consistent_across_sub_configs_and_stages():
     assert apertus.audio_token_offset + apertus.audio_config.codebook_size <= apertus.text_config.vocab_size
 
 
+def test_shrinker_caps_routing_however_spelled_and_fills_sizes_a_checkpoint_names():
+    for model_type in ("bailing_hybrid", "kimi_linear"):  # num_experts_per_token, num_expert_group: 8 of 4 experts
+        config = zoo.tiny_config(model_type)
+        assert config.num_experts_per_token <= config.num_experts and config.num_expert_group == 1, model_type
+    qwen4 = zoo.tiny_config("qwen4_exp_text")  # indexed attention layers, whose indexer's sizes default to None
+    assert "indexed_attention" in qwen4.layer_types and qwen4.indexer_budget < 16
+    compass = zoo.tiny_config("cohere_compass_text")  # per-layer-type rotary parameters, none by default
+    assert set(compass.layer_types) <= set(compass.rope_parameters)
+
+
 @pytest.mark.parametrize("arch, model_type", [
     ("Apertus1p5Model", "apertus1p5"), ("Glm4vModel", "glm4v"), ("JanusModel", "janus"),
     ("Florence2Model", "florence2"), ("EfficientNetModel", "efficientnet"), ("MuseSparkModel", "muse_spark"),
+    ("Qwen4ExpForCausalLM", "qwen4_exp"), ("CohereCompassForCausalLM", "cohere_compass"),
 ])
 def test_shrinker_builds_within_the_tiny_bound(arch, model_type):
     # Each failed validation or was over zoo._MAX_TINY_PARAMS (a width or a scaling the shrinker did not know: a

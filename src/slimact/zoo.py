@@ -587,7 +587,8 @@ _TINY_ATTRS: dict[str, int] = {
 #: Sizes whose 0 turns their part off: kept off (GLM-5 Next's sparse attention requires heads without rotary).
 _KEPT_OFF = ("qk_rope_head_dim",)
 #: Upper bounds (the default is kept if smaller): routing to 2 of the 4 experts, one shared expert.
-_TINY_CAPS: dict[str, int] = {"num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+_TINY_CAPS: dict[str, int] = {"num_experts_per_tok": 2, "num_experts_per_token": 2, "n_shared_experts": 1,
+                              "n_group": 1, "num_expert_group": 1, "topk_group": 1,
                               "num_key_value_heads": 2, "patch_size": 4, "first_k_dense_replace": 1,
                               "num_dense_layers": 1}
 #: Sizes a configuration may leave as ``None`` for its model code to fail on (no default of its own): set to the
@@ -664,6 +665,14 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
     "janus_vqgan": {"base_channels": 32, "num_res_blocks": 1, "num_embeddings": 128, "image_token_embed_dim": 64},
     # Florence-2's DaViT stages: a width per stage.
     "florence_vision": {"embed_dim": [16, 32, 64, 128]},
+    # Its layer types name indexed attention, whose token indexer's sizes default to None (a checkpoint's config
+    # names them): 4 query heads and its one key head of 16, 8 tokens selected in blocks of 2 (of the batch's 16).
+    "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                       "indexer_compress_ratio": 2},
+    # Rotary parameters per layer type, which default to none (a checkpoint's config names them), with its model
+    # code's multimodal sections ([24, 20, 20]) for heads of 16.
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [3, 3, 2]}}},
     # Its model code compares ids with the padding and mask ids, which default to None.
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
 }
