@@ -183,7 +183,7 @@ def test_shrinker_caps_routing_however_spelled_and_fills_sizes_a_checkpoint_name
 @pytest.mark.parametrize("arch, model_type", [
     ("Apertus1p5Model", "apertus1p5"), ("Glm4vModel", "glm4v"), ("JanusModel", "janus"),
     ("Florence2Model", "florence2"), ("EfficientNetModel", "efficientnet"), ("MuseSparkModel", "muse_spark"),
-    ("Qwen4ExpForCausalLM", "qwen4_exp"), ("CohereCompassForCausalLM", "cohere_compass"),
+    ("Qwen4ExpForCausalLM", "qwen4_exp"), ("CohereCompassForCausalLM", "cohere_compass"), ("VJEPA2Model", "vjepa2"),
 ])
 def test_shrinker_builds_within_the_tiny_bound(arch, model_type):
     # Each failed validation or was over zoo._MAX_TINY_PARAMS (a width or a scaling the shrinker did not know: a
@@ -214,3 +214,10 @@ def test_shrinker_windows_are_shorter_than_the_batch_and_audio_codes_come_per_co
     inputs = zoo.tiny_inputs(decoder, "causal-lm", batch=2, seq=16)
     assert inputs["input_ids"].shape == (2 * config.num_codebooks, 16)
     assert inputs["labels"].shape == (2, 16, config.num_codebooks)
+
+
+def test_a_video_model_gets_a_clip_of_frames():
+    with torch.device("meta"):
+        model = zoo.build_auto("VJEPA2Model", zoo.tiny_config("vjepa2"))
+    video = zoo.tiny_inputs(model, "base")["pixel_values_videos"]  # were token ids of its vocabulary-less config
+    assert video.shape == (2, 4, 3, model.config.crop_size, model.config.crop_size) and video.is_floating_point()

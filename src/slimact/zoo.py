@@ -673,6 +673,9 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
     # code's multimodal sections ([24, 20, 20]) for heads of 16.
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
                                                                    "mrope_section": [3, 3, 2]}}},
+    # V-JEPA 2's predictor (its own width, heads and depth) and its video crops (256 x 256, 64 frames).
+    "vjepa2": {"pred_hidden_size": 64, "pred_num_attention_heads": 4, "pred_num_hidden_layers": 2, "crop_size": 32,
+               "frames_per_clip": 4},
     # Its model code compares ids with the padding and mask ids, which default to None.
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
 }
@@ -906,6 +909,12 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
         inputs[main] = torch.randn(batch, getattr(vision, "num_channels", 3), size, size, generator=g)
         if task == "image-classification":
             inputs["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        return inputs
+    if main == "pixel_values_videos":  # video: [batch, frames, channels, height, width], 4 frames unless named
+        vision = getattr(config, "vision_config", config)
+        size = getattr(vision, "image_size", None) or getattr(vision, "crop_size", 32)
+        frames = getattr(vision, "num_frames", None) or 4
+        inputs[main] = torch.randn(batch, frames, getattr(vision, "num_channels", 3), size, size, generator=g)
         return inputs
     if main == "input_values":  # raw audio: 64 frames of the feature encoder
         inputs[main] = torch.randn(batch, 64 * 20, generator=g)
