@@ -221,3 +221,14 @@ def test_a_video_model_gets_a_clip_of_frames():
         model = zoo.build_auto("VJEPA2Model", zoo.tiny_config("vjepa2"))
     video = zoo.tiny_inputs(model, "base")["pixel_values_videos"]  # were token ids of its vocabulary-less config
     assert video.shape == (2, 4, 3, model.config.crop_size, model.config.crop_size) and video.is_floating_point()
+
+
+def test_a_vision_tower_of_patch_rows_gets_patches_and_their_grid_and_its_vlm_token_ids():
+    with torch.device("meta"):
+        tower = zoo.build_auto("Qwen2_5_VisionTransformerPretrainedModel", zoo.tiny_config("qwen2_5_vl_vision"))
+        vlm = zoo.build_auto("Qwen2_5_VLModel", zoo.tiny_config("qwen2_5_vl"))
+    inputs = zoo.tiny_inputs(tower, "base")  # were pixel_values of 2 images, which its forward does not take
+    config = tower.config
+    assert inputs["hidden_states"].shape == (2 * 16, 3 * config.temporal_patch_size * config.patch_size**2)
+    assert inputs["grid_thw"].tolist() == [[1, 4, 4]] * 2
+    assert zoo.tiny_inputs(vlm, "base").keys() == {"input_ids"}  # a VLM takes image grids too: text alone

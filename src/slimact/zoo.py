@@ -13,6 +13,7 @@ source and target ids for T5), and :func:`load` reads a local Hugging Face model
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import os
@@ -676,6 +677,10 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
     # V-JEPA 2's predictor (its own width, heads and depth) and its video crops (256 x 256, 64 frames).
     "vjepa2": {"pred_hidden_size": 64, "pred_num_attention_heads": 4, "pred_num_hidden_layers": 2, "crop_size": 32,
                "frames_per_clip": 4},
+    # Qwen2.5-VL's vision tower: windows of 16 pixels (2 x 2 merged patches of 4; 112 = 2 x 2 x 4 x 14 in
+    # the default, where 4 pixels made windows of none), its second layer attending globally.
+    **{family: {"window_size": 16, "fullatt_block_indexes": [1]} for family in ("qwen2_5_vl_vision",
+                                                                                "exaone4_5_vision")},
     # Its model code compares ids with the padding and mask ids, which default to None.
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
 }
@@ -902,6 +907,20 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
     main = getattr(model, "main_input_name", "input_ids")
     vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 128)
     inputs: dict[str, Tensor] = {}
+    params = inspect.signature(model.forward).parameters
+    grid = next((k for k in ("grid_thw", "image_grid_thw") if k in params), None)
+    if grid is not None and "input_ids" not in params:
+        # A vision tower of Qwen2-VL's kind: images as rows of flattened patches (channels x frames x patch x
+        # patch), each image's grid of patches (frames, height, width) apart: 4 x 4 patches an image.
+        vision = getattr(config, "vision_config", config)
+        patch = getattr(vision, "patch_size", 4)
+        patch = patch if isinstance(patch, int) else patch[0]
+        width = (getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3) * patch * patch
+        width *= getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", None) or 1
+        first = next(iter(params))
+        inputs[first] = torch.randn(batch * 16, width, generator=g)
+        inputs[grid] = torch.tensor([[1, 4, 4]] * batch)
+        return inputs
     if main == "pixel_values":
         vision = getattr(config, "vision_config", config)
         size = getattr(vision, "image_size", 32)  # convolutional models take any size: 32 x 32
