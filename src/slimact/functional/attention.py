@@ -80,7 +80,7 @@ from torch import Tensor
 from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
-from slimact.functional.softmax import pack_probabilities
+from slimact.functional.softmax import normalized, pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
@@ -120,12 +120,16 @@ class _SoftmaxDropoutMatmul(SlimFunction):
         ctx.scale = 1.0 / (1.0 - p) if 0 < p < 1 else (0.0 if p >= 1 else 1.0)
         ctx.dtype = scores.dtype
         kept_mask = None if mask is None else Mask.of(mask)
-        save(ctx, pack_probabilities(probs, cfg_p, state_p), kept_mask, pack(v, cfg_v, state_v))
+        packed = pack_probabilities(probs, cfg_p, state_p)
+        ctx.lossy = packed.meta.derive is not None
+        save(ctx, packed, kept_mask, pack(v, cfg_v, state_v))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         probs, mask, v = load(ctx)
+        if ctx.lossy:
+            probs = normalized(probs, -1)  # (see softmax.normalized)
         dropped = probs if mask is None else probs * mask * ctx.scale
         grad_scores = grad_v = None
         b, h, t, d = grad_out.shape

@@ -28,7 +28,7 @@ from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import Packed, QuantConfig, RunningRange, pack
 from slimact.quant.core import register_derivation, share_derived
 
-__all__ = ["pack_probabilities", "softmax"]
+__all__ = ["normalized", "pack_probabilities", "softmax"]
 
 register_derivation("square", torch.square)
 
@@ -48,6 +48,16 @@ def pack_probabilities(y: Tensor, cfg: QuantConfig | None, state: RunningRange |
     return Packed(packed.tensors, packed.meta._replace(derive="square"))
 
 
+def normalized(y_hat: Tensor, dim: int) -> Tensor:
+    """Restored probabilities ``y_hat`` scaled to sum to 1 along ``dim``, as the exact ones do: the softmax
+    backward at them, ``y_hat * (g - sum(g * y_hat))``, then sums to 0 along ``dim`` as the exact gradient does
+    (softmax is invariant to adding one value to a row), where at the 8-bit codes' own sums the rows summed to
+    ~5e-3 of the gradient: error on anything adding one value to a whole row of scores (an attention key's bias,
+    whose exact gradient is ~0)."""
+    total = y_hat.sum(dim, keepdim=True, dtype=torch.float32)
+    return torch.where(total > 0, y_hat / total, y_hat).to(y_hat.dtype)
+
+
 class _SoftmaxFunction(SlimFunction):
     layer = "softmax"
 
@@ -55,12 +65,16 @@ class _SoftmaxFunction(SlimFunction):
     def forward(ctx, x, dim, cfg, state, dtype=None):
         y = torch.softmax(x, dim, dtype=dtype)
         ctx.dim, ctx.in_dtype = dim, x.dtype
-        save(ctx, pack_probabilities(y, cfg, state))
+        packed = pack_probabilities(y, cfg, state)
+        ctx.lossy = packed.meta.derive is not None  # codes of sqrt(y), not y as computed
+        save(ctx, packed)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         (y_hat,) = load(ctx)
+        if ctx.lossy:
+            y_hat = normalized(y_hat, ctx.dim)
         # With ``dtype=`` the softmax ran on ``x.to(dtype)``: its backward in that dtype, then the cast's (to x's).
         grad_x = torch._softmax_backward_data(grad_y, y_hat, ctx.dim, grad_y.dtype).to(ctx.in_dtype)
         return grad_x, None, None, None, None
