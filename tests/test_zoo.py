@@ -232,3 +232,12 @@ def test_a_vision_tower_of_patch_rows_gets_patches_and_their_grid_and_its_vlm_to
     assert inputs["hidden_states"].shape == (2 * 16, 3 * config.temporal_patch_size * config.patch_size**2)
     assert inputs["grid_thw"].tolist() == [[1, 4, 4]] * 2
     assert zoo.tiny_inputs(vlm, "base").keys() == {"input_ids"}  # a VLM takes image grids too: text alone
+
+
+def test_a_dual_encoder_gets_images_and_texts_and_a_vision_tower_its_images():
+    with torch.device("meta"):
+        clip = zoo.build_auto("CLIPModel", zoo.tiny_config("clip"))
+        tower = zoo.build_auto("Idefics3VisionTransformer", zoo.tiny_config("idefics3_vision"))
+    inputs = zoo.tiny_inputs(clip, "base")  # were token ids alone: its forward needs the images it scores them on
+    assert inputs["input_ids"].shape == (2, 16) and inputs["pixel_values"].shape == (2, 3, 32, 32)
+    assert zoo.tiny_inputs(tower, "base").keys() == {"pixel_values"}  # its main_input_name is the default's

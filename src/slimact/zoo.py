@@ -908,6 +908,8 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
     vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 128)
     inputs: dict[str, Tensor] = {}
     params = inspect.signature(model.forward).parameters
+    if main not in params and "pixel_values" in params:  # a vision tower left with the default main input name
+        main = "pixel_values"
     grid = next((k for k in ("grid_thw", "image_grid_thw") if k in params), None)
     if grid is not None and "input_ids" not in params:
         # A vision tower of Qwen2-VL's kind: images as rows of flattened patches (channels x frames x patch x
@@ -946,6 +948,12 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
         # Audio codes (MusicGen's decoder) come as one row of ids per codebook: labels [batch, seq, codebooks].
         books = getattr(config, "num_codebooks", None) if main == "input_ids" else None
         inputs[main] = torch.randint(0, vocab, (batch * (books or 1), seq), generator=g)
+        if hasattr(model, "get_text_features") and hasattr(model, "get_image_features") and "pixel_values" in params:
+            # An image-text dual encoder (CLIP's kind) scores images against texts: it takes both.
+            vision = getattr(config, "vision_config", config)
+            size = getattr(vision, "image_size", 32)
+            size = size if isinstance(size, int) else size[0]
+            inputs["pixel_values"] = torch.randn(batch, getattr(vision, "num_channels", 3), size, size, generator=g)
         if books and task == "causal-lm":
             inputs["labels"] = inputs[main].reshape(batch, books, seq).transpose(1, 2)
             return inputs
