@@ -241,3 +241,5 @@ def test_a_dual_encoder_gets_images_and_texts_and_a_vision_tower_its_images():
     inputs = zoo.tiny_inputs(clip, "base")  # were token ids alone: its forward needs the images it scores them on
     assert inputs["input_ids"].shape == (2, 16) and inputs["pixel_values"].shape == (2, 3, 32, 32)
     assert zoo.tiny_inputs(tower, "base").keys() == {"pixel_values"}  # its main_input_name is the default's
+    siglip = zoo.tiny_config("siglip")  # its text head projects into the image embeddings' width (768 = 768)
+    assert siglip.text_config.projection_size == siglip.vision_config.hidden_size

@@ -559,7 +559,7 @@ _TINY_ATTRS: dict[str, int] = {
                      "word_embed_proj_dim", "embedding_size", "emb_dim", "d_latents", "hidden_size_global",
                      "vision_output_dim", "projector_input_dim", "projector_output_dim",
                      # a vision tower's output width: the text model's width it is projected into
-                     "out_hidden_size", "text_hidden_size"), 64),
+                     "out_hidden_size", "text_hidden_size", "projection_size", "pooler_output_size"), 64),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
                      "decoder_attention_heads", "num_self_attention_heads", "num_cross_attention_heads"), 4),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim",
