@@ -216,3 +216,14 @@ def test_the_first_sweeps_file_reads_as_int8(tmp_path):
     path.write_text("task,architecture,outcome,int8_kib,int8_ratio\nbase,A,ok,1.5,0.25\n")
     assert _read_sweep(path) == [{"task": "base", "architecture": "A", "outcome": "ok", "kept_kib": "1.5",
                                   "kept_ratio": "0.25", "policy": "int8"}]
+
+
+def test_a_bias_a_layer_norm_removes_keeps_its_zero_gradient_under_int8():
+    # GroupViT's token-mixing MLPs end in a bias adding one value to every channel of a token, which the
+    # LayerNorms after it remove: its exact gradient is 0 (plain float32: 1e-4, rounding). The 8-bit LayerNorm's
+    # backward at a restored normalised input whose channels did not sum to 0 gave it 0.01-0.03, over the size
+    # floor (0.006); the restored input is now re-centred, as the exact one is.
+    task, model_type = _ARCHS["GroupViTModel"]
+    model = build_auto("GroupViTModel", tiny_config(model_type)).train()
+    report = slimact.check(model, tiny_inputs(model, task), "int8", loss_fn=projection_loss)
+    assert report.passed, str(report)
