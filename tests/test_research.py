@@ -447,6 +447,15 @@ def test_summary_does_not_count_a_loss_computed_outside_the_model_as_slimacts():
 # --- hooks on the logits of a fused LM loss ---------------------------------------------------------------------
 
 
+def _fsdp_pre_backward(grad):
+    """Stands for FSDP2's ``FSDPState._pre_backward`` (registered on each output tensor of a sharded module's
+    forward): it returns the gradient unchanged."""
+    return grad
+
+
+_fsdp_pre_backward.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+
 def _hooked_logits(model, ids, how):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
@@ -457,6 +466,8 @@ def _hooked_logits(model, ids, how):
         return torch.autograd.grad(out.loss, inputs=[out.logits], allow_unused=True)[0]
     elif how == "retain_grad":
         out.logits.retain_grad()
+    elif how == "bookkeeping":  # FSDP2's pre-backward hook on every output of the forward, as it registers it
+        out.logits.register_hook(_fsdp_pre_backward)
     else:  # on a view made after the forward: no part of the loss's graph, so the hook sees nothing, in plain too
         out.logits.view(-1, out.logits.shape[-1]).register_hook(lambda g: g * 0.5)
     out.loss.backward()
@@ -501,6 +512,19 @@ def test_a_hook_on_a_view_of_the_logits_made_after_the_forward_is_ignored_as_in_
     want, _ = _hooked_logits(plain, ids, "view")
     got, _ = _hooked_logits(slimact.convert(copy.deepcopy(plain), policy), ids, "view")
     _judge(policy, want, got)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8", "keep_logits"])
+def test_fsdp2s_own_hook_on_the_logits_of_a_fused_loss_is_let_through(policy):
+    # FSDP2 hooks every output of a sharded module's forward (its pre-backward unshard), logits a fused loss was
+    # taken from included: the refusal above broke every FSDP2 step of a converted HF model called with labels
+    # (tests/test_distributed.py). Such a hook changes no gradient, and is never called on outputs outside the loss's
+    # graph: let through, and the step's gradients are plain's.
+    plain, ids = _hf("gpt2")
+    want, _ = _hooked_logits(plain, ids, "bookkeeping")
+    pol = slimact.Policy(keep_logits=True) if policy == "keep_logits" else policy
+    got, _ = _hooked_logits(slimact.convert(copy.deepcopy(plain), pol), ids, "bookkeeping")
+    _judge("tempo" if policy == "tempo" else "int8", want, got)
 
 
 def test_an_exclude_pattern_naming_the_loss_leaves_it_as_written():

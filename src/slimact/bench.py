@@ -886,6 +886,11 @@ def _numel(mib: float) -> int:
     return numel
 
 
+def _gb_per_s(nbytes: int, seconds: float) -> float:
+    """GB/s to 4 significant figures (2 decimals read 0.0 for a 16 KiB pack on a loaded CPU)."""
+    return float(f"{nbytes / seconds / 1e9:.4g}")
+
+
 def bandwidth(*, mib: float = 64, rounds: int = 7, device: str = "cpu") -> Iterator[dict[str, Any]]:
     """Per layout (:func:`_layouts`), the bandwidth of ``Tensor.copy_``, pack and unpack of a ``mib`` MiB fp32
     tensor: GB/s counting the bytes read plus the bytes written (copy: 4 + 4 per element; pack: 4 read, 1
@@ -904,10 +909,10 @@ def bandwidth(*, mib: float = 64, rounds: int = 7, device: str = "cpu") -> Itera
         for op, (_, nbytes) in cases.items():
             row = {"op": f"{op} {mib:g} MiB fp32, {layout}", "vs": "Tensor.copy_",
                    "time_ratio_median": round(seconds[op] / seconds["copy_"], 4),
-                   "gb_per_s": round(nbytes / seconds[op] / 1e9, 2), "ms_median": round(1000 * seconds[op], 4),
+                   "gb_per_s": _gb_per_s(nbytes, seconds[op]), "ms_median": round(1000 * seconds[op], 4),
                    "shape": "x".join(map(str, x.shape)), "rounds": rounds, "backend": backend_for(x), **env}
             if kernels[op] is not None:
-                row.update(kernel_ms=round(1000 * kernels[op], 4), kernel_gb_per_s=round(nbytes / kernels[op] / 1e9, 2),
+                row.update(kernel_ms=round(1000 * kernels[op], 4), kernel_gb_per_s=_gb_per_s(nbytes, kernels[op]),
                            kernel_ratio=round(kernels[op] / kernels["copy_"], 4))
             yield row
         del x, cases

@@ -32,11 +32,13 @@ the loss raises (the logits it stood for are gone). So does a hook or ``retain_g
 from, asked for after that loss (``output.logits.register_hook(...)`` once a model called with labels returns): no
 gradient of the loss ever passes through them, and plain PyTorch would apply the hook (lazy logits refuse it at
 once, computed ones when the loss's backward starts). Exclude ``"(loss)"`` in the policy to compute the loss as
-written.
+written. The hooks PyTorch's own wrappers put on every output of a forward (FSDP2's pre-backward unshard) are let
+through: they change no gradient and expect none from an output outside the loss's graph.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -48,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.hooks import RemovableHandle
 
 from slimact._kinds import _runs_hooks
 from slimact.functional._saving import SlimFunction
@@ -256,6 +259,20 @@ _HOOKED_AFTER_LOSS = (
 )
 
 
+#: Where PyTorch's own wrappers live that hook every output of a module's forward for their bookkeeping (FSDP2's
+#: pre-backward unshard): such a hook asks for no gradient of its own and expects none from an output outside the
+#: loss's graph, which logits a fused loss was taken from are.
+_BOOKKEEPING_MODULES = ("torch.distributed.", "torch.nn.parallel.")
+
+
+def _bookkeeping(hook: object) -> bool:
+    """Whether ``hook`` is one of PyTorch's wrappers' own (:data:`_BOOKKEEPING_MODULES`), not the user's."""
+    fn = getattr(hook, "__func__", hook)  # (a bound method: FSDPState._pre_backward)
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    return (getattr(fn, "__module__", None) or "").startswith(_BOOKKEEPING_MODULES)
+
+
 def _grad_of_taken(func: Callable, args: tuple, kwargs: dict) -> bool:
     """Whether ``func`` is ``torch.autograd.grad`` (or ``backward``) asking for the gradient of lazy logits a fused
     loss was taken through (``inputs=[output.logits]``): PyTorch would find them unused, or give None."""
@@ -274,7 +291,8 @@ def _not_hooked_since(aliases: list[weakref.ref], grad_outputs) -> None:
     gradient hook or ``retain_grad`` after the loss (checked then by :meth:`LossTracker._wants_own_grad`)."""
     for ref in aliases:
         t = ref()
-        if t is not None and (t.retains_grad or t._backward_hooks):
+        hooks = (t._backward_hooks or {}).values() if t is not None else ()
+        if t is not None and (t.retains_grad or not all(_bookkeeping(h) for h in hooks)):
             raise RuntimeError(_HOOKED_AFTER_LOSS)
 
 
@@ -295,6 +313,9 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
             return func(*args, **kwargs), args, kwargs
     first = args[0] if args else None
     if (func in _GRAD_HOOKS and isinstance(first, cls) and first._taken) or _grad_of_taken(func, args, kwargs):
+        if func is Tensor.register_hook and _bookkeeping(args[1] if len(args) > 1 else kwargs.get("hook")):
+            # Never called, as on any output outside the loss's graph: a handle to nothing.
+            return RemovableHandle(collections.OrderedDict()), args, kwargs
         raise RuntimeError(_HOOKED_AFTER_LOSS)
     if isinstance(first, cls) and first._value is None and (func in _VIEWS or func in _ELEMENTWISE):
         if func is Tensor.contiguous or (func in (Tensor.float, Tensor.to) and _same_dtype(func, first, args, kwargs)):
