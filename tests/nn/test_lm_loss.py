@@ -538,3 +538,17 @@ def test_the_logits_gradient_of_another_loss_term_is_plains_that_of_the_fused_lo
     torch.testing.assert_close(logits_grad(slim, False), logits_grad(model, False))
     with pytest.raises(RuntimeError, match="on logits an LM loss was computed from, after that loss"):
         logits_grad(slim, True)
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_the_refusal_of_a_hook_after_the_loss_says_how_the_logits_were_had(keep_logits):
+    # With keep_logits the head computes the logits in the forward: the refusal said "the [tokens, vocab] logits
+    # never built" of logits the user holds. It now says the loss's gradient skips them.
+    model, ids, labels = _model("gpt2")
+    slim = slimact.convert(model, slimact.Policy(keep_logits=keep_logits))
+    out = slim(input_ids=ids, labels=labels)
+    with pytest.raises(RuntimeError, match="on logits an LM loss was computed from, after that loss") as error:
+        out.logits.register_hook(lambda g: g * 0.5)
+        out.loss.backward()
+    assert ("never built" in str(error.value)) == (not keep_logits)
+    assert ("the logits were computed" in str(error.value)) == keep_logits

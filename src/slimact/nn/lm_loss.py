@@ -250,11 +250,14 @@ NOT_LAZY = object()
 _GRAD_HOOKS = {Tensor.register_hook, Tensor.retain_grad}
 _HOOKED_AFTER_LOSS = (
     "slimact: a gradient hook, retain_grad or autograd.grad(inputs=...) on logits an LM loss was computed from, after "
-    "that loss: slimact fused the loss with the head in the forward (its gradients computed there, the [tokens, vocab] "
-    "logits never built), so no gradient of that loss ever passes through these logits, and the hook would silently "
-    "see none of it (plain PyTorch gives it them). Register the hook on the head's input, or convert with "
-    "exclude=('(loss)',) in the policy (or the 'lmloss' kind off) to have the loss computed as written."
+    "that loss: slimact fused the loss with the head in the forward (its gradients computed there, {}), so no "
+    "gradient of that loss ever passes through these logits, and the hook would silently see none of it (plain "
+    "PyTorch gives it them). Register the hook on the head's input, or convert with exclude=('(loss)',) in the policy "
+    "(or the 'lmloss' kind off) to have the loss computed as written."
 )
+#: How the fused loss went past the logits, for :data:`_HOOKED_AFTER_LOSS`: lazy ones, computed ones (keep_logits).
+_NEVER_BUILT = "the [tokens, vocab] logits never built"
+_NOT_THROUGH = "from the head's input and weight: the logits were computed, but that gradient skips them"
 
 
 def _grad_of_taken(func: Callable, args: tuple, kwargs: dict) -> bool:
@@ -294,7 +297,7 @@ def _not_hooked_since(aliases: list[weakref.ref], grad_outputs) -> None:
     for ref in aliases:
         t = ref()
         if t is not None and (t.retains_grad or t._backward_hooks):
-            raise RuntimeError(_HOOKED_AFTER_LOSS)
+            raise RuntimeError(_HOOKED_AFTER_LOSS.format(_NOT_THROUGH))
 
 
 def _materialised(tree):
@@ -314,7 +317,7 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
             return func(*args, **kwargs), args, kwargs
     first = args[0] if args else None
     if (func in _GRAD_HOOKS and isinstance(first, cls) and first._taken) or _grad_of_taken(func, args, kwargs):
-        raise RuntimeError(_HOOKED_AFTER_LOSS)
+        raise RuntimeError(_HOOKED_AFTER_LOSS.format(_NEVER_BUILT))
     if isinstance(first, cls) and first._value is None and (func in _VIEWS or func in _ELEMENTWISE):
         if func is Tensor.contiguous or (func in (Tensor.float, Tensor.to) and _same_dtype(func, first, args, kwargs)):
             return first, args, kwargs  # as PyTorch: the tensor itself
