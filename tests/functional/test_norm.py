@@ -545,3 +545,32 @@ def test_group_norm_subclass_with_its_own_forward_runs_it(dtype):
     x = _gn_input((2, 16, 6, 6), dtype)
     slim = check_against_plain(_affine(GroupNorm32(4, 16), torch.float32), x)
     assert isinstance(slim, GroupNorm32) and not slim._slimact_group_norm_forward  # its own forward runs
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_only_an_xn_restored_from_codes_is_re_centred(policy):
+    # The re-centring of xn (the 8-bit fix for a row shift's gradient, test above) ran on the lossless path too,
+    # where xn is exact to float rounding: a row mean and a subtraction over [rows, C] for nothing, 12-19% of the
+    # lossless LayerNorm backward's time ([2048-8192, 768] fp32, compiled loops). The backward's row means: the
+    # formula's two (mean(gw * xn), mean(gw)), and the re-centring's only from 8-bit codes. Lossless gradients equal
+    # PyTorch's to float rounding either way (test_lossless_norms_equal_torch_to_float_rounding).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _RowMeans(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mean.dim and tuple(out.shape) == (4, 8, 1):
+                self.count += 1
+            return out
+
+    torch.manual_seed(0)
+    ln = slimact.convert(nn.Sequential(_ln(32)), policy)
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    y = ln(x)
+    with _RowMeans() as means:
+        y.backward(torch.randn_like(y))
+    assert means.count == (2 if policy == "tempo" else 3)

@@ -514,3 +514,41 @@ def test_logits_first_read_without_grad_still_carry_their_graph(first_read):
     assert z_terms[1].requires_grad
     torch.testing.assert_close(z_terms[1], z_terms[0])
     assert_gradients_equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=...)"])
+def test_the_logits_gradient_of_another_loss_term_is_plains_that_of_the_fused_loss_refused(how):
+    # A z-loss on output.logits after a labels call computes the logits with their graph: its gradient with respect
+    # to them (autograd.grad(z, inputs=[logits]), z.backward(inputs=[logits])) is plain's, where it raised the
+    # fused loss's error (no gradient of the fused loss was asked for). Asked of the fused loss (alone or in a sum),
+    # the same clear error: that gradient never passes through the logits.
+    model, ids, labels = _model("gpt2")
+    slim = slimact.convert(copy.deepcopy(model), "tempo")
+
+    def logits_grad(m, with_loss):
+        torch.manual_seed(1)
+        out = m(input_ids=ids, labels=labels)
+        z = out.logits.logsumexp(-1).pow(2).mean()
+        total = out.loss + z if with_loss else z
+        if how == "autograd.grad":
+            return torch.autograd.grad(total, inputs=[out.logits])[0]
+        total.backward(inputs=[out.logits])
+        return out.logits.grad
+
+    torch.testing.assert_close(logits_grad(slim, False), logits_grad(model, False))
+    with pytest.raises(RuntimeError, match="on logits an LM loss was computed from, after that loss"):
+        logits_grad(slim, True)
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_the_refusal_of_a_hook_after_the_loss_says_how_the_logits_were_had(keep_logits):
+    # With keep_logits the head computes the logits in the forward: the refusal said "the [tokens, vocab] logits
+    # never built" of logits the user holds. It now says the loss's gradient skips them.
+    model, ids, labels = _model("gpt2")
+    slim = slimact.convert(model, slimact.Policy(keep_logits=keep_logits))
+    out = slim(input_ids=ids, labels=labels)
+    with pytest.raises(RuntimeError, match="on logits an LM loss was computed from, after that loss") as error:
+        out.logits.register_hook(lambda g: g * 0.5)
+        out.loss.backward()
+    assert ("never built" in str(error.value)) == (not keep_logits)
+    assert ("the logits were computed" in str(error.value)) == keep_logits

@@ -27,8 +27,10 @@ LayerNorms) has a gradient of exactly zero. The formula gives that only where ``
 from 8-bit codes (output or input) misses it by a fraction of a step per element, and that leaked such a bias a
 gradient of 1e-3 of a typical one (``slimact.check`` failing on MLP-Mixer under ``"int8"`` and ``"mesa"``). The
 backward therefore re-centres the restored ``xn`` (a projection: it only removes error, the exact ``xn`` having
-zero mean), which brings that gradient back to float noise (1e-7). A scale of the row has no such fix: the
-direction it would project out is the restored ``xn``'s own (see the next paragraph).
+zero mean), which brings that gradient back to float noise (1e-7). An ``xn`` from the tensor itself (lossless) has
+that mean already, to float rounding, and is left as it is (the pass cost 12-19% of a lossless backward). A scale
+of the row has no such fix: the direction it would project out is the restored ``xn``'s own (see the next
+paragraph).
 
 A learned mix of streams (found in the autograd graph, not by class): where the norm's input is
 ``h = sum_k a_k * x_k`` with mixing weights ``a_k`` that require a gradient (DeepSeek-V4's hyper-connection
@@ -262,9 +264,14 @@ class _NormFunction(SlimFunction):
         if ctx.from_output:
             # one scale per channel: the last dim's, or GroupNorm's dim 1
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=1 if groups else -1, groups=0)
-            save(ctx, pack(y, per_channel, state), None, rstd, weight, bias)
+            kept = pack(y, per_channel, state)
+            save(ctx, kept, None, rstd, weight, bias)
         else:
-            save(ctx, pack(x, cfg, state), mean, rstd, weight, bias)
+            kept = pack(x, cfg, state)
+            save(ctx, kept, mean, rstd, weight, bias)
+        # xn restored from codes is re-centred in the backward (module docstring); one from the tensor itself is
+        # exact to float rounding, centred as plain's
+        ctx.recentre = centered and not kept.meta.raw
         return y
 
     @staticmethod
@@ -272,19 +279,22 @@ class _NormFunction(SlimFunction):
         kept, mean, rstd, weight, bias = load(ctx)
         need = ctx.needs_input_grad  # x, weight, bias, ...
         groups = ctx.groups
-        args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output, groups)
+        args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output, groups, ctx.recentre)
         key = ("norm", ctx.centered, ctx.offset, ctx.from_output, mean is None, weight is None, bias is None,
-               kept.dtype, grad_y.dtype, groups > 0)
+               kept.dtype, grad_y.dtype, groups > 0, ctx.recentre)
         grad_x, grad_w, grad_b = inductor.fused_or_eager(_backward, key, *args)
         return (grad_x if need[0] else None, grad_w if weight is not None and need[1] else None,
                 grad_b if bias is not None and need[2] else None, None, None, None, None, None, None, None)
 
 
 def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
-              grad_y: Tensor, centered: bool, offset: float, from_output: bool, groups: int = 0):
+              grad_y: Tensor, centered: bool, offset: float, from_output: bool, groups: int = 0,
+              recentre: bool = False):
     """``(grad_x, grad_w, grad_b)`` from what the forward kept (the module docstring's formulas, in fp32, over the
     rows of :func:`_rows`); one compiled loop per row pass where the tensor is large
-    (:func:`slimact.quant.inductor.fused`: about 12 eager passes otherwise)."""
+    (:func:`slimact.quant.inductor.fused`: about 12 eager passes otherwise). ``recentre``: ``kept`` was restored
+    from codes, and ``xn`` is re-centred per row (the module docstring; an exact ``kept`` has no need of the pass,
+    12-19% of a lossless backward's time)."""
     g = _rows(grad_y.float(), groups)  # [..., C] or [N, G, C/G, S]
     kept = _rows(kept.float(), groups)
     dims = _row_dims(groups)
@@ -295,7 +305,7 @@ def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | 
             xn = xn / w
     else:
         xn = (kept - mean) * rstd if centered else kept * rstd
-    if centered:  # an exact xn has zero mean per row; one restored from 8-bit codes not (module docstring)
+    if recentre:  # an exact xn has zero mean per row; one restored from 8-bit codes not (module docstring)
         xn = xn - xn.mean(dims, keepdim=True)
     gw = g if w is None else g * w
     inner = gw - xn * (gw * xn).mean(dims, keepdim=True)

@@ -211,9 +211,10 @@ class LazyLogits(Tensor):
     def __new__(cls, h: Tensor, weight: Tensor, bias: Tensor | None, spec: _Spec):
         t = Tensor._make_wrapper_subclass(cls, spec.shape, dtype=spec.dtype, device=h.device)
         t._inputs, t._spec, t._value = (h, weight, bias), spec, None
-        # The LazyLogits this one was derived from (a view, a cast), and whether a fused loss was taken through this
-        # one or one derived from it: no gradient of that loss passes through it (lazy_call refuses its hooks).
-        t._parent, t._taken = None, False
+        # The LazyLogits this one was derived from (a view, a cast), and the fused losses taken through this one or
+        # one derived from it (weak references to their graph nodes): no gradient of those losses passes through it
+        # (lazy_call refuses its hooks, and autograd.grad of them with respect to it).
+        t._parent, t._taken = None, []
         return t
 
     @classmethod
@@ -252,11 +253,14 @@ NOT_LAZY = object()
 _GRAD_HOOKS = {Tensor.register_hook, Tensor.retain_grad}
 _HOOKED_AFTER_LOSS = (
     "slimact: a gradient hook, retain_grad or autograd.grad(inputs=...) on logits an LM loss was computed from, after "
-    "that loss: slimact fused the loss with the head in the forward (its gradients computed there, the [tokens, vocab] "
-    "logits never built), so no gradient of that loss ever passes through these logits, and the hook would silently "
-    "see none of it (plain PyTorch gives it them). Register the hook on the head's input, or convert with "
-    "exclude=('(loss)',) in the policy (or the 'lmloss' kind off) to have the loss computed as written."
+    "that loss: slimact fused the loss with the head in the forward (its gradients computed there, {}), so no "
+    "gradient of that loss ever passes through these logits, and the hook would silently see none of it (plain "
+    "PyTorch gives it them). Register the hook on the head's input, or convert with exclude=('(loss)',) in the policy "
+    "(or the 'lmloss' kind off) to have the loss computed as written."
 )
+#: How the fused loss went past the logits, for :data:`_HOOKED_AFTER_LOSS`: lazy ones, computed ones (keep_logits).
+_NEVER_BUILT = "the [tokens, vocab] logits never built"
+_NOT_THROUGH = "from the head's input and weight: the logits were computed, but that gradient skips them"
 
 
 #: Where PyTorch's own wrappers live that hook every output of a module's forward for their bookkeeping (FSDP2's
@@ -275,15 +279,33 @@ def _bookkeeping(hook: object) -> bool:
 
 def _grad_of_taken(func: Callable, args: tuple, kwargs: dict) -> bool:
     """Whether ``func`` is ``torch.autograd.grad`` (or ``backward``) asking for the gradient of lazy logits a fused
-    loss was taken through (``inputs=[output.logits]``): PyTorch would find them unused, or give None."""
+    loss was taken through (``inputs=[output.logits]``) of outputs that loss is part of: PyTorch would find them
+    unused, or give None. Of other outputs (a z-loss on ``output.logits``, which computes them with their graph) the
+    logits' gradient is plain's."""
     if func is torch.autograd.grad:
-        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+        outputs, inputs = args[0] if args else kwargs.get("outputs"), args[1] if len(args) > 1 else kwargs.get("inputs")
     elif func is torch.autograd.backward:
-        inputs = kwargs.get("inputs")
+        outputs, inputs = args[0] if args else kwargs.get("tensors"), kwargs.get("inputs")
     else:
         return False
-    flat, _ = tree_flatten(inputs)
-    return any(isinstance(x, LazyLogits) and x._taken for x in flat)
+    losses = {id(n): n for x in tree_flatten(inputs)[0] if isinstance(x, LazyLogits) for r in x._taken
+              if (n := r()) is not None}
+    return bool(losses) and _reaches(tree_flatten(outputs)[0], losses)
+
+
+def _reaches(outputs: list, nodes: dict[int, object]) -> bool:
+    """Whether the autograd graph of ``outputs`` holds one of ``nodes`` (by id, the nodes themselves held)."""
+    stack = [t.grad_fn for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None]
+    seen: dict[int, object] = {}  # (the nodes, held: an id is not reused while the walk runs)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        if nodes.get(id(node)) is node:
+            return True
+        seen[id(node)] = node
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _not_hooked_since(aliases: list[weakref.ref], grad_outputs) -> None:
@@ -293,7 +315,7 @@ def _not_hooked_since(aliases: list[weakref.ref], grad_outputs) -> None:
         t = ref()
         hooks = (t._backward_hooks or {}).values() if t is not None else ()
         if t is not None and (t.retains_grad or not all(_bookkeeping(h) for h in hooks)):
-            raise RuntimeError(_HOOKED_AFTER_LOSS)
+            raise RuntimeError(_HOOKED_AFTER_LOSS.format(_NOT_THROUGH))
 
 
 def _materialised(tree):
@@ -316,7 +338,7 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
         if func is Tensor.register_hook and _bookkeeping(args[1] if len(args) > 1 else kwargs.get("hook")):
             # Never called, as on any output outside the loss's graph: a handle to nothing.
             return RemovableHandle(collections.OrderedDict()), args, kwargs
-        raise RuntimeError(_HOOKED_AFTER_LOSS)
+        raise RuntimeError(_HOOKED_AFTER_LOSS.format(_NEVER_BUILT))
     if isinstance(first, cls) and first._value is None and (func in _VIEWS or func in _ELEMENTWISE):
         if func is Tensor.contiguous or (func in (Tensor.float, Tensor.to) and _same_dtype(func, first, args, kwargs)):
             return first, args, kwargs  # as PyTorch: the tensor itself
@@ -512,9 +534,11 @@ class LossTracker:
             with spec.autocast_state():
                 loss = linear_cross_entropy(h, w, b, target, transform=spec.transform if spec.steps else None,
                                             **kwargs)
+            node = loss.grad_fn
             taken = logits
-            while taken is not None:
-                taken._taken, taken = True, taken._parent
+            while taken is not None and node is not None:
+                taken._taken.append(weakref.ref(node))
+                taken = taken._parent
         if lazy is None and loss.grad_fn is not None:
             loss.grad_fn.register_prehook(functools.partial(_not_hooked_since, self._aliases(logits)))
         self.fused += 1
