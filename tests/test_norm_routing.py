@@ -384,3 +384,11 @@ def test_group_norm_called_in_model_code_is_routed(func, policy):
         assert_gradients_equal(grads[0], grads[1])
     for name, exact in grads[0].items():
         assert sqnr_db(exact, grads[1][name]) >= (30 if policy == "int8" else 100), name
+
+
+def test_group_norm_call_of_one_element_per_group_raises_as_torchs():
+    # F.group_norm refuses a group of a single element ("Expected more than 1 value per channel"): routed, the call
+    # returned native_group_norm's output (the bias) instead.
+    slim = slimact.convert(_OwnGroupNorm(4, 4, F.group_norm), "int8").train()
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        slim(torch.randn(1, 4, 1, 1, requires_grad=True))

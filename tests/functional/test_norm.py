@@ -574,3 +574,16 @@ def test_only_an_xn_restored_from_codes_is_re_centred(policy):
     with _RowMeans() as means:
         y.backward(torch.randn_like(y))
     assert means.count == (2 if policy == "tempo" else 3)
+
+
+@pytest.mark.parametrize("policy", [LOSSLESS, "int8"], ids=["lossless", "int8"])
+@pytest.mark.parametrize("shape", [(1, 4), (1, 4, 1, 1)], ids=["2d", "4d"])
+def test_group_norm_of_one_element_per_group_raises_as_torchs(shape, policy):
+    # N = 1, G = C, one spatial position: F.group_norm refuses ("Expected more than 1 value per channel"), as every
+    # nn.GroupNorm in training does; the converted layer ran native_group_norm and returned the bias instead.
+    x = torch.randn(shape, requires_grad=True)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        nn.GroupNorm(4, 4)(x)
+    slim = slimact.convert(nn.GroupNorm(4, 4), policy).train()
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        slim(x)

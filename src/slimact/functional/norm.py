@@ -377,7 +377,10 @@ def group_norm(
         cfg: how kept tensors are compressed (one scale per channel, dim 1); ``None`` keeps them exact.
     """
     c = x.shape[1] if x.dim() >= 2 else -1
-    if c < 0 or groups < 1 or c % groups or any(t is not None and tuple(t.shape) != (c,) for t in (weight, bias)):
-        # Not a GroupNorm of x: the call as written (PyTorch's own error).
+    if (c < 0 or groups < 1 or c % groups or any(t is not None and tuple(t.shape) != (c,) for t in (weight, bias))
+            or x.numel() == groups):
+        # Not a GroupNorm of x, or one F.group_norm refuses: a single element in each group (N = 1, G = C, one
+        # spatial position: its "more than 1 value per channel" ValueError, where native_group_norm would return
+        # the bias). The call as written (PyTorch's own error).
         return fn(x) if fn is not None else torch.nn.functional.group_norm(x, groups, weight, bias, eps)
     return norm(x, weight, bias, eps, cfg, state, fn=fn, groups=groups)
