@@ -587,3 +587,25 @@ def test_group_norm_of_one_element_per_group_raises_as_torchs(shape, policy):
     slim = slimact.convert(nn.GroupNorm(4, 4), policy).train()
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         slim(x)
+
+
+@pytest.mark.parametrize("norm", ["groupnorm", "layernorm"])
+def test_input_kept_by_the_guard_has_its_own_running_estimate(norm):
+    # Under "mesa" the output is packed with one running estimate per channel, the input (kept where a weight is 0)
+    # with one per channel group: 8 groups either way for 8 channels. Sharing one estimate, the input (offset 100)
+    # was packed with the output's range (about +-3) the step a weight fell to 0: weight gradient cosine 0.06.
+    from _harness import _step
+
+    torch.manual_seed(0)
+    plain = _gn(8, 8) if norm == "groupnorm" else _affine(nn.LayerNorm(8), torch.float32)
+    slim = slimact.convert(copy.deepcopy(plain), "mesa").train()
+    shape = (4, 8, 6, 6) if norm == "groupnorm" else (4, 36, 8)
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                plain.weight[0] = slim.weight[0] = 0.0
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(step)) * 3 + 100
+        _, exact = _step(plain, (x,), seed=step)
+        _, approx = _step(slim, (x,), seed=step)
+    for name in exact:
+        assert cosine(exact[name], approx[name]) >= 0.99, name

@@ -267,7 +267,7 @@ class _NormFunction(SlimFunction):
             kept = pack(y, per_channel, state)
             save(ctx, kept, None, rstd, weight, bias)
         else:
-            kept = pack(x, cfg, state)
+            kept = pack(x, cfg, _input_state(state))
             save(ctx, kept, mean, rstd, weight, bias)
         # xn restored from codes is re-centred in the backward (module docstring); one from the tensor itself is
         # exact to float rounding, centred as plain's
@@ -285,6 +285,16 @@ class _NormFunction(SlimFunction):
         grad_x, grad_w, grad_b = inductor.fused_or_eager(_backward, key, *args)
         return (grad_x if need[0] else None, grad_w if weight is not None and need[1] else None,
                 grad_b if bias is not None and need[2] else None, None, None, None, None, None, None, None)
+
+
+def _input_state(state: RunningRange | None) -> RunningRange | None:
+    """The running estimate of the input a layer keeps in place of its output (the guard), in buffers of its own:
+    ``state`` estimates the output's per-channel ranges, and the input's pack (``cfg``'s channel groups) has as many
+    groups where ``C`` is their count (a norm of 8 channels under ``"mesa"``), where one shared estimate clipped the
+    input to the output's range the step a channel's weight reached 0 (weight gradient cosine 0.06)."""
+    if state is None:
+        return None
+    return RunningRange(state.module, state.lo_name.removesuffix("_lo") + "_input")
 
 
 def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
