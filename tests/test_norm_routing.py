@@ -392,3 +392,27 @@ def test_group_norm_call_of_one_element_per_group_raises_as_torchs():
     slim = slimact.convert(_OwnGroupNorm(4, 4, F.group_norm), "int8").train()
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         slim(torch.randn(1, 4, 1, 1, requires_grad=True))
+
+
+class _ScaledGroupNorm(nn.GroupNorm):
+    """A GroupNorm subclass whose forward is no GroupNorm (its probe fails: left alone), the F.group_norm of
+    nn.GroupNorm.forward, reached through super().forward, routed."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+def test_summary_reports_a_group_norm_subclass_converted_where_its_super_forward_call_is_routed(policy):
+    # int8: the module's bytes are 8-bit (its routed call's) and summary reported it left alone ("its probe is not
+    # a GroupNorm"), its bytes uncovered; "tempo" (GroupNorm not among its kinds) routes nothing: left alone.
+    torch.manual_seed(0)
+    plain = nn.Sequential(_ScaledGroupNorm(4, 16), nn.Conv2d(16, 16, 1))
+    slim = slimact.convert(copy.deepcopy(plain), policy).train()
+    x = torch.randn(2, 16, 4, 4, requires_grad=True)
+    before, after = slimact.profile(copy.deepcopy(plain), x).by_module["0"], slimact.profile(slim, x).by_module["0"]
+    summary = slimact.summary(slim)
+    if policy == "int8":
+        assert after < before / 3 and summary.modules.get("0") == "groupnorm" and "0" not in summary.skipped
+    else:
+        assert after == before and "0" not in summary.modules and "probe is not a GroupNorm" in summary.skipped["0"]

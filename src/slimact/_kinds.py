@@ -188,11 +188,24 @@ def _foreign(hook: Callable) -> bool:
     return not (where or "").startswith("slimact.")
 
 
-def forward_names(module: nn.Module) -> tuple[str, ...]:
-    """The global and attribute names the module's own ``forward`` mentions (decorators unwrapped)."""
-    forward = getattr(_cls(module), "forward", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code.co_names if code is not None else ()
+def forward_names(module: nn.Module, through_super: bool = False) -> tuple[str, ...]:
+    """The global and attribute names the module's own ``forward`` mentions (decorators unwrapped); with
+    ``through_super``, also those of each base class's ``forward`` it reaches through ``super().forward`` (a
+    subclass of ``nn.GroupNorm`` left alone whose forward returns ``super().forward(x) * s`` runs
+    ``nn.GroupNorm.forward``'s ``F.group_norm``)."""
+    cls: type | None = _cls(module)
+    names: tuple[str, ...] = ()
+    while cls is not None:
+        forward = getattr(cls, "forward", None)
+        code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+        own = code.co_names if code is not None else ()
+        names += own
+        if not through_super or "super" not in own:
+            break
+        mro = cls.__mro__  # the next class defining a forward after the one that defined this one
+        at = next(i for i, c in enumerate(mro) if "forward" in c.__dict__)
+        cls = next((c for c in mro[at + 1:] if "forward" in c.__dict__), None)
+    return names
 
 
 def uses_attention_interface(module: nn.Module) -> bool:

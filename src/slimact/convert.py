@@ -431,10 +431,13 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         elif name in as_written and name not in skipped:
             skipped[name] = "excluded (filter_fn or an exclude pattern): left as written, the calls in its code too"
         elif (routed and (kind := kind_of(module)) in routing.kinds
-              and _ROUTED_CALLS.get(kind, "") in forward_names(module) and _call_routable(module, kind)):
+              and _ROUTED_CALLS.get(kind, "") in forward_names(module, through_super=True)
+              and _call_routable(module, kind)):
             # Its own code calls the functional form slimact routes (nanoGPT's LayerNorm calls F.layer_norm, timm's
-            # attention F.scaled_dot_product_attention). A watched attention module may not call it on every path
-            # (timm's with fused_attn off computes q @ k^T, softmax and @ v, which a lossless policy leaves as written).
+            # attention F.scaled_dot_product_attention), or its base class's does, reached through super().forward
+            # (a GroupNorm subclass left alone that scales super().forward(x): F.group_norm routed). A watched
+            # attention module may not call it on every path (timm's with fused_attn off computes q @ k^T, softmax
+            # and @ v, which a lossless policy leaves as written).
             modules[name] = kind
             skipped.pop(name, None)
             if kind == "attention" and name in watched:

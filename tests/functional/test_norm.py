@@ -524,9 +524,10 @@ def test_group_norm_module_converted_and_reverted_exactly():
     slim = slimact.convert(plain, "int8")
     summary = slimact.summary(slim)
     assert [type(m).__name__ for m in slim] == ["GroupNorm", "GroupNorm32", "GroupNormShifted", "GroupNorm"]
-    assert {n: summary.modules.get(n) for n in "0123"} == {"0": "groupnorm", "1": "groupnorm", "2": None,
+    # GroupNormShifted is left alone (its probe is not a GroupNorm), the F.group_norm its super().forward calls
+    # routed: reported converted, as that call is (tests/test_norm_routing.py)
+    assert {n: summary.modules.get(n) for n in "0123"} == {"0": "groupnorm", "1": "groupnorm", "2": "groupnorm",
                                                             "3": "groupnorm"}
-    assert "its own forward" in summary.skipped["2"] and "probe is not a GroupNorm" in summary.skipped["2"]
     assert not isinstance(slim[2], slimact.nn.SlimModule)
     assert all(a is b for a, b in zip(slim.parameters(), params, strict=True))
     assert slim.state_dict().keys() == state.keys()
