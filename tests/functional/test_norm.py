@@ -507,6 +507,23 @@ def test_group_norm_input_gradient_sums_to_zero_per_row_from_8_bit_codes():
     rows = x.grad.reshape(4, 4, -1)
     assert (rows.sum(-1).abs() <= 1e-5 * exact.reshape(4, 4, -1).norm(dim=-1)).all()
 
+def test_group_norm_compiled_backward_sums_long_rows_to_float_rounding():
+    # A row of [8, 64, 32, 32] in 2 groups is 32 Ki elements, a channel's sum 8 Ki; with an upstream gradient
+    # constant over them (a sum, a global pooling after the norm) the compiled CPU loop's in-order fp32 sums erred
+    # all one way: input gradient 2.4e-5 off the exact one (PyTorch's 2.0e-7), bias gradient 3.7e-5 (1.1e-6).
+    from slimact.functional import group_norm
+
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(8, 64, 32, 32, generator=gen) * 2 + 0.5).requires_grad_()  # above MIN_NUMEL: compiled
+    w = (torch.rand(64, generator=gen) + 0.5).requires_grad_()
+    b = (torch.randn(64, generator=gen) * 0.1).requires_grad_()
+    for up in (torch.ones(8, 64, 32, 32), torch.randn(8, 64, 1, 1, generator=gen).expand(8, 64, 32, 32).contiguous()):
+        got = torch.autograd.grad(group_norm(x, 2, w, b, 1e-5, None), (x, w, b), up)
+        exact = torch.autograd.grad(F.group_norm(x.double(), 2, w.double(), b.double(), 1e-5), (x, w, b), up.double())
+        for name, a, e in zip("xwb", got, exact, strict=True):
+            assert (a.double() - e).norm() <= 1e-6 * e.norm(), name
+
+
 class GroupNorm32(nn.GroupNorm):  # guided diffusion's: computed in fp32, cast back
     def forward(self, x):
         return super().forward(x.float()).type(x.dtype)
