@@ -386,12 +386,19 @@ def test_group_norm_called_in_model_code_is_routed(func, policy):
         assert sqnr_db(exact, grads[1][name]) >= (30 if policy == "int8" else 100), name
 
 
-def test_group_norm_call_of_one_element_per_group_raises_as_torchs():
-    # F.group_norm refuses a group of a single element ("Expected more than 1 value per channel"): routed, the call
-    # returned native_group_norm's output (the bias) instead.
-    slim = slimact.convert(_OwnGroupNorm(4, 4, F.group_norm), "int8").train()
-    with pytest.raises(ValueError, match="more than 1 value per channel"):
-        slim(torch.randn(1, 4, 1, 1, requires_grad=True))
+@pytest.mark.parametrize("func", [F.group_norm, torch.group_norm], ids=["F.group_norm", "torch.group_norm"])
+def test_group_norm_call_of_one_element_per_group_runs_as_written(func):
+    # F.group_norm refuses a group of a single element ("Expected more than 1 value per channel"; routed, the call
+    # returned native_group_norm's output, the bias, instead); torch.group_norm, which has no such check, computes it.
+    torch.manual_seed(0)
+    plain = _OwnGroupNorm(4, 4, func)
+    slim = slimact.convert(copy.deepcopy(plain), "int8").train()
+    x = torch.randn(1, 4, 1, 1, requires_grad=True)
+    if func is F.group_norm:
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            slim(x)
+    else:
+        assert torch.equal(slim(x), plain(x))
 
 
 class _ScaledGroupNorm(nn.GroupNorm):

@@ -555,6 +555,8 @@ class Routing:
         if (x.dim() < 2 or not isinstance(groups, int) or groups < 1 or x.shape[1] % groups
                 or any(not isinstance(t, Tensor) or tuple(t.shape) != (x.shape[1],) for t in params)):
             return None
+        if x.numel() == groups:  # one element per group: F.group_norm's ValueError, torch.group_norm's bias
+            return None
         eps = float(bound.get("eps", _GROUP_NORM_EPS))
         return group_norm(x, groups, weight, bias, eps, self._cfg("groupnorm", x))
 
