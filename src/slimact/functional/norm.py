@@ -66,7 +66,9 @@ element (+ 8 per channel) at 8 bits, 4 exact (0 extra where the next layer keeps
 (4 per ``(n, g)``). A lossless SiLU after it keeps its own output (the conv's input) and a bit mask, not ``y``, so
 ``GroupNorm -> SiLU -> Conv`` keeps two full tensors under a lossless policy whether the norm keeps ``x`` or ``y``,
 and more where a shortcut conv keeps ``x`` too: the ``"tempo"`` preset leaves GroupNorm alone
-(:data:`slimact.policy.PRESETS`). Error at 8 bits: ``xn`` within half a step, ``range(xn_c) / 510``, whatever
+(:data:`slimact.policy.PRESETS`). Under a lossless policy a GroupNorm whose parameters are of a finer dtype than
+its output keeps its input (:func:`_params_wider`); on the CPU its backward sums its long rows in fp64
+(:func:`_accumulator`). Error at 8 bits: ``xn`` within half a step, ``range(xn_c) / 510``, whatever
 ``w_c``; measured gradient SQNR 57-64 dB (input), 44-53 dB (weight) in fp32, the bias gradient exact.
 
 Bytes kept, fp32 model: plain PyTorch keeps ``x`` (4 per element) + mean and rstd (8 per row); slimact
