@@ -683,6 +683,85 @@ def _batch_norm(draw) -> Case:
                   heavy_ok=True)
 
 
+def _group_norm(draw) -> Case:
+    d = Draws.of(draw)
+    n, c, *spatial = _sizes(draw, 2 + draw(st.integers(0, 2)))
+    groups = draw(st.sampled_from([k for k in range(1, c + 1) if c % k == 0]))
+    cg, s = c // groups, math.prod(spatial)
+    m = cg * s  # one row per (n, g): C/G channels x spatial
+    # One value per channel-group across the batch (N * C/G * S == 1) is PyTorch's error (F.group_norm's
+    # _verify_batch_size); sf.group_norm returns zeros there instead
+    n = max(n, 2) if n * m == 1 else n
+    x = d.tensor(draw, [n, c, *spatial], [*LAYOUTS, "channels_last"] if len(spatial) == 2 else LAYOUTS)
+    affine = draw(st.sampled_from(["none", "weight", "bias"]))
+    inputs = {"x": x}
+    if affine != "none":  # gammas in [0.5, 1.5]
+        inputs["weight"] = (torch.rand(c, generator=d.gen) + 0.5).to(d.dtype)
+    if affine == "bias":
+        inputs["bias"] = (torch.randn(c, generator=d.gen) * 0.1).to(d.dtype)
+    # The policy's 8-bit config for a GroupNorm: grouped along dim 1 (slimact.policy._CHANNEL_FIRST_KINDS), or one
+    # scale. The Function packs its output per channel whatever the groups, its input (the guard) by the config.
+    cfg = None if draw(st.booleans()) else _cfg(draw, list(x.shape), (1,))
+    eps, dims = 1e-5, (2, 3)
+
+    def rows(t: Tensor) -> Tensor:  # [N, C, *] as [N, G, C/G, S]
+        return t.reshape(n, groups, cg, s)
+
+    def plain(x, weight=None, bias=None):
+        return F.group_norm(x, groups, weight, bias, eps)
+
+    def slim(x, weight=None, bias=None):
+        return sf.group_norm(x, groups, weight, bias, eps, cfg)
+
+    def stats():
+        """float64 rows of x, their mean, xn, rstd, and w, b broadcast per channel ([1, G, C/G, 1])."""
+        xd = rows(x.double())
+        var, mean = torch.var_mean(xd, dims, unbiased=False, keepdim=True)
+        rstd = (var + eps).rsqrt()
+        weight, bias = inputs.get("weight"), inputs.get("bias")
+        w = torch.ones(()) if weight is None else weight.double().view(1, groups, cg, 1)
+        b = torch.zeros((), dtype=torch.float64) if bias is None else bias.double().view(1, groups, cg, 1)
+        return xd, mean, (xd - mean) * rstd, rstd, w, b
+
+    def restored_error(out: Tensor) -> Tensor:
+        """As LayerNorm's (see _norm), per (n, g) row: ``(y_hat - b) / w``, y kept per channel along dim 1, or
+        ``(x_hat - mean) * rstd``, x kept by the config; then the re-centring per row (slimact.functional.norm):
+        ``e - mean(e)`` is within ``err + mean(err)``, and the fp32 mean of ``m`` terms and the subtraction
+        add ``m eps32 mean(|xn| + err)`` and ``eps32 (|xn| + err)``."""
+        xd, mean, xn, rstd, w, b = stats()
+        y = rows(out.double())
+        per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=1, groups=0)
+        rounding = torch.finfo(d.dtype).eps * y.abs() + 4 * EPS32 * (y.abs() + b.abs())
+        forward = 2 * EPS32 * (xd.abs() + mean.abs()) * rstd
+        from_output = (rows(_restore_error(out, per_channel)) + rounding) / w.abs() + forward
+        from_input = rstd * rows(_restore_error(x, cfg)) + 4 * EPS32 * xn.abs()
+        err = torch.maximum(from_output.nan_to_num(math.inf), from_input) + _flushed(d.dtype) * rstd
+        big = xn.abs() + err
+        return err + err.mean(dims, keepdim=True) + m * EPS32 * big.mean(dims, keepdim=True) + EPS32 * big
+
+    def bound_of(name: str) -> Callable[[Tensor, Tensor], Tensor]:
+        def bound(upstream: Tensor, out: Tensor) -> Tensor:
+            xd, mean, xn, rstd, w, _ = stats()
+            err = restored_error(out)
+            g = rows(upstream.double())
+            # PyTorch's kernels work with x and the row's mean (which cancel to xn); 0 on a row holding NaN/inf
+            scaled_x = ((xd.abs() + mean.abs()) * rstd).nan_to_num(0.0, 0.0)
+            if name == "x":  # grad_x = rstd (gw - mean_row(gw) - xn mean_row(gw xn)), gw = g w_c
+                error, size = _normalised_bounds(g * w, xn, err, dims, rstd, scaled_x)
+                return (error + _rounding(d.dtype, m, size)).reshape(x.shape)
+            flat = (g.abs() * err).sum((0, 3)).reshape(c)  # grad_w[c] = sum over n and spatial of g xn
+            size = (g.abs() * (torch.maximum(xn.abs(), scaled_x) + err)).sum((0, 3)).reshape(c)
+            return flat + _rounding(d.dtype, n * s, size)
+
+        return bound
+
+    rule = (lambda n: Rule("lossless", None, bound_of(n))) if cfg is None else (lambda n: _lossy(bound=bound_of(n)))
+    rules = {name: rule(name) for name in ("x", "weight")}
+    rules["bias"] = LOSSLESS  # sum over n and spatial of grad_y, in fp32
+    # A row of one or two elements (xn is 0, or +-1: grad_x is zero in exact arithmetic, float noise)
+    return d.case(plain, slim, inputs, rules, scale_free=("huge",), degenerate=m <= 2, heavy_ok=True)
+
+
 def _gated_mlp(draw) -> Case:
     d = Draws.of(draw)
     *lead, inter, hidden = _sizes(draw, draw(st.integers(1, 3)) + 1)
@@ -884,6 +963,7 @@ BUILDERS: dict[str, Callable] = {
     "dropout": _dropout,
     "conv": _conv,
     "batch_norm": _batch_norm,
+    "group_norm": _group_norm,
     "gated_mlp": _gated_mlp,
     "linear_cross_entropy": _lm_loss,
     "softmax_dropout_matmul": _softmax_dropout_matmul,
