@@ -318,8 +318,10 @@ def _input_state(state: RunningRange | None) -> RunningRange | None:
     ``state`` estimates the output's per-channel ranges, and the input's pack (``cfg``'s channel groups) has as many
     groups where ``C`` is their count (a norm of 8 channels under ``"mesa"``), where one shared estimate clipped the
     input to the output's range the step a channel's weight reached 0 (weight gradient cosine 0.06)."""
-    if state is None:
-        return None
+    if state is None or torch.compiler.is_compiling():
+        # (traced packs use no running estimate: quant.core._pack_traced; a RunningRange made while dynamo traces
+        # an autograd Function's forward broke the trace of its backward: an internal error on Llama under mesa)
+        return state
     return RunningRange(state.module, state.lo_name.removesuffix("_lo") + "_input")
 
 
