@@ -396,6 +396,16 @@ def norm(
     return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, groups, cfg, state)
 
 
+def _group_norm_applies(x: Tensor, groups: object, weight: object, bias: object) -> bool:
+    """Whether ``F.group_norm(x, groups, weight, bias)`` is a GroupNorm :func:`group_norm` computes: ``x`` of
+    ``[N, C, *]``, ``C`` a multiple of an integer ``groups``, ``weight`` and ``bias`` ``[C]`` tensors or ``None``, and
+    more than one element in a group (a single one, N = 1, G = C, one position, is F.group_norm's "more than 1 value
+    per channel" ValueError, where native_group_norm would return the bias)."""
+    if x.dim() < 2 or not isinstance(groups, int) or groups < 1 or x.shape[1] % groups or x.numel() == groups:
+        return False
+    return all(t is None or (isinstance(t, Tensor) and tuple(t.shape) == (x.shape[1],)) for t in (weight, bias))
+
+
 def group_norm(
     x: Tensor,
     groups: int,
@@ -415,11 +425,6 @@ def group_norm(
         weight, bias: ``[C]`` or ``None``.
         cfg: how kept tensors are compressed (one scale per channel, dim 1); ``None`` keeps them exact.
     """
-    c = x.shape[1] if x.dim() >= 2 else -1
-    if (c < 0 or groups < 1 or c % groups or any(t is not None and tuple(t.shape) != (c,) for t in (weight, bias))
-            or x.numel() == groups):
-        # Not a GroupNorm of x, or one F.group_norm refuses: a single element in each group (N = 1, G = C, one
-        # spatial position: its "more than 1 value per channel" ValueError, where native_group_norm would return
-        # the bias). The call as written (PyTorch's own error).
+    if not _group_norm_applies(x, groups, weight, bias):  # the call as written (PyTorch's own error)
         return fn(x) if fn is not None else torch.nn.functional.group_norm(x, groups, weight, bias, eps)
     return norm(x, weight, bias, eps, cfg, state, fn=fn, groups=groups)

@@ -487,26 +487,24 @@ class LossTracker:
         if entry is not None:
             self._track(out, entry[1], entry[3], of)
 
+    def _alias_chain(self, t: Tensor):
+        """``t``, then each tracked tensor the one before aliases, each once (an op that returns its input aliases a
+        tensor to itself)."""
+        seen: set[int] = set()
+        while t is not None and id(t) not in seen:
+            seen.add(id(t))
+            yield t
+            entry = self._entry(t)
+            t = None if entry is None or entry[4] is None else entry[4]()
+
     def _wants_own_grad(self, t: Tensor) -> bool:
         """Whether ``t`` or a tracked tensor it aliases asks for its own gradient (``retain_grad``, a hook),
         which a loss taken through ``h`` and the head's parameters would never give it."""
-        seen: set[int] = set()
-        while t is not None and id(t) not in seen:  # (an op that returns its input aliases a tensor to itself)
-            if t.retains_grad or t._backward_hooks:
-                return True
-            seen.add(id(t))
-            entry = self._entry(t)
-            t = None if entry is None or entry[4] is None else entry[4]()
-        return False
+        return any(a.retains_grad or a._backward_hooks for a in self._alias_chain(t))
 
     def _aliases(self, t: Tensor) -> list[weakref.ref]:
-        """Weak references to ``t`` and the tracked tensors it aliases (:meth:`_wants_own_grad`'s walk)."""
-        refs: list[weakref.ref] = []
-        while t is not None and not any(r() is t for r in refs):
-            refs.append(weakref.ref(t))
-            entry = self._entry(t)
-            t = None if entry is None or entry[4] is None else entry[4]()
-        return refs
+        """Weak references to ``t`` and the tracked tensors it aliases (:meth:`_alias_chain`)."""
+        return [weakref.ref(a) for a in self._alias_chain(t)]
 
     def fused_loss(self, logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):

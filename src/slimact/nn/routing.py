@@ -81,7 +81,7 @@ from slimact.functional.dropout import dropout
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
-from slimact.functional.norm import group_norm, norm, rms_default_eps
+from slimact.functional.norm import _group_norm_applies, group_norm, norm, rms_default_eps
 from slimact.functional.product import product
 from slimact.functional.softmax import softmax
 from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
@@ -552,10 +552,7 @@ class Routing:
         if (not isinstance(x, Tensor) or x.dtype not in COMPRESSIBLE_DTYPES
                 or not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params))):
             return None
-        if (x.dim() < 2 or not isinstance(groups, int) or groups < 1 or x.shape[1] % groups
-                or any(not isinstance(t, Tensor) or tuple(t.shape) != (x.shape[1],) for t in params)):
-            return None
-        if x.numel() == groups:  # one element per group: F.group_norm's ValueError, torch.group_norm's bias
+        if not _group_norm_applies(x, groups, weight, bias):  # (one element per group: torch.group_norm's bias)
             return None
         eps = float(bound.get("eps", _GROUP_NORM_EPS))
         return group_norm(x, groups, weight, bias, eps, self._cfg("groupnorm", x))
