@@ -36,8 +36,8 @@ from slimact.functional.attention import _additive, scaled_dot_product_attention
 from slimact.functional.dropout import dropout as _dropout
 from slimact.functional.matmul import matmul
 from slimact.functional.softmax import softmax
+from slimact.nn._base import begin_call, site_estimate
 from slimact.policy import Policy
-from slimact.quant import RunningRange
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = [
@@ -252,7 +252,8 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), probs
     state = None
     if policy.settings("attention").scale == "running":
-        state = {n: RunningRange(module, f"_slimact_{n}") for n in ("q", "k", "v", "o")}
+        begin_call(module)  # (a module called several times per pass: one estimate per call)
+        state = {n: site_estimate(module, n) for n in ("q", "k", "v", "o")}
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=p, is_causal=is_causal,
                                        scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
                                        cfg=policy.quant_config("attention", 4), state=state)

@@ -146,6 +146,9 @@ def _untag_attention(model: nn.Module) -> None:
         module.__dict__.pop(attention.SEEN_ATTR, None)
         if module.__dict__.pop(attention.POLICY_ATTR, None) is not None:
             clear_state(module)
+            if not isinstance(module, SlimModule):  # (its call-site count, as attach gives a converted module)
+                for key in ("_slimact_steps", "_slimact_step", "_slimact_site"):
+                    module.__dict__.pop(key, None)
 
 
 def convert(
@@ -204,7 +207,7 @@ def convert(
         attach(module, slim_cls, pol, kind, steps, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
     _route_calls(model, pol, skipped, filter_fn)
-    _route_attention(model, pol, skipped, filter_fn)
+    _route_attention(model, pol, skipped, filter_fn, steps)
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
         model.__dict__[_HOOK_ATTR] = (handles, steps)
@@ -263,7 +266,8 @@ def _configs_below(config: Any) -> list[Any]:
     return found
 
 
-def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
+def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,
+                     steps: StepCounter) -> None:
     """Select slimact's attention function on a Hugging Face model and tag its attention modules.
 
     A module is tagged only if its forward calls transformers' ``AttentionInterface``; a configuration is
@@ -307,6 +311,7 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
         return
     for module in tagged:
         module.__dict__[attention.POLICY_ATTR] = pol
+        module.__dict__["_slimact_steps"] = steps  # (the model's pass count: one running estimate per call site)
     attention.register()
     configs = [c for root in (config, *(m.config for m in tagged)) for c in _configs_below(root)]
     model.__dict__[_ATTN_ATTR] = attention.switch_configs(model, [c for c in configs if id(c) not in branching])

@@ -26,7 +26,10 @@ from slimact.quant import QuantConfig, RunningRange
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_stream
 from slimact.quant.state import WRITTEN_ATTR
 
-__all__ = ["MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "clear_state", "detach", "slim_class", "standalone"]
+__all__ = [
+    "MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "begin_call", "clear_state", "detach", "site_estimate",
+    "slim_class", "standalone",
+]
 
 #: Calls of one module per forward pass that get their own running estimate; later calls share the last.
 MAX_CALL_SITES = 16
@@ -56,6 +59,30 @@ class StepCounter:
     def end(self, module: nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
             end_stream()
+
+
+def begin_call(module: nn.Module) -> None:
+    """Start a call of ``module`` that packs with running estimates: find its call site, the index of this call
+    among the module's calls in the current forward pass of the converted model (``_slimact_steps`` counts those).
+    A module called several times per pass (ALBERT's shared layer, a block looped over depth, a tower applied to
+    two views) then keeps one estimate per call, each tracking its own tensor's range, not one blend of them."""
+    # Plain attributes written into __dict__ directly: nn.Module.__setattr__ first searches the module's
+    # parameters, buffers and submodules for the name, on every call.
+    d = module.__dict__
+    steps = d.get("_slimact_steps")
+    if steps is None:
+        d["_slimact_site"] = 0
+    elif d.get("_slimact_step") != steps.value:
+        d["_slimact_step"] = steps.value
+        d["_slimact_site"] = 0
+    else:
+        d["_slimact_site"] = min(d["_slimact_site"] + 1, MAX_CALL_SITES - 1)
+
+
+def site_estimate(module: nn.Module, operand: str) -> RunningRange:
+    """The running estimate of ``operand`` at ``module``'s current call site (:func:`begin_call`)."""
+    site = module.__dict__.get("_slimact_site", 0)
+    return RunningRange(module, f"_slimact_{operand}" + (f"_{site}" if site else ""))
 
 
 class SlimModule:
@@ -88,17 +115,7 @@ class SlimModule:
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""
-        # Plain attributes written into __dict__ directly: nn.Module.__setattr__ first searches the module's
-        # parameters, buffers and submodules for the name, on every call.
-        d = self.__dict__
-        steps = d.get("_slimact_steps")
-        if steps is None:
-            d["_slimact_site"] = 0
-        elif d.get("_slimact_step") != steps.value:
-            d["_slimact_step"] = steps.value
-            d["_slimact_site"] = 0
-        else:
-            d["_slimact_site"] = min(d["_slimact_site"] + 1, MAX_CALL_SITES - 1)
+        begin_call(self)  # type: ignore[arg-type]
 
     def _slimact_cfg(self, x: Tensor) -> QuantConfig:
         return self._slimact_policy.quant_config(self._slimact_kind, x.dim())
@@ -107,8 +124,7 @@ class SlimModule:
         """The running estimate of ``operand`` at this call site, if the policy uses running estimates."""
         if self._slimact_policy.settings(self._slimact_kind).scale != "running":
             return None
-        site = self.__dict__.get("_slimact_site", 0)
-        return RunningRange(self, f"_slimact_{operand}" + (f"_{site}" if site else ""))  # type: ignore[arg-type]
+        return site_estimate(self, operand)  # type: ignore[arg-type]
 
     def __reduce_ex__(self, protocol):
         # A class made by slim_class exists only in the process that made it: pickle (torch.save,
