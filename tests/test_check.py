@@ -157,3 +157,51 @@ def test_the_float64_run_draws_what_the_float32_run_drew():
             torch.randn_like(x.double())
     assert b.dtype == torch.float64
     torch.testing.assert_close(b.float(), a)
+
+
+class _MixedBlock(torch.nn.Module):
+    """A pre-norm transformer block in ``low`` with its second LayerNorm kept in ``norm`` and the casts around it
+    spelled out in the code, as Hugging Face models with ``_keep_in_fp32_modules`` do (and the reverse: a bfloat16
+    norm inside a float32 model)."""
+
+    def __init__(self, low, norm, d=32, heads=4):
+        super().__init__()
+        self.low, self.norm, self.heads = low, norm, heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.act, self.proj = torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)
+        self.to(low)
+        self.ln2.to(norm)
+
+    def forward(self, x):
+        x = x.to(self.low)
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        y = self.ln2(x.to(self.norm)).to(self.low)
+        return x + self.proj(self.act(self.fc(y)))
+
+
+@pytest.mark.parametrize("low,norm", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=["fp32-norm-in-bf16", "bf16-norm-in-fp32"])
+def test_a_mixed_precision_model_is_judged_against_float64_where_plain_itself_is_off(low, norm):
+    # Plain PyTorch's mixed-dtype gradients are rounded at bfloat16's level: the lossless conversion's gradients
+    # differ from them by more than float32 rounding (norm weight and bias 1e-3 to 3e-4 relative, where float32
+    # rounding is 1.2e-4), while both are as close to the float64 truth (measured: 2e-3 each). The float64 copy runs
+    # through the casts written in the model's code (widened), so it can be the reference.
+    torch.manual_seed(0)
+    model, x = _MixedBlock(low, norm), torch.randn(4, 32, 32)
+
+    def loss_fn(out):
+        return out.float().square().mean()
+
+    report = slimact.check(model, x, "tempo", loss_fn=loss_fn)
+    assert report.passed, str(report)
+    judged = [p for p in report.params if p.reference == "float64"]
+    assert judged and all(p.off <= 2 * p.plain_off + 1e-3 * p.norm for p in judged), str(report)
+    assert "float64" in report.reference and "float64" in str(report)
+    # A real error in the same model is still one: 2-bit Linear inputs.
+    broken = slimact.check(model, x, Policy(name="broken", per_kind={"linear": {"bits": 2, "groups": 1}}),
+                           loss_fn=loss_fn)
+    assert not broken.passed and {"o.weight", "fc.weight"} <= {p.name for p in broken.failures}, str(broken)

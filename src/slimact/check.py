@@ -25,20 +25,29 @@ The floors:
   an 8-bit step (1/255): an attention key bias (zero in exact arithmetic: softmax ignores a per-row shift), a
   BatchNorm bias whose shift the next BatchNorm removes, the embedding row of a token not in the batch.
   Its difference must stay within the same bound.
-* a parameter whose gradient is **float noise in plain PyTorch itself** is judged by size too. Some exact
-  gradients are zero by the model's structure, not by their size: a conv bias right before a training-mode
-  BatchNorm (which removes any per-channel shift), a LayerNorm weight at initialisation (bias 0) whose output
-  only feeds a per-channel conv and a BatchNorm (which removes any per-channel scale). Their float32 gradient is
-  what rounding leaves of a cancellation, and can be far above :data:`NOISE` of the typical gradient where the
-  model's gradients are tiny (SwiftFormer: typical 3e-5, such biases 1e-7). Detected by a **float64 run of the
-  plain model** (made only when some parameter misses the floors above): where plain's own float32 gradient
-  misses the floor against the float64 one (cosine below :data:`MIN_COSINE`, or, lossless, a relative
-  difference above ``tol``), float32 defines no direction for it. It then passes when the converted gradient is
-  no farther from the float64 one than ``max(bound, 2 * ||g_plain - g_float64||)``: as close as plain's own
-  float32 (two roundings of a cancellation, each about as far from exact as the other), or negligible. The
-  float64 run draws its random numbers (dropout, drop-path, noise) as float32 draws widened, so that it
-  consumes the RNG exactly as the float32 run did; it is used only if its loss and outputs agree with plain's
-  to ``1e-3`` relative (else, or if the model cannot run in float64, no parameter is judged this way).
+* a parameter that misses its floor against plain is **judged again against a float64 copy** of the plain model
+  (one float64 forward and backward, made only when some parameter misses): both plain's gradient and the converted
+  one against the float64 gradient. It passes when the converted gradient meets the floor against float64 (plain's
+  was the one off); or, where plain's own gradient misses the floor against float64 too (cosine below
+  :data:`MIN_COSINE`, or, lossless, a relative difference above ``tol``), when the converted one is no farther from
+  float64 than ``max(bound, 2 * ||g_plain - g_float64||)`` (lossless: also ``||g_plain - g_float64|| + tol *
+  ||g_float64||``): as close as plain's own (two roundings, each about as far from exact as the other), or
+  negligible. It fails when plain meets the floor against float64 and the converted gradient does not. Two cases
+  need it. Some exact gradients are zero by the model's structure, not by their size: a conv bias right before a
+  training-mode BatchNorm (which removes any per-channel shift), a LayerNorm weight at initialisation (bias 0) whose
+  output only feeds a per-channel conv and a BatchNorm; their float32 gradient is what rounding leaves of a
+  cancellation, and can be far above :data:`NOISE` of the typical gradient where the model's gradients are tiny
+  (SwiftFormer: typical 3e-5, such biases 1e-7); under a lossy policy such a gradient is then judged by size
+  (negligible). And a model with **16-bit tensors** (a bfloat16 model with a LayerNorm kept in float32, as Hugging
+  Face's ``_keep_in_fp32_modules`` does, or a bfloat16 norm inside a float32 model): plain PyTorch's gradients are
+  rounded at bfloat16's level, so a lossless conversion's differ from them by more than float32 rounding while
+  being as close to the truth, or closer. The float64 run widens every cast to a narrower floating dtype written
+  in the model's code (``x.to(torch.bfloat16)``, ``.float()``, ``dtype=torch.float32``) to float64, and draws its
+  random numbers (dropout, drop-path, noise) as float32 draws widened, so that it consumes the RNG exactly as the
+  plain run did; it is used only if its loss and outputs agree with plain's to ``1e-3`` relative (with 16-bit
+  tensors, 8 of their ``eps``: bfloat16 0.0625); else, or if the model cannot run in float64, no parameter is judged
+  this way. ``report.reference`` (and the report's ``reference:`` line) says what the gradients were judged
+  against, and each parameter's ``reference`` which it was.
 """
 
 from __future__ import annotations
@@ -105,6 +114,12 @@ class ParamCheck:
     passed: bool
     #: Why it missed its floor ("" when it passed).
     reason: str = ""
+    #: What it was finally judged against: ``"plain"`` (plain PyTorch's gradient), or ``"float64"`` (a float64 copy
+    #: of the plain model, made where it missed its floor against plain: see the module docstring).
+    reference: str = "plain"
+    #: With ``reference == "float64"``: ``||g_plain - g_float64||`` and ``||g_converted - g_float64||``.
+    plain_off: float = math.nan
+    off: float = math.nan
 
     @property
     def module(self) -> str:
@@ -129,6 +144,9 @@ class CheckReport:
     summary: Summary | None = None
     #: Parameters with a gradient in one run and none in the other.
     missing: list[str] = field(default_factory=list)
+    #: What the gradients were judged against (plain PyTorch; a float64 copy for those that missed the floor
+    #: against plain, or why there was none).
+    reference: str = "plain PyTorch"
 
     @property
     def passed(self) -> bool:
@@ -162,6 +180,7 @@ class CheckReport:
             "to float rounding)",
             f"gradients: {len(self.params)} parameters, {len(self.failures)} below the floor, "
             f"{sum(p.negligible for p in self.params)} negligible (judged by size)",
+            f"reference: {self.reference}",
         ]
         if self.missing:
             lines.append(f"gradient in one run only: {', '.join(self.missing)}")
@@ -171,6 +190,9 @@ class CheckReport:
             lines.append(f"{'parameter':<{width}}{'cosine':>10}{'SQNR dB':>10}{'|g|':>11}{'|diff|':>11}  verdict")
             for p in shown:
                 verdict = "ok" if p.passed else f"FAIL: {p.reason}"
+                if p.reference == "float64" and p.passed:
+                    verdict += (f" against float64 (|g - g_float64| {p.off:.3g}, plain's |g_plain - g_float64| "
+                                f"{p.plain_off:.3g})")
                 if p.negligible:
                     verdict += " (negligible: judged by size)"
                 lines.append(f"{p.name:<{width}}{p.cosine:>10.5f}{p.sqnr_db:>10.1f}{p.norm:>11.3g}{p.diff:>11.3g}"
@@ -262,12 +284,35 @@ _IN_PLACE = {Tensor.bernoulli_, Tensor.uniform_, Tensor.normal_, Tensor.exponent
              Tensor.cauchy_, Tensor.geometric_}
 
 
+_NARROW = (torch.float16, torch.bfloat16, torch.float32)
+_CASTS = {Tensor.half: torch.float16, Tensor.bfloat16: torch.bfloat16, Tensor.float: torch.float32}
+
+
+def _wide_dtype(value: Any) -> Any:
+    """``value`` with a narrower floating dtype replaced by float64."""
+    return torch.float64 if isinstance(value, torch.dtype) and value in _NARROW else value
+
+
 class _Float32Draws(TorchFunctionMode):
     """Inside a float64 run: every random draw made in float32, then widened, so that it consumes the RNG (and
-    gives the values) the float32 run's draw did. A float64 draw takes other bits of the generator's stream."""
+    gives the values) the float32 run's draw did. A float64 draw takes other bits of the generator's stream.
+
+    Also every cast to a narrower floating dtype written in the model's code is made a cast to float64
+    (``x.to(torch.bfloat16)``, ``x.float()``, ``.half()``, ``.type(...)``, a ``dtype=torch.float32`` argument as in
+    ``softmax(..., dtype=torch.float32)``): a model that keeps a module in float32 inside a bfloat16 model (Hugging
+    Face's ``_keep_in_fp32_modules``) or casts around a bfloat16 one, with the dtype spelled out, then runs wholly in
+    float64 instead of failing on mixed dtypes or rounding to bfloat16 where the reference should not."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in _CASTS and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+            return args[0].double()
+        if func in (Tensor.to, Tensor.type) and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+            args = (args[0], *(_wide_dtype(a) for a in args[1:]))
+            if "dtype" in kwargs:
+                kwargs["dtype"] = _wide_dtype(kwargs["dtype"])
+        elif func is not Tensor.view and kwargs.get("dtype") in _NARROW:
+            kwargs["dtype"] = torch.float64
         if func in _DROPOUTS and args and isinstance(args[0], Tensor) and args[0].dtype == torch.float64:
             x = args[0]
             inplace = kwargs.pop("inplace", args[3] if len(args) > 3 else False)
@@ -296,27 +341,47 @@ def _widened(inputs: Any) -> Any:
                         if t.is_floating_point() else t)
 
 
+def _low_precision(model: nn.Module, inputs: Any, outputs: list[Tensor]) -> torch.dtype | None:
+    """The narrowest floating dtype below float32 among ``model``'s parameters and buffers, the inputs and the
+    outputs (``None`` where all are float32 or wider)."""
+    found: list[torch.dtype] = []
+    _map_tensors(inputs, lambda t: found.append(t.dtype) or t)
+    found += [t.dtype for t in (*model.parameters(), *model.buffers(), *outputs)]
+    low = [d for d in found if d.is_floating_point and torch.finfo(d).bits < 32]
+    return max(low, key=lambda d: torch.finfo(d).eps) if low else None
+
+
+def _guard_tolerance(low: torch.dtype | None) -> float:
+    """How far (relative to its largest magnitude) plain's loss or an output may be from the float64 run's for the
+    latter to count as the same function: 1e-3 in float32; in a model with 16-bit tensors, 8 of their ``eps``
+    (bfloat16: 0.0625), the rounding of values that passed through them. A draw the float64 run could not reproduce
+    changes elements by their own size."""
+    return 1e-3 if low is None else max(1e-3, 8 * torch.finfo(low).eps)
+
+
 def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None,
                    rng: tuple[Tensor, list[Tensor]], loss32: Tensor, outs32: list[Tensor],
-                   ) -> dict[str, Tensor | None] | None:
-    """The gradients of a float64 copy of the plain model from the same RNG state, or ``None`` where it cannot
-    run in float64 or does not compute what the float32 run did (loss or outputs off by more than 1e-3
-    relative: a draw it could not reproduce)."""
+                   low: torch.dtype | None = None) -> dict[str, Tensor | None] | str:
+    """The gradients of a float64 copy of the plain model from the same RNG state, or why there are none: it cannot
+    run in float64, or does not compute what the plain run did (loss or outputs off by more than
+    :func:`_guard_tolerance` relative: a draw it could not reproduce)."""
     try:
         wide = copy.deepcopy(plain).double()
         for q in wide.parameters():
-            q.grad = None  # the float32 step's
+            q.grad = None  # the plain step's
         with _Float32Draws():
             loss, outs, grads = _step(wide, _widened(inputs), loss_fn, rng)
-    except (RuntimeError, TypeError, ValueError, NotImplementedError):  # an op without a float64 kernel
-        return None
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:  # an op without a float64 kernel
+        first = str(e).splitlines()[0][:120] if str(e) else ""
+        return f"the model did not run in float64 ({type(e).__name__}: {first})"
+    tol = _guard_tolerance(low)
     pairs = [(loss32, loss), *zip(outs32, outs, strict=False)]
     if len(outs) != len(outs32) or any(
-        a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=1e-3,
-                                                 atol=1e-3 * max(a.detach().abs().max().item(), 1e-30))
+        a.shape != b.shape or not torch.allclose(b.double(), a.double(), rtol=tol,
+                                                 atol=tol * max(a.detach().abs().max().item(), 1e-30))
         for a, b in pairs if a.numel()
     ):
-        return None
+        return f"the float64 run's loss or outputs differ from plain's by more than {tol:.3g} relative"
     return grads
 
 
@@ -343,23 +408,34 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
 
 def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical: float,
              lossless: bool) -> ParamCheck:
-    """``p`` (which missed its floor) judged again against the float64 gradient ``wide``: by size where plain's
-    own float32 gradient misses the floor against it (see the module docstring)."""
+    """``p`` (which missed its floor against plain) judged again against the float64 gradient ``wide``, both
+    plain's and the converted one (see the module docstring): it passes when the converted gradient meets the
+    floor against float64, or, where plain's own gradient misses it too, when it is no farther from float64 than
+    plain's (twice plain's distance, or plain's plus float rounding, or negligible)."""
     wide = wide.detach().double()
+    norm = wide.norm().item()
     own = (exact.detach().double() - wide).norm().item()
-    tol = rounding_tolerance(exact.dtype)
-    if lossless:
-        plain_misses = own > tol * wide.norm().item()
-    else:
-        plain_misses = cosine(wide, exact) < MIN_COSINE
-    if not plain_misses:
-        return p
-    bound = max((tol if lossless else NOISE) * typical, 2 * own)
     off = (approx.detach().double() - wide).norm().item()
-    ok = off <= bound
-    reason = "" if ok else (f"float noise in plain (|g_plain - g_float64| {own:.3g}), but |g - g_float64| "
-                            f"{off:.3g} > {bound:.3g}")
-    return dataclasses.replace(p, negligible=True, passed=ok, reason=reason)
+    tol = rounding_tolerance(exact.dtype)
+    bound = (tol if lossless else NOISE) * typical
+    marked = dataclasses.replace(p, reference="float64", plain_off=own, off=off)
+    if lossless:
+        meets = norm > bound and off <= tol * norm
+        plain_misses = own > tol * norm
+    else:
+        meets = norm > bound and cosine(wide, approx) >= MIN_COSINE
+        plain_misses = cosine(wide, exact) < MIN_COSINE
+    if meets:  # the converted gradient is within the floor of the truth: plain's was the one off
+        return dataclasses.replace(marked, passed=True, reason="")
+    if not plain_misses:
+        return dataclasses.replace(marked, reason=p.reason + f" (and against float64: |g - g_float64| {off:.3g}, "
+                                   f"plain's {own:.3g})")
+    limit = max(bound, 2 * own, own + tol * norm if lossless else 0.0)
+    ok = off <= limit
+    reason = "" if ok else (f"plain is off float64 too (|g_plain - g_float64| {own:.3g}), but |g - g_float64| "
+                            f"{off:.3g} > {limit:.3g}")
+    # Under a lossy policy a plain gradient off the float64 direction is float noise: judged by size.
+    return dataclasses.replace(marked, negligible=p.negligible or not lossless, passed=ok, reason=reason)
 
 
 def check(
@@ -409,13 +485,20 @@ def check(
             missing.append(name)
             continue
         params.append(_judge(name, exact, approx, typical, lossless))
+    low = _low_precision(plain, inputs, outs0)
+    reference = "plain PyTorch" + (f" (which has {str(low).removeprefix('torch.')} tensors)" if low else "")
     if any(not p.passed for p in params):
         with torch.random.fork_rng(devices=cuda):
-            wide = _float64_grads(plain, inputs, loss_fn, rng, loss0, outs0)
-        if wide is not None:
+            wide = _float64_grads(plain, inputs, loss_fn, rng, loss0, outs0, low)
+        if isinstance(wide, dict):
             params = [p if p.passed or wide.get(p.name) is None
                       else _rejudge(p, grads0[p.name], grads1[p.name], wide[p.name], typical, lossless)
                       for p in params]
+            n = sum(p.reference == "float64" for p in params)
+            reference += (f"; {n} parameter(s) that missed the floor against it judged against a float64 copy of "
+                          "the plain model, plain's gradient and the converted one both")
+        else:
+            reference += f"; no float64 reference for the parameters below the floor: {wide or 'unavailable'}"
     return CheckReport(
         policy=pol.name,
         lossless=lossless,
@@ -426,4 +509,5 @@ def check(
         params=params,
         summary=summary(slim),
         missing=missing,
+        reference=reference,
     )
