@@ -205,3 +205,60 @@ def test_a_mixed_precision_model_is_judged_against_float64_where_plain_itself_is
     broken = slimact.check(model, x, Policy(name="broken", per_kind={"linear": {"bits": 2, "groups": 1}}),
                            loss_fn=loss_fn)
     assert not broken.passed and {"o.weight", "fc.weight"} <= {p.name for p in broken.failures}, str(broken)
+
+
+def _micro_steps(model, batch, micro_batch):
+    """One training step of ``model`` on ``batch`` (tiny Llama's dict), accumulated over calls of ``micro_batch``
+    rows (all of them by default); returns the gradients."""
+    model.zero_grad(set_to_none=True)
+    rows = len(batch["input_ids"])
+    size = micro_batch or rows
+    for i in range(0, rows, size):
+        call = {k: v[i:i + size] for k, v in batch.items()}
+        (model(**call).loss * len(call["input_ids"]) / rows).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _training_cosine(model, batches, judged, micro_batch=None):
+    """What training sees under "mesa", measured without check: a converted copy trained on ``batches`` (its running
+    estimates follow them; the weights are kept, as a small learning rate nearly does), then its gradients on
+    ``judged`` against plain's: the lowest cosine of those that are not negligible."""
+    import copy
+
+    from slimact._metrics import cosine
+
+    slim = slimact.convert(copy.deepcopy(model), "mesa").train()
+    for batch in batches:
+        _micro_steps(slim, batch, micro_batch)
+    exact = _micro_steps(copy.deepcopy(model).train(), judged, micro_batch)
+    approx = _micro_steps(slim, judged, micro_batch)
+    typical = torch.stack([g.norm() for g in exact.values()]).median()
+    return min(cosine(exact[n], approx[n]) for n in exact if exact[n].norm() > NOISE * typical)
+
+
+def _lowest(report):
+    return min(p.cosine for p in report.params if not p.negligible)
+
+
+@pytest.mark.parametrize("rows,micro_batch", [(2, 1), (2, None), (4, None)], ids=["1-row-calls", "2-rows", "4-rows"])
+def test_check_sees_the_running_estimates_training_has(rows, micro_batch):
+    # Under "mesa" each call is packed with the estimate (EMA, decay 0.9) the calls before it made. check used to
+    # judge a fresh copy's first step only, whose estimates are initialised from the very tensors they pack: it
+    # passed tiny Llama at cosine 0.9999 where training, accumulating 1-row micro-batches, has 0.96-0.98 (0.90-0.98
+    # in the first step itself), or calling it on 2 rows at a time, 0.98-0.99. It now also judges a step after
+    # warming the estimates on other batches mixed from the inputs' rows, calls split as the loop splits them.
+    model = _tiny("llama")[0]
+    judged = zoo.example_inputs(model, rows, 16, seed=100)
+    others = [zoo.example_inputs(model, rows, 16, seed=200 + i) for i in range(8)]
+    truth = _training_cosine(model, others, judged, micro_batch)
+    first_step = slimact.check(model, judged, "mesa", warmup=0)  # what check judged before
+    assert first_step.passed and _lowest(first_step) > 0.999, str(first_step)
+    report = slimact.check(model, judged, "mesa", micro_batch=micro_batch)
+    assert "running estimates: warmed by" in str(report)
+    assert report.passed == (truth >= MIN_COSINE), (truth, str(report))
+    # Given batches of the data, check runs what training ran: the same verdict, and no better than training's (the
+    # worse of the first step and the warmed one).
+    given = slimact.check(model, judged, "mesa", micro_batch=micro_batch, batches=others)
+    assert given.passed == (truth >= MIN_COSINE) and _lowest(given) <= truth + 1e-3, (truth, str(given))
+    if micro_batch:  # each tensor's own range: no lag to see
+        assert slimact.check(model, judged, "int8", micro_batch=micro_batch).passed
