@@ -105,6 +105,10 @@ def test_cli_exit_code_follows_the_verdict(tmp_path, capsys):
     path = BROKEN.to_file(tmp_path / "broken.toml")
     assert main(["check", "--model", "llama", "--tiny", "--seq", "16", "--policy", str(path)]) == 1
     assert "FAILED" in capsys.readouterr().out
+    # Accumulating 1-row micro-batches under "mesa": the running estimates lag (see below).
+    assert main(["check", "--model", "llama", "--tiny", "--seq", "16", "--policy", "mesa", "--micro-batch", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "accumulated over 2 calls" in out and "running estimates: warmed" in out
 
 
 class _BiasBeforeBatchNorm(torch.nn.Module):
