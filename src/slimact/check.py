@@ -31,7 +31,8 @@ removes that. ``report.estimates`` says what was done; each parameter's ``step``
 The floors:
 
 * **forward**: slimact's forward is PyTorch's own computation; the loss and every floating output must
-  agree to float rounding (:func:`rounding_tolerance`, relative to the output's largest magnitude).
+  agree to float rounding (:func:`rounding_tolerance` of the output's dtype, float32's at least, relative to
+  the output's largest magnitude).
 * **lossless policies** (nothing quantised: ``"tempo"``): every gradient equals plain's to float rounding:
   ``||g - g_plain|| <= tol * ||g_plain||`` with ``tol`` from :func:`rounding_tolerance`.
 * **lossy policies**: every gradient at cosine >= 0.99 with plain's (:data:`MIN_COSINE`).
@@ -375,7 +376,8 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
 
 def _max_diff(a: Tensor, b: Tensor, floor: float = 0.0) -> tuple[float, bool]:
     """Largest absolute difference of two tensors, and whether it is float rounding of ``a``'s magnitude (at
-    least ``floor``)."""
+    least ``floor``) in ``a``'s dtype (float32's at least)."""
+    dtype = a.dtype
     a, b = a.detach().double(), b.detach().double()
     if a.shape != b.shape:
         return math.inf, False
@@ -388,7 +390,10 @@ def _max_diff(a: Tensor, b: Tensor, floor: float = 0.0) -> tuple[float, bool]:
         return 0.0, True
     diff = (a[finite] - b[finite]).abs().max().item()
     scale = a[finite].abs().max().item()
-    return diff, diff <= rounding_tolerance(torch.float32) * max(scale, floor, 1e-30)
+    # (A 16-bit output is rounded at its own precision: bfloat16 logits of two orders of summation differ by its
+    # rounding, not float32's.)
+    tol = max(rounding_tolerance(torch.float32), rounding_tolerance(dtype) if dtype.is_floating_point else 0.0)
+    return diff, diff <= tol * max(scale, floor, 1e-30)
 
 
 _DROPOUTS = {torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
