@@ -276,3 +276,17 @@ def test_a_bfloat16_models_outputs_are_judged_at_bfloat16_rounding():
     report = slimact.check(model, zoo.example_inputs(model, 2, 16), "tempo")
     assert report.forward_equal and report.passed, str(report)
     assert "bfloat16" in report.reference
+
+
+def test_the_float64_run_widens_the_casts_in_model_code():
+    from slimact.check import _Float32Draws
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with _Float32Draws():
+        casts = [x.to(torch.bfloat16), x.to("cpu", torch.float16), x.to(dtype=torch.float32), x.float(), x.half(),
+                 x.bfloat16(), x.type(torch.float16), torch.arange(4).float(),
+                 torch.nn.functional.softmax(x, -1, dtype=torch.float32), torch.zeros(2, dtype=torch.bfloat16)]
+        kept = [x.to(torch.int64), torch.arange(4).to(torch.int32), x.bool()]
+    assert all(t.dtype == torch.float64 for t in casts), [t.dtype for t in casts]
+    assert [t.dtype for t in kept] == [torch.int64, torch.int32, torch.bool]
+    torch.testing.assert_close(casts[0], x, rtol=0, atol=0)  # no rounding to bfloat16 on the way

@@ -422,13 +422,14 @@ class _Float32Draws(TorchFunctionMode):
     (``x.to(torch.bfloat16)``, ``x.float()``, ``.half()``, ``.type(...)``, a ``dtype=torch.float32`` argument as in
     ``softmax(..., dtype=torch.float32)``): a model that keeps a module in float32 inside a bfloat16 model (Hugging
     Face's ``_keep_in_fp32_modules``) or casts around a bfloat16 one, with the dtype spelled out, then runs wholly in
-    float64 instead of failing on mixed dtypes or rounding to bfloat16 where the reference should not."""
+    float64 instead of failing on mixed dtypes or rounding to bfloat16 where the reference should not (an integer
+    tensor made floating, ``positions.float()``, is made float64 too)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _CASTS and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+        if func in _CASTS and args and isinstance(args[0], Tensor):
             return args[0].double()
-        if func in (Tensor.to, Tensor.type) and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+        if func in (Tensor.to, Tensor.type) and args and isinstance(args[0], Tensor):
             args = (args[0], *(_wide_dtype(a) for a in args[1:]))
             if "dtype" in kwargs:
                 kwargs["dtype"] = _wide_dtype(kwargs["dtype"])
