@@ -290,3 +290,24 @@ def test_the_float64_run_widens_the_casts_in_model_code():
     assert all(t.dtype == torch.float64 for t in casts), [t.dtype for t in casts]
     assert [t.dtype for t in kept] == [torch.int64, torch.int32, torch.bool]
     torch.testing.assert_close(casts[0], x, rtol=0, atol=0)  # no rounding to bfloat16 on the way
+
+
+class _CountsCalls(torch.nn.Module):
+    """A model whose output depends on a buffer its forward updates (a call counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x).square().sum() * self.calls
+
+
+def test_the_warm_up_moves_the_running_estimates_only():
+    # The warm-up's forward calls would leave the copy's own buffers (a counter here; BatchNorm's running statistics)
+    # where the plain copy's are not: they are restored, and the judged forward is plain's.
+    torch.manual_seed(0)
+    report = slimact.check(_CountsCalls(), torch.randn(4, 3, 8), "mesa", loss_fn=lambda out: out)
+    assert report.estimates.startswith("warmed by 8") and report.forward_equal, str(report)

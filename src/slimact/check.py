@@ -365,11 +365,15 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
                 "judged rows' values: batches= from your data shows training's estimates better)")
     calls = 0
     slim.train()
+    # The model's own state (BatchNorm's running statistics, any buffer a forward updates) as it was: the warm-up
+    # is to move slimact's estimates only (non-persistent buffers, not in the state dict).
+    state = {k: v.clone() for k, v in slim.state_dict().items()}
     with torch.enable_grad():
         for batch in source:
             for call, _ in _calls(batch, micro_batch):
                 _call(slim, call)  # the packs fold each call's range into the estimates; the graph is dropped
                 calls += 1
+    slim.load_state_dict(state)
     per = f" of {size} row(s) each" if micro_batch else ""
     return f"warmed by {calls} training-mode forward call(s){per} on {what}, then judged"
 
