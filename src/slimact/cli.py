@@ -87,7 +87,7 @@ def _check(args: argparse.Namespace) -> int:
     transformers.logging.set_verbosity_error()
     model = _model(args)
     inputs = example_inputs(model, args.batch, args.seq)
-    report = check(model, inputs, args.policy)
+    report = check(model, inputs, args.policy, micro_batch=args.micro_batch)
     print(f"{args.model}: batch {args.batch}" + ("" if "pixel_values" in inputs else f" x {args.seq} tokens"))
     print(report)
     return 0 if report.passed else 1
@@ -269,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq", type=int, default=64)
     c.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
     c.add_argument("--device", default="cpu")
+    c.add_argument("--micro-batch", type=int, default=None,
+                   help="rows per call of a gradient accumulation loop (default: the whole batch in one call)")
     c.set_defaults(func=_check)
 
     d = sub.add_parser("demo", help="train small models plainly and converted on real data; compare loss and memory")
