@@ -41,7 +41,7 @@ from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = [
-    "NAME", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register", "release_configs", "setting",
+    "NAME", "ORIGINAL_ATTR", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register", "release_configs", "setting",
     "switch_configs",
 ]
 
@@ -51,6 +51,9 @@ POLICY_ATTR = "_slimact_attention"
 _EXACT = Policy(name="exact", quantize=False)
 #: Set on a tagged module each time its attention runs here (``summary`` checks the routing took).
 SEEN_ATTR = "_slimact_attention_seen"
+#: Set by ``convert`` on each module reading a switched configuration: the setting it had (a deep copy of a converted
+#: model reads a copy of the configuration, which :func:`setting` does not know).
+ORIGINAL_ATTR = "_slimact_attention_original"
 
 
 def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
@@ -133,6 +136,12 @@ def setting(config: Any) -> Any:
     return None if config is None else _setting(config)
 
 
+def _chosen(module: nn.Module) -> Any:
+    """The attention setting ``module``'s configuration had before ``convert`` selected ``"slimact"``."""
+    chosen = setting(getattr(module, "config", None))
+    return module.__dict__.get(ORIGINAL_ATTR, chosen) if chosen == NAME else chosen
+
+
 def _as_written_eager(module: nn.Module, policy: Policy | None, mask: Tensor | None) -> bool:
     """Whether a call of a model that had ``"eager"`` attention runs its own eager attention, exact and
     uncompressed: in eval mode and in modules left alone (as the plain model computes it), and in training where the
@@ -141,7 +150,7 @@ def _as_written_eager(module: nn.Module, policy: Policy | None, mask: Tensor | N
     autograd passes the softmax's gradient on to q and k, where SDPA, and slimact's fused path, give 0 and no
     gradient: a loss over padded positions, the output at them, or their probabilities would differ from the plain
     model's. Other rows are the same up to float rounding."""
-    if setting(getattr(module, "config", None)) != "eager":
+    if _chosen(module) != "eager":
         return False
     if getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) is None:
         return False  # (no eager function to run: as before, the fused path)
@@ -217,7 +226,7 @@ def _documents(module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | Non
     document only (causally aligned at the documents' ends, as the varlen kernel has it), where ``mask`` allows.
     ``None`` otherwise: SDPA, eager and flex attention read the documents from the mask transformers builds, which
     has none where a cache is used (a training forward with ``use_cache`` on)."""
-    if not str(setting(getattr(module, "config", None))).startswith("flash_"):
+    if not str(_chosen(module)).startswith("flash_"):
         return None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None or cu_k is None:  # as transformers' flash attention reads position_ids (_is_packed_sequence)

@@ -144,6 +144,7 @@ def _untag_attention(model: nn.Module) -> None:
     """Drop the attention tags and the running estimates they gathered from every module of ``model``."""
     for module in model.modules():
         module.__dict__.pop(attention.SEEN_ATTR, None)
+        module.__dict__.pop(attention.ORIGINAL_ATTR, None)
         if module.__dict__.pop(attention.POLICY_ATTR, None) is not None:
             clear_state(module)
             if not isinstance(module, SlimModule):  # (its call-site count, as attach gives a converted module)
@@ -335,8 +336,12 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
         module.__dict__["_slimact_steps"] = steps  # (the model's pass count: one running estimate per call site)
     attention.register()
     configs = [c for root in (config, *(m.config for m in tagged)) for c in _configs_below(root)]
-    model.__dict__[_ATTN_ATTR] = attention.switch_configs(
+    records = model.__dict__[_ATTN_ATTR] = attention.switch_configs(
         model, [c for c in configs if id(c) not in branching and _unknown_setting(c) is None])
+    originals = {id(c): original for c, original in records}
+    for module in model.modules():
+        if id(getattr(module, "config", None)) in originals:
+            module.__dict__[attention.ORIGINAL_ATTR] = originals[id(module.config)]
 
 
 def _unroot(module: nn.Module) -> None:

@@ -425,3 +425,29 @@ def test_each_sub_configuration_is_decided_on_its_own(text, vision, halved):
         torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
     slimact.revert(slim)
     assert {k: getattr(slim.config, k)._attn_implementation for k in settings} == settings
+
+
+@pytest.mark.parametrize("setting", ["eager", "flash_attention_2"])
+def test_a_deep_copy_of_a_converted_model_computes_as_its_original_setting(setting):
+    # What a converted model computes depends on the setting its configuration had (eager attention's fully masked
+    # rows, flash attention's packed documents), found by the configuration's identity: a deep copy (an EMA or
+    # reference model) reads a copy of the configuration and ran as if it had SDPA: logits 0.27 off with eager
+    # attention and left padding (the padded rows), 0.45 off with flash attention and packed documents.
+    plain = _llama()
+    slim = copy.deepcopy(plain)
+    slim.config._attn_implementation = setting
+    slim = copy.deepcopy(slimact.convert(slim, "tempo"))
+    if setting == "eager":
+        plain.config._attn_implementation = "eager"
+        inputs = {"input_ids": _IDS, "attention_mask": _PAD, "labels": _IDS}
+        truth = inputs
+    else:
+        inputs = {"input_ids": _IDS[:1], "labels": _IDS[:1], "position_ids": _PACKED["position_ids"][:1]}
+        truth = {**inputs, "use_cache": False}  # SDPA with the documents in its mask
+    (want, want_grads), (got, got_grads) = _step(plain, truth), _step(slim, inputs)
+    torch.testing.assert_close(got, want)
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    slimact.revert(slim)
+    assert slim.config._attn_implementation == setting
+    assert not any(slimact.attention.ORIGINAL_ATTR in m.__dict__ for m in slim.modules())
