@@ -41,8 +41,8 @@ from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = [
-    "NAME", "ORIGINAL_ATTR", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register", "release_configs", "setting",
-    "switch_configs",
+    "NAME", "ORIGINAL_ATTR", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register", "registered",
+    "release_configs", "setting", "switch_configs",
 ]
 
 NAME = "slimact"
@@ -134,6 +134,14 @@ def setting(config: Any) -> Any:
     if entry is not None and entry.ref() is config:
         return entry.original
     return None if config is None else _setting(config)
+
+
+def registered(name: Any) -> Any:
+    """The function transformers' ``AttentionInterface`` holds under ``name`` (``None``: none, as for ``"eager"``,
+    which runs the model's own ``eager_attention_forward``)."""
+    from transformers import AttentionInterface
+
+    return getattr(AttentionInterface, "_global_mapping", {}).get(name)
 
 
 def _chosen(module: nn.Module) -> Any:

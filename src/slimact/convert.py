@@ -269,8 +269,9 @@ def _configs_below(config: Any) -> list[Any]:
 
 #: The attention settings whose math slimact's attention function reproduces: transformers' own scaled-dot-product
 #: attention, whichever kernel computes it (and slimact's own, on a configuration whose earlier setting is not known
-#: here). Anything else (a function registered by the user, a hub kernel, the paged variants of continuous batching,
-#: no setting) is left as written.
+#: here), where the function registered under the name is transformers' own. Anything else (a function registered by
+#: the user, under a new name or over one of these, as sequence-parallel wrappers do; a hub kernel; the paged variants
+#: of continuous batching; no setting) is left as written.
 _REPRODUCED = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
                attention.NAME)
 
@@ -279,11 +280,16 @@ def _unknown_setting(config: Any) -> str | None:
     """Why the attention modules reading ``config`` are left as written (its setting is not one slimact's attention
     reproduces), or ``None``."""
     chosen = attention.setting(config)
-    if chosen in _REPRODUCED:
-        return None
     if chosen is None:  # (transformers then builds no mask: a causal model attends to every key, eagerly)
         return "config._attn_implementation is None (no mask, eager attention): left as written"
-    return f"config._attn_implementation is {chosen!r}, an attention function slimact does not know: left as written"
+    if chosen not in _REPRODUCED:
+        return (f"config._attn_implementation is {chosen!r}, an attention function slimact does not know: "
+                "left as written")
+    fn, own = attention.registered(chosen), {"eager": None, attention.NAME: attention.attention_forward}
+    if fn is own[chosen] if chosen in own else getattr(fn, "__module__", "").startswith("transformers.integrations."):
+        return None
+    return (f"config._attn_implementation is {chosen!r}, but the function registered under that name is not "
+            f"transformers' own ({getattr(fn, '__qualname__', type(fn).__name__)}): left as written")
 
 
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,

@@ -451,3 +451,26 @@ def test_a_deep_copy_of_a_converted_model_computes_as_its_original_setting(setti
     slimact.revert(slim)
     assert slim.config._attn_implementation == setting
     assert not any(slimact.attention.ORIGINAL_ATTR in m.__dict__ for m in slim.modules())
+
+
+@pytest.mark.parametrize("setting", ["sdpa", "eager"])
+def test_a_function_registered_over_a_built_in_name_is_left_as_written(setting, monkeypatch):
+    # Sequence-parallel wrappers register their own function over "sdpa", "flash_attention_2" and "eager" (a partial
+    # of a distributed attention); others wrap "sdpa" to add attention sinks or to probe it. The name alone said
+    # "transformers' SDPA", and convert replaced the function: logits 0.20 off with this one.
+    import functools
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, setting, functools.partial(_halved))
+    plain = _llama()
+    plain.config._attn_implementation = setting
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert slim.config._attn_implementation == setting
+    why = slimact.summary(slim).skipped["model.layers.0.self_attn"]
+    assert why == (f"config._attn_implementation is {setting!r}, but the function registered under that name is not "
+                   "transformers' own (partial): left as written")
+    (want, want_grads), (got, got_grads) = _step(plain, _CASES["plain"]), _step(slim, _CASES["plain"])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    slimact.revert(slim)
+    assert slim.config._attn_implementation == setting
