@@ -41,8 +41,8 @@ from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = [
-    "NAME", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register", "release_configs",
-    "switch_configs",
+    "NAME", "ORIGINAL_ATTR", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register", "registered",
+    "release_configs", "setting", "switch_configs",
 ]
 
 NAME = "slimact"
@@ -51,6 +51,9 @@ POLICY_ATTR = "_slimact_attention"
 _EXACT = Policy(name="exact", quantize=False)
 #: Set on a tagged module each time its attention runs here (``summary`` checks the routing took).
 SEEN_ATTR = "_slimact_attention_seen"
+#: Set by ``convert`` on each module reading a switched configuration: the setting it had (a deep copy of a converted
+#: model reads a copy of the configuration, which :func:`setting` does not know).
+ORIGINAL_ATTR = "_slimact_attention_original"
 
 
 def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
@@ -124,12 +127,27 @@ def _model_eager(module: nn.Module, query, key, value, mask, scaling, p, is_caus
                  dropout=p, **kwargs)
 
 
-def _original_setting(module: nn.Module) -> Any:
-    """The attention implementation ``module``'s configuration had before ``convert`` selected ``"slimact"``
-    (``None`` if unknown)."""
-    config = getattr(module, "config", None)
-    entry = _SWITCHED.get(id(config)) if config is not None else None
-    return entry.original if entry is not None and entry.ref() is config else None
+def setting(config: Any) -> Any:
+    """``config``'s attention implementation as the user chose it: the one it had before ``convert`` selected
+    ``"slimact"`` on it, else its present one."""
+    entry = _SWITCHED.get(id(config))
+    if entry is not None and entry.ref() is config:
+        return entry.original
+    return None if config is None else _setting(config)
+
+
+def registered(name: Any) -> Any:
+    """The function transformers' ``AttentionInterface`` holds under ``name`` (``None``: none, as for ``"eager"``,
+    which runs the model's own ``eager_attention_forward``)."""
+    from transformers import AttentionInterface
+
+    return getattr(AttentionInterface, "_global_mapping", {}).get(name)
+
+
+def _chosen(module: nn.Module) -> Any:
+    """The attention setting ``module``'s configuration had before ``convert`` selected ``"slimact"``."""
+    chosen = setting(getattr(module, "config", None))
+    return module.__dict__.get(ORIGINAL_ATTR, chosen) if chosen == NAME else chosen
 
 
 def _as_written_eager(module: nn.Module, policy: Policy | None, mask: Tensor | None) -> bool:
@@ -140,7 +158,7 @@ def _as_written_eager(module: nn.Module, policy: Policy | None, mask: Tensor | N
     autograd passes the softmax's gradient on to q and k, where SDPA, and slimact's fused path, give 0 and no
     gradient: a loss over padded positions, the output at them, or their probabilities would differ from the plain
     model's. Other rows are the same up to float rounding."""
-    if _original_setting(module) != "eager":
+    if _chosen(module) != "eager":
         return False
     if getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) is None:
         return False  # (no eager function to run: as before, the fused path)
@@ -208,6 +226,43 @@ def release_configs(model: nn.Module, records: list[tuple[Any, Any]]) -> None:
         _set(config, original)
 
 
+def _documents(module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | None, is_causal: bool | None,
+               kwargs: dict) -> Tensor | None:
+    """Where the configuration had flash attention and the call carries packed documents as flash attention reads
+    them (its varlen arguments ``cu_seq_lens_q``/``cu_seq_lens_k``, as ``DataCollatorWithFlattening`` gives them, or
+    one row of ``position_ids`` that restart), the boolean mask they stand for: each query attends to keys of its own
+    document only (causally aligned at the documents' ends, as the varlen kernel has it), where ``mask`` allows.
+    ``None`` otherwise: SDPA, eager and flex attention read the documents from the mask transformers builds, which
+    has none where a cache is used (a training forward with ``use_cache`` on)."""
+    if not str(_chosen(module)).startswith("flash_"):
+        return None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None:  # as transformers' flash attention reads position_ids (_is_packed_sequence)
+        pos = kwargs.get("position_ids")
+        if pos is None or query.shape[0] != 1 or pos.shape[-1] == 1:
+            return None
+        pos = pos.reshape(-1)
+        if torch.equal(pos, torch.arange(pos.numel(), device=pos.device) + pos.min()):
+            return None  # one document
+        cu_q = cu_k = torch.cat([(pos == pos.min()).nonzero().view(-1), pos.new_tensor([pos.numel()])])
+
+    def place(cu: Tensor, batch: int, length: int) -> tuple[Tensor, Tensor]:  # (document, tokens left in it)
+        flat = torch.arange(batch * length, device=query.device)
+        ends = cu[1:].to(query.device)
+        doc = torch.bucketize(flat, ends, right=True).clamp_(max=ends.numel() - 1)
+        return doc.view(batch, length), (ends[doc] - flat).view(batch, length)
+
+    (doc_q, left_q), (doc_k, left_k) = place(cu_q, *query.shape[:3:2]), place(cu_k, *key.shape[:3:2])
+    allowed = doc_q[:, None, :, None] == doc_k[:, None, None, :]
+    if is_causal if is_causal is not None else getattr(module, "is_causal", True):
+        allowed &= left_k[:, None, None, :] >= left_q[:, None, :, None]
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return allowed & mask[..., : key.shape[-2]]
+    return mask[..., : key.shape[-2]].masked_fill(~allowed, torch.finfo(mask.dtype).min)
+
+
 def attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -228,6 +283,8 @@ def attention_forward(
             policy = None  # eval mode (or float64, or a torch.func transform): PyTorch's own attention, nothing packed
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
+    if (documents := _documents(module, query, key, attention_mask, is_causal, kwargs)) is not None:
+        attention_mask, is_causal = documents, False
     if any(kwargs.get(k) is not None for k in _EAGER_ONLY) or _as_written_eager(module, policy, attention_mask):
         causal = bool(query.shape[2] > 1 and attention_mask is None
                       and (is_causal if is_causal is not None else getattr(module, "is_causal", True)))

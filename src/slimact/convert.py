@@ -144,6 +144,7 @@ def _untag_attention(model: nn.Module) -> None:
     """Drop the attention tags and the running estimates they gathered from every module of ``model``."""
     for module in model.modules():
         module.__dict__.pop(attention.SEEN_ATTR, None)
+        module.__dict__.pop(attention.ORIGINAL_ATTR, None)
         if module.__dict__.pop(attention.POLICY_ATTR, None) is not None:
             clear_state(module)
             if not isinstance(module, SlimModule):  # (its call-site count, as attach gives a converted module)
@@ -266,6 +267,31 @@ def _configs_below(config: Any) -> list[Any]:
     return found
 
 
+#: The attention settings whose math slimact's attention function reproduces: transformers' own scaled-dot-product
+#: attention, whichever kernel computes it (and slimact's own, on a configuration whose earlier setting is not known
+#: here), where the function registered under the name is transformers' own. Anything else (a function registered by
+#: the user, under a new name or over one of these, as sequence-parallel wrappers do; a hub kernel; the paged variants
+#: of continuous batching; no setting) is left as written.
+_REPRODUCED = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
+               attention.NAME)
+
+
+def _unknown_setting(config: Any) -> str | None:
+    """Why the attention modules reading ``config`` are left as written (its setting is not one slimact's attention
+    reproduces), or ``None``."""
+    chosen = attention.setting(config)
+    if chosen is None:  # (transformers then builds no mask: a causal model attends to every key, eagerly)
+        return "config._attn_implementation is None (no mask, eager attention): left as written"
+    if chosen not in _REPRODUCED:
+        return (f"config._attn_implementation is {chosen!r}, an attention function slimact does not know: "
+                "left as written")
+    fn, own = attention.registered(chosen), {"eager": None, attention.NAME: attention.attention_forward}
+    if fn is own[chosen] if chosen in own else getattr(fn, "__module__", "").startswith("transformers.integrations."):
+        return None
+    return (f"config._attn_implementation is {chosen!r}, but the function registered under that name is not "
+            f"transformers' own ({getattr(fn, '__qualname__', type(fn).__name__)}): left as written")
+
+
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,
                      steps: StepCounter) -> None:
     """Select slimact's attention function on a Hugging Face model and tag its attention modules.
@@ -300,6 +326,8 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
         if reason is None and (name + ".").startswith(eager_only):
             reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
                       "scaled dot-product attention): left as written")
+        if reason is None:
+            reason = _unknown_setting(module.config)
         if reason is None and id(module.config) in branching:
             reason = ("its configuration is also read by an attention module that branches on "
                       "config._attn_implementation: left as written")
@@ -314,7 +342,12 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
         module.__dict__["_slimact_steps"] = steps  # (the model's pass count: one running estimate per call site)
     attention.register()
     configs = [c for root in (config, *(m.config for m in tagged)) for c in _configs_below(root)]
-    model.__dict__[_ATTN_ATTR] = attention.switch_configs(model, [c for c in configs if id(c) not in branching])
+    records = model.__dict__[_ATTN_ATTR] = attention.switch_configs(
+        model, [c for c in configs if id(c) not in branching and _unknown_setting(c) is None])
+    originals = {id(c): original for c, original in records}
+    for module in model.modules():
+        if id(getattr(module, "config", None)) in originals:
+            module.__dict__[attention.ORIGINAL_ATTR] = originals[id(module.config)]
 
 
 def _unroot(module: nn.Module) -> None:

@@ -243,3 +243,234 @@ def test_probabilities_asked_for_under_running_scales_are_computed(name):
         torch.testing.assert_close(got.detach(), want.detach())
     torch.testing.assert_close(l1, l0)
     assert_gradients_close(g0, g1)
+
+
+# Which attention settings convert switches to slimact's. transformers' own scaled-dot-product attention functions
+# ("eager", "sdpa", flash and flex attention) are computed by slimact's as they would be; anything else (a function the
+# user registered, a hub kernel, the paged variants, no setting at all) is left as written.
+
+
+def _halved(module, query, key, value, mask, **kwargs):
+    """A user's attention function: SDPA's output halved (what slimact's attention does not compute)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, weights = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    return out * 0.5, weights
+
+
+@pytest.fixture
+def halved(monkeypatch):
+    """``"halved"`` registered with transformers' attention and mask interfaces for one test."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, "halved", _halved)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "halved", sdpa_mask)
+    return "halved"
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+_IDS = torch.randint(1, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+_PAD = torch.ones_like(_IDS)
+_PAD[0, :5] = 0  # the first row left-padded over 5 tokens: its first query rows attend to nothing
+#: Two documents packed into each row (positions restart at 6), no mask; no cache, so that transformers' mask
+#: separates them (with a cache it builds none, for any setting but flash attention's).
+_PACKED = {"position_ids": torch.cat([torch.arange(6), torch.arange(10)]).expand(2, -1), "use_cache": False}
+_CASES = {
+    "plain": {"input_ids": _IDS, "labels": _IDS},
+    "left-padding": {"input_ids": _IDS, "attention_mask": _PAD, "labels": _IDS.masked_fill(_PAD == 0, -100)},
+    "packed": {"input_ids": _IDS, "labels": _IDS, **_PACKED},
+}
+
+
+def _step(model, inputs, grads=True):
+    """``(logits, {name: grad})`` of one training forward (with ``grads=False``: the logits, no backward)."""
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(grads):
+        out = model(**inputs)
+    if not grads:
+        return out.logits, None
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("setting", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", list(_CASES))
+def test_a_switched_setting_computes_what_the_plain_model_did(setting, case):
+    plain = _llama()
+    plain.config._attn_implementation = setting
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert slim.config._attn_implementation == "slimact"
+    assert slimact.summary(slim).converted["attention"] == 2
+    inputs = _CASES[case]
+    (want, want_grads), (got, got_grads) = _step(plain, inputs), _step(slim, inputs)
+    torch.testing.assert_close(got, want)
+    assert want_grads.keys() == got_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    if case == "packed":  # the documents were kept apart: the second reads nothing of the first
+        alone = {"input_ids": _IDS[:, 6:], "position_ids": _PACKED["position_ids"][:, 6:]}
+        torch.testing.assert_close(got[:, 6:], _step(slim, alone, grads=False)[0])
+    slimact.revert(slim)
+    assert slim.config._attn_implementation == setting
+
+
+def test_flex_attention_is_switched_and_computes_what_the_plain_model_did():
+    # Flex attention runs on CPU here only without gradients (PyTorch: "FlexAttention does not support backward on
+    # CPU"): the converted model's training forward against the plain one's under no_grad; the gradients are SDPA's
+    # (the same attention: flex's score_mod adds only the mask, softcap and a position bias, none of them here).
+    plain = _llama()
+    plain.config._attn_implementation = "flex_attention"
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert slim.config._attn_implementation == "slimact"
+    sdpa = copy.deepcopy(plain)
+    sdpa.config._attn_implementation = "sdpa"
+    for case, inputs in _CASES.items():
+        got, got_grads = _step(slim, inputs)
+        torch.testing.assert_close(got, _step(plain, inputs, grads=False)[0], msg=case)
+        _, want_grads = _step(sdpa, inputs)
+        for n in want_grads:
+            torch.testing.assert_close(got_grads[n], want_grads[n], msg=f"{case}: {n}")
+    slimact.revert(slim)
+    assert slim.config._attn_implementation == "flex_attention"
+
+
+_CU = torch.tensor([0, 6, 16], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("setting", ["flash_attention_2", "flash_attention_3"])
+@pytest.mark.parametrize("documents", ["none", "position_ids", "cu_seq_lens"])
+def test_flash_attention_is_switched_and_keeps_packed_documents_apart(setting, documents):
+    # Flash attention reads packed documents from the call itself: one row of position_ids that restart (even in a
+    # training forward with a cache, where transformers' mask has no documents), or the varlen arguments
+    # cu_seq_lens_q/k of DataCollatorWithFlattening. Converted, the documents of a model that had flash attention
+    # read each other: logits 0.37 and gradients 0.20 off. (No flash kernel on CPU: the plain model runs SDPA with
+    # the documents in its mask, what flash attention computes.)
+    plain = _llama()
+    slim = copy.deepcopy(plain)
+    slim.config._attn_implementation = setting
+    slimact.convert(slim, "tempo")
+    assert slim.config._attn_implementation == "slimact"
+    ids, pos = _IDS[:1], _PACKED["position_ids"][:1]
+    inputs = {"input_ids": ids, "labels": ids}
+    call = {"none": {},
+            "position_ids": {"position_ids": pos},
+            "cu_seq_lens": {"cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_q": 10, "max_length_k": 10}}
+    truth = {} if documents == "none" else {"position_ids": pos, "use_cache": False}
+    want, want_grads = _step(plain, {**inputs, **truth})
+    got, got_grads = _step(slim, {**inputs, **call[documents]})
+    torch.testing.assert_close(got, want)
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    slimact.revert(slim)
+    assert slim.config._attn_implementation == setting
+
+
+@pytest.mark.parametrize("setting", ["halved", None, "paged|eager", "sdpa_paged", "kernels-community/flash-attn3"])
+def test_a_setting_slimact_does_not_reproduce_is_left_as_written(setting, halved):
+    # A user's own registered attention function ran transformers' SDPA after convert, which switched every
+    # configuration to "slimact": logits 0.10 off, and the summary said the attention was converted. So did the
+    # hub kernels and the paged variants, and a model with no setting (no mask, eager attention over every key:
+    # converted, it became causal, logits 0.49 off).
+    plain = _llama()
+    plain.config._attn_implementation = setting
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert slim.config._attn_implementation == setting
+    report = slimact.summary(slim)
+    assert "attention" not in report.converted
+    for i in range(2):
+        assert report.skipped[f"model.layers.{i}.self_attn"].startswith(f"config._attn_implementation is {setting!r}")
+    assert all(slimact.attention.POLICY_ATTR not in m.__dict__ for m in slim.modules())
+    if setting in ("halved", None):  # (the others need their kernels or a paged cache)
+        (want, want_grads), (got, got_grads) = _step(plain, _CASES["plain"]), _step(slim, _CASES["plain"])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for n in want_grads:
+            torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    slimact.revert(slim)
+    assert slim.config._attn_implementation == setting
+
+
+@pytest.mark.parametrize("text, vision", [("sdpa", "halved"), ("halved", "eager")])
+def test_each_sub_configuration_is_decided_on_its_own(text, vision, halved):
+    # A multimodal model whose vision tower and language model have their own settings (attn_implementation given
+    # as {"text_config": ..., "vision_config": ...}): the one slimact reproduces is switched, the other left alone.
+    torch.manual_seed(0)
+    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       image_size=16, patch_size=8)
+    tc = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc, image_token_index=95, vision_feature_layer=-1)
+    plain = transformers.LlavaForConditionalGeneration(cfg).train()
+    plain.config._attn_implementation = {"text_config": text, "vision_config": vision}
+    ids = _IDS[:, :12].clamp(max=90)
+    ids[:, 1:5] = 95  # four image tokens: the four patches
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)),
+              "labels": ids}
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    settings = {"text_config": text, "vision_config": vision}
+    for key, setting in settings.items():
+        assert getattr(slim.config, key)._attn_implementation == ("halved" if setting == "halved" else "slimact"), key
+    report = slimact.summary(slim)
+    assert report.converted["attention"] == 2
+    left = [n for n, why in report.skipped.items() if why.startswith("config._attn_implementation is 'halved'")]
+    assert len(left) == 2 and all(("vision_tower" in n) == (vision == "halved") for n in left), left
+    (want, want_grads), (got, got_grads) = _step(plain, inputs), _step(slim, inputs)
+    torch.testing.assert_close(got, want)
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    slimact.revert(slim)
+    assert {k: getattr(slim.config, k)._attn_implementation for k in settings} == settings
+
+
+@pytest.mark.parametrize("setting", ["eager", "flash_attention_2"])
+def test_a_deep_copy_of_a_converted_model_computes_as_its_original_setting(setting):
+    # What a converted model computes depends on the setting its configuration had (eager attention's fully masked
+    # rows, flash attention's packed documents), found by the configuration's identity: a deep copy (an EMA or
+    # reference model) reads a copy of the configuration and ran as if it had SDPA: logits 0.27 off with eager
+    # attention and left padding (the padded rows), 0.45 off with flash attention and packed documents.
+    plain = _llama()
+    slim = copy.deepcopy(plain)
+    slim.config._attn_implementation = setting
+    slim = copy.deepcopy(slimact.convert(slim, "tempo"))
+    if setting == "eager":
+        plain.config._attn_implementation = "eager"
+        inputs = {"input_ids": _IDS, "attention_mask": _PAD, "labels": _IDS}
+        truth = inputs
+    else:
+        inputs = {"input_ids": _IDS[:1], "labels": _IDS[:1], "position_ids": _PACKED["position_ids"][:1]}
+        truth = {**inputs, "use_cache": False}  # SDPA with the documents in its mask
+    (want, want_grads), (got, got_grads) = _step(plain, truth), _step(slim, inputs)
+    torch.testing.assert_close(got, want)
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    slimact.revert(slim)
+    assert slim.config._attn_implementation == setting
+    assert not any(slimact.attention.ORIGINAL_ATTR in m.__dict__ for m in slim.modules())
+
+
+@pytest.mark.parametrize("setting", ["sdpa", "eager"])
+def test_a_function_registered_over_a_built_in_name_is_left_as_written(setting, monkeypatch):
+    # Sequence-parallel wrappers register their own function over "sdpa", "flash_attention_2" and "eager" (a partial
+    # of a distributed attention); others wrap "sdpa" to add attention sinks or to probe it. The name alone said
+    # "transformers' SDPA", and convert replaced the function: logits 0.20 off with this one.
+    import functools
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, setting, functools.partial(_halved))
+    plain = _llama()
+    plain.config._attn_implementation = setting
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert slim.config._attn_implementation == setting
+    why = slimact.summary(slim).skipped["model.layers.0.self_attn"]
+    assert why == (f"config._attn_implementation is {setting!r}, but the function registered under that name is not "
+                   "transformers' own (partial): left as written")
+    (want, want_grads), (got, got_grads) = _step(plain, _CASES["plain"]), _step(slim, _CASES["plain"])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    slimact.revert(slim)
+    assert slim.config._attn_implementation == setting
