@@ -16,7 +16,9 @@ the calls before it made (an EMA, decay 0.9), and a fresh copy's first call sets
 so a check of the first step alone sees nearly each tensor's own range and cannot see the estimate lag where a
 tensor's range changes from call to call. Under such a policy ``check`` judges two converted steps and each
 parameter by the worse: the first step (estimates fresh), and a step of a second converted copy whose estimates
-were first warmed by training-mode forward calls on other batches, those given as ``batches`` (a few from the
+were first warmed by training-mode forward calls on other batches (judged against a plain copy warmed on the same
+batches from the same RNG state: a forward may change a model's own state outside its state dict), those given
+as ``batches`` (a few from the
 user's data loader), else ``warmup`` (8) batches mixed from the rows of ``inputs`` (:func:`_mixed`: each element
 from one of all the rows but one, drawn at random; with one row nothing can be mixed and only the first step is
 judged). ``micro_batch`` makes the step a gradient accumulation loop over calls of that many rows, as the user's
@@ -76,7 +78,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -273,6 +275,15 @@ def _fresh_inputs(inputs: Any) -> Any:
     return _map_tensors(inputs, lambda t: t.detach().clone().requires_grad_() if t.requires_grad else t)
 
 
+class _Reference(NamedTuple):
+    """A plain step a converted one is judged against: the plain model after it, its loss, outputs and gradients."""
+
+    model: nn.Module
+    loss: Tensor
+    outs: list[Tensor]
+    grads: dict[str, Tensor | None]
+
+
 def _rows(inputs: Any) -> int | None:
     """The batch size of ``inputs``: the first dim of its first tensor with one (``None`` where it has none)."""
     found: list[int] = []
@@ -346,10 +357,12 @@ def _mixed(inputs: Any, rows: int, gen: torch.Generator) -> Any:
     return _map_tensors(inputs, mix)
 
 
-def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, warmup: int) -> str:
+def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, warmup: int,
+          rng: tuple[Tensor, list[Tensor]]) -> str:
     """Run the converted copy's forward (training mode, no backward) on the calls of other batches, so that its
     running estimates are those training has by then: the given ``batches``, else ``warmup`` batches mixed from
-    the rows of ``inputs`` (:func:`_mixed`). Returns what was done, for the report."""
+    the rows of ``inputs`` (:func:`_mixed`); from the RNG state ``rng``, so that a plain copy warmed the same way
+    draws the same numbers. Returns what was done, for the report."""
     rows = _rows(inputs)
     size = rows if not micro_batch or rows is None else min(micro_batch, rows)
     if batches is not None:
@@ -365,6 +378,9 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
                 "judged rows' values: batches= from your data shows training's estimates better)")
     calls = 0
     slim.train()
+    torch.random.set_rng_state(rng[0])
+    if rng[1]:
+        torch.cuda.set_rng_state_all(rng[1])
     # The model's own state (BatchNorm's running statistics, any buffer a forward updates) as it was: the warm-up
     # is to move slimact's estimates only (non-persistent buffers, not in the state dict).
     state = {k: v.clone() for k, v in slim.state_dict().items()}
@@ -606,63 +622,80 @@ def check(
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     # Converted steps: (label, loss, outputs, gradients). Under running estimates, the first step (estimates fresh)
     # and, after warming them on other batches, a later one; each parameter is judged by the worse of the two.
+    # Converted steps: (label, loss, outputs, gradients, reference). Under running estimates, the first step
+    # (estimates fresh) and, after warming them on other batches, a later one, judged against a plain copy warmed
+    # on the same batches (a model whose own state a forward changes: a module made at its first call, as BigBird's
+    # switch to full attention draws fresh weights, a counter); each parameter is judged by the worse of the two.
     steps = []
     estimates = None
+    batches = None if batches is None else list(batches)
     with torch.random.fork_rng(devices=cuda):
         rng = (torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda])
+        warm = (copy.deepcopy(plain), copy.deepcopy(slim)) if _running(pol) else None
         loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng, micro_batch)
-        # (A second converted copy is warmed: the first step's packs would set its estimates to the judged
-        # batch's own ranges, which training's estimates have not seen.)
-        warm = copy.deepcopy(slim) if _running(pol) else None
-        steps.append(("", *_step(slim, _fresh_inputs(inputs), loss_fn, rng, micro_batch)))
+        first = _Reference(plain, loss0, outs0, grads0)
+        steps.append(("", *_step(slim, _fresh_inputs(inputs), loss_fn, rng, micro_batch), first))
         if warm is not None:
-            estimates = _warm(warm, inputs, micro_batch, batches, warmup)
+            estimates = _warm(warm[1], inputs, micro_batch, batches, warmup, rng)
             if estimates.startswith("warmed"):
+                _warm(warm[0], inputs, micro_batch, batches, warmup, rng)
+                later = _Reference(warm[0], *_step(warm[0], _fresh_inputs(inputs), loss_fn, rng, micro_batch))
                 steps[0] = ("first step", *steps[0][1:])
-                steps.append(("after warm-up", *_step(warm, _fresh_inputs(inputs), loss_fn, rng, micro_batch)))
+                steps.append(("after warm-up", *_step(warm[1], _fresh_inputs(inputs), loss_fn, rng, micro_batch),
+                              later))
     # A loss is in nats (or its own units) whatever its value: a loss near 0 (a model that already predicts its
     # labels) is a difference of O(1) log-probabilities, rounded at that scale.
     diffs, same_count = [], True
-    for _, loss1, outs1, _ in steps:
-        diffs += [_max_diff(loss0, loss1, floor=1.0)]
-        diffs += [_max_diff(a, b) for a, b in zip(outs0, outs1, strict=False)]
-        same_count = same_count and len(outs0) == len(outs1)
+    for _, loss1, outs1, _, ref in steps:
+        diffs += [_max_diff(ref.loss, loss1, floor=1.0)]
+        diffs += [_max_diff(a, b) for a, b in zip(ref.outs, outs1, strict=False)]
+        same_count = same_count and len(ref.outs) == len(outs1)
     norms = [g.detach().double().norm().item() for g in grads0.values() if g is not None]
     typical = float(torch.tensor(norms).median()) if norms else 0.0
     params, missing, judged = [], [], {}
     for name, exact in grads0.items():
-        if exact is None and all(grads1.get(name) is None for *_, grads1 in steps):
+        if exact is None and all(grads1.get(name) is None for *_, grads1, _ in steps):
             continue  # a parameter the loss does not reach, in both runs
-        if exact is None or any(grads1.get(name) is None for *_, grads1 in steps):
+        if exact is None or any(grads1.get(name) is None or ref.grads.get(name) is None
+                                for *_, grads1, ref in steps):
             missing.append(name)
             continue
         # The worse step: a failure first, then the lower cosine (negligible ones: the larger difference).
-        options = [(dataclasses.replace(_judge(name, exact, grads1[name], typical, lossless), step=label),
-                    grads1[name]) for label, _, _, grads1 in steps]
+        options = [(dataclasses.replace(_judge(name, ref.grads[name], grads1[name], typical, lossless), step=label),
+                    (grads1[name], ref)) for label, _, _, grads1, ref in steps]
         p, judged[name] = min(options, key=lambda o: (o[0].passed, o[0].cosine if not o[0].negligible else 2.0,
                                                       -o[0].diff))
         params.append(p)
     low = _low_precision(plain, inputs, outs0)
     reference = "plain PyTorch" + (f" (which has {str(low).removeprefix('torch.')} tensors)" if low else "")
     if any(not p.passed for p in params):
-        with torch.random.fork_rng(devices=cuda):
-            wide = _float64_grads(plain, inputs, loss_fn, rng, loss0, outs0, low, micro_batch)
-        if isinstance(wide, dict):
-            params = [p if p.passed or wide.get(p.name) is None
-                      else _rejudge(p, grads0[p.name], judged[p.name], wide[p.name], typical, lossless)
-                      for p in params]
-            n = sum(p.reference == "float64" for p in params)
+        wides: dict[int, dict[str, Tensor | None] | str] = {}
+        for ref in {id(r): r for _, (_, r) in judged.items()}.values():
+            with torch.random.fork_rng(devices=cuda):
+                wides[id(ref)] = _float64_grads(ref.model, inputs, loss_fn, rng, ref.loss, ref.outs, low, micro_batch)
+        why = [w for w in wides.values() if not isinstance(w, dict)]
+
+        def rejudged(p: ParamCheck) -> ParamCheck:
+            approx, ref = judged[p.name]
+            wide = wides[id(ref)]
+            if p.passed or not isinstance(wide, dict) or wide.get(p.name) is None:
+                return p
+            return _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless)
+
+        params = [rejudged(p) for p in params]
+        n = sum(p.reference == "float64" for p in params)
+        if n:
             reference += (f"; {n} parameter(s) that missed the floor against it judged against a float64 copy of "
                           "the plain model, plain's gradient and the converted one both")
-        else:
-            reference += f"; no float64 reference for the parameters below the floor: {wide or 'unavailable'}"
+        if why:
+            reference += f"; no float64 reference for the parameters below the floor: {why[0] or 'unavailable'}"
     return CheckReport(
         policy=pol.name,
         lossless=lossless,
         forward_max_abs_diff=max(d for d, _ in diffs),
         forward_equal=same_count and all(ok for _, ok in diffs),
         loss_plain=loss0.item(),
-        loss_converted=steps[-1][1].item(),
+        loss_converted=steps[0][1].item(),
         params=params,
         summary=summary(slim),
         missing=missing,
