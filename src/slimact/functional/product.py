@@ -103,18 +103,20 @@ class _BroadcastProductFunction(SlimFunction):
 
 def broadcast_big(x: Tensor, y: Tensor) -> int | None:
     """Which factor of ``x * y`` is the large one the other broadcasts to: 0 (``x``), 1 (``y``), or ``None`` where
-    that is not clear-cut: a 0-dim factor, shapes that do not broadcast, both broadcast (``[B, 1, C] * [1, T, C]``),
-    equal shapes, or equal element counts in other shapes (``[1, C] * [C]``)."""
+    that is not clear-cut. The large factor has the product's shape, and the other is expanded along at least one of
+    its dims (a size-1 or missing dim where the product's is not 1: so it has fewer elements, but in an empty batch).
+    Not clear-cut: a 0-dim factor, shapes that do not broadcast, both broadcast (``[B, 1, C] * [1, T, C]``), equal
+    shapes, shapes that differ only by leading size-1 dims (``[1, C] * [C]``: the same element count)."""
     if x.dim() == 0 or y.dim() == 0 or x.shape == y.shape:
         return None
     try:
         shape = torch.broadcast_shapes(x.shape, y.shape)
     except RuntimeError:
         return None
-    if x.shape == shape and y.numel() < x.numel():
-        return 0
-    if y.shape == shape and x.numel() < y.numel():
-        return 1
+    for big, (large, small) in enumerate(((x, y), (y, x))):
+        padded = (1,) * (len(shape) - small.dim()) + tuple(small.shape)  # (a missing leading dim broadcasts too)
+        if large.shape == shape and any(s == 1 and n != 1 for s, n in zip(padded, shape, strict=True)):
+            return big
     return None
 
 
