@@ -118,7 +118,8 @@ def _plain_norm(x):
 @pytest.mark.parametrize("shape", [(4, 1, 64), (1, 1, 64), (64,), (4, 16, 1)])
 def test_a_norms_output_times_a_broadcast_factor(shape, swapped):
     # [B, 1, C]: adaLN; [1, 1, C] and [C]: one scale for the batch; [B, T, 1]: a per-token scale (its gradient sums
-    # over the channels, which the norm's pack groups per channel).
+    # over the channels; the Function computes it within the floors here, but the route leaves it as written: a norm
+    # after the product makes that sum a cancellation, see test_a_mix_of_normed_streams_runs_as_written).
     x, s = _norm_and_scale(shape)
     y0, gx0, gs0 = _grads(_modulate(_plain_norm, swapped), x, s)
     y1, gx1, gs1 = _grads(_slim_modulate(swapped), x, s)
@@ -317,7 +318,8 @@ def test_a_guarded_norm_keeps_its_input_and_the_product_packs_the_output():
 
 
 class _NotANormsOutput(torch.nn.Module):
-    """Broadcast products whose large factor no slimact layer keeps, or that keep nothing worth routing."""
+    """Broadcast products whose large factor no slimact layer keeps, that keep nothing worth routing, or whose small
+    factor's gradient would sum along the norm's row."""
 
     def __init__(self, how):
         super().__init__()
@@ -342,13 +344,62 @@ class _NotANormsOutput(torch.nn.Module):
             return probs * (torch.arange(16) % 3 != 0).float()[None, None]
         if self.how == "mask-on-norm":  # a norm's output times a constant mask: plain keeps only the mask
             return self.norm(t) * (torch.arange(16) % 3 != 0).float()[None, :, None]
+        if self.how == "per-token":  # a norm's output times a [B, T, 1] scale: its gradient sums along the row
+            return self.norm(t) * torch.sigmoid(self.proj(t)[..., :1])
         return self.norm(t) * self.se(pooled).mean()  # "0-dim": a 0-dim factor
 
 
-@pytest.mark.parametrize("how", ["squeeze-excitation", "silu-gate", "dit-gate", "mask", "mask-on-norm", "0-dim"])
-def test_a_broadcast_product_not_of_a_norms_output_runs_as_written(how):
+@pytest.mark.parametrize("how", ["squeeze-excitation", "silu-gate", "dit-gate", "mask", "mask-on-norm", "0-dim",
+                                 "per-token"])
+def test_broadcast_products_the_route_does_not_take_run_as_written(how):
     torch.manual_seed(0)
     plain = _NotANormsOutput(how).train()
     x = torch.randn(2, 8, 4, 4, generator=torch.Generator().manual_seed(4))
     slim = check_against_plain(plain, x, policy="int8")
     assert not _routed(slim(x.requires_grad_()))
+
+
+class _NormedStreamsMix(torch.nn.Module):
+    """A learned mix of normed streams into an RMSNorm (a hyper-connection head with a norm per stream): the mix's
+    weights, one per stream, ``[B, T, K, 1]``, times the streams' norm's output ``[B, T, K, C]``."""
+
+    def __init__(self, k=4, c=64):
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.randn(k, k * c) * 0.02)
+        self.base = torch.nn.Parameter(torch.zeros(k))
+        self.pre_norm = torch.nn.LayerNorm(c, elementwise_affine=False)
+        self.norm = torch.nn.RMSNorm(c, eps=1e-6)
+
+    def forward(self, streams):
+        pre = torch.sigmoid(torch.nn.functional.linear(streams.flatten(2), self.mix) + self.base)
+        return self.norm((pre.unsqueeze(-1) * self.pre_norm(streams)).sum(dim=2))
+
+
+def test_a_mix_of_normed_streams_runs_as_written():
+    # The weights' gradient, sum_c grad_h * xn_k, is the small remainder of a cancellation (the RMSNorm's gradient is
+    # orthogonal to h, and the streams are nearly parallel to it). Routed, with xn_k from the norm's 8-bit codes (and
+    # the RMSNorm missing the mix behind slimact's product node), it was at cosine 0.84 (mix) and 0.73 (base); a
+    # factor constant along the norm's channels is left as written, and the RMSNorm sees the mix.
+    torch.manual_seed(0)
+    model = _NormedStreamsMix()
+    h = torch.randn(2, 32, 1, 64)
+    streams = (h.expand(-1, -1, 4, -1) + 0.01 * torch.randn(2, 32, 4, 64)).requires_grad_()
+    proj = torch.randn(64)
+    grads = []
+    for m in (model, slimact.convert(copy.deepcopy(model), "int8")):
+        y = m(streams)
+        assert not _routed(y)
+        (y @ proj).pow(2).sum().backward()
+        grads.append((m.mix.grad, m.base.grad))
+    for exact, approx in zip(*grads, strict=True):
+        assert cosine(exact, approx) >= 0.999
+
+
+def test_a_norm_sees_a_mix_made_by_the_broadcast_product():
+    # Weights per stream and channel, [K, C]: routed (their gradient sums over rows); the norm the mix feeds finds
+    # the mix behind slimact's product node and keeps its tensors exact, as behind PyTorch's mul.
+    from slimact.functional.norm import _learned_mix
+
+    s = norm(torch.randn(2, 8, 4, 16, requires_grad=True), None, None, 1e-6, LN_CFG)
+    w = torch.randn(4, 16, requires_grad=True)
+    assert _learned_mix(broadcast_product(s, w, LN_CFG).sum(2)) and _learned_mix((s * w).sum(2))

@@ -150,7 +150,8 @@ def _learned_mix(x: Tensor) -> bool:
     if node is None or not type(node).__name__.startswith("SumBackward"):
         return False
     inner = node.next_functions[0][0]
-    if inner is None or not type(inner).__name__.startswith("MulBackward"):
+    # (slimact's broadcast product too, which the routing sends a norm's output times a broadcast factor)
+    if inner is None or not type(inner).__name__.startswith(("MulBackward", "_BroadcastProductFunctionBackward")):
         return False
     return any(fn is not None for fn, _ in inner.next_functions)
 

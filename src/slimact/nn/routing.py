@@ -491,7 +491,8 @@ class Routing:
     def _broadcast_product(self, x: Tensor, y: Tensor) -> Tensor | None:
         """``x * y`` where the large factor ``a`` is the output of a norm slimact computed (a converted module or a
         routed call; unchanged since) and the other, ``b``, broadcasts to it and needs a gradient: adaLN's
-        ``norm(h) * (1 + scale[:, None])`` (DiT, SD3, Flux, PixArt), in either order. ``b`` is kept exact, ``a``
+        ``norm(h) * (1 + scale[:, None])`` (DiT, SD3, Flux, PixArt), in either order, ``b`` spanning the norm's
+        channels (``[B, 1, C]``, ``[C]``; GroupNorm's ``[N, C, 1, 1]``). ``b`` is kept exact, ``a``
         through the norm's own pack (no bytes of its own), where plain keeps ``a`` in full precision
         (:func:`slimact.functional.product.broadcast_product`). As written: where ``b`` needs no gradient (plain
         keeps only ``b``: nothing to save), where the norm keeps ``a`` itself exact (a lossless policy, a learned
@@ -509,6 +510,17 @@ class Routing:
         if kept is None or kept[1] == "exact" or kept[0] not in self.kinds:
             return None
         if not _wants_grad(b) or a.dtype not in COMPRESSIBLE_DTYPES:
+            return None
+        # b must span the norm's channel dim (the last; GroupNorm's dim 1), so that b's gradient sums over rows, per
+        # channel, as a norm weight's does. A factor constant along the channels (a per-token [B, T, 1] scale, a
+        # mix's [..., K, 1] weights) has a gradient summed along the normalised row, a cancellation wherever a norm
+        # follows (it removes such a scale: the exact gradient is 0, or the small remainder of one when near-parallel
+        # streams are mixed), which a's 8-bit codes swamp: as written. (Measured: a norm's learned mix of normed
+        # streams, (w[..., None] * norm(streams)).sum(2) into an RMSNorm, had its weights' gradient at cosine 0.73
+        # routed, 1.0 as written.)
+        channel = 1 if kept[0] == "groupnorm" else a.dim() - 1
+        at = channel - (a.dim() - b.dim())
+        if at < 0 or b.shape[at] != a.shape[channel]:
             return None
         cfg = self._cfg(kept[0], a)
         return None if cfg is None else broadcast_product(x, y, cfg)
