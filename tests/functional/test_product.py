@@ -317,7 +317,7 @@ def test_a_guarded_norm_keeps_its_input_and_the_product_packs_the_output():
                 if e.shape == tuple(x.shape) and e.dtype == torch.float32]
 
 
-class _NotANormsOutput(torch.nn.Module):
+class _Untaken(torch.nn.Module):
     """Broadcast products whose large factor no slimact layer keeps, that keep nothing worth routing, or whose small
     factor's gradient would sum along the norm's row."""
 
@@ -353,13 +353,13 @@ class _NotANormsOutput(torch.nn.Module):
                                  "per-token"])
 def test_broadcast_products_the_route_does_not_take_run_as_written(how):
     torch.manual_seed(0)
-    plain = _NotANormsOutput(how).train()
+    plain = _Untaken(how).train()
     x = torch.randn(2, 8, 4, 4, generator=torch.Generator().manual_seed(4))
     slim = check_against_plain(plain, x, policy="int8")
     assert not _routed(slim(x.requires_grad_()))
 
 
-class _NormedStreamsMix(torch.nn.Module):
+class _MixOfStreams(torch.nn.Module):
     """A learned mix of normed streams into an RMSNorm (a hyper-connection head with a norm per stream): the mix's
     weights, one per stream, ``[B, T, K, 1]``, times the streams' norm's output ``[B, T, K, C]``."""
 
@@ -381,7 +381,7 @@ def test_a_mix_of_normed_streams_runs_as_written():
     # the RMSNorm missing the mix behind slimact's product node), it was at cosine 0.84 (mix) and 0.73 (base); a
     # factor constant along the norm's channels is left as written, and the RMSNorm sees the mix.
     torch.manual_seed(0)
-    model = _NormedStreamsMix()
+    model = _MixOfStreams()
     h = torch.randn(2, 32, 1, 64)
     streams = (h.expand(-1, -1, 4, -1) + 0.01 * torch.randn(2, 32, 4, 64)).requires_grad_()
     proj = torch.randn(64)
@@ -403,3 +403,44 @@ def test_a_norm_sees_a_mix_made_by_the_broadcast_product():
     s = norm(torch.randn(2, 8, 4, 16, requires_grad=True), None, None, 1e-6, LN_CFG)
     w = torch.randn(4, 16, requires_grad=True)
     assert _learned_mix(broadcast_product(s, w, LN_CFG).sum(2)) and _learned_mix((s * w).sum(2))
+
+
+class AdaLayerNormZero(torch.nn.Module):
+    """diffusers' ``AdaLayerNormZero`` (DiT's and SD3's norm1 in diffusers; ``emb`` given), which modulates its norm's
+    output in its own forward: a module whose class is named a norm, in whose code the routing leaves same-shape
+    products as written (a gated norm's)."""
+
+    def __init__(self, embedding_dim):
+        super().__init__()
+        self.silu = torch.nn.SiLU()
+        self.linear = torch.nn.Linear(embedding_dim, 6 * embedding_dim, bias=True)
+        self.norm = torch.nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, emb):
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        x = self.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class _DiffusersBlock(torch.nn.Module):
+    def __init__(self, c=32):
+        super().__init__()
+        self.norm1 = AdaLayerNormZero(c)
+        self.ff = torch.nn.Linear(c, c)
+
+    def forward(self, x, emb):
+        h, gate, *_ = self.norm1(x, emb)
+        return x + gate.unsqueeze(1) * self.ff(h)
+
+
+def test_adaln_in_a_norm_modules_own_code():
+    torch.manual_seed(0)
+    plain = _DiffusersBlock().train()
+    x, c = _inputs("layernorm")
+    c = torch.cat([c, c], 1)
+    x.requires_grad_()
+    slim = check_against_plain(plain, x, c, policy="int8")
+    assert _routed(slim(x, c))
+    after = slimact.profile(slim, (x, c)).by_module["norm1"]
+    assert after == slimact.profile(plain, (x, c)).by_module["norm1"] - x.numel() * 4  # (its fp32 output)

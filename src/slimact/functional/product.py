@@ -37,10 +37,15 @@ estimate a value beyond it saturates, as in the norm's own backward). The tests 
 b`` (or ``b * a``, as written), its dtype promotion included.
 
 Routed (:mod:`slimact.nn.routing`) only where ``a`` is the output of a slimact norm, unchanged since, that keeps its
-output's codes (0 bytes for ``a``) or its input (1 byte per element here, where plain keeps 4), and ``b`` needs a
-gradient (else plain keeps only ``b``). Not where the norm keeps ``a`` exact (a lossless policy: autograd's ``a`` is
-the norm's own tensor, no second copy, nothing to save), nor for other large factors (a gate times a linear layer's
-output, ``probs * mask``), nor where which factor is the large one is not clear-cut (:func:`broadcast_big`).
+output's codes (0 bytes for ``a``) or its input (1 byte per element here, where plain keeps 4), ``b`` spans the
+norm's channels (``[B, 1, C]``, ``[C]``; GroupNorm's ``[N, C, 1, 1]``: its gradient sums over rows per channel, as a
+norm weight's) and needs a gradient (else plain keeps only ``b``). Not where the norm keeps ``a`` exact (a lossless
+policy: autograd's ``a`` is the norm's own tensor, no second copy, nothing to save); not for a ``b`` constant along
+the channels (a per-token ``[B, T, 1]`` scale, a mix's ``[B, T, K, 1]`` weights: its gradient sums along the
+normalised row, a cancellation wherever a norm follows, which 8-bit codes swamp: a learned mix of normed streams
+into an RMSNorm had its weights' gradients at cosine 0.73 routed); not for other large factors (a gate times a
+linear layer's output, ``probs * mask``); not where which factor is the large one is not clear-cut
+(:func:`broadcast_big`).
 """
 
 from __future__ import annotations

@@ -17,12 +17,13 @@ forward hook) sends those calls to slimact:
   gate's product written in model code (T5's gated GELU, Mamba's ``y * act(gate)``, a SwiGLU inline) ->
   :func:`slimact.functional.product.product`, both factors kept with the policy's codes (the activation's output
   through its input's: no bytes of its own), not in full precision; ``a * b`` with ``a`` the output of a norm slimact
-  computed (unchanged since) and ``b`` a smaller factor that broadcasts to it and needs a gradient (adaLN's
-  ``norm(h) * (1 + scale[:, None])`` in DiT, SD3, Flux, PixArt; either order, PyTorch's dtype promotion) ->
+  computed (unchanged since) and ``b`` a smaller factor that broadcasts to it, spans its channels and needs a
+  gradient (adaLN's ``norm(h) * (1 + scale[:, None])`` in DiT, SD3, Flux, PixArt, also in a norm module's own code,
+  diffusers' ``AdaLayerNormZero``; either order, PyTorch's dtype promotion) ->
   :func:`slimact.functional.product.broadcast_product`, ``b`` kept exact and ``a`` through the norm's own pack (no
-  bytes of its own); any other product runs as written, and so does one in a norm module's own code (a gated norm:
-  the normalisation that follows removes every scale of the factors, and the gradient to such a scale is a
-  cancellation 8-bit factors swamp);
+  bytes of its own); any other product runs as written, and so does a same-shape one in a norm module's own code (a
+  gated norm: the normalisation that follows removes every scale of the factors, and the gradient to such a scale
+  is a cancellation 8-bit factors swamp);
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
   (:mod:`slimact.nn.lm_loss`);
 * ``F.layer_norm``/``torch.layer_norm``, ``F.rms_norm``/``torch.rms_norm`` over the last dim (OLMo's weightless
@@ -474,13 +475,18 @@ class Routing:
         activation's output through its input's, no bytes of its own), not in full precision. A broadcast product
         of a norm's output: :meth:`_broadcast_product`. Factors of other shapes or dtypes (another broadcast, a
         scalar, a type promotion) multiply as written."""
-        if rest or kwargs or not isinstance(a, Tensor) or not isinstance(b, Tensor) or self.norm_depth:
+        if rest or kwargs or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+            return None
+        if a.shape != b.shape:
+            # (Also in a norm module's own code: diffusers' AdaLayerNormZero and AdaLayerNormContinuous, SD3's, Flux's
+            # and DiT's, modulate their norm's output there. The product follows that normalisation, and a factor
+            # the route takes spans its channels: no normalisation after it removes that factor.)
+            return self._broadcast_product(a, b)
+        if self.norm_depth:
             # (In a norm module's own code, a gated norm's (Mamba2's ``MambaRMSNormGated``), the product is then
             # normalised per group, which removes every scale of its factors: the gradient reaching such a scale
             # (Mamba2's D) is the small remainder of a cancellation, which 8-bit factors swamp: cosine 0.90.)
             return None
-        if a.shape != b.shape:
-            return self._broadcast_product(a, b)
         if a.dtype != b.dtype or not (_wants_grad(a) or _wants_grad(b)):
             return None
         forms = [f for f in (output_form(a), output_form(b)) if f is not None]
