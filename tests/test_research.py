@@ -76,8 +76,8 @@ MODELS = {
     "mamba-minimal": (Mamba, IDS, lm_loss, {"tempo": 0.98, "int8": 0.88},
                       {"layers.0.mixer.conv1d": "conv", "layers.0.norm": "rmsnorm",
                        "layers.0.mixer.in_proj": "linear"}),
-    # the WKV loop as written (0.837, 0.649)
-    "rwkv": (RWKV, IDS, lm_loss, {"tempo": 0.93, "int8": 0.73},
+    # the WKV loop as written; ln1(x) * time_mix kept through the norm's pack (0.837, 0.599; 0.649 as written)
+    "rwkv": (RWKV, IDS, lm_loss, {"tempo": 0.93, "int8": 0.62},
              {"blocks.0.ffn.key": "linear", "blocks.0.ln1": "layernorm"}),
 }
 

@@ -27,7 +27,7 @@ from slimact.functional._saving import SlimFunction
 from slimact.functional.activation import FORMS, reference
 from slimact.functional.gather import gather
 from slimact.functional.matmul import baddbmm, einsum
-from slimact.functional.product import product
+from slimact.functional.product import broadcast_product, product
 from slimact.quant import QuantConfig
 
 ROWS = QuantConfig(groups=8, clamp_groups=True)  # as the default policy builds a Linear's config
@@ -83,6 +83,9 @@ def _cases() -> list[Case]:
              (lambda n: (n, 3, 8),), True),
         Case("product", lambda a, b: product(a, b, ROWS), torch.mul, (lambda n: (n, 3, 8), lambda n: (n, 3, 8)),
              False),
+        # (adaLN's modulation: a [B, T, C] factor by a [B, 1, C] one, the small one kept exact)
+        Case("product-broadcast", lambda a, b: broadcast_product(a, b, ROWS), torch.mul,
+             (lambda n: (n, 3, 8), lambda n: (n, 1, 8)), False),
     ]
     out += [_act(form, cfg) for form in FORMS for cfg in (ROWS, None)]
     for cfg in (ROWS, None):

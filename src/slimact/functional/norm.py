@@ -89,7 +89,7 @@ from torch._prims_common import suggest_memory_format
 from slimact.functional._saving import SlimFunction, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
-__all__ = ["group_norm", "norm", "output_recoverable", "rms_default_eps"]
+__all__ = ["group_norm", "norm", "output_kept_as", "output_recoverable", "rms_default_eps"]
 
 
 def rms_default_eps(dtype: torch.dtype) -> float:
@@ -126,6 +126,19 @@ def _rows_recoverable(mean: Tensor, rstd: Tensor, dtype: torch.dtype) -> Tensor:
     return (mean.abs() * rstd * eps <= 16 * torch.finfo(dtype).eps).reshape(-1)
 
 
+def output_kept_as(t: Tensor) -> tuple[str, str] | None:
+    """``(kind, kept)`` where ``t`` is the output of slimact's norm Function, unchanged since (its ``grad_fn`` is that
+    Function's node, which an in-place change or a view would replace): ``kind`` ``"layernorm"``, ``"rmsnorm"`` or
+    ``"groupnorm"``; ``kept`` ``"codes"`` where the norm keeps ``t`` packed (a later ``pack(t)`` reuses that pack: no
+    bytes of its own), ``"input"`` where it keeps its input instead (the guard), ``"exact"`` where it keeps ``t``
+    itself (a lossless policy, a learned mix, NaN/inf). Else ``None``."""
+    node = t.grad_fn
+    if type(node) is not _NormFunction._backward_cls:
+        return None
+    kind = "groupnorm" if node.groups else "layernorm" if node.centered else "rmsnorm"
+    return kind, "codes" if node.output_codes else "exact" if node.from_output else "input"
+
+
 def _learned_mix(x: Tensor) -> bool:
     """Whether ``x`` is a sum over a dim of a product with a factor that requires a gradient (a learned mix of
     streams: ``(weights.unsqueeze(-1) * streams).sum(dim)``), looking through dtype casts and views. Which
@@ -137,7 +150,8 @@ def _learned_mix(x: Tensor) -> bool:
     if node is None or not type(node).__name__.startswith("SumBackward"):
         return False
     inner = node.next_functions[0][0]
-    if inner is None or not type(inner).__name__.startswith("MulBackward"):
+    # (slimact's broadcast product too, which the routing sends a norm's output times a broadcast factor)
+    if inner is None or not type(inner).__name__.startswith(("MulBackward", "_BroadcastProductFunctionBackward")):
         return False
     return any(fn is not None for fn, _ in inner.next_functions)
 
@@ -298,6 +312,9 @@ class _NormFunction(SlimFunction):
         # xn restored from codes is re-centred in the backward (module docstring); one from the tensor itself is
         # exact to float rounding, centred as plain's
         ctx.recentre = centered and not kept.meta.raw
+        # Whether the output is kept as codes (a pack a broadcast product of the output then reuses:
+        # :func:`output_kept_as`)
+        ctx.output_codes = ctx.from_output and not kept.meta.raw
         return y
 
     @staticmethod

@@ -16,9 +16,14 @@ forward hook) sends those calls to slimact:
   activation slimact computed (routed or a converted module; unchanged since) of a kind the policy compresses: a
   gate's product written in model code (T5's gated GELU, Mamba's ``y * act(gate)``, a SwiGLU inline) ->
   :func:`slimact.functional.product.product`, both factors kept with the policy's codes (the activation's output
-  through its input's: no bytes of its own), not in full precision; any other product runs as written, and so does
-  one in a norm module's own code (a gated norm: the normalisation that follows removes every scale of the
-  factors, and the gradient to such a scale is a cancellation 8-bit factors swamp);
+  through its input's: no bytes of its own), not in full precision; ``a * b`` with ``a`` the output of a norm slimact
+  computed (unchanged since) and ``b`` a smaller factor that broadcasts to it, spans its channels and needs a
+  gradient (adaLN's ``norm(h) * (1 + scale[:, None])`` in DiT, SD3, Flux, PixArt, also in a norm module's own code,
+  diffusers' ``AdaLayerNormZero``; either order, PyTorch's dtype promotion) ->
+  :func:`slimact.functional.product.broadcast_product`, ``b`` kept exact and ``a`` through the norm's own pack (no
+  bytes of its own); any other product runs as written, and so does a same-shape one in a norm module's own code (a
+  gated norm: the normalisation that follows removes every scale of the factors, and the gradient to such a scale
+  is a cancellation 8-bit factors swamp);
 * ``F.cross_entropy`` on the head's logits -> the chunked LM loss, its gradients computed ahead
   (:mod:`slimact.nn.lm_loss`);
 * ``F.layer_norm``/``torch.layer_norm``, ``F.rms_norm``/``torch.rms_norm`` over the last dim (OLMo's weightless
@@ -81,8 +86,8 @@ from slimact.functional.dropout import dropout
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
-from slimact.functional.norm import _group_norm_applies, group_norm, norm, rms_default_eps
-from slimact.functional.product import product
+from slimact.functional.norm import _group_norm_applies, group_norm, norm, output_kept_as, rms_default_eps
+from slimact.functional.product import broadcast_big, broadcast_product, product
 from slimact.functional.softmax import softmax
 from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
 from slimact.policy import Policy
@@ -429,8 +434,8 @@ class Routing:
         return gather(x, dim, index) if _wants_grad(x) and self._routing("attention") else None
 
     def _on(self, kind: str) -> bool:
-        if kind == "product":  # on where an activation's kind is (each call checks its factor's)
-            return any(self._on(k) for k in ("relu", "gelu", "silu"))
+        if kind == "product":  # on where an activation's or a norm's kind is (each call checks its factor's)
+            return any(self._on(k) for k in ("relu", "gelu", "silu", "layernorm", "rmsnorm", "groupnorm"))
         return self.policy.skip_reason(kind, FUNCTIONAL_NAME) is None and not self.policy.include
 
     def _cfg(self, kind: str, x: Tensor):
@@ -467,19 +472,64 @@ class Routing:
     def _product(self, a, b=None, *rest, **kwargs):
         """``a * b`` where one factor is the output of an activation slimact computed (a routed call or a converted
         module; unchanged since) whose kind the policy compresses: both factors kept with the policy's codes (the
-        activation's output through its input's, no bytes of its own), not in full precision. Factors of other
-        shapes or dtypes (a broadcast, a scalar, a type promotion) multiply as written."""
-        if rest or kwargs or not isinstance(a, Tensor) or not isinstance(b, Tensor) or self.norm_depth:
+        activation's output through its input's, no bytes of its own), not in full precision. A broadcast product
+        of a norm's output: :meth:`_broadcast_product`. Factors of other shapes or dtypes (another broadcast, a
+        scalar, a type promotion) multiply as written."""
+        if rest or kwargs or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+            return None
+        if a.shape != b.shape:
+            # (Also in a norm module's own code: diffusers' AdaLayerNormZero and AdaLayerNormContinuous, SD3's, Flux's
+            # and DiT's, modulate their norm's output there. The product follows that normalisation, and a factor
+            # the route takes spans its channels: no normalisation after it removes that factor.)
+            return self._broadcast_product(a, b)
+        if self.norm_depth:
             # (In a norm module's own code, a gated norm's (Mamba2's ``MambaRMSNormGated``), the product is then
             # normalised per group, which removes every scale of its factors: the gradient reaching such a scale
             # (Mamba2's D) is the small remainder of a cancellation, which 8-bit factors swamp: cosine 0.90.)
             return None
-        if a.shape != b.shape or a.dtype != b.dtype or not (_wants_grad(a) or _wants_grad(b)):
+        if a.dtype != b.dtype or not (_wants_grad(a) or _wants_grad(b)):
             return None
         forms = [f for f in (output_form(a), output_form(b)) if f is not None]
         kinds = [_FORM_KIND[f] for f in forms if _FORM_KIND[f] in self.kinds]  # (the routes the policy has on)
         cfg = self._cfg(kinds[0], a) if kinds else None
         return None if cfg is None else product(a, b, cfg)
+
+    def _broadcast_product(self, x: Tensor, y: Tensor) -> Tensor | None:
+        """``x * y`` where the large factor ``a`` is the output of a norm slimact computed (a converted module or a
+        routed call; unchanged since) and the other, ``b``, broadcasts to it and needs a gradient: adaLN's
+        ``norm(h) * (1 + scale[:, None])`` (DiT, SD3, Flux, PixArt), in either order, ``b`` spanning the norm's
+        channels (``[B, 1, C]``, ``[C]``; GroupNorm's ``[N, C, 1, 1]``). ``b`` is kept exact, ``a``
+        through the norm's own pack (no bytes of its own), where plain keeps ``a`` in full precision
+        (:func:`slimact.functional.product.broadcast_product`). As written: where ``b`` needs no gradient (plain
+        keeps only ``b``: nothing to save), where the norm keeps ``a`` itself exact (a lossless policy, a learned
+        mix: the product would keep the same tensor, at no cost, in plain), where which factor is the large one is
+        not clear-cut (:func:`slimact.functional.product.broadcast_big`), outside the dtypes slimact packs, and for
+        any other large factor (a gate times a linear layer's output, attention's ``probs * mask``, a
+        squeeze-excitation's ``x * sigmoid(s)[..., None, None]``: nothing of slimact's keeps that factor already)."""
+        if output_kept_as(x) is None and output_kept_as(y) is None:  # (first: most products are no norm's)
+            return None
+        big = broadcast_big(x, y)
+        if big is None:
+            return None
+        a, b = (x, y) if big == 0 else (y, x)
+        kept = output_kept_as(a)
+        if kept is None or kept[1] == "exact" or kept[0] not in self.kinds:
+            return None
+        if not _wants_grad(b) or a.dtype not in COMPRESSIBLE_DTYPES:
+            return None
+        # b must span the norm's channel dim (the last; GroupNorm's dim 1), so that b's gradient sums over rows, per
+        # channel, as a norm weight's does. A factor constant along the channels (a per-token [B, T, 1] scale, a
+        # mix's [..., K, 1] weights) has a gradient summed along the normalised row, a cancellation wherever a norm
+        # follows (it removes such a scale: the exact gradient is 0, or the small remainder of one when near-parallel
+        # streams are mixed), which a's 8-bit codes swamp: as written. (Measured: a norm's learned mix of normed
+        # streams, (w[..., None] * norm(streams)).sum(2) into an RMSNorm, had its weights' gradient at cosine 0.73
+        # routed, 1.0 as written.)
+        channel = 1 if kept[0] == "groupnorm" else a.dim() - 1
+        at = channel - (a.dim() - b.dim())
+        if at < 0 or b.shape[at] != a.shape[channel]:
+            return None
+        cfg = self._cfg(kept[0], a)
+        return None if cfg is None else broadcast_product(x, y, cfg)
 
     def _gelu(self, x, approximate="none"):
         if not _wants_grad(x):
