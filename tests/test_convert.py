@@ -1,4 +1,5 @@
 import copy
+import sys
 
 import pytest
 import torch
@@ -271,6 +272,55 @@ def test_whole_model_survives_save_load_and_deepcopy(tmp_path, policy):
         assert torch.equal(out0, out1)
         for n in g0:
             assert torch.equal(g0[n], g1[n]), n
+
+
+class _Hooked(nn.LayerNorm):
+    """A LayerNorm of the model's own class (converted to a class slimact makes at run time) holding a method bound to
+    itself, as transformers' ``GELUActivation("gelu_python")`` does (``self.act = self._gelu_python``: SEW-D's)."""
+
+    def __init__(self, width):
+        super().__init__(width)
+        self.calls = 0
+        self.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa", "tempo"])
+def test_a_converted_module_whose_state_refers_to_itself_survives_deepcopy_and_save(policy):
+    """A converted module of a class slimact makes at run time was deep-copied and pickled with its state as an
+    argument of its rebuild: a state referring back to the module (a method bound to it) recursed without end
+    (RecursionError: deepcopy of any converted SEW-D, hence also ``slimact.check`` under "mesa")."""
+    import io
+
+    from slimact.nn._base import _rebuild
+
+    model = nn.Sequential(nn.Linear(8, 16), _Hooked(16), nn.Linear(16, 8))
+    slimact.convert(model, policy)
+    cls = type(model[1])
+    assert isinstance(model[1], SlimModule) and getattr(sys.modules[cls.__module__], cls.__qualname__, None) is not cls
+    x = torch.randn(4, 8)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buf, weights_only=False)]
+    for other in copies:
+        hook = next(iter(other[1]._forward_pre_hooks.values()))
+        assert hook.__self__ is other[1]  # the copy's hook is bound to the copy
+    torch.manual_seed(0)
+    out0, g0 = _step(model, x)
+    for other in copies:
+        torch.manual_seed(0)
+        out1, g1 = _step(other, x)
+        assert torch.equal(out0, out1)
+        for n in g0:
+            assert torch.equal(g0[n], g1[n]), n
+    old = model[1].__reduce_ex__(2)  # as slimact pickled a module before: its state an argument of _rebuild
+    rebuilt = _rebuild(*old[1], copy.deepcopy(old[2]))
+    assert type(rebuilt) is cls
+    h = torch.randn(4, 16, requires_grad=True)
+    torch.testing.assert_close(rebuilt(h), model[1](h), rtol=0, atol=0)
 
 
 def test_converted_hf_model_loads_in_a_fresh_process(tmp_path):

@@ -128,11 +128,20 @@ class SlimModule:
 
     def __reduce_ex__(self, protocol):
         # A class made by slim_class exists only in the process that made it: pickle (torch.save,
-        # deepcopy) the module as its mixin, its original class and its state, and rebuild the class on load.
+        # deepcopy) the module as its mixin and its original class, rebuild the class on load, then give it its
+        # state. The state is the reduce tuple's third item, not an argument of _rebuild: deepcopy and pickle
+        # then record the new module before copying its state, so a state that refers back to the module (a hook
+        # bound to it, a child holding its parent) finds it, where as an argument it recursed without end.
         cls = type(self)
         if getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls:
             return super().__reduce_ex__(protocol)
-        return _rebuild, (cls.__bases__[0], self._slimact_orig_cls, self.__getstate__())
+        return _rebuild, (cls.__bases__[0], self._slimact_orig_cls), self.__getstate__()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        loaded = getattr(self, "_slimact_loaded", None)
+        if loaded is not None:  # (state a slimact from before it did not keep)
+            loaded()
 
     def extra_repr(self) -> str:
         p = self._slimact_policy
@@ -141,17 +150,17 @@ class SlimModule:
         return f"{base}, {slim}" if base else slim
 
 
-def _rebuild(mixin: type, cls: type[nn.Module], state: dict) -> nn.Module:
+def _rebuild(mixin: type, cls: type[nn.Module], state: dict | None = None) -> nn.Module:
+    """The module of class ``slim_class(mixin, cls)``, without its state (pickle and deepcopy set it next); with
+    ``state``, as a module pickled by a slimact before the state was the reduce tuple's own item, with it."""
     if "transformers" in sys.modules:  # a converted Hugging Face model being loaded: its attention name too
         from slimact.attention import register
 
         register()
     module = cls.__new__(cls)
-    module.__setstate__(state)
     module.__class__ = slim_class(mixin, cls)
-    loaded = getattr(mixin, "_slimact_loaded", None)
-    if loaded is not None:  # (state a slimact from before it did not keep)
-        loaded(module)
+    if state is not None:
+        module.__setstate__(state)
     return module
 
 
