@@ -24,14 +24,18 @@ recomputed with fresh seeds and call sites, as before.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-__all__ = ["checkpoint_frame", "copies", "note", "note_seed", "replayed", "replayed_seed"]
+__all__ = ["checkpoint_frame", "copies", "note", "note_seed", "replayed", "replayed_seed",
+           "unseen_by_selective_checkpointing"]
 
 
 class _Record:
@@ -143,3 +147,28 @@ def replayed_seed(frame: object, gid: Any) -> tuple[int, int] | None:
     position[1] += 1
     return key, number
 
+
+_SELECTIVE_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+
+
+@contextlib.contextmanager
+def unseen_by_selective_checkpointing() -> Iterator[None]:
+    """Run slimact's own ops (a pack: its statistics, its rounding, its estimate's fold) where selective activation
+    checkpointing does not see them: its dispatch modes, where they are innermost, are set aside meanwhile.
+
+    A selective checkpointing policy picks the model's ops to keep or recompute; applied to a pack's ops it broke the
+    pack: a kept ``view``/``slice`` of the stochastic-rounding temporary (which the pack then updates in place) handed
+    the recompute the forward's finished tensor, so the noise went there and the recompute's own codes were truncated
+    with none (a Linear's weight gradient biased by -4% of its magnitude on average, silently: PyTorch's check for
+    mutated cached tensors did not fire), a kept ``arange`` the forward's hashed values. A pack is a function of its
+    tensor, its seed and its estimate, which the recompute replays (:func:`replayed_seed`, :func:`replayed`):
+    recomputing it gives the forward's codes. Other dispatch modes (a FLOP counter, fake tensors) still see it."""
+    popped = []
+    if not torch.compiler.is_compiling():
+        while torch._C._len_torch_dispatch_stack() and isinstance(_get_current_dispatch_mode(), _SELECTIVE_MODES):
+            popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
