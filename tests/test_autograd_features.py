@@ -463,3 +463,60 @@ def test_a_second_backward_of_the_same_graph_doubles_every_gradient(name, policy
             torch.testing.assert_close(p.grad, 2 * once[n], rtol=1e-6, atol=0, msg=n)
         last.append(once)
     _assert_like_plain(policy, *last)
+
+
+def _run_in(how: str, model: nn.Module) -> dict:
+    """One step of ``model`` on :data:`_X` in an autograd context ``how``."""
+    model.zero_grad(set_to_none=True)
+    x = _X.clone().requires_grad_(True)
+    torch.manual_seed(1)
+    handles = []
+    if how == "global module hooks":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_full_backward_hook
+
+        handles = [register_module_forward_hook(lambda m, args, out: 1.1 * out if isinstance(m, nn.Linear) else None),
+                   register_module_full_backward_hook(lambda m, gi, go: None)]
+    context = {"detect_anomaly": torch.autograd.detect_anomaly,
+               "allow_mutation_on_saved_tensors, a hook changing a norm's output in place":
+                   torch.autograd.graph.allow_mutation_on_saved_tensors}.get(how, contextlib.nullcontext)
+    if how.startswith("allow_mutation"):
+        handles = [model.blocks[1].norm.register_forward_hook(lambda mod, args, out: out.mul_(2))]
+    try:
+        with context():
+            loss = model(x).square().sum()
+            if how == "backward(inputs=...)":
+                loss.backward(inputs=[x, model.blocks[0].fc1.weight, model.blocks[1].norm.weight])
+            else:
+                loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads["input"] = x.grad
+    return grads
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", ["global module hooks", "detect_anomaly", "backward(inputs=...)",
+                                 "allow_mutation_on_saved_tensors, a hook changing a norm's output in place"])
+def test_other_autograd_contexts(how, policy):
+    torch.manual_seed(0)
+    plain = _Stack()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    want, got = _run_in(how, plain), _run_in(how, slim)
+    assert want.keys() == got.keys()
+    _assert_like_plain(policy, want, got)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_second_backward_of_a_checkpointed_graph_doubles_every_gradient(policy):
+    # Each backward recomputes the checkpointed blocks: the second recompute packs what the first (the forward) did.
+    torch.manual_seed(0)
+    slim = slimact.convert(_Stack("checkpoint"), policy)
+    torch.manual_seed(1)
+    loss = slim(_X).square().sum()
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.clone() for n, p in slim.named_parameters()}
+    loss.backward()
+    for n, p in slim.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n], rtol=1e-6, atol=0, msg=n)
