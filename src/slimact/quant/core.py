@@ -201,7 +201,7 @@ def pack_many(
     a GPU each sync drains the stream) and their scales computed in one go (on the Triton backend, each by its
     own finishing kernel before the sync). A tensor given twice (``k is v``) is packed once. Arguments as
     :func:`pack`, per item ``(x, cfg, state)``."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack():  # (no dispatch mode: the common case)
         return _pack_many(items, training, backend, share)
     with unseen_by_selective_checkpointing():  # (slimact.quant.recompute: the recompute packs alike by itself)
         return _pack_many(items, training, backend, share)
