@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 __all__ = ["checkpoint_frame", "copies", "note", "note_seed", "replayed", "replayed_seed",
@@ -121,7 +121,7 @@ def replayed(frame: object, gid: Any, key: Any) -> Any:
 def copies(tensors: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
     """Copies of ``tensors``, made where selective checkpointing does not see them (they are not the model's ops:
     the forward and its recompute must run the same ones)."""
-    with torch.no_grad(), _disable_current_modes():
+    with torch.no_grad(), unseen_by_selective_checkpointing():
         return {n: None if t is None else t.clone() for n, t in tensors.items()}
 
 
