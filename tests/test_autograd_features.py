@@ -520,3 +520,23 @@ def test_a_second_backward_of_a_checkpointed_graph_doubles_every_gradient(policy
     loss.backward()
     for n, p in slim.named_parameters():
         torch.testing.assert_close(p.grad, 2 * once[n], rtol=1e-6, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tensors_captured_by_forward_hooks_are_the_plain_ones_after_the_backward(policy):
+    # Opacus/captum keep each layer's input and output from a forward hook (no copy) and read them in the backward:
+    # no slimact layer writes into a tensor the plain layer leaves alone (a lossless layer keeps its output, it does
+    # not overwrite its input).
+    torch.manual_seed(0)
+    plain = _Stack()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    captured = []
+    for model in (plain, slim):
+        kept = {}
+        for name, module in model.named_modules():
+            if name and not list(module.children()):
+                module.register_forward_hook(lambda m, args, out, name=name, kept=kept: kept.update(
+                    {f"{name} in": args[0], f"{name} out": out}))
+        _step(model)
+        captured.append(kept)
+    _assert_like_plain("tempo", *captured)  # (the forward is PyTorch's under every policy)
