@@ -37,6 +37,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
+from slimact.quant.recompute import unseen_by_selective_checkpointing
+
 __all__ = [
     "GATED_MLP_PARTS",
     "GatedLayout",
@@ -915,7 +917,13 @@ def recognise(module: nn.Module) -> Recognised:
     found = _cache.get(module)
     if found is None:
         cls = _cls(module)
-        found = next((r for rule in _RULES if (r := rule(module, cls)) is not None), Recognised("other"))
+        # Out of sight of selective activation checkpointing: a module first recognised in a checkpointed forward
+        # (a deep copy of a converted model, whose cache is empty) probed there and not in the recompute, which
+        # shifted the policy's count of each op, so the recompute got another op's kept output (tiny Llama's SiLU
+        # kept: "The size of tensor a (2632) must match the size of tensor b (160)"; its products kept:
+        # "aten.unsqueeze.default invocation index 4 ... not found in storage").
+        with unseen_by_selective_checkpointing():
+            found = next((r for rule in _RULES if (r := rule(module, cls)) is not None), Recognised("other"))
         _cache[module] = found
     return found
 

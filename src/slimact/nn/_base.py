@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from slimact.functional._saving import transformed
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
+from slimact.quant.recompute import checkpoint_frame, note, replayed
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_stream
 from slimact.quant.state import WRITTEN_ATTR
 
@@ -53,7 +54,9 @@ class StepCounter:
         # from the counter stream of :func:`slimact.quant.reference.draw_seed`.
         if torch.compiler.is_compiling():
             return
-        self.value += 1
+        frame = checkpoint_frame()
+        if frame is None or frame[1] is None:  # (a checkpointed model's recompute is the same step, not another)
+            self.value += 1
         begin_stream(self.value)
 
     def end(self, module: nn.Module, args: object, output: object) -> None:
@@ -61,14 +64,24 @@ class StepCounter:
             end_stream()
 
 
-def begin_call(module: nn.Module) -> None:
+def begin_call(module: nn.Module, running: bool = True) -> None:
     """Start a call of ``module`` that packs with running estimates: find its call site, the index of this call
     among the module's calls in the current forward pass of the converted model (``_slimact_steps`` counts those).
     A module called several times per pass (ALBERT's shared layer, a block looped over depth, a tower applied to
-    two views) then keeps one estimate per call, each tracking its own tensor's range, not one blend of them."""
+    two views) then keeps one estimate per call, each tracking its own tensor's range, not one blend of them.
+
+    Under activation checkpointing, the recompute of a call takes the call site of the forward's call, not the next
+    one (:mod:`slimact.quant.recompute`; :class:`RunningRange` then gives it the estimate that call found); a call
+    that packs with no running estimate (``running=False``) notes nothing."""
     # Plain attributes written into __dict__ directly: nn.Module.__setattr__ first searches the module's
     # parameters, buffers and submodules for the name, on every call.
     d = module.__dict__
+    frame = checkpoint_frame() if running else None
+    if frame is not None and frame[1] is not None:
+        site = replayed(*frame, ("site", module))
+        if site is not None:
+            d["_slimact_site"] = site
+            return
     steps = d.get("_slimact_steps")
     if steps is None:
         d["_slimact_site"] = 0
@@ -77,6 +90,8 @@ def begin_call(module: nn.Module) -> None:
         d["_slimact_site"] = 0
     else:
         d["_slimact_site"] = min(d["_slimact_site"] + 1, MAX_CALL_SITES - 1)
+    if frame is not None:
+        note(frame[0], ("site", module), d["_slimact_site"])
 
 
 def site_estimate(module: nn.Module, operand: str) -> RunningRange:
@@ -115,14 +130,17 @@ class SlimModule:
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""
-        begin_call(self)  # type: ignore[arg-type]
+        begin_call(self, self._slimact_running())  # type: ignore[arg-type]
+
+    def _slimact_running(self) -> bool:
+        return self._slimact_policy.settings(self._slimact_kind).scale == "running"
 
     def _slimact_cfg(self, x: Tensor) -> QuantConfig:
         return self._slimact_policy.quant_config(self._slimact_kind, x.dim())
 
     def _slimact_state(self, operand: str = "x") -> RunningRange | None:
         """The running estimate of ``operand`` at this call site, if the policy uses running estimates."""
-        if self._slimact_policy.settings(self._slimact_kind).scale != "running":
+        if not self._slimact_running():
             return None
         return site_estimate(self, operand)  # type: ignore[arg-type]
 

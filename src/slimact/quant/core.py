@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from slimact.quant import reference
+from slimact.quant.recompute import unseen_by_selective_checkpointing
 from slimact.quant.reference import (
     COMPRESSIBLE_DTYPES,
     GroupLayout,
@@ -200,6 +201,18 @@ def pack_many(
     a GPU each sync drains the stream) and their scales computed in one go (on the Triton backend, each by its
     own finishing kernel before the sync). A tensor given twice (``k is v``) is packed once. Arguments as
     :func:`pack`, per item ``(x, cfg, state)``."""
+    if torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack():  # (no dispatch mode: the common case)
+        return _pack_many(items, training, backend, share)
+    with unseen_by_selective_checkpointing():  # (slimact.quant.recompute: the recompute packs alike by itself)
+        return _pack_many(items, training, backend, share)
+
+
+def _pack_many(
+    items: Sequence[tuple[Tensor, QuantConfig | None, RunningRange | None]],
+    training: bool,
+    backend: Backend | None,
+    share: bool,
+) -> list[Packed]:
     compiling = torch.compiler.is_compiling()
     # Dynamo does not trace the weakly keyed cache reliably (an internal KeyError, seen once in the suite):
     # compiled graphs keep their own packs.

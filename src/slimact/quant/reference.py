@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from slimact.quant.packing import pack_bits, unpack_bits
+from slimact.quant.recompute import checkpoint_frame, note_seed, replayed_seed
 
 __all__ = [
     "COMPRESSIBLE_DTYPES",
@@ -484,19 +485,29 @@ def draw_seed() -> int:
     Inside a converted model's forward (in this thread): the pack's number in that forward's stream
     (:func:`begin_stream`). Elsewhere: this thread's counter stream keyed by PyTorch's CPU generator state,
     restarting whenever that state has moved (``torch.manual_seed``, any random draw) since the last seed drawn.
-    Neither draws from (or advances) PyTorch's generator.
+    Neither draws from (or advances) PyTorch's generator. In activation checkpointing's recompute, the seeds the
+    forward of the region drew, in order (:mod:`slimact.quant.recompute`).
     """
+    # In activation checkpointing's recompute: the seed the forward drew at this point (slimact.quant.recompute).
+    frame = checkpoint_frame()
+    if frame is not None and frame[1] is not None:
+        replayed = replayed_seed(*frame)
+        if replayed is not None:
+            return _digest(*replayed) & 0x7FFFFFFF
     streams = _streams
     if streams.forward:
         stream = streams.forward[-1]
         stream[1] += 1
-        return _digest(stream[0], stream[1]) & 0x7FFFFFFF
-    # Keyed by the generator's state, not torch.initial_seed(): seeding twice with the same seed restarts it.
-    key = _digest(torch.get_rng_state().numpy().tobytes(), 0)
-    if streams.initial != key:
-        streams.initial, streams.count = key, 0
-    n = streams.count
-    streams.count = n + 1
+        key, n = stream
+    else:
+        # Keyed by the generator's state, not torch.initial_seed(): seeding twice with the same seed restarts it.
+        key = _digest(torch.get_rng_state().numpy().tobytes(), 0)
+        if streams.initial != key:
+            streams.initial, streams.count = key, 0
+        n = streams.count
+        streams.count = n + 1
+    if frame is not None and frame[1] is None:  # a checkpointed region's forward: where its seeds began
+        note_seed(frame[0], key, n)
     return _digest(key, n) & 0x7FFFFFFF
 
 

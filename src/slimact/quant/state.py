@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from slimact.quant.recompute import checkpoint_frame, copies, note, replayed
+
 __all__ = ["WRITTEN_ATTR", "RunningRange", "folded"]
 
 #: ``module.__dict__`` entry: ``{buffer name: the tensor slimact last wrote there}``. Moving a module replaces its
@@ -59,9 +61,20 @@ class RunningRange:
     """Accessor for the running-estimate buffers ``<prefix>_lo`` / ``<prefix>_range`` of ``module``."""
 
     def __init__(self, module: nn.Module, prefix: str) -> None:
-        self.module = module
         self.lo_name = f"{prefix}_lo"
         self.range_name = f"{prefix}_range"
+        frame = checkpoint_frame()
+        if frame is not None:  # activation checkpointing: its recompute packs with the estimate the forward found
+            key = ("estimate", module, prefix)
+            if frame[1] is None:
+                note(frame[0], key, copies({n: module._buffers.get(n) for n in (self.lo_name, self.range_name)}))
+            else:
+                found = replayed(*frame, key)
+                if found is not None:  # (folded into a copy: the forward has updated the module's estimate)
+                    module = nn.Module()
+                    module._buffers.update(copies(found))
+                    module._non_persistent_buffers_set.update(found)
+        self.module = module
         for name in (self.lo_name, self.range_name):
             if name not in module._buffers:
                 module.register_buffer(name, None, persistent=False)
