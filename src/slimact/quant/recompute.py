@@ -32,7 +32,13 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
-from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+try:  # (private classes of selective checkpointing: a PyTorch without them has none of its modes to set aside)
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    _SELECTIVE_MODES: tuple[type, ...] = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+except ImportError:
+    _SELECTIVE_MODES = ()
 
 __all__ = ["checkpoint_frame", "copies", "note", "note_seed", "replayed", "replayed_seed",
            "unseen_by_selective_checkpointing"]
@@ -59,7 +65,8 @@ def checkpoint_frame() -> tuple[object, Any] | None:
     its recompute, ``None`` elsewhere (or where PyTorch's checkpoint hooks are not recognised)."""
     if torch.compiler.is_compiling():
         return None
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # (private: absent, not recognised)
+    hooks = None if top is None else top(True)
     if hooks is None:
         return None
     pack = hooks[0]
@@ -148,9 +155,6 @@ def replayed_seed(frame: object, gid: Any) -> tuple[int, int] | None:
     return key, number
 
 
-_SELECTIVE_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
-
-
 @contextlib.contextmanager
 def unseen_by_selective_checkpointing() -> Iterator[None]:
     """Run slimact's own ops (a pack: its statistics, its rounding, its estimate's fold) where selective activation
@@ -164,7 +168,7 @@ def unseen_by_selective_checkpointing() -> Iterator[None]:
     tensor, its seed and its estimate, which the recompute replays (:func:`replayed_seed`, :func:`replayed`):
     recomputing it gives the forward's codes. Other dispatch modes (a FLOP counter, fake tensors) still see it."""
     popped = []
-    if not torch.compiler.is_compiling():
+    if _SELECTIVE_MODES and not torch.compiler.is_compiling():
         while torch._C._len_torch_dispatch_stack() and isinstance(_get_current_dispatch_mode(), _SELECTIVE_MODES):
             popped.append(_pop_mode())
     try:
