@@ -137,11 +137,16 @@ def setting(config: Any) -> Any:
 
 
 def registered(name: Any) -> Any:
-    """The function transformers' ``AttentionInterface`` holds under ``name`` (``None``: none, as for ``"eager"``,
-    which runs the model's own ``eager_attention_forward``)."""
+    """The function a model's attention finds under ``name`` (``None``: none, as for ``"eager"``, which runs the
+    model's own ``eager_attention_forward``): ``ALL_ATTENTION_FUNCTIONS``, the interface the modeling files read,
+    whose own entries (``ALL_ATTENTION_FUNCTIONS["sdpa"] = fn``) override ``AttentionInterface.register``'s."""
     from transformers import AttentionInterface
 
-    return getattr(AttentionInterface, "_global_mapping", {}).get(name)
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # (another transformers version: the class-wide mapping alone)
+        return getattr(AttentionInterface, "_global_mapping", {}).get(name)
+    return ALL_ATTENTION_FUNCTIONS.get(name)
 
 
 def _chosen(module: nn.Module) -> Any:

@@ -453,14 +453,21 @@ def test_a_deep_copy_of_a_converted_model_computes_as_its_original_setting(setti
     assert not any(slimact.attention.ORIGINAL_ATTR in m.__dict__ for m in slim.modules())
 
 
+@pytest.mark.parametrize("where", ["AttentionInterface.register", "ALL_ATTENTION_FUNCTIONS[name]"])
 @pytest.mark.parametrize("setting", ["sdpa", "eager"])
-def test_a_function_registered_over_a_built_in_name_is_left_as_written(setting, monkeypatch):
+def test_a_function_registered_over_a_built_in_name_is_left_as_written(setting, where, monkeypatch):
     # Sequence-parallel wrappers register their own function over "sdpa", "flash_attention_2" and "eager" (a partial
     # of a distributed attention); others wrap "sdpa" to add attention sinks or to probe it. The name alone said
-    # "transformers' SDPA", and convert replaced the function: logits 0.20 off with this one.
+    # "transformers' SDPA", and convert replaced the function: logits 0.20 off with this one. An entry set on
+    # ALL_ATTENTION_FUNCTIONS itself (its own mapping, which every modeling file reads before the class-wide one) was
+    # not looked at: converted, logits 0.30 off.
     import functools
 
-    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, setting, functools.partial(_halved))
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    mapping = (transformers.AttentionInterface._global_mapping if where == "AttentionInterface.register"
+               else ALL_ATTENTION_FUNCTIONS._local_mapping)
+    monkeypatch.setitem(mapping, setting, functools.partial(_halved))
     plain = _llama()
     plain.config._attn_implementation = setting
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
