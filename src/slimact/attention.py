@@ -131,9 +131,9 @@ def setting(config: Any) -> Any:
     """``config``'s attention implementation as the user chose it: the one it had before ``convert`` selected
     ``"slimact"`` on it, else its present one."""
     entry = _SWITCHED.get(id(config))
-    if entry is not None and entry.ref() is config:
+    if entry is not None and entry.ref() is config and _setting(config) == NAME:
         return entry.original
-    return None if config is None else _setting(config)
+    return None if config is None else _setting(config)  # (another one chosen since: set_attn_implementation)
 
 
 def registered(name: Any) -> Any:
@@ -211,6 +211,8 @@ def switch_configs(model: nn.Module, configs: list[Any]) -> list[tuple[Any, Any]
         if entry is None or entry.ref() is not config:
             ref = weakref.ref(config, lambda r, key=key: _forget(key, r))
             entry = _SWITCHED[key] = _Switch(ref, _setting(config), weakref.WeakSet())
+        elif _setting(config) != NAME:  # a setting chosen since it was switched (set_attn_implementation): that one
+            entry = _SWITCHED[key] = entry._replace(original=_setting(config))
         entry.users.add(model)
         _set(config, NAME)
         records.append((config, entry.original))
@@ -228,7 +230,8 @@ def release_configs(model: nn.Module, records: list[tuple[Any, Any]]) -> None:
                 continue
             del _SWITCHED[id(config)]
             original = entry.original
-        _set(config, original)
+        if _setting(config) == NAME:  # (else a setting chosen since, set_attn_implementation: the user's, kept)
+            _set(config, original)
 
 
 def _documents(module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | None, is_causal: bool | None,

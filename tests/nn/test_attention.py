@@ -481,3 +481,28 @@ def test_a_function_registered_over_a_built_in_name_is_left_as_written(setting, 
         torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
     slimact.revert(slim)
     assert slim.config._attn_implementation == setting
+
+
+def test_a_setting_chosen_after_convert_is_the_one_a_later_convert_and_revert_keep():
+    # set_attn_implementation("eager") on a converted model that had SDPA: convert recorded "sdpa" as the setting before
+    # its switch and kept reading it while the configuration said "eager": converting again computed SDPA's padded rows
+    # (logits 0.27 off the plain eager model, gradients 0.54 of their max), and revert put back "sdpa".
+    plain = _llama()
+    plain.config._attn_implementation = "eager"
+    slim = copy.deepcopy(plain)
+    slim.config._attn_implementation = "sdpa"
+    slimact.convert(slim, "tempo")
+    slim.set_attn_implementation("eager")
+    assert slim.config._attn_implementation == "eager"
+    inputs = _CASES["left-padding"]
+    for step in ("chosen after convert", "converted again", "reverted"):
+        if step == "converted again":
+            slimact.convert(slim, "tempo")
+            assert slim.config._attn_implementation == "slimact"
+        elif step == "reverted":
+            slimact.revert(slim)
+            assert slim.config._attn_implementation == "eager"
+        (want, want_grads), (got, got_grads) = _step(plain, inputs), _step(slim, inputs)
+        torch.testing.assert_close(got, want, msg=step)
+        for n in want_grads:
+            torch.testing.assert_close(got_grads[n], want_grads[n], msg=f"{step}: {n}")
