@@ -241,11 +241,19 @@ def _documents(module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | Non
     one row of ``position_ids`` that restart), the boolean mask they stand for: each query attends to keys of its own
     document only (causally aligned at the documents' ends, as the varlen kernel has it), where ``mask`` allows.
     ``None`` otherwise: SDPA, eager and flex attention read the documents from the mask transformers builds, which
-    has none where a cache is used (a training forward with ``use_cache`` on)."""
+    has none where a cache is used (a training forward with ``use_cache`` on). ``None`` too where ``mask`` hides a
+    padded key (a key no query of its row may read): flash attention is then given the padding mask, unpads by it
+    and reads no documents (transformers' ``_flash_attention_forward``); and where the varlen arguments come without
+    ``max_length_q``/``max_length_k``, which flash attention's varlen call needs (it reads ``position_ids`` then)."""
     if not str(_chosen(module)).startswith("flash_"):
         return None
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+        if not bool(allowed[..., : key.shape[-2]].any(-2).all()):
+            return None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None or cu_k is None:  # as transformers' flash attention reads position_ids (_is_packed_sequence)
+    if any(kwargs.get(k) is None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
+        # (as transformers' flash attention reads position_ids: _is_packed_sequence)
         pos = kwargs.get("position_ids")
         if pos is None or query.shape[0] != 1 or pos.shape[-1] == 1:
             return None
