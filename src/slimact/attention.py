@@ -127,13 +127,32 @@ def _model_eager(module: nn.Module, query, key, value, mask, scaling, p, is_caus
                  dropout=p, **kwargs)
 
 
+class _Switched(str):
+    """``"slimact"`` as ``convert`` selects it on a configuration, carrying the setting the configuration had: a copy
+    of the configuration (``copy.deepcopy``, a model built from it with ``from_config``) reads that setting too."""
+
+    original: Any
+
+    def __new__(cls, original: Any) -> _Switched:
+        self = super().__new__(cls, NAME)
+        self.original = original
+        return self
+
+    def __getnewargs__(self) -> tuple[Any]:  # (copies and pickles)
+        return (self.original,)
+
+
 def setting(config: Any) -> Any:
     """``config``'s attention implementation as the user chose it: the one it had before ``convert`` selected
-    ``"slimact"`` on it, else its present one."""
+    ``"slimact"`` on it (on it or on the configuration it is a copy of), else its present one."""
+    if config is None:
+        return None
+    present = _setting(config)
     entry = _SWITCHED.get(id(config))
-    if entry is not None and entry.ref() is config and _setting(config) == NAME:
+    if entry is not None and entry.ref() is config and present == NAME:
         return entry.original
-    return None if config is None else _setting(config)  # (another one chosen since: set_attn_implementation)
+    # (else another one chosen since, set_attn_implementation: that one)
+    return present.original if isinstance(present, _Switched) else present
 
 
 def registered(name: Any) -> Any:
@@ -210,11 +229,11 @@ def switch_configs(model: nn.Module, configs: list[Any]) -> list[tuple[Any, Any]
         entry = _SWITCHED.get(key)
         if entry is None or entry.ref() is not config:
             ref = weakref.ref(config, lambda r, key=key: _forget(key, r))
-            entry = _SWITCHED[key] = _Switch(ref, _setting(config), weakref.WeakSet())
+            entry = _SWITCHED[key] = _Switch(ref, setting(config), weakref.WeakSet())
         elif _setting(config) != NAME:  # a setting chosen since it was switched (set_attn_implementation): that one
             entry = _SWITCHED[key] = entry._replace(original=_setting(config))
         entry.users.add(model)
-        _set(config, NAME)
+        _set(config, _Switched(entry.original))
         records.append((config, entry.original))
     return records
 
