@@ -444,3 +444,38 @@ def test_adaln_in_a_norm_modules_own_code():
     assert _routed(slim(x, c))
     after = slimact.profile(slim, (x, c)).by_module["norm1"]
     assert after == slimact.profile(plain, (x, c)).by_module["norm1"] - x.numel() * 4  # (its fp32 output)
+
+
+class _Reused(torch.nn.Module):
+    """A norm's output modulated twice (SD3's joint blocks, AdaLayerNormZero: one for attention, one for the MLP), or
+    changed in place out of autograd's sight before its product, or times an expanded view of a parameter."""
+
+    def __init__(self, how, channels=32):
+        super().__init__()
+        self.how = how
+        self.norm = torch.nn.LayerNorm(channels, elementwise_affine=False)
+        self.ada = torch.nn.Linear(16, 2 * channels)
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, channels))
+        self.out = torch.nn.Linear(channels, channels)
+
+    def forward(self, x, c):
+        s1, s2 = self.ada(c).unsqueeze(1).chunk(2, -1)
+        h = self.norm(x)
+        if self.how == "twice":
+            return self.out(h * (1 + s1)) + (1 + s2) * h
+        if self.how == "changed-in-place":  # (the norm's pack is of the values before: the product packs its own)
+            with torch.no_grad():
+                h.add_(0.5)
+            return self.out(h * (1 + s1))
+        return self.out(h * self.gain.expand(x.shape[0], 1, -1))  # "expanded-parameter"
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa"])
+@pytest.mark.parametrize("how", ["twice", "changed-in-place", "expanded-parameter"])
+def test_a_norms_output_reused_changed_or_times_a_view(how, policy):
+    torch.manual_seed(0)
+    plain = _Reused(how).train()
+    x, c = _inputs("layernorm")
+    x.requires_grad_()
+    slim = check_against_plain(plain, x, c, policy=policy)  # (forward bit for bit; every gradient >= 30 dB)
+    assert _routed(slim(x, c))
