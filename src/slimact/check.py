@@ -8,8 +8,10 @@ A user with a custom model runs it once before a long training job::
     assert report.passed
 
 How the two steps are made comparable: both run from deep copies of ``model`` (the user's model, its
-gradients, buffers, mode and the global RNG are left exactly as found), in training mode, each from the same
-RNG state, so dropout draws agree (slimact's dropout replays PyTorch's draws and keeps them as bit masks).
+gradients, buffers, mode and the global RNGs are left exactly as found), in training mode, each from the same
+RNG state, so dropout draws agree (slimact's dropout replays PyTorch's draws and keeps them as bit masks). The
+RNG state is PyTorch's (CPU, CUDA), Python's ``random`` and NumPy's global one: model code draws from those too
+(LayerDrop as ``np.random.random()`` in wav2vec2-style encoders, SpecAugment's masks, ``random.random()``).
 
 **Running estimates** (``scale="running"``, the ``"mesa"`` preset): each call packs its tensors with the estimate
 the calls before it made (an EMA, decay 0.9), and a fresh copy's first call sets it from the very tensor it packs,
@@ -72,10 +74,12 @@ The floors:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
 import os
+import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -275,6 +279,55 @@ def _fresh_inputs(inputs: Any) -> Any:
     return _map_tensors(inputs, lambda t: t.detach().clone().requires_grad_() if t.requires_grad else t)
 
 
+def _numpy_random() -> Any:
+    """NumPy's global random module, where NumPy is installed (model code may draw from it)."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random
+
+
+class _Rng(NamedTuple):
+    """The state of every global generator model code draws from: PyTorch's CPU and CUDA ones, Python's
+    ``random``, NumPy's global one (``None`` without NumPy)."""
+
+    cpu: Tensor
+    cuda: list[Tensor]
+    python: Any
+    numpy: Any
+
+
+def _get_rng(cuda: list[int]) -> _Rng:
+    np_random = _numpy_random()
+    return _Rng(torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda], random.getstate(),
+                None if np_random is None else np_random.get_state())
+
+
+def _set_rng(rng: _Rng) -> None:
+    torch.random.set_rng_state(rng.cpu)
+    if rng.cuda:
+        torch.cuda.set_rng_state_all(rng.cuda)
+    random.setstate(rng.python)
+    np_random = _numpy_random()
+    if rng.numpy is not None and np_random is not None:
+        np_random.set_state(rng.numpy)
+
+
+@contextlib.contextmanager
+def _forked_rng(cuda: list[int]) -> Iterator[None]:
+    """Every global generator (:class:`_Rng`) restored on exit, as ``torch.random.fork_rng`` restores PyTorch's."""
+    python, np_random = random.getstate(), _numpy_random()
+    numpy_state = None if np_random is None else np_random.get_state()
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python)
+        if np_random is not None:
+            np_random.set_state(numpy_state)
+
+
 class _Reference(NamedTuple):
     """A plain step a converted one is judged against: the plain model after it, its loss, outputs and gradients."""
 
@@ -308,14 +361,12 @@ def _calls(inputs: Any, micro_batch: int | None) -> list[tuple[Any, float]]:
 
 
 def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None,
-          rng: tuple[Tensor, list[Tensor]], micro_batch: int | None = None,
+          rng: _Rng, micro_batch: int | None = None,
           ) -> tuple[Tensor, list[Tensor], dict[str, Tensor | None]]:
     """One training step from the RNG state ``rng`` (CPU, CUDA): the loss, the floating outputs, the gradients.
     With ``micro_batch``: the model called on consecutive slices of that many rows, their weighted losses
     accumulated (:func:`_calls`); the loss is their sum, the outputs those of every call in turn."""
-    torch.random.set_rng_state(rng[0])
-    if rng[1]:
-        torch.cuda.set_rng_state_all(rng[1])
+    _set_rng(rng)
     model.train()
     total, outs = None, []
     for call, weight in _calls(inputs, micro_batch):
@@ -358,7 +409,7 @@ def _mixed(inputs: Any, rows: int, gen: torch.Generator) -> Any:
 
 
 def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, warmup: int,
-          rng: tuple[Tensor, list[Tensor]]) -> str:
+          rng: _Rng) -> str:
     """Run the converted copy's forward (training mode, no backward) on the calls of other batches, so that its
     running estimates are those training has by then: the given ``batches``, else ``warmup`` batches mixed from
     the rows of ``inputs`` (:func:`_mixed`); from the RNG state ``rng``, so that a plain copy warmed the same way
@@ -378,9 +429,7 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
                 "judged rows' values: batches= from your data shows training's estimates better)")
     calls = 0
     slim.train()
-    torch.random.set_rng_state(rng[0])
-    if rng[1]:
-        torch.cuda.set_rng_state_all(rng[1])
+    _set_rng(rng)
     # The model's own state (BatchNorm's running statistics, any buffer a forward updates) as it was: the warm-up
     # is to move slimact's estimates only (non-persistent buffers, not in the state dict).
     state = {k: v.clone() for k, v in slim.state_dict().items()}
@@ -502,7 +551,7 @@ def _guard_tolerance(low: torch.dtype | None) -> float:
 
 
 def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None,
-                   rng: tuple[Tensor, list[Tensor]], loss32: Tensor, outs32: list[Tensor],
+                   rng: _Rng, loss32: Tensor, outs32: list[Tensor],
                    low: torch.dtype | None = None, micro_batch: int | None = None,
                    ) -> dict[str, Tensor | None] | str:
     """The gradients of a float64 copy of the plain model from the same RNG state, or why there are none: it cannot
@@ -629,8 +678,8 @@ def check(
     steps = []
     estimates = None
     batches = None if batches is None else list(batches)
-    with torch.random.fork_rng(devices=cuda):
-        rng = (torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda])
+    with _forked_rng(cuda):
+        rng = _get_rng(cuda)
         warm = (copy.deepcopy(plain), copy.deepcopy(slim)) if _running(pol) else None
         loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng, micro_batch)
         first = _Reference(plain, loss0, outs0, grads0)
@@ -671,7 +720,7 @@ def check(
     if any(not p.passed for p in params):
         wides: dict[int, dict[str, Tensor | None] | str] = {}
         for ref in {id(r): r for _, (_, r) in judged.items()}.values():
-            with torch.random.fork_rng(devices=cuda):
+            with _forked_rng(cuda):
                 wides[id(ref)] = _float64_grads(ref.model, inputs, loss_fn, rng, ref.loss, ref.outs, low, micro_batch)
         why = [w for w in wides.values() if not isinstance(w, dict)]
 
