@@ -379,3 +379,31 @@ def test_draws_from_python_and_numpy_generators_agree_and_are_left_as_found(poli
     assert random.getstate() == python
     after = np.random.get_state()
     assert after[0] == numpy_state[0] and np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:]
+
+
+class _WritesIntoItsInputs(torch.nn.Module):
+    """A model that writes into its input tensors in place (a label remapped, the features scaled)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.norm, self.lin = torch.nn.Embedding(10, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, labels):
+        labels[labels == 9] = 0
+        x.mul_(2)
+        return self.lin(self.norm(x + self.emb(labels))).square().mean()
+
+
+@pytest.mark.parametrize("policy", ["tempo", "mesa"])
+def test_a_model_writing_into_its_inputs_is_given_the_same_inputs_each_step_and_the_callers_are_left(policy):
+    # check handed each step the caller's tensors themselves (those needing no gradient): the converted step saw the
+    # inputs the plain step had written into (x doubled twice, labels already remapped): FAILED as a different
+    # forward, and the caller's batch was changed.
+    x = torch.randn(4, 8, 16)
+    labels = torch.randint(0, 10, (4, 8), generator=torch.Generator().manual_seed(0))
+    labels[0, 0] = 9
+    x0, labels0 = x.clone(), labels.clone()
+    report = slimact.check(_WritesIntoItsInputs(), (x, labels), policy)
+    assert report.passed and report.forward_equal, str(report)
+    assert torch.equal(x, x0) and torch.equal(labels, labels0)

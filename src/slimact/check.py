@@ -274,9 +274,10 @@ def _map_tensors(inputs: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 
 def _fresh_inputs(inputs: Any) -> Any:
-    """``inputs`` with every tensor that requires a gradient replaced by a detached copy (so that neither step
-    accumulates into the caller's tensors)."""
-    return _map_tensors(inputs, lambda t: t.detach().clone().requires_grad_() if t.requires_grad else t)
+    """``inputs`` with every tensor replaced by a detached copy (requiring a gradient where it did), so that no step
+    accumulates a gradient into the caller's tensors, and a model that writes into its inputs in place (a label
+    remapped, ``x.mul_()``) neither changes the caller's batch nor hands the next step other inputs."""
+    return _map_tensors(inputs, lambda t: t.detach().clone().requires_grad_(t.requires_grad))
 
 
 def _numpy_random() -> Any:
@@ -436,7 +437,8 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
     with torch.enable_grad():
         for batch in source:
             for call, _ in _calls(batch, micro_batch):
-                _call(slim, call)  # the packs fold each call's range into the estimates; the graph is dropped
+                # (the packs fold each call's range into the estimates; the graph is dropped)
+                _call(slim, _fresh_inputs(call))
                 calls += 1
     slim.load_state_dict(state)
     per = f" of {size} row(s) each" if micro_batch else ""
@@ -562,7 +564,7 @@ def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tenso
         for q in wide.parameters():
             q.grad = None  # the plain step's
         with _Float32Draws():
-            loss, outs, grads = _step(wide, _widened(inputs), loss_fn, rng, micro_batch)
+            loss, outs, grads = _step(wide, _fresh_inputs(_widened(inputs)), loss_fn, rng, micro_batch)
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:  # an op without a float64 kernel
         first = str(e).splitlines()[0][:120] if str(e) else ""
         return f"the model did not run in float64 ({type(e).__name__}: {first})"
