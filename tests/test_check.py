@@ -407,3 +407,30 @@ def test_a_model_writing_into_its_inputs_is_given_the_same_inputs_each_step_and_
     report = slimact.check(_WritesIntoItsInputs(), (x, labels), policy)
     assert report.passed and report.forward_equal, str(report)
     assert torch.equal(x, x0) and torch.equal(labels, labels0)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_a_gradient_off_by_a_scale_fails_the_lossy_floor(monkeypatch, factor):
+    # The lossy floor was the cosine alone, which a scale leaves at 1: with every converted Linear's weight gradient
+    # doubled (or halved) check PASSED tiny Llama under "int8". The norm is now held within MAX_NORM_RATIO of
+    # plain's too (8-bit noise changes it by about 1%).
+    from slimact.functional.linear import _LinearFunction
+
+    g = torch.randn(1000)
+    scaled = _judge("w", g, factor * g, 1.0, lossless=False)
+    assert scaled.cosine > 0.9999 and not scaled.passed and "scale" in scaled.reason
+    assert _judge("w", g, 1.07 * g, 1.0, lossless=False).passed  # (within MAX_NORM_RATIO, 0.141)
+
+    model, inputs = _tiny("llama")
+    assert slimact.check(model, inputs, "int8").passed
+    backward = _LinearFunction.backward
+
+    def scaled_backward(ctx, grad_y):
+        grads = list(backward(ctx, grad_y))
+        grads[1] = None if grads[1] is None else grads[1] * factor
+        return tuple(grads)
+
+    monkeypatch.setattr(_LinearFunction, "backward", staticmethod(scaled_backward))
+    report = slimact.check(model, inputs, "int8")
+    assert not report.passed, str(report)
+    assert report.failures and all(p.name.endswith("proj.weight") and p.cosine > 0.99 for p in report.failures)

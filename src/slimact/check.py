@@ -39,7 +39,10 @@ The floors:
   the output's largest magnitude).
 * **lossless policies** (nothing quantised: ``"tempo"``): every gradient equals plain's to float rounding:
   ``||g - g_plain|| <= tol * ||g_plain||`` with ``tol`` from :func:`rounding_tolerance`.
-* **lossy policies**: every gradient at cosine >= 0.99 with plain's (:data:`MIN_COSINE`).
+* **lossy policies**: every gradient at cosine >= 0.99 with plain's (:data:`MIN_COSINE`), and its norm within
+  :data:`MAX_NORM_RATIO` (14%) of plain's: a cosine cannot see a scale (a weight gradient doubled, halved, a
+  dequantisation off by a constant factor has cosine 1); 8-bit noise at the cosine floor changes the norm by about
+  1% (tiny Llama under int8: at most 1.3% relative difference altogether).
 * a parameter whose exact gradient is **negligible** holds noise in both runs, so its direction means nothing:
   it is judged by the size of the difference relative to the model's typical gradient (the median of the
   per-parameter gradient norms). Negligible is the level of the policy's own noise on that typical gradient:
@@ -93,7 +96,7 @@ from slimact.convert import Summary, convert, revert, summary
 from slimact.policy import Policy, resolve
 from slimact.profile import _call, _default_loss
 
-__all__ = ["MIN_COSINE", "NOISE", "CheckReport", "ParamCheck", "check", "is_lossless",
+__all__ = ["MAX_NORM_RATIO", "MIN_COSINE", "NOISE", "CheckReport", "ParamCheck", "check", "is_lossless",
            "rounding_tolerance"]
 
 #: Cosine floor of every non-negligible gradient under a lossy policy.
@@ -101,6 +104,9 @@ MIN_COSINE = 0.99
 #: Under a lossy policy, the noise level relative to the typical gradient norm: a gradient at most this large
 #: is negligible, and a negligible gradient may differ by at most this much (a quarter of an 8-bit step, 1/255).
 NOISE = 1e-3
+#: Under a lossy policy, how far ``||g|| / ||g_plain||`` may be from 1: the relative error noise at the cosine floor
+#: has (``sqrt(2 * (1 - MIN_COSINE))``, 0.141), so that a scale error is held to the bound noise is.
+MAX_NORM_RATIO = math.sqrt(2 * (1 - MIN_COSINE))
 
 
 def rounding_tolerance(dtype: torch.dtype) -> float:
@@ -595,8 +601,10 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
         ok = diff <= tol * norm
         reason = "" if ok else f"relative diff {diff / norm:.3g} > {tol:.3g} (float rounding)"
     else:
-        ok = cos >= MIN_COSINE
-        reason = "" if ok else f"cosine {cos:.4f} < {MIN_COSINE}"
+        ratio = approx.detach().double().norm().item() / norm
+        ok = cos >= MIN_COSINE and abs(ratio - 1) <= MAX_NORM_RATIO
+        reason = "" if ok else (f"cosine {cos:.4f} < {MIN_COSINE}" if cos < MIN_COSINE else
+                                f"|g| {ratio:.4g}x plain's (more than {MAX_NORM_RATIO:.3g} off: a scale)")
     return ParamCheck(name, cos if not math.isnan(cos) else 0.0, db, norm, diff, negligible, ok, reason)
 
 
@@ -617,7 +625,8 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
         meets = norm > bound and off <= tol * norm
         plain_misses = own > tol * norm
     else:
-        meets = norm > bound and cosine(wide, approx) >= MIN_COSINE
+        meets = norm > bound and cosine(wide, approx) >= MIN_COSINE and \
+            abs(approx.detach().double().norm().item() / norm - 1) <= MAX_NORM_RATIO
         plain_misses = cosine(wide, exact) < MIN_COSINE
     if meets:  # the converted gradient is within the floor of the truth: plain's was the one off
         return dataclasses.replace(marked, passed=True, reason="")
