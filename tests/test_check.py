@@ -477,3 +477,48 @@ def test_a_float64_run_that_cannot_draw_what_plain_drew_is_no_reference(monkeypa
     report = slimact.check(_AlphaDroppedBranch(), x, "tempo", loss_fn=loss_fn)
     assert not report.passed and [p.name for p in report.failures] == ["norm.weight"], str(report)
     assert "cannot draw what the plain run drew (alpha_dropout)" in report.reference
+
+
+class _BranchesOnItsDtype(torch.nn.Module):
+    """A bfloat16 model whose code branches on a tensor's dtype in a small branch (as fp16/bf16 clamps and rescales
+    are written): the float64 run takes the other branch there."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.big, self.small = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.to(torch.bfloat16)
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, x):
+        x = x.to(torch.bfloat16)
+        h = self.norm(x.float())
+        if h.dtype == torch.float32:
+            h = h * 2.0
+        return (self.big(x) + 0.02 * self.small(h.to(torch.bfloat16))).float()
+
+
+def test_plain_farther_from_float64_than_rounding_grants_no_leniency(monkeypatch):
+    # Under a lossless policy a parameter passed when its gradient was no farther from the float64 run's than twice
+    # plain's own distance, whatever that distance: where the float64 run took another branch (outputs within the
+    # guard, the branch being small) plain's norm weight gradient was 95% of its size from float64's, and one scaled
+    # by 1.3 PASSED. Plain's distance now counts only up to the guard's rounding (bfloat16: 8 eps of the gradient).
+    from slimact.functional.norm import _NormFunction
+
+    x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(y):
+        return y.square().mean()
+
+    assert slimact.check(_BranchesOnItsDtype(), x, "tempo", loss_fn=loss_fn).passed
+    backward = _NormFunction.backward
+
+    def scaled_backward(ctx, *grads):
+        out = list(backward(ctx, *grads))
+        out[1] = out[1] * 1.3
+        return tuple(out)
+
+    monkeypatch.setattr(_NormFunction, "backward", staticmethod(scaled_backward))
+    report = slimact.check(_BranchesOnItsDtype(), x, "tempo", loss_fn=loss_fn)
+    assert not report.passed and [p.name for p in report.failures] == ["norm.weight"], str(report)
+    assert "farther from float64 than rounding" in report.failures[0].reason

@@ -621,11 +621,14 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
 
 
 def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical: float,
-             lossless: bool) -> ParamCheck:
+             lossless: bool, guard: float = math.inf) -> ParamCheck:
     """``p`` (which missed its floor against plain) judged again against the float64 gradient ``wide``, both
     plain's and the converted one (see the module docstring): it passes when the converted gradient meets the
     floor against float64, or, where plain's own gradient misses it too, when it is no farther from float64 than
-    plain's (twice plain's distance, or plain's plus float rounding, or negligible)."""
+    plain's (twice plain's distance, or plain's plus float rounding, or negligible). Under a lossless policy plain's
+    distance counts only where it is rounding: at most ``guard`` (:func:`_guard_tolerance`, what the float64 run's
+    outputs were allowed) of the gradient; farther, the float64 run computed something else there (a branch on the
+    dtype, a draw), and the converted gradient is held to the floor against float64 alone."""
     wide = wide.detach().double()
     norm = wide.norm().item()
     own = (exact.detach().double() - wide).norm().item()
@@ -646,6 +649,10 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
         return dataclasses.replace(marked, reason=p.reason + f" (and against float64: |g - g_float64| {off:.3g}, "
                                    f"plain's {own:.3g})")
     limit = max(bound, 2 * own, own + tol * norm if lossless else 0.0)
+    if lossless and norm > bound and own > guard * norm:
+        return dataclasses.replace(marked, reason=p.reason + f" (plain is farther from float64 than rounding, "
+                                   f"|g_plain - g_float64| {own:.3g} > {guard:.3g} of |g_float64| {norm:.3g}: no "
+                                   f"reference for it; |g - g_float64| {off:.3g})")
     ok = off <= limit
     reason = "" if ok else (f"plain is off float64 too (|g_plain - g_float64| {own:.3g}), but |g - g_float64| "
                             f"{off:.3g} > {limit:.3g}")
@@ -752,7 +759,7 @@ def check(
             wide = wides[id(ref)]
             if p.passed or not isinstance(wide, dict) or wide.get(p.name) is None:
                 return p
-            return _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless)
+            return _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless, _guard_tolerance(low))
 
         params = [rejudged(p) for p in params]
         n = sum(p.reference == "float64" for p in params)
