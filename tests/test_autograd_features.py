@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -520,6 +521,81 @@ def test_a_second_backward_of_a_checkpointed_graph_doubles_every_gradient(policy
     loss.backward()
     for n, p in slim.named_parameters():
         torch.testing.assert_close(p.grad, 2 * once[n], rtol=1e-6, atol=0, msg=n)
+
+
+class _SharedBlockLoop(nn.Module):
+    """ALBERT-style: one block applied at each depth, each application its own checkpointed region (optionally)."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.head, self.checkpointed = _Block(), nn.Linear(32, 8), checkpointed
+
+    def forward(self, x):
+        for _ in range(3):
+            x = checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_shared_block_checkpointed_at_each_depth_and_accumulation_backward_in_reverse(policy):
+    # Each region replays its own call site, estimate and seeds: a block called at three depths, each call its own
+    # region, and two forwards whose backwards run in reverse order (the second forward moved the estimates before the
+    # first region is recomputed) give the model's gradients without checkpointing bit for bit, estimates included.
+    slim = slimact.convert(_SharedBlockLoop(), policy)
+    checkpointed = copy.deepcopy(slim)
+    checkpointed.checkpointed = True
+    for _ in range(2):
+        _assert_identical(_step(slim), _step(checkpointed))
+    got = []
+    for model in (slim, checkpointed):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        first, second = model(_X).square().sum(), model(2 * _X).square().sum()
+        second.backward()
+        first.backward()
+        got.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    _assert_identical(*got)
+    assert dict(slim.named_buffers()).keys() == dict(checkpointed.named_buffers()).keys()
+    assert all(torch.equal(a, b) for a, b in zip(slim.buffers(), checkpointed.buffers(), strict=True))
+
+
+def test_a_reentrant_checkpoint_takes_the_call_sites_of_the_model_without_checkpointing():
+    # A reentrant checkpoint runs its forward without grad (nothing packed) and packs in its recompute. The forward's
+    # calls took call sites all the same, so the recompute's were further ones: a block shared over 12 depths had
+    # estimates at sites 12-15, the last shared by 9 calls (blended, as before per-call-site estimates), its sites
+    # 0-11 never set. Now a call under no_grad takes no site: the recompute takes the 12 sites the model without
+    # checkpointing has, one estimate per call; it runs in reverse order (the last region first), so site k holds
+    # the estimate of depth 11 - k, folded from the same tensors.
+    slim = slimact.convert(_SharedBlockLoop(), "mesa")
+    slim.block.p = 0.0
+    reentrant = copy.deepcopy(slim)
+    reentrant.forward = functools.partial(_reentrant_forward, reentrant, 12)
+    slim.forward = functools.partial(_reentrant_forward, slim, 12, checkpointed=False)
+    for _ in range(2):
+        _step(slim)
+        _step(reentrant)
+    want, got = dict(slim.named_buffers()), dict(reentrant.named_buffers())
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    def mirrored(name):  # (the head is called once, outside the loop)
+        if not name.startswith("block."):
+            return name
+        stem, _, site = re.fullmatch(r"(.*_slimact_[a-z]+)(_(\d+))?_(lo|range)", name).group(1, 2, 3)
+        k = 11 - int(site or 0)
+        return f"{stem}{f'_{k}' if k else ''}_{name.rpartition('_')[2]}"
+
+    for name, b in want.items():
+        torch.testing.assert_close(got[mirrored(name)], b, rtol=1e-6, atol=1e-6, msg=name)
+    # (A no_grad forward in training mode moves no estimate and takes no site.)
+    with torch.no_grad():
+        slim(_X)
+    assert all(torch.equal(b, want[n]) for n, b in slim.named_buffers())
+
+
+def _reentrant_forward(model: _SharedBlockLoop, depth: int, x, checkpointed: bool = True):
+    for _ in range(depth):
+        x = checkpoint(model.block, x, use_reentrant=True) if checkpointed else model.block(x)
+    return model.head(x)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -337,3 +337,188 @@ def test_the_warmed_step_is_judged_against_a_plain_copy_warmed_the_same_way():
     assert report.estimates.startswith("warmed by 8"), report.estimates
     assert report.forward_equal and report.passed, str(report)
     assert report.loss_converted == pytest.approx(report.loss_plain, rel=1e-6)  # the first steps, side by side
+
+
+class _LayerDrop(torch.nn.Module):
+    """Residual blocks skipped at random in training, the draws made by Python's ``random`` and NumPy's global
+    generator (wav2vec2-style encoders draw their LayerDrop as ``np.random.random()``, SpecAugment its masks)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(6))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        for i, layer in enumerate(self.layers):
+            draw = random.random() if i % 2 else np.random.random()
+            if not self.training or draw >= 0.5:
+                x = x + layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8", "mesa"])
+def test_draws_from_python_and_numpy_generators_agree_and_are_left_as_found(policy):
+    # check set only PyTorch's generators before each step: the plain and converted steps dropped other layers
+    # (a different forward, every gradient far off: FAILED under every policy, 5 runs of 5), and the caller's
+    # Python and NumPy generators were advanced.
+    import random
+
+    import numpy as np
+
+    random.seed(0)
+    np.random.seed(0)
+    python, numpy_state = random.getstate(), np.random.get_state()
+    report = slimact.check(_LayerDrop(), torch.randn(4, 8, 16), policy)
+    assert report.passed and report.forward_equal, str(report)
+    assert random.getstate() == python
+    after = np.random.get_state()
+    assert after[0] == numpy_state[0] and np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:]
+
+
+class _WritesIntoItsInputs(torch.nn.Module):
+    """A model that writes into its input tensors in place (a label remapped, the features scaled)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.norm, self.lin = torch.nn.Embedding(10, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, labels):
+        labels[labels == 9] = 0
+        x.mul_(2)
+        return self.lin(self.norm(x + self.emb(labels))).square().mean()
+
+
+@pytest.mark.parametrize("policy", ["tempo", "mesa"])
+def test_a_model_writing_into_its_inputs_is_given_the_same_inputs_each_step_and_the_callers_are_left(policy):
+    # check handed each step the caller's tensors themselves (those needing no gradient): the converted step saw the
+    # inputs the plain step had written into (x doubled twice, labels already remapped): FAILED as a different
+    # forward, and the caller's batch was changed.
+    x = torch.randn(4, 8, 16)
+    labels = torch.randint(0, 10, (4, 8), generator=torch.Generator().manual_seed(0))
+    labels[0, 0] = 9
+    x0, labels0 = x.clone(), labels.clone()
+    report = slimact.check(_WritesIntoItsInputs(), (x, labels), policy)
+    assert report.passed and report.forward_equal, str(report)
+    assert torch.equal(x, x0) and torch.equal(labels, labels0)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_a_gradient_off_by_a_scale_fails_the_lossy_floor(monkeypatch, factor):
+    # The lossy floor was the cosine alone, which a scale leaves at 1: with every converted Linear's weight gradient
+    # doubled (or halved) check PASSED tiny Llama under "int8". The norm is now held within MAX_NORM_RATIO of
+    # plain's too (8-bit noise changes it by about 1%).
+    from slimact.functional.linear import _LinearFunction
+
+    g = torch.randn(1000)
+    scaled = _judge("w", g, factor * g, 1.0, lossless=False)
+    assert scaled.cosine > 0.9999 and not scaled.passed and "scale" in scaled.reason
+    assert _judge("w", g, 1.07 * g, 1.0, lossless=False).passed  # (within MAX_NORM_RATIO, 0.141)
+
+    model, inputs = _tiny("llama")
+    assert slimact.check(model, inputs, "int8").passed
+    backward = _LinearFunction.backward
+
+    def scaled_backward(ctx, grad_y):
+        grads = list(backward(ctx, grad_y))
+        grads[1] = None if grads[1] is None else grads[1] * factor
+        return tuple(grads)
+
+    monkeypatch.setattr(_LinearFunction, "backward", staticmethod(scaled_backward))
+    report = slimact.check(model, inputs, "int8")
+    assert not report.passed, str(report)
+    assert report.failures and all(p.name.endswith("proj.weight") and p.cosine > 0.99 for p in report.failures)
+
+
+class _AlphaDroppedBranch(torch.nn.Module):
+    """A bfloat16 model with a small branch through alpha dropout and a LayerNorm kept in float32."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.big, self.small = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.to(torch.bfloat16)
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, x):
+        x = x.to(torch.bfloat16)
+        h = torch.nn.functional.alpha_dropout(x, 0.5, self.training)
+        small = self.small(self.norm(h.float()).to(torch.bfloat16))
+        return (self.big(x) + 0.02 * small).float()
+
+
+def test_a_float64_run_that_cannot_draw_what_plain_drew_is_no_reference(monkeypatch):
+    # The float64 run cannot reproduce alpha dropout's draws; its outputs stayed within bfloat16's 8 eps of plain's
+    # (the dropped branch is a small part of them), so it was used: its norm weight gradient, another draw's, was
+    # as far from plain's as its own size, and a norm weight gradient scaled by 1.3 then counted as "as close to
+    # float64 as plain's": check PASSED it under "tempo".
+    from slimact.functional.norm import _NormFunction
+
+    x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(y):
+        return y.square().mean()
+
+    assert slimact.check(_AlphaDroppedBranch(), x, "tempo", loss_fn=loss_fn).passed
+    backward = _NormFunction.backward
+
+    def scaled_backward(ctx, *grads):
+        out = list(backward(ctx, *grads))
+        out[1] = out[1] * 1.3
+        return tuple(out)
+
+    monkeypatch.setattr(_NormFunction, "backward", staticmethod(scaled_backward))
+    report = slimact.check(_AlphaDroppedBranch(), x, "tempo", loss_fn=loss_fn)
+    assert not report.passed and [p.name for p in report.failures] == ["norm.weight"], str(report)
+    assert "cannot draw what the plain run drew (alpha_dropout)" in report.reference
+
+
+class _BranchesOnItsDtype(torch.nn.Module):
+    """A bfloat16 model whose code branches on a tensor's dtype in a small branch (as fp16/bf16 clamps and rescales
+    are written): the float64 run takes the other branch there."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.big, self.small = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.to(torch.bfloat16)
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, x):
+        x = x.to(torch.bfloat16)
+        h = self.norm(x.float())
+        if h.dtype == torch.float32:
+            h = h * 2.0
+        return (self.big(x) + 0.02 * self.small(h.to(torch.bfloat16))).float()
+
+
+def test_plain_farther_from_float64_than_rounding_grants_no_leniency(monkeypatch):
+    # Under a lossless policy a parameter passed when its gradient was no farther from the float64 run's than twice
+    # plain's own distance, whatever that distance: where the float64 run took another branch (outputs within the
+    # guard, the branch being small) plain's norm weight gradient was 95% of its size from float64's, and one scaled
+    # by 1.3 PASSED. Plain's distance now counts only up to the guard's rounding (bfloat16: 8 eps of the gradient).
+    from slimact.functional.norm import _NormFunction
+
+    x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(y):
+        return y.square().mean()
+
+    assert slimact.check(_BranchesOnItsDtype(), x, "tempo", loss_fn=loss_fn).passed
+    backward = _NormFunction.backward
+
+    def scaled_backward(ctx, *grads):
+        out = list(backward(ctx, *grads))
+        out[1] = out[1] * 1.3
+        return tuple(out)
+
+    monkeypatch.setattr(_NormFunction, "backward", staticmethod(scaled_backward))
+    report = slimact.check(_BranchesOnItsDtype(), x, "tempo", loss_fn=loss_fn)
+    assert not report.passed and [p.name for p in report.failures] == ["norm.weight"], str(report)
+    assert "farther from float64 than rounding" in report.failures[0].reason

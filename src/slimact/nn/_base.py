@@ -73,6 +73,11 @@ def begin_call(module: nn.Module, running: bool = True) -> None:
     Under activation checkpointing, the recompute of a call takes the call site of the forward's call, not the next
     one (:mod:`slimact.quant.recompute`; :class:`RunningRange` then gives it the estimate that call found); a call
     that packs with no running estimate (``running=False``) notes nothing."""
+    if not torch.is_grad_enabled():
+        # A call that packs nothing takes no call site: a reentrant checkpoint's forward runs without grad, and its
+        # recompute (the calls that pack) then takes the sites the model without checkpointing has, not further ones
+        # (a block shared over 12 depths reached the last site, 15, where 9 of its calls shared one estimate).
+        return
     # Plain attributes written into __dict__ directly: nn.Module.__setattr__ first searches the module's
     # parameters, buffers and submodules for the name, on every call.
     d = module.__dict__

@@ -17,8 +17,9 @@ the forward has updated the live one, once per step) and draws the same seeds: i
 bit. The region is recognised from PyTorch's own saved-tensors hooks (the forward's ``_checkpoint_hook``, the
 recompute's ``_recomputation_hook``, both holding the region's frame); with hooks that look otherwise (another
 PyTorch) the recompute packs as it did before (rounded alike, not identically). A reentrant checkpoint runs its
-forward without grad, where nothing is packed: its recompute is the step's only pack (its estimate folded once; its
-seeds and call site not those of the model without checkpointing). Checkpoints nested in a checkpointed region are
+forward without grad, where nothing is packed and no call site is taken: its recompute is the step's only pack (its
+estimate folded once, at the call sites the model without checkpointing has, taken in the recompute's order, the last
+region first; its seeds not those of the model without checkpointing). Checkpoints nested in a checkpointed region are
 recomputed with fresh seeds and call sites, as before.
 """
 
