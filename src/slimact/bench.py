@@ -456,9 +456,10 @@ def _sweep_markers(policy: str) -> tuple[str, str]:
 
 def _sweep_prose(policy: str, lossless: bool, results: str) -> tuple[str, str, str]:
     """The section's title, its explanation and the name of its judged-gradient column, for ``policy``."""
-    from slimact.check import MIN_COSINE, rounding_tolerance
+    from slimact.check import MAX_NORM_RATIO, MIN_COSINE, rounding_tolerance
 
-    floors = f"(cosine >= {MIN_COSINE}; gradients at noise level judged by size)"
+    floors = (f"(cosine >= {MIN_COSINE} and a norm within {MAX_NORM_RATIO:.0%} of plain's; gradients at noise level "
+              "judged by size)")
     if policy == "int8":
         judged_by, rerun = "the default policy", "`slimact bench --zoo --all`"
     else:
