@@ -227,3 +227,17 @@ def test_a_bias_a_layer_norm_removes_keeps_its_zero_gradient_under_int8():
     model = build_auto("GroupViTModel", tiny_config(model_type)).train()
     report = slimact.check(model, tiny_inputs(model, task), "int8", loss_fn=projection_loss)
     assert report.passed, str(report)
+
+
+def test_the_sweep_compiles_in_the_process_that_runs_the_pack(monkeypatch, tmp_path):
+    """Inductor's pool of compile workers, started by the parent's warm-up, does not survive the fork: with a cold
+    compile cache (a fresh clone) a child needing a kernel the parent had not compiled waited forever, and every such
+    architecture under "int8" came back "no result after the time limit". The sweep compiles in-process."""
+    import torch._inductor.config as inductor_config
+
+    seen = []
+    monkeypatch.setattr(inductor_config, "compile_threads", 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # (the warm-up runs with one thread)
+    monkeypatch.setattr(slimact.bench, "sweep_one", lambda *a, **k: seen.append(inductor_config.compile_threads))
+    assert list(slimact.bench.zoo_all(tmp_path / "sweep.csv", only=[])) == []
+    assert seen == [1], seen

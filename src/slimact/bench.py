@@ -428,6 +428,13 @@ def zoo_all(
         writer = csv.DictWriter(f, fieldnames=fields, restval="", extrasaction="ignore")
         writer.writeheader()
         writer.writerows(kept)
+    # Compiled packs ("int8" on the CPU) compile in the process that runs them: inductor's pool of compile workers,
+    # started by the parent's warm-up below, does not survive the fork, and a child needing a kernel the parent did
+    # not compile waited on it forever (every architecture after the first new shape "crashed": no result after the
+    # time limit, wherever the compile cache was cold, as in a fresh clone).
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
     if torch.get_num_threads() == 1:
         # Warm the parent up once (slimact's and transformers' imports, the first kernels: ~20 s on a busy
         # machine) so that every forked child starts warm. Not with several threads: an OpenMP pool used before a
