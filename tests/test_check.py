@@ -453,11 +453,9 @@ class _AlphaDroppedBranch(torch.nn.Module):
         return (self.big(x) + 0.02 * small).float()
 
 
-def test_a_float64_run_that_cannot_draw_what_plain_drew_is_no_reference(monkeypatch):
-    # The float64 run cannot reproduce alpha dropout's draws; its outputs stayed within bfloat16's 8 eps of plain's
-    # (the dropped branch is a small part of them), so it was used: its norm weight gradient, another draw's, was
-    # as far from plain's as its own size, and a norm weight gradient scaled by 1.3 then counted as "as close to
-    # float64 as plain's": check PASSED it under "tempo".
+def _tempo_check_with_the_norm_weight_gradient_scaled(model_cls, monkeypatch):
+    """``check`` under "tempo" of ``model_cls()``: it passes as converted, then the report with the LayerNorm
+    Function's weight gradient scaled by 1.3."""
     from slimact.functional.norm import _NormFunction
 
     x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(0))
@@ -465,7 +463,7 @@ def test_a_float64_run_that_cannot_draw_what_plain_drew_is_no_reference(monkeypa
     def loss_fn(y):
         return y.square().mean()
 
-    assert slimact.check(_AlphaDroppedBranch(), x, "tempo", loss_fn=loss_fn).passed
+    assert slimact.check(model_cls(), x, "tempo", loss_fn=loss_fn).passed
     backward = _NormFunction.backward
 
     def scaled_backward(ctx, *grads):
@@ -474,7 +472,15 @@ def test_a_float64_run_that_cannot_draw_what_plain_drew_is_no_reference(monkeypa
         return tuple(out)
 
     monkeypatch.setattr(_NormFunction, "backward", staticmethod(scaled_backward))
-    report = slimact.check(_AlphaDroppedBranch(), x, "tempo", loss_fn=loss_fn)
+    return slimact.check(model_cls(), x, "tempo", loss_fn=loss_fn)
+
+
+def test_a_float64_run_that_cannot_draw_what_plain_drew_is_no_reference(monkeypatch):
+    # The float64 run cannot reproduce alpha dropout's draws; its outputs stayed within bfloat16's 8 eps of plain's
+    # (the dropped branch is a small part of them), so it was used: its norm weight gradient, another draw's, was
+    # as far from plain's as its own size, and a norm weight gradient scaled by 1.3 then counted as "as close to
+    # float64 as plain's": check PASSED it under "tempo".
+    report = _tempo_check_with_the_norm_weight_gradient_scaled(_AlphaDroppedBranch, monkeypatch)
     assert not report.passed and [p.name for p in report.failures] == ["norm.weight"], str(report)
     assert "cannot draw what the plain run drew (alpha_dropout)" in report.reference
 
@@ -503,22 +509,6 @@ def test_plain_farther_from_float64_than_rounding_grants_no_leniency(monkeypatch
     # plain's own distance, whatever that distance: where the float64 run took another branch (outputs within the
     # guard, the branch being small) plain's norm weight gradient was 95% of its size from float64's, and one scaled
     # by 1.3 PASSED. Plain's distance now counts only up to the guard's rounding (bfloat16: 8 eps of the gradient).
-    from slimact.functional.norm import _NormFunction
-
-    x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(0))
-
-    def loss_fn(y):
-        return y.square().mean()
-
-    assert slimact.check(_BranchesOnItsDtype(), x, "tempo", loss_fn=loss_fn).passed
-    backward = _NormFunction.backward
-
-    def scaled_backward(ctx, *grads):
-        out = list(backward(ctx, *grads))
-        out[1] = out[1] * 1.3
-        return tuple(out)
-
-    monkeypatch.setattr(_NormFunction, "backward", staticmethod(scaled_backward))
-    report = slimact.check(_BranchesOnItsDtype(), x, "tempo", loss_fn=loss_fn)
+    report = _tempo_check_with_the_norm_weight_gradient_scaled(_BranchesOnItsDtype, monkeypatch)
     assert not report.passed and [p.name for p in report.failures] == ["norm.weight"], str(report)
     assert "farther from float64 than rounding" in report.failures[0].reason
