@@ -160,3 +160,15 @@ def zero_gradients(grads: dict) -> set:
     """Names of the gradients that are zero in exact arithmetic (fp32 ones below 1e-6 of a typical one)."""
     typical = torch.stack([g.norm() for g in grads.values()]).median()
     return {n for n, g in grads.items() if g.norm() <= 1e-6 * typical}
+
+
+def backward_nodes(y: torch.Tensor) -> list:
+    """Every node of ``y``'s autograd graph (each once)."""
+    seen, todo = [], [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or any(node is s for s in seen):
+            continue
+        seen.append(node)
+        todo += [n for n, _ in node.next_functions]
+    return seen

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import slimact
-from _harness import check_against_plain
+from _harness import backward_nodes, check_against_plain
 from slimact._metrics import cosine, sqnr_db
 from slimact.functional.activation import activation, output_form
 from slimact.functional.norm import norm
@@ -236,14 +236,7 @@ class _Modulated(torch.nn.Module):
 
 
 def _routed(y) -> bool:
-    seen, todo = [], [y.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or any(node is s for s in seen):
-            continue
-        seen.append(node)
-        todo += [n for n, _ in node.next_functions]
-    return any(type(n).__name__ == "_BroadcastProductFunctionBackward" for n in seen)
+    return any(type(n).__name__ == "_BroadcastProductFunctionBackward" for n in backward_nodes(y))
 
 
 def _inputs(kind):

@@ -299,6 +299,28 @@ def _step(model, inputs, grads=True):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _same_step(plain, slim, inputs, truth=None, msg="", **tolerance):
+    """One training step of each, ``slim`` on ``inputs`` and ``plain`` on ``truth`` (default ``inputs``): the logits
+    and every gradient equal (``tolerance``: ``assert_close``'s). Returns ``slim``'s logits."""
+    (want, want_grads), (got, got_grads) = _step(plain, inputs if truth is None else truth), _step(slim, inputs)
+    torch.testing.assert_close(got, want, msg=msg or None, **tolerance)
+    assert want_grads.keys() == got_grads.keys(), msg
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], msg=f"{msg}: {n}" if msg else n)
+    return got
+
+
+def _calls_for(setting, plain):
+    """What a model set to ``setting`` is called with, and what ``plain`` (made to compute the same) is called with:
+    eager attention on left padding (``plain`` set to eager); flash attention on one row of packed documents (no flash
+    kernel on CPU: ``plain`` runs SDPA with the documents in its mask)."""
+    if setting == "eager":
+        plain.config._attn_implementation = "eager"
+        return _CASES["left-padding"], _CASES["left-padding"]
+    inputs = {"input_ids": _IDS[:1], "labels": _IDS[:1], "position_ids": _PACKED["position_ids"][:1]}
+    return inputs, {**inputs, "use_cache": False}
+
+
 @pytest.mark.parametrize("setting", ["eager", "sdpa"])
 @pytest.mark.parametrize("case", list(_CASES))
 def test_a_switched_setting_computes_what_the_plain_model_did(setting, case):
@@ -308,11 +330,7 @@ def test_a_switched_setting_computes_what_the_plain_model_did(setting, case):
     assert slim.config._attn_implementation == "slimact"
     assert slimact.summary(slim).converted["attention"] == 2
     inputs = _CASES[case]
-    (want, want_grads), (got, got_grads) = _step(plain, inputs), _step(slim, inputs)
-    torch.testing.assert_close(got, want)
-    assert want_grads.keys() == got_grads.keys()
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    got = _same_step(plain, slim, inputs)
     if case == "packed":  # the documents were kept apart: the second reads nothing of the first
         alone = {"input_ids": _IDS[:, 6:], "position_ids": _PACKED["position_ids"][:, 6:]}
         torch.testing.assert_close(got[:, 6:], _step(slim, alone, grads=False)[0])
@@ -362,11 +380,7 @@ def test_flash_attention_is_switched_and_keeps_packed_documents_apart(setting, d
             "position_ids": {"position_ids": pos},
             "cu_seq_lens": {"cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_q": 10, "max_length_k": 10}}
     truth = {} if documents == "none" else {"position_ids": pos, "use_cache": False}
-    want, want_grads = _step(plain, {**inputs, **truth})
-    got, got_grads = _step(slim, {**inputs, **call[documents]})
-    torch.testing.assert_close(got, want)
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    _same_step(plain, slim, {**inputs, **call[documents]}, {**inputs, **truth})
     slimact.revert(slim)
     assert slim.config._attn_implementation == setting
 
@@ -390,10 +404,7 @@ def test_flash_attention_reads_no_documents_where_its_varlen_call_would_not(call
         varlen = {"cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_q": 10, "max_length_k": 10}
     else:
         varlen = {"cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU}
-    (want, want_grads), (got, got_grads) = _step(plain, inputs), _step(slim, {**inputs, **varlen})
-    torch.testing.assert_close(got, want)
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    _same_step(plain, slim, {**inputs, **varlen}, inputs)
 
 
 @pytest.mark.parametrize("setting", ["halved", None, "paged|eager", "sdpa_paged", "kernels-community/flash-attn3"])
@@ -412,10 +423,7 @@ def test_a_setting_slimact_does_not_reproduce_is_left_as_written(setting, halved
         assert report.skipped[f"model.layers.{i}.self_attn"].startswith(f"config._attn_implementation is {setting!r}")
     assert all(slimact.attention.POLICY_ATTR not in m.__dict__ for m in slim.modules())
     if setting in ("halved", None):  # (the others need their kernels or a paged cache)
-        (want, want_grads), (got, got_grads) = _step(plain, _CASES["plain"]), _step(slim, _CASES["plain"])
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        for n in want_grads:
-            torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+        _same_step(plain, slim, _CASES["plain"], rtol=0, atol=0)
     slimact.revert(slim)
     assert slim.config._attn_implementation == setting
 
@@ -444,10 +452,7 @@ def test_each_sub_configuration_is_decided_on_its_own(text, vision, halved):
     assert report.converted["attention"] == 2
     left = [n for n, why in report.skipped.items() if why.startswith("config._attn_implementation is 'halved'")]
     assert len(left) == 2 and all(("vision_tower" in n) == (vision == "halved") for n in left), left
-    (want, want_grads), (got, got_grads) = _step(plain, inputs), _step(slim, inputs)
-    torch.testing.assert_close(got, want)
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    _same_step(plain, slim, inputs)
     slimact.revert(slim)
     assert {k: getattr(slim.config, k)._attn_implementation for k in settings} == settings
 
@@ -462,17 +467,7 @@ def test_a_deep_copy_of_a_converted_model_computes_as_its_original_setting(setti
     slim = copy.deepcopy(plain)
     slim.config._attn_implementation = setting
     slim = copy.deepcopy(slimact.convert(slim, "tempo"))
-    if setting == "eager":
-        plain.config._attn_implementation = "eager"
-        inputs = {"input_ids": _IDS, "attention_mask": _PAD, "labels": _IDS}
-        truth = inputs
-    else:
-        inputs = {"input_ids": _IDS[:1], "labels": _IDS[:1], "position_ids": _PACKED["position_ids"][:1]}
-        truth = {**inputs, "use_cache": False}  # SDPA with the documents in its mask
-    (want, want_grads), (got, got_grads) = _step(plain, truth), _step(slim, inputs)
-    torch.testing.assert_close(got, want)
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    _same_step(plain, slim, *_calls_for(setting, plain))
     slimact.revert(slim)
     assert slim.config._attn_implementation == setting
     assert not any(slimact.attention.ORIGINAL_ATTR in m.__dict__ for m in slim.modules())
@@ -500,10 +495,7 @@ def test_a_function_registered_over_a_built_in_name_is_left_as_written(setting, 
     why = slimact.summary(slim).skipped["model.layers.0.self_attn"]
     assert why == (f"config._attn_implementation is {setting!r}, but the function registered under that name is not "
                    "transformers' own (partial): left as written")
-    (want, want_grads), (got, got_grads) = _step(plain, _CASES["plain"]), _step(slim, _CASES["plain"])
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    _same_step(plain, slim, _CASES["plain"], rtol=0, atol=0)
     slimact.revert(slim)
     assert slim.config._attn_implementation == setting
 
@@ -527,10 +519,7 @@ def test_a_setting_chosen_after_convert_is_the_one_a_later_convert_and_revert_ke
         elif step == "reverted":
             slimact.revert(slim)
             assert slim.config._attn_implementation == "eager"
-        (want, want_grads), (got, got_grads) = _step(plain, inputs), _step(slim, inputs)
-        torch.testing.assert_close(got, want, msg=step)
-        for n in want_grads:
-            torch.testing.assert_close(got_grads[n], want_grads[n], msg=f"{step}: {n}")
+        _same_step(plain, slim, inputs, msg=step)
 
 
 @pytest.mark.parametrize("setting", ["eager", "flash_attention_2"])
@@ -547,16 +536,7 @@ def test_a_plain_model_built_from_a_converted_models_configuration_computes_as_i
     assert slimact.attention.setting(ref.config) == setting
     plain = _llama()
     plain.load_state_dict(ref.state_dict())
-    if setting == "eager":
-        plain.config._attn_implementation = "eager"
-        inputs = truth = _CASES["left-padding"]
-    else:
-        inputs = {"input_ids": _IDS[:1], "labels": _IDS[:1], "position_ids": _PACKED["position_ids"][:1]}
-        truth = {**inputs, "use_cache": False}  # SDPA with the documents in its mask
-    (want, want_grads), (got, got_grads) = _step(plain, truth), _step(ref, inputs)
-    torch.testing.assert_close(got, want)
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], msg=n)
+    _same_step(plain, ref, *_calls_for(setting, plain))
     slimact.convert(ref, "tempo")
     slimact.revert(ref)
     assert ref.config._attn_implementation == setting

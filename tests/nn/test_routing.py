@@ -13,7 +13,7 @@ from torch import nn
 
 import _nano
 import slimact
-from _harness import check_against_plain
+from _harness import backward_nodes, check_against_plain
 from slimact._metrics import sqnr_db
 
 
@@ -640,18 +640,7 @@ def test_a_product_that_is_not_a_gates_runs_as_written(how):
     x = torch.randn(4, 16, 32, requires_grad=True)
     check_against_plain(plain, x, policy="int8")
     slim = slimact.convert(copy.deepcopy(plain), "int8")
-    assert not any(type(n).__name__ == "_ProductFunctionBackward" for n in _nodes(slim(x)))
-
-
-def _nodes(y):
-    seen, todo = [], [y.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or any(node is s for s in seen):
-            continue
-        seen.append(node)
-        todo += [n for n, _ in node.next_functions]
-    return seen
+    assert not any(type(n).__name__ == "_ProductFunctionBackward" for n in backward_nodes(slim(x)))
 
 
 def test_t5s_gated_gelu_keeps_its_product_8_bit():
@@ -721,7 +710,7 @@ def test_a_product_in_a_norms_own_code_runs_as_written():
         model(x).pow(2).sum().backward()
         grads.append(model.D.grad)
     assert cosine(*grads) >= 0.999
-    assert not any(type(n).__name__ == "_ProductFunctionBackward" for n in _nodes(slim(x)))
+    assert not any(type(n).__name__ == "_ProductFunctionBackward" for n in backward_nodes(slim(x)))
 
 
 def test_mamba2s_gated_norm_passes_the_check():
