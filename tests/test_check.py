@@ -436,8 +436,8 @@ def test_a_gradient_off_by_a_scale_fails_the_lossy_floor(monkeypatch, factor):
     assert report.failures and all(p.name.endswith("proj.weight") and p.cosine > 0.99 for p in report.failures)
 
 
-class _AlphaDroppedBranch(torch.nn.Module):
-    """A bfloat16 model with a small branch through alpha dropout and a LayerNorm kept in float32."""
+class _SmallBranch(torch.nn.Module):
+    """A bfloat16 model, ``big(x) + 0.02 * small(...)``, whose small branch runs a LayerNorm kept in float32."""
 
     def __init__(self):
         super().__init__()
@@ -445,6 +445,10 @@ class _AlphaDroppedBranch(torch.nn.Module):
         self.big, self.small = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
         self.to(torch.bfloat16)
         self.norm = torch.nn.LayerNorm(32)
+
+
+class _AlphaDroppedBranch(_SmallBranch):
+    """The small branch through alpha dropout."""
 
     def forward(self, x):
         x = x.to(torch.bfloat16)
@@ -485,16 +489,9 @@ def test_a_float64_run_that_cannot_draw_what_plain_drew_is_no_reference(monkeypa
     assert "cannot draw what the plain run drew (alpha_dropout)" in report.reference
 
 
-class _BranchesOnItsDtype(torch.nn.Module):
-    """A bfloat16 model whose code branches on a tensor's dtype in a small branch (as fp16/bf16 clamps and rescales
-    are written): the float64 run takes the other branch there."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.big, self.small = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
-        self.to(torch.bfloat16)
-        self.norm = torch.nn.LayerNorm(32)
+class _BranchesOnItsDtype(_SmallBranch):
+    """Code that branches on a tensor's dtype in the small branch (as fp16/bf16 clamps and rescales are written):
+    the float64 run takes the other branch there."""
 
     def forward(self, x):
         x = x.to(torch.bfloat16)
