@@ -71,8 +71,11 @@ The floors:
   random numbers (dropout, drop-path, noise) as float32 draws widened, so that it consumes the RNG exactly as the
   plain run did; it is used only if its loss and outputs agree with plain's to ``1e-3`` relative (with 16-bit
   tensors, 8 of their ``eps``: bfloat16 0.0625) and it made no draw it cannot reproduce (alpha dropout); else, or if
-  the model cannot run in float64, no parameter is judged this way. ``report.reference`` (and the report's
-  ``reference:`` line) says what the gradients were judged against, and each parameter's ``reference`` which it was.
+  the model cannot run in float64, no parameter is judged this way. With 16-bit tensors that agreement is loose
+  enough to hide model code that branches on the dtype (the float64 run taking the other branch in a small part of
+  the model), so there, under a lossless policy, plain's distance from float64 counts only up to that guard.
+  ``report.reference`` (and the report's ``reference:`` line) says what the gradients were judged against, and each
+  parameter's ``reference`` which it was.
 """
 
 from __future__ import annotations
@@ -626,9 +629,9 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
     plain's and the converted one (see the module docstring): it passes when the converted gradient meets the
     floor against float64, or, where plain's own gradient misses it too, when it is no farther from float64 than
     plain's (twice plain's distance, or plain's plus float rounding, or negligible). Under a lossless policy plain's
-    distance counts only where it is rounding: at most ``guard`` (:func:`_guard_tolerance`, what the float64 run's
-    outputs were allowed) of the gradient; farther, the float64 run computed something else there (a branch on the
-    dtype, a draw), and the converted gradient is held to the floor against float64 alone."""
+    distance counts only up to ``guard`` of the gradient (in a model with 16-bit tensors :func:`_guard_tolerance`,
+    what the float64 run's outputs were allowed; farther, the float64 run may have computed something else there, a
+    branch on the dtype, and the converted gradient is held to the floor against float64 alone)."""
     wide = wide.detach().double()
     norm = wide.norm().item()
     own = (exact.detach().double() - wide).norm().item()
@@ -754,12 +757,19 @@ def check(
                 wides[id(ref)] = _float64_grads(ref.model, inputs, loss_fn, rng, ref.loss, ref.outs, low, micro_batch)
         why = [w for w in wides.values() if not isinstance(w, dict)]
 
+        # Plain's own distance from float64 bounds the converted one's wherever it is rounding. In a float32 model
+        # it is, however far (a gradient zero by the model's structure keeps what rounding leaves of a cancellation:
+        # 3% of a BatchNorm bias gradient in MobileViT, 1e9x the float64 value in a tiny EfficientNet). With 16-bit
+        # tensors the float64 run may also compute otherwise (model code branching on the dtype, hidden within the
+        # outputs' looser guard): there plain's distance counts only up to that guard.
+        guard = math.inf if low is None else _guard_tolerance(low)
+
         def rejudged(p: ParamCheck) -> ParamCheck:
             approx, ref = judged[p.name]
             wide = wides[id(ref)]
             if p.passed or not isinstance(wide, dict) or wide.get(p.name) is None:
                 return p
-            return _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless, _guard_tolerance(low))
+            return _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless, guard)
 
         params = [rejudged(p) for p in params]
         n = sum(p.reference == "float64" for p in params)
