@@ -27,7 +27,8 @@ from torch import Tensor
 
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 
-__all__ = ["Gradient", "Mask", "SlimFunction", "is_gradient", "is_parameter_gradient", "load", "save", "transformed"]
+__all__ = ["IN_PLACE", "Gradient", "Mask", "SlimFunction", "copy_on_write", "is_gradient", "is_parameter_gradient",
+           "keep_output", "load", "save", "transformed"]
 
 
 class Mask(NamedTuple):
@@ -61,6 +62,59 @@ def _mark_gradient(t: Tensor, parameter: bool) -> None:
 def _gradient_entry(t: Tensor) -> tuple[weakref.ref, bool] | None:
     entry = _gradients.get(id(t))
     return entry if entry is not None and entry[0]() is t else None
+
+
+# id -> [weak reference, moved to a copy yet]: outputs a Function keeps as they are where PyTorch's own layer keeps
+# its input (Tempo's norms and activations); see :func:`copy_on_write`.
+_outputs: dict[int, list] = {}
+
+#: In-place ops :func:`copy_on_write` runs on a kept output: none of them keeps its own result for its backward
+#: (``exp_``, ``relu_`` do; an op on a kept output not listed here meets autograd's error in the backward).
+IN_PLACE = frozenset({Tensor.__iadd__, Tensor.__isub__, Tensor.__imul__, Tensor.__itruediv__, Tensor.add_,
+                      Tensor.sub_, Tensor.mul_, Tensor.div_, Tensor.masked_fill_, Tensor.addcmul_, Tensor.addcdiv_,
+                      Tensor.copy_, Tensor.zero_, Tensor.fill_})
+
+
+def keep_output(y: Tensor) -> None:
+    """Note that the Function being run keeps its output ``y`` as it is (saved by :func:`save`), where the layer it
+    replaces keeps its input, so that an in-place op on ``y`` in model code does not fail (:func:`copy_on_write`)."""
+    if not torch.compiler.is_compiling():
+        key = id(y)
+        _outputs[key] = [weakref.ref(y, lambda _r, key=key: _outputs.pop(key, None)), False]
+
+
+def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run the in-place op ``func(*args, **kwargs)`` on ``args[0]`` if that is an output a Function keeps as it is
+    (:func:`keep_output`) and nothing else shares its storage, so that the Function's copy stays as it was; else
+    return ``NotImplemented`` (the caller runs the op as written).
+
+    PyTorch's layer keeps its input, so model code may change its output in place (vit-pytorch's SimpleViT and
+    CaiT: ``x = patch_embedding(img)``, ending in a LayerNorm, then ``x += pos_embedding``; XLM: ``tensor *= mask``
+    after a LayerNorm); a Function keeping that output found it changed in the backward, and autograd refused it.
+    Here the tensor the model holds moves to a copy of its storage (``.data``), the op runs on the copy, and the
+    version counter it shares with the Function's saved tensor (whose storage no op changed) is set back, so the
+    backward reads the output as the forward made it. The copy costs what PyTorch's layer keeps, for that call.
+
+    Later ops of this list on it run on the copy, the counter set back likewise. Exact where PyTorch's own run
+    works: a node that saved the tensor itself before such an op (the same tensor object, which the storage count
+    does not show) would read it changed, but plain PyTorch's backward refuses that case (the same op changes what
+    that node saved). A view or any other tensor on the first storage (which the count shows) is left to
+    autograd's error, and so is an op not listed here."""
+    target = args[0] if args else None
+    entry = _outputs.get(id(target))
+    if entry is None or entry[0]() is not target or not target.requires_grad:
+        return NotImplemented
+    if not entry[1]:
+        # The tensor the model holds, the Function's saved one (a tensor of its own on the same storage: a saved
+        # output does not hold the output object) and the storage object made here to count: nothing else.
+        if torch._C._storage_Use_Count(target.untyped_storage()._cdata) != 3:
+            return NotImplemented
+        target.data = target.data.clone()
+        entry[1] = True
+    version = target._version
+    out = func(*args, **kwargs)
+    torch._C._autograd._unsafe_set_version_counter((target,), (version,))
+    return out
 
 
 def is_gradient(t: Tensor) -> bool:
@@ -173,10 +227,13 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
             raise RuntimeError(
                 f"slimact's {cls.layer} Function ({cls.__name__}) keeps a tensor of the forward that was then modified "
                 "in place. Where a policy keeps a layer's output instead of its input (\"tempo\"'s norms and "
-                "activations: the output is rebuilt into the gradient), an in-place op on that output in model code "
-                "(`h = norm(x); h += r`, `h.mul_(s)`, `h.masked_fill_(m, 0)`) leaves PyTorch's own layer, which kept "
-                "its input, unaffected but not slimact's. Write that operation out of place (`h = h + r`), or leave "
-                "the layer out of the conversion (convert's filter_fn, a policy exclude pattern). PyTorch's message: "
+                "activations: the output is rebuilt into the gradient), an in-place op on that output leaves "
+                "PyTorch's own layer, which kept its input, unaffected but not slimact's. slimact moves the output "
+                "to a copy first for `+=`, `*=`, `add_`, `mul_`, `masked_fill_`, `copy_` and the like on the output "
+                "itself in the converted model's forward, but not for an op on a view of it (`h[:, 0] += 1`), one "
+                "that keeps its own result (`exp_`), or one made after the forward. Write that operation out of "
+                "place (`h = h + r`), or leave the layer out of the conversion (convert's filter_fn, a policy "
+                "exclude pattern). PyTorch's message: "
                 f"{error}"
             ) from error
 

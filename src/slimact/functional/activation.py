@@ -72,7 +72,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import Mask, SlimFunction, load, save
+from slimact.functional._saving import Mask, SlimFunction, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack, unpack_map
 from slimact.quant.core import register_derivation, share_derived
 
@@ -307,6 +307,7 @@ class _InplaceActivationFunction(SlimFunction):
         y = _apply(ctx, fn, x, inplace)
         ctx.form = form
         save(ctx, y, right)
+        keep_output(y)
         return y
 
     @staticmethod

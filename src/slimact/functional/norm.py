@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 from torch._prims_common import suggest_memory_format
 
-from slimact.functional._saving import SlimFunction, load, save
+from slimact.functional._saving import SlimFunction, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
 __all__ = ["group_norm", "norm", "output_kept_as", "output_recoverable", "rms_default_eps"]
@@ -306,6 +306,8 @@ class _NormFunction(SlimFunction):
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=1 if groups else -1, groups=0)
             kept = pack(y, per_channel, state)
             save(ctx, kept, None, rstd, weight, bias)
+            if kept.meta.raw:
+                keep_output(y)
         else:
             kept = pack(x, cfg, _input_state(state))
             save(ctx, kept, mean, rstd, weight, bias)

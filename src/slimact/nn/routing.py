@@ -79,7 +79,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from slimact._kinds import _FORM_KIND, kind_of
-from slimact.functional._saving import Mask, transformed
+from slimact.functional._saving import IN_PLACE, Mask, copy_on_write, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
@@ -208,6 +208,9 @@ class _Mode(TorchFunctionMode):
             out, args, kwargs = lazy_call(func, args, kwargs)
             if out is not NOT_LAZY:
                 return out
+        if func in IN_PLACE:  # (on an output a slimact Function keeps as it is: see copy_on_write)
+            out = copy_on_write(func, args, kwargs)
+            return func(*args, **kwargs) if out is NotImplemented else out
         handler = routing.handlers.get(func)
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
@@ -291,6 +294,8 @@ class Routing:
         if self.loss is not None:
             self.handlers[F.cross_entropy] = self.loss.fused_loss
             self.handlers[F.linear] = self.loss.lazy_head
+        if self.handlers:  # (the mode runs: it also sees in-place ops on the outputs slimact keeps)
+            self.handlers.update(dict.fromkeys(IN_PLACE, copy_on_write))
         self._mode: _Mode | None = None
         self.handles = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
