@@ -52,7 +52,14 @@ def _assert_like_plain(policy: str, want: dict, got: dict) -> None:
         assert_gradients_close(want, got)
 
 
-def _assert_identical(want: dict, got: dict) -> None:
+def _assert_identical(policy: str, want: dict, got: dict) -> None:
+    """A checkpointed step against the same model's without checkpointing: bit for bit under 8-bit policies (the
+    recompute packs what the forward packed). Under "tempo", whose norms and activations keep their inputs, as
+    PyTorch's, under checkpointing's saved-tensor hooks (functional._saving.foreign_saved_hooks), and their outputs
+    without: equal to float rounding, as plain's."""
+    if policy == "tempo":
+        assert_gradients_equal(want, got)
+        return
     assert want.keys() == got.keys() and want
     for name in want:
         assert torch.equal(got[name], want[name]), (name, ((got[name] - want[name]).norm() / want[name].norm()).item())
@@ -145,7 +152,7 @@ def test_a_checkpointed_recompute_packs_what_the_forward_packed(how, policy):
     checkpointed.checkpointing = None if how == "whole model" else how
     for _ in range(2):  # (the second step packs with the estimate the first one left)
         want = _step(slim)
-        _assert_identical(want, _step(checkpointed, whole=how == "whole model"))
+        _assert_identical(policy, want, _step(checkpointed, whole=how == "whole model"))
     assert dict(slim.named_buffers()).keys() == dict(checkpointed.named_buffers()).keys()
     for (name, b0), b1 in zip(slim.named_buffers(), checkpointed.buffers(), strict=True):
         assert torch.equal(b0, b1), name
@@ -187,7 +194,7 @@ def test_selective_checkpointing_of_hugging_face_blocks(name, kept, policy):
         return {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()}
 
     for _ in range(2):
-        _assert_identical(step(slim), step(checkpointed))
+        _assert_identical(policy, step(slim), step(checkpointed))
     buffers = {n.replace("._checkpoint_wrapped_module", ""): b for n, b in checkpointed.named_buffers()}
     assert buffers.keys() == dict(slim.named_buffers()).keys()
     assert all(torch.equal(b, buffers[n]) for n, b in slim.named_buffers())
@@ -542,7 +549,7 @@ def test_a_shared_block_checkpointed_at_each_depth_and_accumulation_backward_in_
     checkpointed = copy.deepcopy(slim)
     checkpointed.checkpointed = True
     for _ in range(2):
-        _assert_identical(_step(slim), _step(checkpointed))
+        _assert_identical(policy, _step(slim), _step(checkpointed))
     got = []
     for model in (slim, checkpointed):
         model.zero_grad(set_to_none=True)
@@ -551,7 +558,7 @@ def test_a_shared_block_checkpointed_at_each_depth_and_accumulation_backward_in_
         second.backward()
         first.backward()
         got.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    _assert_identical(*got)
+    _assert_identical(policy, *got)
     assert dict(slim.named_buffers()).keys() == dict(checkpointed.named_buffers()).keys()
     assert all(torch.equal(a, b) for a, b in zip(slim.buffers(), checkpointed.buffers(), strict=True))
 

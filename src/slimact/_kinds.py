@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
+from slimact.functional._saving import observer
 from slimact.quant.recompute import unseen_by_selective_checkpointing
 
 __all__ = [
@@ -245,6 +246,7 @@ def _probing_grad() -> Iterator[None]:
         yield
 
 
+@observer
 def _kept_as_is(t: Tensor) -> Tensor:
     return t
 

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from slimact._kinds import kind_of
-from slimact.functional._saving import is_gradient, is_parameter_gradient
+from slimact.functional._saving import is_gradient, is_parameter_gradient, observer
 
 __all__ = ["Live", "Report", "SavedTensor", "peak_bytes", "profile"]
 
@@ -512,7 +512,8 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         return t
 
     use_cuda = torch.cuda.is_available() and device.type == "cuda"
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t) if keep else contextlib.nullcontext()
+    hooks = (torch.autograd.graph.saved_tensors_hooks(observer(pack_hook), lambda t: t) if keep
+             else contextlib.nullcontext())
     meter = _Meter(device) if peak else None
     with _restoring(model):
         if use_cuda and not peak:

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 
-__all__ = ["IN_PLACE", "Gradient", "Mask", "SlimFunction", "copy_on_write", "is_gradient", "is_parameter_gradient",
-           "keep_output", "load", "save", "transformed"]
+__all__ = ["IN_PLACE", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks", "is_gradient",
+           "is_parameter_gradient", "keep_output", "load", "observer", "save", "transformed"]
 
 
 class Mask(NamedTuple):
@@ -73,6 +73,28 @@ _outputs: dict[int, list] = {}
 IN_PLACE = frozenset({Tensor.__iadd__, Tensor.__isub__, Tensor.__imul__, Tensor.__itruediv__, Tensor.add_,
                       Tensor.sub_, Tensor.mul_, Tensor.div_, Tensor.masked_fill_, Tensor.addcmul_, Tensor.addcdiv_,
                       Tensor.copy_, Tensor.zero_, Tensor.fill_})
+
+
+def observer(pack_hook: Callable) -> Callable:
+    """Mark ``pack_hook`` as one of slimact's own saved-tensor hooks that only look (:func:`slimact.profile`'s count,
+    a recognition probe's), which :func:`foreign_saved_hooks` does not count."""
+    pack_hook._slimact_observer = True  # type: ignore[attr-defined]
+    return pack_hook
+
+
+def foreign_saved_hooks() -> bool:
+    """Whether saved-tensor hooks are in place now other than slimact's observers: activation checkpointing's (which
+    drops the saved tensors and recomputes them, model code included), offloading's, a user's.
+
+    Autograd checks no tensor that such hooks took for an in-place change, and the copy :func:`copy_on_write` makes
+    cannot reach what they hold, so a Function that would keep its output where PyTorch's layer keeps its input
+    keeps the input instead under them: checkpointing's recompute ran ``h = norm(x); h += r`` on the very output
+    the norm had kept, and "tempo"'s gradients came out wrong, silently (a LayerNorm weight's 2.3 off). What those
+    hooks keep is then what they keep of PyTorch's own layer: nothing (checkpointing), the same bytes elsewhere."""
+    if torch.compiler.is_compiling():
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and not getattr(hooks[0], "_slimact_observer", False)
 
 
 def keep_output(y: Tensor) -> None:

@@ -72,7 +72,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import Mask, SlimFunction, keep_output, load, save
+from slimact.functional._saving import Mask, SlimFunction, foreign_saved_hooks, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack, unpack_map
 from slimact.quant.core import register_derivation, share_derived
 
@@ -410,7 +410,8 @@ def activation(
     if form not in FORMS:
         raise ValueError(f"unknown activation form {form!r}; known: {FORMS}")
     fn = fn or (lambda t: reference(form, t))
-    if not torch.is_grad_enabled() or not x.requires_grad:
+    if not torch.is_grad_enabled() or not x.requires_grad or (cfg is None and form != "relu" and foreign_saved_hooks()):
+        # (lossless under saved-tensor hooks: PyTorch's own saving, the input, not the output; see foreign_saved_hooks)
         return fn(x)
     if cfg is None and form == "relu2":
         return _SquaredReLUFunction.apply(x, fn, inplace)

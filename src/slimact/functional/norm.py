@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 from torch._prims_common import suggest_memory_format
 
-from slimact.functional._saving import SlimFunction, keep_output, load, save
+from slimact.functional._saving import SlimFunction, foreign_saved_hooks, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 
 __all__ = ["group_norm", "norm", "output_kept_as", "output_recoverable", "rms_default_eps"]
@@ -300,7 +300,8 @@ class _NormFunction(SlimFunction):
             ctx.from_output = weight is None and not (mean is not None and exact)
         else:
             ctx.from_output = (_output_kept(weight, bias, offset, mean, rstd, x.dtype, exact)
-                               and not (exact and groups and _params_wider(weight, y.dtype)))
+                               and not (exact and groups and _params_wider(weight, y.dtype))
+                               and not (exact and foreign_saved_hooks()))
         if ctx.from_output:
             # one scale per channel: the last dim's, or GroupNorm's dim 1
             per_channel = None if cfg is None else dataclasses.replace(cfg, group_dim=1 if groups else -1, groups=0)
