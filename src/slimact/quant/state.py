@@ -75,6 +75,10 @@ class RunningRange:
                     module._buffers.update(copies(found))
                     module._non_persistent_buffers_set.update(found)
         self.module = module
+        if torch.compiler.is_compiling():
+            # (A compiled pack uses no running estimate, docs/integrations.md; a buffer registered while dynamo traced
+            # was a guard that failed at the next call, which then compiled everything again.)
+            return
         for name in (self.lo_name, self.range_name):
             if name not in module._buffers:
                 module.register_buffer(name, None, persistent=False)
