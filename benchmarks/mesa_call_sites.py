@@ -296,6 +296,34 @@ if want("p4"):
             p.grad = gi
 
     run("P4d first-order MAML (functional_call)", Net, f)
+    class Cell(nn.Module):
+        """A recurrent cell: the model's forward is one time step."""
+
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+            self.head = nn.Linear(D, 1)
+
+        def forward(self, h):
+            return 2 * h + self.block(h)
+
+    def f(m, s):
+        x, y = batch(s)
+        h = x
+        for _ in range(6):
+            h = m(h)  # one forward of the converted model per time step
+        mse(m.head(h), y).backward()
+
+    run("P4f recurrent: model(h) per time step, 6/step", Cell, f, lr=LR)
+
+    def f(m, s):
+        x, y = batch(s)
+        h = x
+        for _ in range(6):
+            h = 2 * h + m.block(h)  # the cell's block called by the loop
+        mse(m.head(h), y).backward()
+
+    run("P4g recurrent: model.block(h) per time step", Cell, f, lr=LR)
 if want("p5"):
 
     def f(m, s):
