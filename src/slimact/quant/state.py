@@ -59,9 +59,9 @@ def backward_key() -> int:
     With the model's pass count it keys a module's call sites (:func:`slimact.nn._base.begin_call`): calls made
     outside any forward of the converted model (a training loop that calls ``model.encoder(x)`` and then
     ``model.head(h)``, or loops a converted block itself) take the sites of one step until a backward runs, not new
-    ones step after step. Global, not per thread: a CUDA backward runs in the engine's own threads (so calls made
-    outside a forward of the converted model while another thread runs a backward start a step there too; a
-    forward of the converted model keys its calls by the backward it began after)."""
+    ones step after step. Global, not per model or thread: a CUDA backward runs in the engine's own threads (so any
+    backward that runs a slimact Function, another model's or another thread's, starts a step for the calls made
+    outside a forward of a converted model; such a forward keys its calls by the backward it began after)."""
     if _graph_task() != -1:
         return _Backward.forward
     _Backward.forward = _Backward.last
