@@ -251,6 +251,35 @@ def test_torch_compile_of_a_converted_model(name):
     torch._dynamo.reset()
 
 
+class _SharedBlock(nn.Module):
+    """One block applied at three depths (ALBERT's weight sharing written by hand)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16))
+
+    def forward(self, x):
+        for _ in range(3):
+            x = 2 * x + self.block(x)
+        return x
+
+
+def test_a_compiled_model_calling_a_block_at_several_depths_compiles_once_under_running_estimates():
+    # A compiled pack uses no running estimate (each tensor's own range serves), yet each traced call of the shared
+    # block took the next call site and registered that site's estimate buffers: both, read while tracing, were
+    # guards that had moved by the next call, so each step recompiled (until dynamo's limit of 8 sent the frames
+    # back to eager).
+    model = slimact.convert(_SharedBlock().train(), "mesa")
+    compiled = torch.compile(model)
+    gen = torch.Generator().manual_seed(1)
+    compiled(torch.randn(2, 8, 16, generator=gen)).square().mean().backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            compiled(torch.randn(2, 8, 16, generator=gen)).square().mean().backward()
+    torch._dynamo.reset()
+
+
 def _graph_breaks(model, inputs) -> int:
     torch._dynamo.reset()
     breaks = torch._dynamo.explain(lambda **kw: model(**kw).loss)(**inputs).graph_break_count

@@ -1115,7 +1115,7 @@ def block_ops(
     grad = torch.randn(batch, seq, hidden, generator=gen).to(device)
 
     # The model's step counter (a pre-hook on the model, not on the block) brackets each call as the model's
-    # forward would: without it every call of the block would be a new call site with a fresh estimate.
+    # forward would: the block's packs draw their seeds from the model's stream, as in the model.
     counters = {id(b): next((c for m in b.modules() if (c := m.__dict__.get("_slimact_steps")) is not None), None)
                 for b in blocks.values()}
 

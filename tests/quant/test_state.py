@@ -1,5 +1,7 @@
-"""Running estimates (``scale="running"``) across moves of the model that holds them."""
+"""Running estimates (``scale="running"``): across moves of the model that holds them, and kept per call site however
+the training loop calls the model's modules."""
 
+import contextlib
 import copy
 
 import pytest
@@ -60,3 +62,174 @@ def test_estimates_survive_moves_that_carry_their_values():
     lin = slim[0]
     rr = RunningRange(lin, "_slimact_x")
     assert rr.estimate(before["0._slimact_x_lo"].numel()) is not None
+
+
+# Call sites: the k-th call of a module within one step has its own estimate (slimact.nn._base.begin_call). A step
+# begins with a forward of the converted model, and with the first call after a backward: a training loop that calls
+# the model's submodules itself, or loops one converted block, never runs the model's forward.
+
+_DIM = 16
+#: Round to nearest, running estimates: a pack depends only on its tensor and the estimate it finds, so two runs that
+#: keep the same estimates compute the same gradients, bit for bit.
+_RUNNING = slimact.Policy(scale="running")
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(_DIM, 4 * _DIM), nn.GELU(), nn.Linear(4 * _DIM, _DIM)
+        self.ln = nn.LayerNorm(_DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.fc2(self.act(self.fc1(h))))
+
+
+class _Net(nn.Module):
+    """Two blocks and a head; a training loop may call ``encoder`` and ``head`` itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.head = nn.Sequential(_Block(), _Block()), nn.Linear(_DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+class _Shared(nn.Module):
+    """ALBERT's weight sharing written by hand: one block at every depth, its input's range doubling with depth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = _Block(), nn.Linear(_DIM, 1)
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        h = x
+        for _ in range(depth):
+            h = 2 * h + self.block(h)
+        return self.head(h)
+
+
+def _step_grads(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _estimate_names(model: nn.Module) -> list[str]:
+    return sorted(n for n, b in model.named_buffers() if n.endswith("_lo") and b is not None)
+
+
+def test_submodules_the_training_loop_calls_itself_keep_one_estimate_per_call_site():
+    # `model.head(model.encoder(x))` in the training loop: the model's forward never runs, so its pass count never
+    # moved, and each step's calls took the next call sites (5 estimates after one step, 80 after 16: each module's
+    # calls went to a fresh estimate every step, until the last site, 15, took them all).
+    torch.manual_seed(0)
+    plain = _Net().train()
+    by_forward = slimact.convert(copy.deepcopy(plain), _RUNNING)
+    by_loop = slimact.convert(copy.deepcopy(plain), _RUNNING)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(20):  # a fresh batch each step: the estimates move
+        x, y = torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+        expected = _step_grads(by_forward, nn.functional.mse_loss(by_forward(x), y))
+        x = x.clone()  # (a tensor of its own: a pack of the batch made by the other model is not this one's to use)
+        got = _step_grads(by_loop, nn.functional.mse_loss(by_loop.head(by_loop.encoder(x)), y))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
+        # (the first Linear, each block's GELU and LayerNorm: the Linears after them keep their packs)
+        assert _estimate_names(by_loop) == [
+            "encoder.0.act._slimact_x_lo", "encoder.0.fc1._slimact_x_lo", "encoder.0.ln._slimact_x_lo",
+            "encoder.1.act._slimact_x_lo", "encoder.1.ln._slimact_x_lo"], (step, _estimate_names(by_loop))
+    assert _estimate_names(by_loop) == _estimate_names(by_forward)
+    for (name, a), (_, b) in zip(by_forward.named_buffers(), by_loop.named_buffers(), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_a_block_the_training_loop_calls_at_each_depth_keeps_one_estimate_per_depth():
+    # A shared block looped by the training script itself, to a depth drawn each step (layer drop, a loop until
+    # convergence): its input's range doubles with depth. Each step's calls took new call sites, and from the third
+    # step on all of them the last site (15), one estimate blended over every depth (the first layer's input packed
+    # with an estimate 21x its range, the deepest saturating). Keyed by step, the loop keeps the estimates the
+    # model's own forward keeps: one per depth, the same gradients bit for bit.
+    torch.manual_seed(0)
+    plain = _Shared().train()
+    by_forward = slimact.convert(copy.deepcopy(plain), _RUNNING)
+    by_loop = slimact.convert(copy.deepcopy(plain), _RUNNING)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(12):
+        x, y = torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+        depth = (2, 6, 4, 5, 3, 6)[step % 6]
+        expected = _step_grads(by_forward, nn.functional.mse_loss(by_forward(x, depth), y))
+        h = x.clone()
+        for _ in range(depth):
+            h = 2 * h + by_loop.block(h)
+        got = _step_grads(by_loop, nn.functional.mse_loss(by_loop.head(h), y))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
+    sites = [n for n in _estimate_names(by_loop) if n.startswith("block.fc1.")]
+    assert sites == ["block.fc1._slimact_x_1_lo", "block.fc1._slimact_x_2_lo", "block.fc1._slimact_x_3_lo",
+                     "block.fc1._slimact_x_4_lo", "block.fc1._slimact_x_5_lo", "block.fc1._slimact_x_lo"], sites
+    assert _estimate_names(by_loop) == _estimate_names(by_forward)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_block_the_training_loop_calls_at_each_depth_keeps_one_estimate_per_depth(reentrant):
+    # The loop of the test above with each depth under torch.utils.checkpoint. A reentrant checkpoint's forward runs
+    # without grad and its recomputes, in the backward, are the calls that pack: they belong to the step being
+    # back-propagated, however many backward passes ran slimact Functions since (the head's; each reentrant region
+    # runs one of its own). Keyed by the latest backward, each region's recompute began a step of its own and all
+    # six depths shared one estimate (site 0; under "mesa", gradients as plain's at cosine 0.995 in the first step, the
+    # estimate 17x the shallowest depth's range); keyed by nothing, the sites grew step after step, to 16.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    plain = _Shared().train()
+    by_forward = slimact.convert(copy.deepcopy(plain), _RUNNING)
+    by_loop = slimact.convert(copy.deepcopy(plain), _RUNNING)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x, y = torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+        expected = _step_grads(by_forward, nn.functional.mse_loss(by_forward(x, 6), y))
+        h = x.clone().requires_grad_()  # (a reentrant region passes a gradient on only to inputs that need one)
+        for _ in range(6):
+            h = 2 * h + checkpoint(by_loop.block, h, use_reentrant=reentrant)
+        got = _step_grads(by_loop, nn.functional.mse_loss(by_loop.head(h), y))
+        if not reentrant:  # (its recompute packs as its forward did: bit for bit)
+            assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
+        else:  # (the recomputes take the sites in their own order, the last depth first: other estimates)
+            assert min(cosine(a, b) for a, b in zip(expected, got, strict=True)) >= 0.99, step
+    names = _estimate_names(by_loop)
+    for module in ("block.fc1.", "block.act.", "block.ln."):  # (fc2 keeps the GELU's pack where it can)
+        assert len([n for n in names if n.startswith(module)]) == 6, names
+    assert len([n for n in names if n.startswith("block.fc2.")]) <= 6, names
+    if not reentrant:
+        assert names == _estimate_names(by_forward)
+
+
+@pytest.mark.parametrize("how", ["eval", "no_grad"])
+def test_calls_that_pack_nothing_leave_estimates_and_call_sites_alone(how):
+    # Evaluation calls between training calls (of the model, of a submodule, on data 100x the training range)
+    # neither move an estimate nor take a call site: the next training step computes what it would without them.
+    torch.manual_seed(0)
+    plain = _Net().train()
+    clean = slimact.convert(copy.deepcopy(plain), _RUNNING)
+    mixed = slimact.convert(copy.deepcopy(plain), _RUNNING)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x, y = torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+        expected = _step_grads(clean, nn.functional.mse_loss(clean(x), y))
+        x = x.clone()
+        before = {n: b.clone() for n, b in mixed.named_buffers() if b is not None}
+        context = torch.no_grad() if how == "no_grad" else contextlib.nullcontext()
+        mixed.train(how != "eval")
+        with context:
+            mixed(100 * x)
+            mixed.encoder(100 * x)
+        mixed.train()
+        after = {n: b for n, b in mixed.named_buffers() if b is not None}
+        assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+        h = mixed.encoder(x)
+        with context:
+            mixed.train(how != "eval")
+            mixed.head(100 * h)
+            mixed.train()
+        got = _step_grads(mixed, nn.functional.mse_loss(mixed.head(h), y))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
+    assert _estimate_names(mixed) == _estimate_names(clean)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
+from slimact.quant.state import note_backward
 
 __all__ = ["IN_PLACE", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks", "is_gradient",
            "is_parameter_gradient", "keep_output", "load", "observer", "save", "transformed"]
@@ -241,6 +242,7 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 "it would be wrong. Leave such modules out of the conversion (slimact.convert(model, "
                 "filter_fn=...)), call slimact.revert(model) for these passes, or use plain modules there."
             )
+        note_backward()  # (the calls after this backward are another step's: slimact.nn._base.begin_call)
         try:
             return backward(ctx, *grads)
         except RuntimeError as error:

@@ -5,11 +5,14 @@ is an ``nn.Linear``): the object, its parameters and its ``state_dict`` stay the
 lives in plain attributes (the policy, the layer kind, the original class) and in non-persistent buffers
 (running estimates), so checkpoints load both ways with ``strict=True``.
 
-Running estimates are kept per **call site**: the ``k``-th call of a module within one forward pass of
-the converted model has its own estimate (buffers ``_slimact_<operand>`` for the first call,
-``_slimact_<operand>_<k>`` after), so a module applied twice per step to tensors of very different ranges
-(a shared block, ``q @ k^T`` and ``p @ v`` through one MatMul) does not average them. ``convert`` counts
-forward passes with a pre-hook on the model; a slimact module used on its own has a single call site.
+Running estimates are kept per **call site**: the ``k``-th call of a module within one step has its own estimate
+(buffers ``_slimact_<operand>`` for the first call, ``_slimact_<operand>_<k>`` after), so a module applied twice per
+step to tensors of very different ranges (a shared block, ``q @ k^T`` and ``p @ v`` through one MatMul) does not
+average them. A step begins with each forward pass of the converted model (``convert`` counts them with a pre-hook on
+the model) and with the first call after a backward pass that ran a slimact Function
+(:func:`slimact.quant.state.backward_key`): a training loop that calls the model's submodules itself
+(``model.head(model.encoder(x))``), or loops a converted block, keeps the sites the model's own forward keeps, and a
+slimact module used on its own one site per call between two backward passes.
 """
 
 from __future__ import annotations
@@ -25,14 +28,14 @@ from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
 from slimact.quant.recompute import checkpoint_frame, note, replayed
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_stream
-from slimact.quant.state import WRITTEN_ATTR
+from slimact.quant.state import WRITTEN_ATTR, backward_key
 
 __all__ = [
     "MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "begin_call", "clear_state", "detach", "site_estimate",
     "slim_class", "standalone",
 ]
 
-#: Calls of one module per forward pass that get their own running estimate; later calls share the last.
+#: Calls of one module per step that get their own running estimate; later calls share the last.
 MAX_CALL_SITES = 16
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
@@ -47,6 +50,8 @@ class StepCounter:
 
     def __init__(self) -> None:
         self.value = 0
+        self.active = 0  # forward passes of the model under way (nested: a model calling itself)
+        self.backward = -1  # the backward the current pass began after (slimact.quant.state.backward_key)
 
     def __call__(self, module: nn.Module, args: object) -> None:
         # Under torch.compile neither runs: the stream's key digests the RNG state on the host (a graph break),
@@ -57,26 +62,52 @@ class StepCounter:
         frame = checkpoint_frame()
         if frame is None or frame[1] is None:  # (a checkpointed model's recompute is the same step, not another)
             self.value += 1
+        if not self.active:  # (a backward in another thread, or inside this forward, does not split the pass)
+            self.backward = backward_key()
+        self.active += 1
         begin_stream(self.value)
 
     def end(self, module: nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
+            self.active = max(self.active - 1, 0)
             end_stream()
+
+    def __getstate__(self) -> dict:
+        return {"value": self.value}  # (a copy of the model is not in the middle of a pass)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        self.value = state["value"]
+
+    def key(self) -> tuple[int, int]:
+        """The step of a call made now: this model's pass, and the backward it follows."""
+        return self.value, (self.backward if self.active else backward_key())
 
 
 def begin_call(module: nn.Module, running: bool = True) -> None:
     """Start a call of ``module`` that packs with running estimates: find its call site, the index of this call
-    among the module's calls in the current forward pass of the converted model (``_slimact_steps`` counts those).
-    A module called several times per pass (ALBERT's shared layer, a block looped over depth, a tower applied to
-    two views) then keeps one estimate per call, each tracking its own tensor's range, not one blend of them.
+    among the module's calls in the current step. A step is keyed by the forward passes of the converted model
+    (``_slimact_steps`` counts those) and by the backward passes (:func:`slimact.quant.state.backward_key`), so calls
+    made outside the model's forward (a training loop calling ``model.encoder(x)`` and then ``model.head(h)``, or
+    looping a converted block to a data-dependent depth) start again at site 0 after each backward: before, with
+    the pass count never moving, each step's calls took new sites, and from the 16th on all took the last, one
+    estimate blended over every depth. A module called several times per step (ALBERT's shared layer, a block looped
+    over depth, a tower applied to two views) then keeps one estimate per call, each tracking its own tensor's range,
+    not one blend of them. Two forward passes of the model in one step (two views, MAML's inner and outer calls)
+    are two steps here: their calls share sites.
 
     Under activation checkpointing, the recompute of a call takes the call site of the forward's call, not the next
     one (:mod:`slimact.quant.recompute`; :class:`RunningRange` then gives it the estimate that call found); a call
     that packs with no running estimate (``running=False``) notes nothing."""
-    if not torch.is_grad_enabled():
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if not torch.compiler.is_compiling():
+            backward_key()  # (a reentrant checkpoint's forward: its recompute is this step's, keyed by its calls)
         # A call that packs nothing takes no call site: a reentrant checkpoint's forward runs without grad, and its
         # recompute (the calls that pack) then takes the sites the model without checkpointing has, not further ones
         # (a block shared over 12 depths reached the last site, 15, where 9 of its calls shared one estimate).
+        # Nor does a call dynamo traces: a compiled pack uses no running estimate (docs/integrations.md), and a site
+        # that moved while tracing was a guard that failed at the next call (a block shared over 3 depths recompiled
+        # at every step, until dynamo's recompile limit sent its frames back to eager).
         return
     # Plain attributes written into __dict__ directly: nn.Module.__setattr__ first searches the module's
     # parameters, buffers and submodules for the name, on every call.
@@ -88,10 +119,9 @@ def begin_call(module: nn.Module, running: bool = True) -> None:
             d["_slimact_site"] = site
             return
     steps = d.get("_slimact_steps")
-    if steps is None:
-        d["_slimact_site"] = 0
-    elif d.get("_slimact_step") != steps.value:
-        d["_slimact_step"] = steps.value
+    step = (None, backward_key()) if steps is None else steps.key()
+    if d.get("_slimact_step") != step:
+        d["_slimact_step"] = step
         d["_slimact_site"] = 0
     else:
         d["_slimact_site"] = min(d["_slimact_site"] + 1, MAX_CALL_SITES - 1)

@@ -25,13 +25,50 @@ from torch import Tensor, nn
 
 from slimact.quant.recompute import checkpoint_frame, copies, note, replayed
 
-__all__ = ["WRITTEN_ATTR", "RunningRange", "folded"]
+__all__ = ["WRITTEN_ATTR", "RunningRange", "backward_key", "folded", "note_backward"]
 
 #: ``module.__dict__`` entry: ``{buffer name: the tensor slimact last wrote there}``. Moving a module replaces its
 #: buffers: ``.to(dtype or device)``, ``.half()``, ``.cuda()`` carry the values over, ``to_empty()`` does not (a fresh
 #: ``torch.empty``: whatever the memory held); nothing else tells the two apart, so a replaced estimate is compared
 #: with the tensor written before (once per move, one host read) and kept only where it holds its values.
 WRITTEN_ATTR = "_slimact_written"
+
+
+class _Backward:
+    """``last``: the graph task (``torch._C._current_graph_task_id()``) of the last backward that ran a slimact
+    Function; ``forward``: ``last`` as the latest call made outside a backward found it."""
+
+    last = -1
+    forward = -1
+
+
+def note_backward() -> None:
+    """Called by every slimact Function's backward: a backward pass is under way, so the calls made after it belong
+    to another training step (:func:`backward_key`). Not while dynamo traces (a compiled backward uses no running
+    estimate, and the graph task is no tensor its graph could hold)."""
+    if not torch.compiler.is_compiling():
+        _Backward.last = _graph_task()
+
+
+def backward_key() -> int:
+    """Which backward pass the calls made now follow: the graph task of the last backward that ran a slimact Function
+    (``-1`` before any). Inside a backward (a checkpoint's recompute) the key the forward's calls had, as the latest
+    call made outside a backward found it: the recompute is the step it recomputes, however many backward passes
+    (the current one, a reentrant checkpoint's own) have run slimact Functions since.
+
+    With the model's pass count it keys a module's call sites (:func:`slimact.nn._base.begin_call`): calls made
+    outside any forward of the converted model (a training loop that calls ``model.encoder(x)`` and then
+    ``model.head(h)``, or loops a converted block itself) take the sites of one step until a backward runs, not new
+    ones step after step. Global, not per model or thread: a CUDA backward runs in the engine's own threads (so any
+    backward that runs a slimact Function, another model's or another thread's, starts a step for the calls made
+    outside a forward of a converted model; such a forward keys its calls by the backward it began after)."""
+    if _graph_task() != -1:
+        return _Backward.forward
+    _Backward.forward = _Backward.last
+    return _Backward.last
+
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _still_written(module: nn.Module, name: str, buffer: Tensor) -> bool:
@@ -75,6 +112,10 @@ class RunningRange:
                     module._buffers.update(copies(found))
                     module._non_persistent_buffers_set.update(found)
         self.module = module
+        if torch.compiler.is_compiling():
+            # (A compiled pack uses no running estimate, docs/integrations.md; a buffer registered while dynamo traced
+            # was a guard that failed at the next call, which then compiled everything again.)
+            return
         for name in (self.lo_name, self.range_name):
             if name not in module._buffers:
                 module.register_buffer(name, None, persistent=False)
