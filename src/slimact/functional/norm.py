@@ -28,9 +28,32 @@ from 8-bit codes (output or input) misses it by a fraction of a step per element
 gradient of 1e-3 of a typical one (``slimact.check`` failing on MLP-Mixer under ``"int8"`` and ``"mesa"``). The
 backward therefore re-centres the restored ``xn`` (a projection: it only removes error, the exact ``xn`` having
 zero mean), which brings that gradient back to float noise (1e-7). An ``xn`` from the tensor itself (lossless) has
-that mean already, to float rounding, and is left as it is (the pass cost 12-19% of a lossless backward). A scale
-of the row has no such fix: the direction it would project out is the restored ``xn``'s own (see the next
-paragraph).
+that mean already, to float rounding, and is left as it is (the pass cost 12-19% of a lossless backward).
+
+A norm ignores a scale of its input row too, so its exact ``grad_x`` is orthogonal to ``xn``: the part of ``gw``
+along ``xn`` cancels. Where that part dominates, ``grad_x`` is the small remainder of the cancellation
+(BlenderbotSmall's final LayerNorm, fed back through tied embeddings: ``gw`` at cosine -0.96 with ``xn``, ``grad_x``
+a third of ``gw``). The formula gives ``sum(grad_x * xn) = rstd * M * mean(gw * xn) * (1 - mean(xn^2))``, the exact
+``eps * rstd^2`` in place of ``1 - mean(xn^2)`` only where ``xn`` has the exact mean square ``var * rstd^2 = 1 - eps
+* rstd^2``; a restored ``xn`` whose length is off by ``d`` leaked ``mean(gw * xn) * d`` along ``xn``, first order in
+the 8-bit error and systematic where values saturate (a running estimate clips a batch's extremes, which shortens
+the row), onto whatever scales the row: the weight of the norm before it in a post-LN stack (BlenderbotSmall under
+``"mesa"`` at 2 rows: that weight's gradient at cosine 0.29; the error in the pooler LayerNorm's ``grad_x`` of BEiT,
+whose mean-pooled input is itself a small remainder, lay along ``xn``: 0.287 of 0.294 in norm, its ``cls_token`` at
+cosine 0.78). The backward therefore also scales the restored ``xn`` per row to that exact mean square (from the
+exact ``rstd`` and ``eps``: a projection onto the sphere the exact ``xn`` lies on, which only removes error), after
+the re-centring; ``grad_x`` is then orthogonal to it, and what is left along the exact ``xn`` is second order. The
+restored ``xn``'s direction error times the cancelled part stays first order (``|gw| * step`` against a remainder:
+an amplification no projection removes; see also the next paragraph): under ``"int8"`` that is small (its own range,
+no clipping), under ``"mesa"`` it is the saturation's (Mesa's scheme at few rows per channel). Measured
+(``tests/functional/test_norm.py::test_a_scale_of_the_row_gets_no_gradient_from_the_restored_xns_length``, 8 x 16
+rows of 64, upstream gradient mostly along ``xn``): the error along ``xn`` 3-6x smaller, the row scale's gradient
+27.1 -> 35.2 dB (LayerNorm), 27.7 -> 35.1 dB (RMSNorm) under ``"mesa"``, 56-61 dB under ``"int8"`` either way;
+BlenderbotSmall under ``"mesa"``, fresh batches of 2 / 8 / 32 rows: min cosine 0.29 / 0.68 / 0.978 -> 0.59 / 0.83 /
+0.989 (the rest is the saturation); tiny Llama, GPT-2, BERT, ViT unchanged or better (Llama at 2 rows 0.957 ->
+0.961, int8 0.9999 as before). Only an ``xn`` restored from codes is rescaled (one more row sum, in the pass
+that takes the formula's: +11% on the compiled 8-bit LayerNorm backward, [4, 512, 768] fp32 on the CPU); an exact
+one has its length already.
 
 A learned mix of streams (found in the autograd graph, not by class): where the norm's input is
 ``h = sum_k a_k * x_k`` with mixing weights ``a_k`` that require a gradient (DeepSeek-V4's hyper-connection
@@ -55,8 +78,8 @@ GroupNorm (``groups = G >= 1``) is the same normalisation over other rows: ``x [
     grad_w = sum_{n, *}(grad_y * xn),   grad_b = sum_{n, *}(grad_y)
 
 so the backward needs what LayerNorm's needs, ``xn`` (from ``y``, ``w_c``, ``b_c``) and the per-row ``rstd``
-(``[N, G]``), and the same guard holds channel by channel (a GroupNorm ignores a shift of its row too: the restored
-``xn`` is re-centred per row, as above). The 8-bit pack of ``y`` has one scale per channel along
+(``[N, G]``), and the same guard holds channel by channel (a GroupNorm ignores a shift and a scale of its row too: the
+restored ``xn`` is re-centred and rescaled per row, as above). The 8-bit pack of ``y`` has one scale per channel along
 dim 1 (the step of ``y_c`` is ``|w_c| * range(xn_c) / 255``, as above), which the next layer's pack reuses (the
 SiLU and the conv of a diffusion UNet's ``GroupNorm -> SiLU -> Conv``). The forward is ``native_group_norm``, which
 ``F.group_norm`` runs on the same contiguous input (its output bit for bit, its statistics with it), under
@@ -80,6 +103,7 @@ SQNR >= 30 dB (8-bit), for GroupNorm too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -292,7 +316,7 @@ class _NormFunction(SlimFunction):
             y, mean, rstd = fn(x), None, None
         if rstd is None:
             mean, rstd = _row_stats(x, centered, eps, groups)
-        ctx.centered, ctx.offset, ctx.groups = centered, offset, groups
+        ctx.centered, ctx.offset, ctx.groups, ctx.eps = centered, offset, groups, float(eps)
         exact = cfg is None
         if torch.compiler.is_compiling():
             # Under torch.compile (where a host read would break the graph) the input is kept whenever the
@@ -315,6 +339,9 @@ class _NormFunction(SlimFunction):
         # xn restored from codes is re-centred in the backward (module docstring); one from the tensor itself is
         # exact to float rounding, centred as plain's
         ctx.recentre = centered and not kept.meta.raw
+        # and brought back to the exact xn's mean square (module docstring), so that the layer ignores a scale of
+        # its row as the exact one does
+        ctx.rescale = not kept.meta.raw
         # Whether the output is kept as codes (a pack a broadcast product of the output then reuses:
         # :func:`output_kept_as`)
         ctx.output_codes = ctx.from_output and not kept.meta.raw
@@ -327,8 +354,9 @@ class _NormFunction(SlimFunction):
         groups = ctx.groups
         args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output, groups, ctx.recentre)
         key = ("norm", ctx.centered, ctx.offset, ctx.from_output, mean is None, weight is None, bias is None,
-               kept.dtype, grad_y.dtype, groups > 0, ctx.recentre)
-        grad_x, grad_w, grad_b = inductor.fused_or_eager(_backward, key, *args)
+               kept.dtype, grad_y.dtype, groups > 0, ctx.recentre, ctx.eps if ctx.rescale else None)
+        fn = _rescaled_backward(ctx.eps) if ctx.rescale else _backward
+        grad_x, grad_w, grad_b = inductor.fused_or_eager(fn, key, *args)
         return (grad_x if need[0] else None, grad_w if weight is not None and need[1] else None,
                 grad_b if bias is not None and need[2] else None, None, None, None, None, None, None, None)
 
@@ -345,14 +373,26 @@ def _input_state(state: RunningRange | None) -> RunningRange | None:
     return RunningRange(state.module, state.lo_name.removesuffix("_lo") + "_input")
 
 
+@functools.lru_cache(maxsize=64)
+def _rescaled_backward(eps: float) -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
+    """:func:`_backward` with ``rescale_eps=eps``, a constant of the function (one compiled copy per ``eps``: passed as
+    an argument, the float made the compiled backward 2.4x slower, [4, 512, 768] fp32 on the CPU)."""
+
+    def backward(*args):
+        return _backward(*args, rescale_eps=eps)
+
+    return backward
+
+
 def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
               grad_y: Tensor, centered: bool, offset: float, from_output: bool, groups: int = 0,
-              recentre: bool = False):
+              recentre: bool = False, rescale_eps: float | None = None):
     """``(grad_x, grad_w, grad_b)`` from what the forward kept (the module docstring's formulas, in fp32, over the
     rows of :func:`_rows`); one compiled loop per row pass where the tensor is large
     (:func:`slimact.quant.inductor.fused`: about 12 eager passes otherwise). ``recentre``: ``kept`` was restored
     from codes, and ``xn`` is re-centred per row (the module docstring; an exact ``kept`` has no need of the pass,
-    12-19% of a lossless backward's time)."""
+    12-19% of a lossless backward's time). ``rescale_eps``: the layer's ``eps``, where ``kept`` was restored from
+    codes: ``xn`` is then scaled per row to the exact one's mean square, ``1 - eps * rstd^2`` (module docstring)."""
     g = _rows(grad_y.float(), groups)  # [..., C] or [N, G, C/G, S]
     kept = _rows(kept.float(), groups)
     dims = _row_dims(groups)
@@ -367,7 +407,14 @@ def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | 
     if recentre:  # an exact xn has zero mean per row; one restored from 8-bit codes not (module docstring)
         xn = xn - xn.mean(dims, keepdim=True, dtype=acc).float()
     gw = g if w is None else g * w
-    inner = gw - xn * (gw * xn).mean(dims, keepdim=True, dtype=acc).float()
+    dot = (gw * xn).mean(dims, keepdim=True, dtype=acc).float()
+    if rescale_eps is not None:
+        # An exact xn has the mean square var * rstd^2 = 1 - eps * rstd^2 per row; one restored from 8-bit codes not
+        # (module docstring): xn * factor has it, its sum taken in the pass that takes the formula's row sums.
+        square = (xn * xn).mean(dims, keepdim=True, dtype=acc).float()
+        factor = torch.where(square > 0, ((1 - rescale_eps * rstd * rstd).clamp_min(0) / square).sqrt(), 0.0)
+        xn, dot = xn * factor, dot * factor
+    inner = gw - xn * dot
     if centered:
         inner = inner - gw.mean(dims, keepdim=True, dtype=acc).float()
     grad_x = (rstd * inner).reshape(grad_y.shape).to(grad_y.dtype)
