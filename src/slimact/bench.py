@@ -237,7 +237,7 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
     import traceback
 
     import slimact
-    from slimact.check import check
+    from slimact.check import _running, check
     from slimact.policy import resolve
     from slimact.zoo import build_auto, projection_loss, tiny_config, tiny_inputs
 
@@ -286,8 +286,12 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
                           f"{losses[0].item():.6g} and {losses[1].item():.6g} (no reference to judge against)",
                 "error_where": "", "seconds": round(time.perf_counter() - start, 1)}
     say("check")
+    # Under running estimates the judged step follows 8 training-mode calls on fresh batches of the same kind (other
+    # seeds), as training's would; mixed from the judged batch's 2 rows (check's fallback) every warm-up batch
+    # repeats one row, and per-sample tensors (pooled features, 1 x 1 maps) would show the estimates no spread.
+    warm = [tiny_inputs(model, task, seed=s) for s in range(1, 9)] if _running(pol) else None
     try:
-        report = check(model, inputs, pol, loss_fn=projection_loss)
+        report = check(model, inputs, pol, loss_fn=projection_loss, batches=warm)
         say("profile")
         # Copied before the plain model runs: some keep graph tensors as attributes after a step (RecurrentGemma's
         # recurrent states), which deepcopy refuses.

@@ -436,7 +436,9 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
         gen = torch.Generator().manual_seed(0)
         source = [_mixed(inputs, rows, gen) for _ in range(warmup)]
         what = (f"{warmup} batches mixed element-wise from {rows - 1} of the {rows} rows of the inputs (made from the "
-                "judged rows' values: batches= from your data shows training's estimates better)")
+                "judged rows' values: batches= from your data shows training's estimates better"
+                + ("; with one row to mix from, every row of those batches is the same, and a per-sample tensor "
+                   "(pooled features, a 1 x 1 map) shows the estimates no spread" if rows == 2 else "") + ")")
     calls = 0
     slim.train()
     _set_rng(rng)
