@@ -51,7 +51,10 @@ rows of 64, upstream gradient mostly along ``xn``): the error along ``xn`` 3-6x 
 27.1 -> 35.2 dB (LayerNorm), 27.7 -> 35.1 dB (RMSNorm) under ``"mesa"``, 56-61 dB under ``"int8"`` either way;
 BlenderbotSmall under ``"mesa"``, fresh batches of 2 / 8 / 32 rows: min cosine 0.29 / 0.68 / 0.978 -> 0.59 / 0.83 /
 0.989 (the rest is the saturation); tiny Llama, GPT-2, BERT, ViT unchanged or better (Llama at 2 rows 0.957 ->
-0.961, int8 0.9999 as before). Only an ``xn`` restored from codes is rescaled (one more row sum, in the pass
+0.961, int8 0.9999 as before). Rows whose variance is far below ``eps`` (under ``eps / 1024``: BLIP's
+post-LayerNorm applied again to pooled, already normalized rows) are left as restored: fp32's ``rstd`` cannot give
+their ``1 - eps * rstd^2`` (it rounded to 0 there, and the zeroed ``xn`` zeroed the weight's gradient). Only an
+``xn`` restored from codes is rescaled (one more row sum, in the pass
 that takes the formula's: +11% on the compiled 8-bit LayerNorm backward, [4, 512, 768] fp32 on the CPU); an exact
 one has its length already.
 
@@ -373,6 +376,12 @@ def _input_state(state: RunningRange | None) -> RunningRange | None:
     return RunningRange(state.module, state.lo_name.removesuffix("_lo") + "_input")
 
 
+#: The smallest exact mean square of ``xn``, ``1 - eps * rstd^2``, the backward rescales a restored ``xn`` to: fp32's
+#: ``rstd`` (rounded, and an approximate reciprocal square root on GPUs: a few 2^-24 relative) gives that difference to
+#: about 2^-22 absolute, so to 2^-12 relative here; below it (rows of variance under ``eps / 1024``) it is noise.
+_RESCALE_FLOOR = 2.0**-10
+
+
 @functools.lru_cache(maxsize=64)
 def _rescaled_backward(eps: float) -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
     """:func:`_backward` with ``rescale_eps=eps``, a constant of the function (one compiled copy per ``eps``: passed as
@@ -411,8 +420,12 @@ def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | 
     if rescale_eps is not None:
         # An exact xn has the mean square var * rstd^2 = 1 - eps * rstd^2 per row; one restored from 8-bit codes not
         # (module docstring): xn * factor has it, its sum taken in the pass that takes the formula's row sums.
+        # Where var << eps the target is a cancellation that fp32's rstd cannot resolve (BLIP's post-LayerNorm on
+        # pooled rows of var 1e-15, eps 1e-5: 1 - eps * rstd^2 rounds to 0, and a zero xn zeroed its weight's
+        # gradient): the restored xn is kept as it is there.
         square = (xn * xn).mean(dims, keepdim=True, dtype=acc).float()
-        factor = torch.where(square > 0, ((1 - rescale_eps * rstd * rstd).clamp_min(0) / square).sqrt(), 0.0)
+        target = 1 - rescale_eps * rstd * rstd
+        factor = torch.where((square > 0) & (target >= _RESCALE_FLOOR), (target / square).sqrt(), 1.0)
         xn, dot = xn * factor, dot * factor
     inner = gw - xn * dot
     if centered:
