@@ -484,6 +484,111 @@ def test_an_in_place_op_on_a_kept_output_slimact_cannot_copy_is_a_clear_error(ed
         out.sum().backward()
 
 
+class _InPlaceWithOthers(nn.Module):
+    """``h = layer(fc(x))`` then ``edit(self, h, x)``: model code that also takes a view of ``h``, or has another
+    op save it, around in-place ops on it."""
+
+    def __init__(self, layer: nn.Module, edit) -> None:
+        super().__init__()
+        self.fc, self.layer, self.lin, self.head = nn.Linear(8, 8), layer, nn.Linear(8, 8), nn.Linear(8, 2)
+        self.edit = edit
+        self.p, self.v = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x):
+        return self.head(self.edit(self, self.layer(self.fc(x)), x))
+
+
+def _view_then_add(m, h, x):
+    h += x
+    v = h[:, :4]
+    h += m.p
+    return torch.cat([v, h[:, 4:]], 1)
+
+
+def _view_then_mul(m, h, x):
+    h += x
+    v = h.view(3, 8)
+    h.mul_(m.p)
+    return v
+
+
+@pytest.mark.parametrize("edit", ["h += x; v = h[:, :4]; h += p", "h += x; v = h.view(3, 8); h.mul_(p)"])
+@pytest.mark.parametrize("layer", ["layernorm", "gelu"])
+def test_an_in_place_op_on_a_kept_output_after_a_view_of_its_copy_is_never_silently_wrong(layer, edit):
+    # After a first in-place op moved the output to a copy (copy_on_write), a view of it taken since and a second op:
+    # fine in PyTorch (the view's grad_fn follows the op). slimact ran the op on the copy and set the version counter
+    # back, so the view's grad_fn, which autograd renews only when the counter moved, still pointed before the op:
+    # p's gradient 0.77 off (h += p), or None and every other gradient 1.5-2x off (h.mul_(p)), silently. Now such
+    # an op runs as written and the backward says so (slimact's clear error), or the gradients are plain's.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    fn = _view_then_add if edit.endswith("h += p") else _view_then_mul
+    plain = _InPlaceWithOthers(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), fn).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8)
+    grads = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        try:
+            model(xi).square().sum().backward()
+        except RuntimeError as error:
+            assert model is slim and "slimact's" in str(error) and "modified in place" in str(error)
+            return
+        grads.append({"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}})
+    assert {n for n, g in grads[0].items() if g is None} == {n for n, g in grads[1].items() if g is None}
+    assert_gradients_equal(*({n: g for n, g in gs.items() if g is not None} for gs in grads))
+
+
+def _saved_then_add(m, h, x):
+    z = m.lin(h)  # (the next Linear keeps h, its input)
+    h += x
+    return z + h
+
+
+def _factor_then_add(m, h, x):
+    z = h * m.v  # (a product keeps both factors)
+    h += x
+    return z + h
+
+
+def _scaled_then_add(m, h, x):
+    z = h * (1 + m.p)  # (adaLN's product of a norm's output: slimact's broadcast product)
+    h += x
+    return z + h
+
+
+def _add_saved_then_scale(m, h, x):
+    h += x
+    z = h * m.v
+    h *= 2
+    return z + h
+
+
+@pytest.mark.parametrize("edit", ["z = lin(h); h += x", "z = h * v; h += x", "z = h * (1 + p); h += x",
+                                  "h += x; z = h * v; h *= 2"])
+@pytest.mark.parametrize("layer", ["layernorm", "gelu"])
+def test_an_in_place_op_on_a_kept_output_another_op_saved_fails_as_in_pytorch(layer, edit):
+    # Another op saved the output itself (the tensor object: the next Linear's input, a product's factor) before the
+    # in-place op: PyTorch's backward refuses that (the op changed what that node saved). slimact ran the op on the
+    # copy, which that node's saved tensor (the same TensorImpl) then held too, and set the version counter back:
+    # no error, and that node's gradients computed from the changed tensor, silently. Now the op runs as written and
+    # the backward fails as PyTorch's.
+    import copy
+
+    torch.manual_seed(0)
+    fn = {"z = lin(h); h += x": _saved_then_add, "z = h * v; h += x": _factor_then_add,
+          "z = h * (1 + p); h += x": _scaled_then_add, "h += x; z = h * v; h *= 2": _add_saved_then_scale}[edit]
+    plain = _InPlaceWithOthers(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), fn).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8)
+    for model in (plain, slim):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            model(x.clone().requires_grad_(True)).square().sum().backward()
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 def test_a_gated_mlps_gelu_form_set_after_convert_is_the_one_differentiated(approximate):
     # The fused gated MLP calls its act_fn for the forward (nn.GELU reads `approximate` at each call) but
