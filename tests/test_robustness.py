@@ -589,6 +589,31 @@ def test_an_in_place_op_on_a_kept_output_another_op_saved_fails_as_in_pytorch(la
             model(x.clone().requires_grad_(True)).square().sum().backward()
 
 
+@pytest.mark.parametrize("edit", ["h += x", "h.mul_(s)"])
+@pytest.mark.parametrize("layer", ["rmsnorm without weight", "gelu"])
+def test_an_in_place_op_on_a_kept_output_under_torch_compile_computes_as_plain(layer, edit):
+    # Under torch.compile "tempo"'s weightless RMSNorm and in-place GELU kept their output as it is (a norm with a
+    # weight keeps its input there), and the traced graph, which functionalises `h += x`, handed the backward the
+    # output after the op, with no version check: input gradient 0.90 off (RMSNorm), 2.4 off (GELU), silently (eager:
+    # copy_on_write). Under torch.compile such a layer now keeps what PyTorch's keeps, its input.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    layer_ = nn.RMSNorm(8, elementwise_affine=False) if layer.startswith("rmsnorm") else nn.GELU()
+    plain = _InPlaceAfter(layer_, _EDITS[edit]).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    compiled = torch.compile(slim, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 8)
+    grads = []
+    for model in (plain, compiled):
+        xi = x.clone().requires_grad_(True)
+        model(xi).square().sum().backward()
+        grads.append({"input": xi.grad, **{n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters()}})
+    assert_gradients_equal(*grads)
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 def test_a_gated_mlps_gelu_form_set_after_convert_is_the_one_differentiated(approximate):
     # The fused gated MLP calls its act_fn for the forward (nn.GELU reads `approximate` at each call) but
