@@ -388,7 +388,14 @@ _EDITS = {
     "h.mul_(s)": lambda h, x: h.mul_(x.detach().sigmoid()),
     "h.masked_fill_": lambda h, x: h.masked_fill_(x > 1, 0.0),
     "h.copy_": lambda h, x: h.copy_(h * 3),
+    "b = h.sigmoid(); h += x": lambda h, x: h.sigmoid() + h.__iadd__(x),  # (a branch keeping its own result)
+    "no_grad: h.mul_(2)": lambda h, x: _under_no_grad(h.mul_, 2.0),
 }
+
+
+def _under_no_grad(op, *args):
+    with torch.no_grad():
+        return op(*args)
 
 
 @pytest.mark.parametrize("edit", list(_EDITS))
@@ -417,19 +424,20 @@ def test_an_in_place_op_on_a_kept_output_in_model_code_computes_as_plain(layer, 
 
 
 class _Checkpointed(nn.Module):
-    """``inner`` run under non-reentrant checkpointing: called as a module, or its ``forward`` as a function."""
+    """``inner`` run under checkpointing (non-reentrant unless ``reentrant``): called as a module, or its
+    ``forward`` as a function."""
 
-    def __init__(self, inner: nn.Module, as_module: bool) -> None:
+    def __init__(self, inner: nn.Module, as_module: bool, reentrant: bool = False) -> None:
         super().__init__()
-        self.inner, self.as_module = inner, as_module
+        self.inner, self.as_module, self.reentrant = inner, as_module, reentrant
 
     def forward(self, x):
         return torch.utils.checkpoint.checkpoint(self.inner if self.as_module else self.inner.forward, x,
-                                                 use_reentrant=False)
+                                                 use_reentrant=self.reentrant)
 
 
 @pytest.mark.parametrize("around", ["checkpoint, a module", "checkpoint, a function", "saved_tensors_hooks",
-                                    "save_on_cpu"])
+                                    "save_on_cpu", "reentrant checkpoint", "save_on_cpu around checkpoint"])
 @pytest.mark.parametrize("layer", ["layernorm", "gelu"])
 def test_an_in_place_op_on_a_kept_output_under_saved_tensor_hooks_computes_as_plain(layer, around):
     # Under saved-tensor hooks autograd checks nothing for in-place changes: non-reentrant checkpointing's recompute
@@ -443,12 +451,13 @@ def test_an_in_place_op_on_a_kept_output_under_saved_tensor_hooks_computes_as_pl
 
     torch.manual_seed(0)
     plain = _InPlaceAfter(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), _EDITS["h += x"]).train()
-    if around.startswith("checkpoint"):
-        plain = _Checkpointed(plain, as_module=around.endswith("module"))
+    if "checkpoint" in around:  # (reentrant: no hooks; the recompute, in the backward, keeps the output again)
+        plain = _Checkpointed(plain, as_module=not around.endswith("function"), reentrant=around.startswith("re"))
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
     context = {"checkpoint, a module": contextlib.nullcontext, "checkpoint, a function": contextlib.nullcontext,
                "saved_tensors_hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
-               "save_on_cpu": torch.autograd.graph.save_on_cpu}[around]
+               "save_on_cpu": torch.autograd.graph.save_on_cpu, "reentrant checkpoint": contextlib.nullcontext,
+               "save_on_cpu around checkpoint": torch.autograd.graph.save_on_cpu}[around]
     x = torch.randn(3, 8)
     grads = []
     for model in (plain, slim):
