@@ -388,7 +388,14 @@ _EDITS = {
     "h.mul_(s)": lambda h, x: h.mul_(x.detach().sigmoid()),
     "h.masked_fill_": lambda h, x: h.masked_fill_(x > 1, 0.0),
     "h.copy_": lambda h, x: h.copy_(h * 3),
+    "b = h.sigmoid(); h += x": lambda h, x: h.sigmoid() + h.__iadd__(x),  # (a branch keeping its own result)
+    "no_grad: h.mul_(2)": lambda h, x: _under_no_grad(h.mul_, 2.0),
 }
+
+
+def _under_no_grad(op, *args):
+    with torch.no_grad():
+        return op(*args)
 
 
 @pytest.mark.parametrize("edit", list(_EDITS))
@@ -417,19 +424,20 @@ def test_an_in_place_op_on_a_kept_output_in_model_code_computes_as_plain(layer, 
 
 
 class _Checkpointed(nn.Module):
-    """``inner`` run under non-reentrant checkpointing: called as a module, or its ``forward`` as a function."""
+    """``inner`` run under checkpointing (non-reentrant unless ``reentrant``): called as a module, or its
+    ``forward`` as a function."""
 
-    def __init__(self, inner: nn.Module, as_module: bool) -> None:
+    def __init__(self, inner: nn.Module, as_module: bool, reentrant: bool = False) -> None:
         super().__init__()
-        self.inner, self.as_module = inner, as_module
+        self.inner, self.as_module, self.reentrant = inner, as_module, reentrant
 
     def forward(self, x):
         return torch.utils.checkpoint.checkpoint(self.inner if self.as_module else self.inner.forward, x,
-                                                 use_reentrant=False)
+                                                 use_reentrant=self.reentrant)
 
 
 @pytest.mark.parametrize("around", ["checkpoint, a module", "checkpoint, a function", "saved_tensors_hooks",
-                                    "save_on_cpu"])
+                                    "save_on_cpu", "reentrant checkpoint", "save_on_cpu around checkpoint"])
 @pytest.mark.parametrize("layer", ["layernorm", "gelu"])
 def test_an_in_place_op_on_a_kept_output_under_saved_tensor_hooks_computes_as_plain(layer, around):
     # Under saved-tensor hooks autograd checks nothing for in-place changes: non-reentrant checkpointing's recompute
@@ -443,12 +451,13 @@ def test_an_in_place_op_on_a_kept_output_under_saved_tensor_hooks_computes_as_pl
 
     torch.manual_seed(0)
     plain = _InPlaceAfter(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), _EDITS["h += x"]).train()
-    if around.startswith("checkpoint"):
-        plain = _Checkpointed(plain, as_module=around.endswith("module"))
+    if "checkpoint" in around:  # (reentrant: no hooks; the recompute, in the backward, keeps the output again)
+        plain = _Checkpointed(plain, as_module=not around.endswith("function"), reentrant=around.startswith("re"))
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
     context = {"checkpoint, a module": contextlib.nullcontext, "checkpoint, a function": contextlib.nullcontext,
                "saved_tensors_hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
-               "save_on_cpu": torch.autograd.graph.save_on_cpu}[around]
+               "save_on_cpu": torch.autograd.graph.save_on_cpu, "reentrant checkpoint": contextlib.nullcontext,
+               "save_on_cpu around checkpoint": torch.autograd.graph.save_on_cpu}[around]
     x = torch.randn(3, 8)
     grads = []
     for model in (plain, slim):
@@ -482,6 +491,136 @@ def test_an_in_place_op_on_a_kept_output_slimact_cannot_copy_is_a_clear_error(ed
         if edit == "after the forward":
             out.mul_(2)
         out.sum().backward()
+
+
+class _InPlaceWithOthers(nn.Module):
+    """``h = layer(fc(x))`` then ``edit(self, h, x)``: model code that also takes a view of ``h``, or has another
+    op save it, around in-place ops on it."""
+
+    def __init__(self, layer: nn.Module, edit) -> None:
+        super().__init__()
+        self.fc, self.layer, self.lin, self.head = nn.Linear(8, 8), layer, nn.Linear(8, 8), nn.Linear(8, 2)
+        self.edit = edit
+        self.p, self.v = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x):
+        return self.head(self.edit(self, self.layer(self.fc(x)), x))
+
+
+def _view_then_add(m, h, x):
+    h += x
+    v = h[:, :4]
+    h += m.p
+    return torch.cat([v, h[:, 4:]], 1)
+
+
+def _view_then_mul(m, h, x):
+    h += x
+    v = h.view(3, 8)
+    h.mul_(m.p)
+    return v
+
+
+@pytest.mark.parametrize("edit", ["h += x; v = h[:, :4]; h += p", "h += x; v = h.view(3, 8); h.mul_(p)"])
+@pytest.mark.parametrize("layer", ["layernorm", "gelu"])
+def test_an_in_place_op_on_a_kept_output_after_a_view_of_its_copy_is_never_silently_wrong(layer, edit):
+    # After a first in-place op moved the output to a copy (copy_on_write), a view of it taken since and a second op:
+    # fine in PyTorch (the view's grad_fn follows the op). slimact ran the op on the copy and set the version counter
+    # back, so the view's grad_fn, which autograd renews only when the counter moved, still pointed before the op:
+    # p's gradient 0.77 off (h += p), or None and every other gradient 1.5-2x off (h.mul_(p)), silently. Now such
+    # an op runs as written and the backward says so (slimact's clear error), or the gradients are plain's.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    fn = _view_then_add if edit.endswith("h += p") else _view_then_mul
+    plain = _InPlaceWithOthers(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), fn).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8)
+    grads = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        try:
+            model(xi).square().sum().backward()
+        except RuntimeError as error:
+            assert model is slim and "slimact's" in str(error) and "modified in place" in str(error)
+            return
+        grads.append({"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}})
+    assert {n for n, g in grads[0].items() if g is None} == {n for n, g in grads[1].items() if g is None}
+    assert_gradients_equal(*({n: g for n, g in gs.items() if g is not None} for gs in grads))
+
+
+def _saved_then_add(m, h, x):
+    z = m.lin(h)  # (the next Linear keeps h, its input)
+    h += x
+    return z + h
+
+
+def _factor_then_add(m, h, x):
+    z = h * m.v  # (a product keeps both factors)
+    h += x
+    return z + h
+
+
+def _scaled_then_add(m, h, x):
+    z = h * (1 + m.p)  # (adaLN's product of a norm's output: slimact's broadcast product)
+    h += x
+    return z + h
+
+
+def _add_saved_then_scale(m, h, x):
+    h += x
+    z = h * m.v
+    h *= 2
+    return z + h
+
+
+@pytest.mark.parametrize("edit", ["z = lin(h); h += x", "z = h * v; h += x", "z = h * (1 + p); h += x",
+                                  "h += x; z = h * v; h *= 2"])
+@pytest.mark.parametrize("layer", ["layernorm", "gelu"])
+def test_an_in_place_op_on_a_kept_output_another_op_saved_fails_as_in_pytorch(layer, edit):
+    # Another op saved the output itself (the tensor object: the next Linear's input, a product's factor) before the
+    # in-place op: PyTorch's backward refuses that (the op changed what that node saved). slimact ran the op on the
+    # copy, which that node's saved tensor (the same TensorImpl) then held too, and set the version counter back:
+    # no error, and that node's gradients computed from the changed tensor, silently. Now the op runs as written and
+    # the backward fails as PyTorch's.
+    import copy
+
+    torch.manual_seed(0)
+    fn = {"z = lin(h); h += x": _saved_then_add, "z = h * v; h += x": _factor_then_add,
+          "z = h * (1 + p); h += x": _scaled_then_add, "h += x; z = h * v; h *= 2": _add_saved_then_scale}[edit]
+    plain = _InPlaceWithOthers(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), fn).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8)
+    for model in (plain, slim):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            model(x.clone().requires_grad_(True)).square().sum().backward()
+
+
+@pytest.mark.parametrize("edit", ["h += x", "h.mul_(s)"])
+@pytest.mark.parametrize("layer", ["rmsnorm without weight", "gelu"])
+def test_an_in_place_op_on_a_kept_output_under_torch_compile_computes_as_plain(layer, edit):
+    # Under torch.compile "tempo"'s weightless RMSNorm and in-place GELU kept their output as it is (a norm with a
+    # weight keeps its input there), and the traced graph, which functionalises `h += x`, handed the backward the
+    # output after the op, with no version check: input gradient 0.90 off (RMSNorm), 2.4 off (GELU), silently (eager:
+    # copy_on_write). Under torch.compile such a layer now keeps what PyTorch's keeps, its input.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    layer_ = nn.RMSNorm(8, elementwise_affine=False) if layer.startswith("rmsnorm") else nn.GELU()
+    plain = _InPlaceAfter(layer_, _EDITS[edit]).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    compiled = torch.compile(slim, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 8)
+    grads = []
+    for model in (plain, compiled):
+        xi = x.clone().requires_grad_(True)
+        model(xi).square().sum().backward()
+        grads.append({"input": xi.grad, **{n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters()}})
+    assert_gradients_equal(*grads)
 
 
 @pytest.mark.parametrize("approximate", ["tanh", "none"])

@@ -118,22 +118,32 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     version counter it shares with the Function's saved tensor (whose storage no op changed) is set back, so the
     backward reads the output as the forward made it. The copy costs what PyTorch's layer keeps, for that call.
 
-    Later ops of this list on it run on the copy, the counter set back likewise. Exact where PyTorch's own run
-    works: a node that saved the tensor itself before such an op (the same tensor object, which the storage count
-    does not show) would read it changed, but plain PyTorch's backward refuses that case (the same op changes what
-    that node saved). A view or any other tensor on the first storage (which the count shows) is left to
-    autograd's error, and so is an op not listed here."""
+    Later ops of this list on it run on the copy, the counter set back likewise. Only where nothing but the tensor
+    the model holds refers to it: an op here sets the version counter back, which hides the op from every other
+    holder. A node that saved the tensor itself (the next Linear's input, a product's factor: the same
+    ``TensorImpl``, which the storage count does not show, ``Tensor._use_count`` does) would read the changed copy
+    with no error, where PyTorch's backward refuses (the op changed what that node saved); a view taken of the copy
+    since the first op would keep the ``grad_fn`` it had before the op (autograd renews a view's only when the
+    counter moved), and the gradient through it would skip the op (a parameter added in place: 0.77 of its
+    gradient missing), where PyTorch's is right. Such an op, a view or any other tensor on the first storage, and an
+    op not listed here run as written: autograd's error in the backward (slimact's, naming the ways out)."""
     target = args[0] if args else None
     entry = _outputs.get(id(target))
     if entry is None or entry[0]() is not target or not target.requires_grad:
         return NotImplemented
+    # The tensor object the model holds is the only holder of its TensorImpl (no node saved it, no view's base).
+    if target._use_count() != 1:
+        return NotImplemented
+    storages = torch._C._storage_Use_Count(target.untyped_storage()._cdata)
     if not entry[1]:
         # The tensor the model holds, the Function's saved one (a tensor of its own on the same storage: a saved
         # output does not hold the output object) and the storage object made here to count: nothing else.
-        if torch._C._storage_Use_Count(target.untyped_storage()._cdata) != 3:
+        if storages != 3:
             return NotImplemented
         target.data = target.data.clone()
         entry[1] = True
+    elif storages != 2:  # the copy: the tensor the model holds and the storage object made here, no view
+        return NotImplemented
     version = target._version
     out = func(*args, **kwargs)
     torch._C._autograd._unsafe_set_version_counter((target,), (version,))
@@ -255,7 +265,8 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 "PyTorch's own layer, which kept its input, unaffected but not slimact's. slimact moves the output "
                 "to a copy first for `+=`, `*=`, `add_`, `mul_`, `masked_fill_`, `copy_` and the like on the output "
                 "itself in the converted model's forward, but not for an op on a view of it (`h[:, 0] += 1`), one "
-                "that keeps its own result (`exp_`), or one made after the forward. Write that operation out of "
+                "that keeps its own result (`exp_`), one made after the forward, or one on an output another op "
+                "saved or a view was taken of since. Write that operation out of "
                 "place (`h = h + r`), or leave the layer out of the conversion (convert's filter_fn, a policy "
                 "exclude pattern). PyTorch's message: "
                 f"{error}"

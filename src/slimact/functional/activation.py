@@ -410,8 +410,12 @@ def activation(
     if form not in FORMS:
         raise ValueError(f"unknown activation form {form!r}; known: {FORMS}")
     fn = fn or (lambda t: reference(form, t))
-    if not torch.is_grad_enabled() or not x.requires_grad or (cfg is None and form != "relu" and foreign_saved_hooks()):
-        # (lossless under saved-tensor hooks: PyTorch's own saving, the input, not the output; see foreign_saved_hooks)
+    if not torch.is_grad_enabled() or not x.requires_grad or (
+            cfg is None and form != "relu" and (torch.compiler.is_compiling() or foreign_saved_hooks())):
+        # (lossless under saved-tensor hooks: PyTorch's own saving, the input, not the output; see
+        # foreign_saved_hooks. Likewise under torch.compile: the traced graph functionalises an in-place op on the
+        # output in model code, `h += x`, and hands the backward the output after it, with no version check: the
+        # input gradient 2.4 off after a GELU, silently; copy_on_write does not run there.)
         return fn(x)
     if cfg is None and form == "relu2":
         return _SquaredReLUFunction.apply(x, fn, inplace)

@@ -115,6 +115,7 @@ from torch._prims_common import suggest_memory_format
 
 from slimact.functional._saving import SlimFunction, foreign_saved_hooks, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
+from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = ["group_norm", "norm", "output_kept_as", "output_recoverable", "rms_default_eps"]
 
@@ -323,8 +324,11 @@ class _NormFunction(SlimFunction):
         exact = cfg is None
         if torch.compiler.is_compiling():
             # Under torch.compile (where a host read would break the graph) the input is kept whenever the
-            # choice depends on the data.
-            ctx.from_output = weight is None and not (mean is not None and exact)
+            # choice depends on the data, and whenever the output would be kept as it is (exact, or a dtype no
+            # pack compresses): the traced graph functionalises an in-place op on the output in model code
+            # (`h += x`) and hands the backward the output after it, with no version check (a weightless RMSNorm's
+            # input gradient 0.9 off, silently), and copy_on_write does not run there.
+            ctx.from_output = weight is None and not exact and x.dtype in COMPRESSIBLE_DTYPES
         else:
             ctx.from_output = (_output_kept(weight, bias, offset, mean, rstd, x.dtype, exact)
                                and not (exact and groups and _params_wider(weight, y.dtype))
