@@ -565,7 +565,7 @@ def test_group_norm_subclass_with_its_own_forward_runs_it(dtype):
     assert isinstance(slim, GroupNorm32) and not slim._slimact_group_norm_forward  # its own forward runs
 
 
-@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("policy", ["tempo", "int8", "mesa"])
 def test_only_an_xn_restored_from_codes_is_re_centred(policy):
     # The re-centring of xn (the 8-bit fix for a row shift's gradient, test above) ran on the lossless path too,
     # where xn is exact to float rounding: a row mean and a subtraction over [rows, C] for nothing, 12-19% of the
@@ -591,8 +591,10 @@ def test_only_an_xn_restored_from_codes_is_re_centred(policy):
     y = ln(x)
     with _RowMeans() as means:
         y.backward(torch.randn_like(y))
-    # (from codes also the mean square's: test_a_scale_of_the_row_gets_no_gradient_from_the_restored_xns_length)
-    assert means.count == (2 if policy == "tempo" else 4)
+    # (from codes that can saturate, a running estimate's, also the mean square's: the rescale of
+    # test_a_scale_of_the_row_gets_no_gradient_from_the_restored_xns_length, which rounding's unbiased error does not
+    # need, and which cost 11% of the compiled LayerNorm backward under "int8")
+    assert means.count == {"tempo": 2, "int8": 3, "mesa": 4}[policy]
 
 
 @pytest.mark.parametrize("policy", [LOSSLESS, "int8"], ids=["lossless", "int8"])
@@ -659,7 +661,7 @@ class _ScaledNorm(nn.Module):
         return self.norm(x * self.v)
 
 
-@pytest.mark.parametrize("policy", ["int8", "mesa"])
+@pytest.mark.parametrize("policy", ["int8", "mesa", slimact.Policy(name="int4", bits=4)], ids=["int8", "mesa", "int4"])
 @pytest.mark.parametrize("centered", [True, False], ids=["layernorm", "rmsnorm"])
 def test_a_scale_of_the_row_gets_no_gradient_from_the_restored_xns_length(centered, policy):
     # A norm ignores a scale of its input row: the exact grad_x is orthogonal to xn, the part of the upstream gradient
