@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from slimact.quant import reference
-from slimact.quant.recompute import unseen_by_selective_checkpointing
+from slimact.quant.recompute import checkpoint_frame, unseen_by_selective_checkpointing
 from slimact.quant.reference import (
     COMPRESSIBLE_DTYPES,
     GroupLayout,
@@ -134,7 +134,7 @@ class _SharedPacks:
         entry = self._entries.get(self._key(x))
         if entry is None:
             return None
-        source, version, packed, stream = entry
+        source, version, packed, stream, region = entry
         if source() is None or version != x._version or packed.meta.bits < cfg.bits:
             return None
         scope = reference.current_stream()
@@ -144,7 +144,11 @@ class _SharedPacks:
             # it shares memory with, refilled for the next batch; a write through .data), so a pack of an earlier
             # call may hold old values (a weight gradient at cosine -0.01). Packed afresh.
             return None
-        return packed if scope is None or stream is scope else None
+        if scope is not None and stream is not scope:
+            return None
+        if region is not None and cfg.stochastic:
+            _replay_skipped_seed(region)
+        return packed
 
     def put(self, x: Tensor, packed: Packed) -> None:
         if isinstance(x, torch.nn.Parameter) and reference.current_stream() is None:
@@ -157,7 +161,23 @@ class _SharedPacks:
         entries = self._entries
         # The entry dies with its source tensor (whose storage address may then be reused).
         source = weakref.ref(x, lambda _ref, key=key: entries.pop(key, None))
-        entries[key] = (source, x._version, packed, reference.current_stream())
+        frame = checkpoint_frame()
+        # Made in a checkpointed region's forward: what its recomputes owe the seed stream (_replay_skipped_seed)
+        region = (weakref.ref(frame[0]), set()) if frame is not None and frame[1] is None else None
+        entries[key] = (source, x._version, packed, reference.current_stream(), region)
+
+
+def _replay_skipped_seed(region: tuple[weakref.ref, set]) -> None:
+    """A recompute of the checkpointed region whose forward made this pack (a tensor from outside the region that
+    is still alive, the region's input) reuses it where the forward drew its seed: the recompute draws that seed
+    too, once per recompute (graph task), so that the region's later packs get the forward's seeds. Without it
+    each later pack took its predecessor's seed (a checkpointed block ending in a Linear head under ``"mesa"``: the
+    head's weight gradient 2e-3 off the same model's without checkpointing; equally close to plain's)."""
+    frame = checkpoint_frame()
+    if frame is None or frame[1] is None or frame[0] is not region[0]() or frame[1] in region[1]:
+        return
+    region[1].add(frame[1])
+    reference.draw_seed()
 
 
 _shared = _SharedPacks()
