@@ -172,23 +172,35 @@ class _Headed(nn.Module):
         return self.head(self.norm(self.fc(x)))
 
 
-class _Around(nn.Module):
+class _Attending(nn.Module):
+    """A region whose attention takes its own input as key and value, and a query made inside it."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.attention, self.out = nn.MultiheadAttention(32, 4, batch_first=True), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.out(self.attention(x * 2 + 1, x, x, need_weights=False)[0])
+
+
+class _Around(nn.Module):
+    def __init__(self, region: type[nn.Module]) -> None:
+        super().__init__()
         torch.manual_seed(0)
-        self.inner, self.checkpointing = _Headed(), False
+        self.inner, self.checkpointing = region(), False
 
     def forward(self, x):
         return checkpoint(self.inner, x, use_reentrant=False) if self.checkpointing else self.inner(x)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_recompute_reusing_its_inputs_pack_draws_the_seeds_the_forward_drew(policy):
+@pytest.mark.parametrize("region", [_Headed, _Attending], ids=["head", "attention"])
+def test_a_recompute_reusing_its_inputs_pack_draws_the_seeds_the_forward_drew(region, policy):
     # The recompute reuses the forward's pack of the region's input (alive outside the region: the pack cache serves
     # it), where the forward drew that pack's stochastic-rounding seed: each later pack of the region took its
     # predecessor's seed, and under "mesa" the gradients differed from the same model's without checkpointing (the
     # head's weight by 2e-3 relative, the input's by 5e-3; equally close to plain's). Now bit for bit.
-    slim = slimact.convert(_Around(), policy)
+    slim = slimact.convert(_Around(region), policy)
     checkpointed = copy.deepcopy(slim)
     checkpointed.checkpointing = True
     for _ in range(2):

@@ -134,7 +134,7 @@ class _SharedPacks:
         entry = self._entries.get(self._key(x))
         if entry is None:
             return None
-        source, version, packed, stream, region = entry
+        source, version, packed, stream, _ = entry
         if source() is None or version != x._version or packed.meta.bits < cfg.bits:
             return None
         scope = reference.current_stream()
@@ -146,11 +146,25 @@ class _SharedPacks:
             return None
         if scope is not None and stream is not scope:
             return None
-        if region is not None and cfg.stochastic:
-            _replay_skipped_seed(region)
         return packed
 
-    def put(self, x: Tensor, packed: Packed) -> None:
+    def owes_seed(self, x: Tensor) -> bool:
+        """Whether a recompute reusing the pack of ``x`` (:meth:`get`) owes the seed stream the draw the forward of its
+        checkpointed region made for it: the region's own input (alive outside it) was packed there, and reused
+        here, so that the region's later packs would each take their predecessor's seed (a checkpointed block
+        ending in a Linear head under ``"mesa"``: the head's weight gradient 2e-3 off the same model's without
+        checkpointing; equally close to plain's). Once per recompute (graph task)."""
+        entry = self._entries.get(self._key(x))
+        region = None if entry is None else entry[4]
+        if region is None:
+            return False
+        frame = checkpoint_frame()
+        if frame is None or frame[1] is None or frame[0] is not region[0]() or frame[1] in region[1]:
+            return False
+        region[1].add(frame[1])
+        return True
+
+    def put(self, x: Tensor, packed: Packed, seeded: bool = False) -> None:
         if isinstance(x, torch.nn.Parameter) and reference.current_stream() is None:
             # Outside any forward (a slimact module used on its own): a parameter outlives the step and can change
             # without its version moving (a write through .data: weight clipping, an EMA, a custom optimizer); a
@@ -161,23 +175,11 @@ class _SharedPacks:
         entries = self._entries
         # The entry dies with its source tensor (whose storage address may then be reused).
         source = weakref.ref(x, lambda _ref, key=key: entries.pop(key, None))
-        frame = checkpoint_frame()
-        # Made in a checkpointed region's forward: what its recomputes owe the seed stream (_replay_skipped_seed)
-        region = (weakref.ref(frame[0]), set()) if frame is not None and frame[1] is None else None
+        frame = checkpoint_frame() if seeded else None
+        # Made in a checkpointed region's forward with a stochastic-rounding seed (``seeded``): what its recomputes
+        # owe the seed stream where they reuse it (owes_seed)
+        region = (weakref.ref(frame[0]), set()) if seeded and frame is not None and frame[1] is None else None
         entries[key] = (source, x._version, packed, reference.current_stream(), region)
-
-
-def _replay_skipped_seed(region: tuple[weakref.ref, set]) -> None:
-    """A recompute of the checkpointed region whose forward made this pack (a tensor from outside the region that
-    is still alive, the region's input) reuses it where the forward drew its seed: the recompute draws that seed
-    too, once per recompute (graph task), so that the region's later packs get the forward's seeds. Without it
-    each later pack took its predecessor's seed (a checkpointed block ending in a Linear head under ``"mesa"``: the
-    head's weight gradient 2e-3 off the same model's without checkpointing; equally close to plain's)."""
-    frame = checkpoint_frame()
-    if frame is None or frame[1] is None or frame[0] is not region[0]() or frame[1] in region[1]:
-        return
-    region[1].add(frame[1])
-    reference.draw_seed()
 
 
 _shared = _SharedPacks()
@@ -238,6 +240,7 @@ def _pack_many(
     # compiled graphs keep their own packs.
     share = share and not compiling
     out: list[Packed | None] = [None] * len(items)
+    owed: list[int] = []  # reused packs whose seed a recompute draws where the forward drew it (owes_seed)
     jobs: list[_Job] = []
     batch: dict[tuple, _Job] = {}  # the same tensor twice in this call
     for i, (x, cfg, state) in enumerate(items):
@@ -251,6 +254,8 @@ def _pack_many(
             hit = _shared.get(x, cfg)
             if hit is not None:
                 out[i] = hit
+                if _shared.owes_seed(x):
+                    owed.append(i)
                 continue
         if compiling:
             out[i] = _pack_traced(x, cfg, layout)
@@ -270,6 +275,9 @@ def _pack_many(
         jobs.append(job)
     _decide([job for job in jobs if job.estimate is None], training)
     for job in jobs:  # in the items' order, so that the seeds are drawn as by one pack() each
+        while owed and owed[0] < job.index:
+            reference.draw_seed()
+            owed.pop(0)
         if job.estimate is not None:
             packed = _pack_running(job.x, job.view, job.cfg, job.layout, job.state, job.estimate, training)
         elif job.raw:
@@ -279,7 +287,9 @@ def _pack_many(
         for i in (job.index, *job.aliases):
             out[i] = packed
         if share and not packed.meta.clipped:
-            _shared.put(job.x, packed)
+            _shared.put(job.x, packed, seeded=job.cfg.stochastic and not packed.meta.raw)
+    for _ in owed:
+        reference.draw_seed()
     return out  # type: ignore[return-value]
 
 
