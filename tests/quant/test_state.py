@@ -119,17 +119,27 @@ def _estimate_names(model: nn.Module) -> list[str]:
     return sorted(n for n, b in model.named_buffers() if n.endswith("_lo") and b is not None)
 
 
+def _two_converted(cls: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
+    """Two converted copies (running estimates) of one seeded ``cls()``: one trained through its forward, the other
+    through the calls a training loop makes itself."""
+    torch.manual_seed(0)
+    plain = cls().train()
+    return slimact.convert(copy.deepcopy(plain), _RUNNING), slimact.convert(copy.deepcopy(plain), _RUNNING)
+
+
+def _batches(steps: int):
+    """``(step, x, y)`` for ``steps`` fresh batches (the estimates move), from one seeded generator."""
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        yield step, torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+
+
 def test_submodules_the_training_loop_calls_itself_keep_one_estimate_per_call_site():
     # `model.head(model.encoder(x))` in the training loop: the model's forward never runs, so its pass count never
     # moved, and each step's calls took the next call sites (5 estimates after one step, 80 after 16: each module's
     # calls went to a fresh estimate every step, until the last site, 15, took them all).
-    torch.manual_seed(0)
-    plain = _Net().train()
-    by_forward = slimact.convert(copy.deepcopy(plain), _RUNNING)
-    by_loop = slimact.convert(copy.deepcopy(plain), _RUNNING)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(20):  # a fresh batch each step: the estimates move
-        x, y = torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+    by_forward, by_loop = _two_converted(_Net)
+    for step, x, y in _batches(20):  # a fresh batch each step: the estimates move
         expected = _step_grads(by_forward, nn.functional.mse_loss(by_forward(x), y))
         x = x.clone()  # (a tensor of its own: a pack of the batch made by the other model is not this one's to use)
         got = _step_grads(by_loop, nn.functional.mse_loss(by_loop.head(by_loop.encoder(x)), y))
@@ -149,13 +159,8 @@ def test_a_block_the_training_loop_calls_at_each_depth_keeps_one_estimate_per_de
     # step on all of them the last site (15), one estimate blended over every depth (the first layer's input packed
     # with an estimate 21x its range, the deepest saturating). Keyed by step, the loop keeps the estimates the
     # model's own forward keeps: one per depth, the same gradients bit for bit.
-    torch.manual_seed(0)
-    plain = _Shared().train()
-    by_forward = slimact.convert(copy.deepcopy(plain), _RUNNING)
-    by_loop = slimact.convert(copy.deepcopy(plain), _RUNNING)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(12):
-        x, y = torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+    by_forward, by_loop = _two_converted(_Shared)
+    for step, x, y in _batches(12):
         depth = (2, 6, 4, 5, 3, 6)[step % 6]
         expected = _step_grads(by_forward, nn.functional.mse_loss(by_forward(x, depth), y))
         h = x.clone()
@@ -179,13 +184,8 @@ def test_a_checkpointed_block_the_training_loop_calls_at_each_depth_keeps_one_es
     # estimate 17x the shallowest depth's range); keyed by nothing, the sites grew step after step, to 16.
     from torch.utils.checkpoint import checkpoint
 
-    torch.manual_seed(0)
-    plain = _Shared().train()
-    by_forward = slimact.convert(copy.deepcopy(plain), _RUNNING)
-    by_loop = slimact.convert(copy.deepcopy(plain), _RUNNING)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(8):
-        x, y = torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+    by_forward, by_loop = _two_converted(_Shared)
+    for step, x, y in _batches(8):
         expected = _step_grads(by_forward, nn.functional.mse_loss(by_forward(x, 6), y))
         h = x.clone().requires_grad_()  # (a reentrant region passes a gradient on only to inputs that need one)
         for _ in range(6):
@@ -207,13 +207,8 @@ def test_a_checkpointed_block_the_training_loop_calls_at_each_depth_keeps_one_es
 def test_calls_that_pack_nothing_leave_estimates_and_call_sites_alone(how):
     # Evaluation calls between training calls (of the model, of a submodule, on data 100x the training range)
     # neither move an estimate nor take a call site: the next training step computes what it would without them.
-    torch.manual_seed(0)
-    plain = _Net().train()
-    clean = slimact.convert(copy.deepcopy(plain), _RUNNING)
-    mixed = slimact.convert(copy.deepcopy(plain), _RUNNING)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(4):
-        x, y = torch.randn(4, 8, _DIM, generator=gen), torch.randn(4, 8, 1, generator=gen)
+    clean, mixed = _two_converted(_Net)
+    for step, x, y in _batches(4):
         expected = _step_grads(clean, nn.functional.mse_loss(clean(x), y))
         x = x.clone()
         before = {n: b.clone() for n, b in mixed.named_buffers() if b is not None}
