@@ -99,15 +99,17 @@ def begin_call(module: nn.Module, running: bool = True) -> None:
     Under activation checkpointing, the recompute of a call takes the call site of the forward's call, not the next
     one (:mod:`slimact.quant.recompute`; :class:`RunningRange` then gives it the estimate that call found); a call
     that packs with no running estimate (``running=False``) notes nothing."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        if not torch.compiler.is_compiling():
-            backward_key()  # (a reentrant checkpoint's forward: its recompute is this step's, keyed by its calls)
-        # A call that packs nothing takes no call site: a reentrant checkpoint's forward runs without grad, and its
-        # recompute (the calls that pack) then takes the sites the model without checkpointing has, not further ones
-        # (a block shared over 12 depths reached the last site, 15, where 9 of its calls shared one estimate).
-        # Nor does a call dynamo traces: a compiled pack uses no running estimate (docs/integrations.md), and a site
-        # that moved while tracing was a guard that failed at the next call (a block shared over 3 depths recompiled
-        # at every step, until dynamo's recompile limit sent its frames back to eager).
+    if torch.compiler.is_compiling():
+        # A call dynamo traces takes no call site: a compiled pack uses no running estimate (docs/integrations.md),
+        # and a site that moved while tracing was a guard that failed at the next call (a block shared over 3 depths
+        # recompiled at every step, until dynamo's recompile limit sent its frames back to eager).
+        return
+    if not torch.is_grad_enabled():
+        # Nor does a call that packs nothing: a reentrant checkpoint's forward runs without grad, and its recompute
+        # (the calls that pack) then takes the sites the model without checkpointing has, not further ones (a block
+        # shared over 12 depths reached the last site, 15, where 9 of its calls shared one estimate). Its step is
+        # read all the same, so that the recompute is keyed as this step's calls.
+        backward_key()
         return
     # Plain attributes written into __dict__ directly: nn.Module.__setattr__ first searches the module's
     # parameters, buffers and submodules for the name, on every call.

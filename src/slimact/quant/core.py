@@ -178,7 +178,7 @@ class _SharedPacks:
         frame = checkpoint_frame() if seeded else None
         # Made in a checkpointed region's forward with a stochastic-rounding seed (``seeded``): what its recomputes
         # owe the seed stream where they reuse it (owes_seed)
-        region = (weakref.ref(frame[0]), set()) if seeded and frame is not None and frame[1] is None else None
+        region = (weakref.ref(frame[0]), set()) if frame is not None and frame[1] is None else None
         entries[key] = (source, x._version, packed, reference.current_stream(), region)
 
 
