@@ -1,5 +1,7 @@
 """Robustness: clear errors, and long runs that stay finite and track a distribution shift."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,23 @@ def test_meta_device_model_is_a_clear_error():
         model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
     with pytest.raises(ValueError, match=r"meta device.*Materialise the model first"):
         slimact.convert(model)
+
+
+@pytest.mark.parametrize("lazy, width", [(nn.LazyLinear, 8), (nn.LazyBatchNorm1d, 4)], ids=["linear", "batchnorm"])
+def test_a_model_with_lazy_parameters_is_a_clear_error_and_converts_after_its_first_forward(lazy, width):
+    torch.manual_seed(0)
+    model = nn.Sequential(lazy(*(width,) * (lazy is nn.LazyLinear)), nn.GELU(), nn.Linear(width, 2))
+    with pytest.raises(ValueError, match=r"uninitialised \(lazy\) parameters: run one forward"):
+        slimact.convert(model)
+    model(torch.randn(16, 4))  # the lazy module takes its shapes and becomes its plain class
+    reference = copy.deepcopy(model)
+    slimact.convert(model)
+    assert "linear" in str(slimact.summary(model))
+    x = torch.randn(16, 4)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.nn.functional.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0) > 0.999, name
 
 
 def test_backward_twice_gives_pytorchs_own_message():

@@ -177,6 +177,15 @@ def convert(
             "Materialise the model first (e.g. model.to_empty(device=...) and initialise or load its weights), "
             "then convert it."
         )
+    if any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers())):
+        # A lazy module (nn.LazyLinear, LazyConv2d, LazyBatchNorm2d) turns itself into its plain class at its first
+        # call, from inside that call: a converted one lost slimact's class mid-forward (AttributeError), and the
+        # probes that recognise gated MLPs would initialise its parameters with the probe's shapes.
+        raise ValueError(
+            "the model has uninitialised (lazy) parameters: run one forward with a real batch first, so that lazy "
+            "modules (nn.LazyLinear, nn.LazyConv2d, ...) take their shapes and become their plain classes, then "
+            "convert it."
+        )
     for sub in itertools.islice(model.modules(), 1, None):
         # A submodule converted on its own before: its modules are converted again below, with this policy, and the
         # routing it installed (its policy's, for the calls in its code) would outrank this conversion's.
