@@ -34,6 +34,39 @@ def test_a_model_with_lazy_parameters_is_a_clear_error_and_converts_after_its_fi
         assert torch.nn.functional.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0) > 0.999, name
 
 
+class _AttentionBlock(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(d), nn.MultiheadAttention(d, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.RMSNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        h = self.norm(x)
+        h = x + self.attn(h, h, h, need_weights=False)[0]
+        return h + self.mlp(h)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8", "mesa"])
+@pytest.mark.parametrize("shape", [(0, 5, 16), (2, 0, 16)], ids=["no-rows", "no-tokens"])
+def test_an_empty_batch_computes_as_plain(policy, shape):
+    # A batch of no sequences, or of sequences of no tokens: PyTorch's CPU flash attention kernel died of SIGFPE
+    # on the second (the whole process), and slimact's nn.MultiheadAttention could not reshape the first.
+    torch.manual_seed(0)
+    model = _AttentionBlock()
+    reference = copy.deepcopy(model)
+    slimact.convert(model, policy)
+    x = torch.randn(shape, requires_grad=True)
+    y = model(x)
+    (y.sum() + sum(p.sum() for p in model.parameters())).backward()
+    gx, x.grad = x.grad, None
+    expected = reference(x)
+    (expected.sum() + sum(p.sum() for p in reference.parameters())).backward()
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    torch.testing.assert_close(gx, x.grad, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
 def test_backward_twice_gives_pytorchs_own_message():
     model = slimact.convert(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 2)))
     loss = model(torch.randn(3, 4)).sum()

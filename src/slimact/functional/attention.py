@@ -767,8 +767,11 @@ def scaled_dot_product_attention(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
     # Under torch.compile, attention with dropout is PyTorch's own: the mask replay reads the host RNG state,
-    # which dynamo cannot trace (a graph break), and inductor draws dropout from its own generator anyway.
-    if (not needs_grad and not mask_grad) or (dropout_p > 0 and torch.compiler.is_compiling()):
+    # which dynamo cannot trace (a graph break), and inductor draws dropout from its own generator anyway. So is
+    # attention over no rows or no keys (nothing to keep; PyTorch's CPU flash kernel dies of SIGFPE on a
+    # zero-length sequence, the process with it).
+    empty = query.numel() == 0 or key.numel() == 0 or value.numel() == 0
+    if (not needs_grad and not mask_grad) or (dropout_p > 0 and torch.compiler.is_compiling()) or empty:
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,

@@ -56,7 +56,7 @@ class _MultiheadAttentionMixin(SlimModule):
                                                       else (None, None, None))
             q, k, v = (linear(x, w_i, b_i, cfg, state(f"x{i}"))
                        for i, (x, w_i, b_i) in enumerate(zip((query, key, value), w, bias, strict=True)))
-        q, k, v = (x.reshape(b, -1, h, e // h).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, D]
+        q, k, v = (x.reshape(*x.shape[:2], h, e // h).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, D]
         mask = _additive(attn_mask, q.dtype)
         if mask is not None:
             mask = mask.view(1, 1, t, s) if mask.dim() == 2 else mask.view(b, h, t, s)
