@@ -274,6 +274,27 @@ def test_whole_model_survives_save_load_and_deepcopy(tmp_path, policy):
             assert torch.equal(g0[n], g1[n]), n
 
 
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+def test_a_converted_submodule_outliving_its_model_can_be_copied(policy):
+    """A converted block put in another model, its first model dropped: torch's hook handles of the dropped model,
+    which the routing on the block kept, could not be deep-copied ("cannot create weak reference to 'NoneType'
+    object"), so neither could the new model. Its copy computes as the block does."""
+    import gc
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+    slimact.convert(nn.Sequential(block, nn.Linear(8, 4)), policy)
+    gc.collect()
+    other = nn.Sequential(block, nn.Linear(8, 2))
+    twin = copy.deepcopy(other)
+    x = torch.randn(4, 8)
+    out0, g0 = _step(other, x)
+    out1, g1 = _step(twin, x)
+    assert torch.equal(out0, out1)
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+
+
 class _Hooked(nn.LayerNorm):
     """A LayerNorm of the model's own class (converted to a class slimact makes at run time) holding a method bound to
     itself, as transformers' ``GELUActivation("gelu_python")`` does (``self.act = self._gelu_python``: SEW-D's)."""

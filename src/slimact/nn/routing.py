@@ -253,6 +253,11 @@ class Routing:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["handlers"] = {_PICKLED_AS.get(func, func): fn for func, fn in self.handlers.items()}
+        # Only the handles of modules still alive: a submodule outlives its converted model (put in another model,
+        # the first one dropped) with this routing's hooks on it, and torch's RemovableHandle cannot be copied once
+        # the module it was registered on is gone (its always-called hook table: "cannot create weak reference to
+        # 'NoneType' object", from a deepcopy of the other model).
+        state["handles"] = [h for h in self.handles if h.hooks_dict_ref() is not None]
         return state
 
     def __setstate__(self, state: dict) -> None:
