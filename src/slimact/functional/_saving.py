@@ -18,6 +18,7 @@ view (an in-place op on it, as wav2vec2's masking does, would be refused by auto
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
@@ -28,8 +29,8 @@ from torch import Tensor
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 from slimact.quant.state import note_backward
 
-__all__ = ["IN_PLACE", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks", "is_gradient",
-           "is_parameter_gradient", "keep_output", "load", "observer", "save", "transformed"]
+__all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks",
+           "is_gradient", "is_parameter_gradient", "keep_output", "load", "observer", "save", "transformed"]
 
 
 class Mask(NamedTuple):
@@ -65,12 +66,12 @@ def _gradient_entry(t: Tensor) -> tuple[weakref.ref, bool] | None:
     return entry if entry is not None and entry[0]() is t else None
 
 
-# id -> [weak reference, moved to a copy yet]: outputs a Function keeps as they are where PyTorch's own layer keeps
-# its input (Tempo's norms and activations); see :func:`copy_on_write`.
-_outputs: dict[int, list] = {}
+#: id -> [weak reference, moved to a copy yet]: outputs a Function keeps as they are where PyTorch's own layer keeps
+#: its input (Tempo's norms and activations); see :func:`copy_on_write`. Read-only outside this module.
+KEPT_OUTPUTS: dict[int, list] = {}
 
-#: In-place ops :func:`copy_on_write` runs on a kept output: none of them keeps its own result for its backward
-#: (``exp_``, ``relu_`` do; an op on a kept output not listed here meets autograd's error in the backward).
+#: In-place ops :func:`copy_on_write` runs on a kept output's copy itself: none of them keeps its own result for its
+#: backward (``exp_``, ``relu_`` do: those run on a clone).
 IN_PLACE = frozenset({Tensor.__iadd__, Tensor.__isub__, Tensor.__imul__, Tensor.__itruediv__, Tensor.add_,
                       Tensor.sub_, Tensor.mul_, Tensor.div_, Tensor.masked_fill_, Tensor.addcmul_, Tensor.addcdiv_,
                       Tensor.copy_, Tensor.zero_, Tensor.fill_})
@@ -103,51 +104,117 @@ def keep_output(y: Tensor) -> None:
     replaces keeps its input, so that an in-place op on ``y`` in model code does not fail (:func:`copy_on_write`)."""
     if not torch.compiler.is_compiling():
         key = id(y)
-        _outputs[key] = [weakref.ref(y, lambda _r, key=key: _outputs.pop(key, None)), False]
+        KEPT_OUTPUTS[key] = [weakref.ref(y, lambda _r, key=key: KEPT_OUTPUTS.pop(key, None)), False]
 
 
 def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """Run the in-place op ``func(*args, **kwargs)`` on ``args[0]`` if that is an output a Function keeps as it is
-    (:func:`keep_output`) and nothing else shares its storage, so that the Function's copy stays as it was; else
-    return ``NotImplemented`` (the caller runs the op as written).
+    """Run ``func(*args, **kwargs)``, an op that changes its input in place, so that an output a Function keeps as it
+    is (:func:`keep_output`) stays as it was, if that input is one and nothing else holds it; else return
+    ``NotImplemented`` (the caller runs the call as written: any call that is no in-place op on a kept output).
 
     PyTorch's layer keeps its input, so model code may change its output in place (vit-pytorch's SimpleViT and
     CaiT: ``x = patch_embedding(img)``, ending in a LayerNorm, then ``x += pos_embedding``; XLM: ``tensor *= mask``
-    after a LayerNorm); a Function keeping that output found it changed in the backward, and autograd refused it.
-    Here the tensor the model holds moves to a copy of its storage (``.data``), the op runs on the copy, and the
-    version counter it shares with the Function's saved tensor (whose storage no op changed) is set back, so the
-    backward reads the output as the forward made it. The copy costs what PyTorch's layer keeps, for that call.
+    after a LayerNorm; ``F.relu(norm(x), inplace=True)``; an ``nn.Dropout(inplace=True)`` after a GELU); a Function
+    keeping that output found it changed in the backward, and autograd refused it. Here the tensor the model holds
+    moves to a copy of its storage (``.data``), the op changes the copy, and the version counter it shares with the
+    Function's saved tensor (whose storage no op changed) is set back, so the backward reads the output as the
+    forward made it. The copy costs what PyTorch's layer keeps, for that call.
 
-    Later ops of this list on it run on the copy, the counter set back likewise. Only where nothing but the tensor
-    the model holds refers to it: an op here sets the version counter back, which hides the op from every other
-    holder. A node that saved the tensor itself (the next Linear's input, a product's factor: the same
-    ``TensorImpl``, which the storage count does not show, ``Tensor._use_count`` does) would read the changed copy
-    with no error, where PyTorch's backward refuses (the op changed what that node saved); a view taken of the copy
-    since the first op would keep the ``grad_fn`` it had before the op (autograd renews a view's only when the
-    counter moved), and the gradient through it would skip the op (a parameter added in place: 0.77 of its
-    gradient missing), where PyTorch's is right. Such an op, a view or any other tensor on the first storage, and an
-    op not listed here run as written: autograd's error in the backward (slimact's, naming the ways out)."""
+    The ops of :data:`IN_PLACE` keep nothing of their own result for their backward and run on the copy itself.
+    Any other (``relu_``, ``exp_``, ``clamp_``, ``h[i] = v``, an ``inplace=True`` functional: see
+    :func:`_in_place_on`) may keep its result, which setting the counter back would make stale: it runs on a clone
+    of the tensor (its own graph and counter), which is then copied into the moved tensor (``copy_``, which keeps
+    nothing). An op that turns out to change the clone's shape, not its values (``unsqueeze_``), then runs as written.
+
+    Only where nothing but the tensor the model holds refers to it: an op here sets the version counter back, which
+    hides the op from every other holder. A node that saved the tensor itself (the next Linear's input, a product's
+    factor: the same ``TensorImpl``, which the storage count does not show, ``Tensor._use_count`` does) would read
+    the changed copy with no error, where PyTorch's backward refuses (the op changed what that node saved); a view
+    taken of the copy since the first op would keep the ``grad_fn`` it had before the op (autograd renews a view's
+    only when the counter moved), and the gradient through it would skip the op (a parameter added in place: 0.77
+    of its gradient missing), where PyTorch's is right. Such an op, a view or any other tensor on the first storage,
+    and an op made outside the converted model's forward run as written: autograd's error in the backward
+    (slimact's, naming the ways out)."""
+    listed = func in IN_PLACE
     target = args[0] if args else None
-    entry = _outputs.get(id(target))
+    if not listed:
+        target = _in_place_on(func, args, kwargs)
+    entry = KEPT_OUTPUTS.get(id(target))
     if entry is None or entry[0]() is not target or not target.requires_grad:
         return NotImplemented
     # The tensor object the model holds is the only holder of its TensorImpl (no node saved it, no view's base).
     if target._use_count() != 1:
         return NotImplemented
     storages = torch._C._storage_Use_Count(target.untyped_storage()._cdata)
+    # Not moved yet: the tensor the model holds, the Function's saved one (a tensor of its own on the same storage:
+    # a saved output does not hold the output object) and the storage object made here to count: nothing else.
+    # Moved: the tensor the model holds and the storage object made here, no view.
+    if storages != (2 if entry[1] else 3):
+        return NotImplemented
+    if listed:
+        _move(target, entry)
+        version = target._version
+        out = func(*args, **kwargs)
+        torch._C._autograd._unsafe_set_version_counter((target,), (version,))
+        return out
+    changed = target.clone()
+    if args and args[0] is target:
+        out = func(changed, *args[1:], **kwargs)
+    else:
+        out = func(*args, **{**kwargs, "input": changed})
+    if changed.shape != target.shape or changed.stride() != target.stride() or changed.dtype != target.dtype:
+        return NotImplemented
+    _move(target, entry)
+    version = target._version
+    target.copy_(changed)
+    torch._C._autograd._unsafe_set_version_counter((target,), (version,))
+    return target if out is changed else out
+
+
+def _move(target: Tensor, entry: list) -> None:
+    """Move the tensor the model holds to a storage of its own (once), away from the one its Function keeps."""
     if not entry[1]:
-        # The tensor the model holds, the Function's saved one (a tensor of its own on the same storage: a saved
-        # output does not hold the output object) and the storage object made here to count: nothing else.
-        if storages != 3:
-            return NotImplemented
         target.data = target.data.clone()
         entry[1] = True
-    elif storages != 2:  # the copy: the tensor the model holds and the storage object made here, no view
-        return NotImplemented
-    version = target._version
-    out = func(*args, **kwargs)
-    torch._C._autograd._unsafe_set_version_counter((target,), (version,))
-    return out
+
+
+#: The augmented assignments (``h += r``: ``Tensor.__iadd__``) and item assignment, which change their tensor.
+_ASSIGNMENTS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                          "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                          "__imatmul__"})
+#: Methods named as in-place ops that change a tensor's shape, flags or placement, not its values.
+_NOT_VALUES = frozenset({"requires_grad_", "share_memory_", "detach_", "resize_", "resize_as_", "set_", "squeeze_",
+                         "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_", "rename_",
+                         "refine_names_", "align_to_", "record_stream_"})
+# func -> True (changes its first argument: relu_, __setitem__), an int (the position of its ``inplace`` argument:
+# F.relu, F.dropout) or False.
+_HOW: dict[Callable, bool | int] = {}
+
+
+def _in_place_on(func: Callable, args: tuple, kwargs: dict) -> Tensor | None:
+    """The tensor ``func(*args, **kwargs)`` changes in place, if it is such a call: a method or function named with a
+    trailing underscore (``relu_``, ``clamp_``, ``index_fill_``, ``torch.relu_``), an augmented or item assignment,
+    or a function given ``inplace=True`` (``F.relu``, ``F.dropout``, ``F.leaky_relu``)."""
+    how = _HOW.get(func)
+    if how is None:
+        how = _HOW[func] = _how_in_place(func)
+    if how is False:
+        return None
+    if how is not True and not (kwargs["inplace"] if "inplace" in kwargs else len(args) > how and args[how]):
+        return None
+    target = args[0] if args else kwargs.get("input")
+    return target if isinstance(target, Tensor) else None
+
+
+def _how_in_place(func: Callable) -> bool | int:
+    name = getattr(func, "__name__", "")
+    if name in _ASSIGNMENTS or (name.endswith("_") and not name.startswith("_") and name not in _NOT_VALUES):
+        return True
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # (a builtin without a signature)
+        return False
+    return params.index("inplace") if "inplace" in params[1:] else False
 
 
 def is_gradient(t: Tensor) -> bool:
@@ -263,12 +330,12 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 "in place. Where a policy keeps a layer's output instead of its input (\"tempo\"'s norms and "
                 "activations: the output is rebuilt into the gradient), an in-place op on that output leaves "
                 "PyTorch's own layer, which kept its input, unaffected but not slimact's. slimact moves the output "
-                "to a copy first for `+=`, `*=`, `add_`, `mul_`, `masked_fill_`, `copy_` and the like on the output "
-                "itself in the converted model's forward, but not for an op on a view of it (`h[:, 0] += 1`), one "
-                "that keeps its own result (`exp_`), one made after the forward, or one on an output another op "
-                "saved or a view was taken of since. Write that operation out of "
-                "place (`h = h + r`), or leave the layer out of the conversion (convert's filter_fn, a policy "
-                "exclude pattern). PyTorch's message: "
+                "to a copy first for an in-place op on the output itself in the converted model's forward (`+=`, "
+                "`mul_`, `relu_`, `h[mask] = 0`, `F.dropout(h, inplace=True)`, ...), but not for an op on a view of "
+                "it (`h[:, 0] += 1`), one that changes its shape (`unsqueeze_`), one made after the forward, or one "
+                "on an output another op saved or a view was taken of since. Write that operation out of place "
+                "(`h = h + r`), or leave the layer out of the conversion (convert's filter_fn, a policy exclude "
+                "pattern). PyTorch's message: "
                 f"{error}"
             ) from error
 

@@ -79,7 +79,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from slimact._kinds import _FORM_KIND, kind_of
-from slimact.functional._saving import IN_PLACE, Mask, copy_on_write, transformed
+from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout
@@ -197,6 +197,10 @@ class _Mode(TorchFunctionMode):
         # Most calls (the ops inside slimact's own Functions, tensor attribute reads: ~1,200 per "int8" GPT-2 block
         # forward) are nothing the mode routes or follows: run as written, with no further look-up.
         if func not in routing.handlers and (loss is None or not (loss.lazy_made or func in _ALIASES)):
+            if args and id(args[0]) in KEPT_OUTPUTS:  # (an in-place op on it, as relu_ or h[i] = v: copy_on_write)
+                out = copy_on_write(func, args, kwargs or {})
+                if out is not NotImplemented:
+                    return out
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         running = _RUNNING.routings
@@ -208,9 +212,13 @@ class _Mode(TorchFunctionMode):
             out, args, kwargs = lazy_call(func, args, kwargs)
             if out is not NOT_LAZY:
                 return out
-        if func in IN_PLACE:  # (on an output a slimact Function keeps as it is: see copy_on_write)
-            out = copy_on_write(func, args, kwargs)
-            return func(*args, **kwargs) if out is NotImplemented else out
+        # An in-place op on an output a slimact Function keeps as it is (copy_on_write): `+=` and the like (IN_PLACE,
+        # which the handlers list for the look-up above), F.relu(h, inplace=True).
+        out = copy_on_write(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+        if func in IN_PLACE:
+            return func(*args, **kwargs)
         handler = routing.handlers.get(func)
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
