@@ -666,3 +666,105 @@ def test_tensors_captured_by_forward_hooks_are_the_plain_ones_after_the_backward
         _step(model)
         captured.append(kept)
     _assert_like_plain("tempo", *captured)  # (the forward is PyTorch's under every policy)
+
+
+# Training-loop patterns
+
+
+def _siamese(model: nn.Module) -> dict:
+    x = _X.clone().requires_grad_(True)
+    za, zb = model(x), model(2 * x.flip(1))
+    (za * zb).sum().backward()
+    return {"input": x.grad}
+
+
+def _accumulated(model: nn.Module) -> dict:
+    sum(model(k * _X).square().mean() for k in (1.0, 0.5, 2.0)).backward()
+    return {}
+
+
+def _adversarial(model: nn.Module) -> dict:
+    model.eval()
+    x = _X.clone().requires_grad_(True)
+    model(x).square().sum().backward()
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(_X + 0.1 * x.grad.sign()).square().sum().backward()
+    return {"input (eval)": x.grad}
+
+
+def _ema_teacher(model: nn.Module) -> dict:
+    teacher = copy.deepcopy(model)
+    for k in range(2):
+        with torch.no_grad():
+            target = teacher(_X + k)
+        model.zero_grad(set_to_none=True)
+        (model(_X) - target).square().sum().backward()
+        with torch.no_grad():
+            for t, p in zip(teacher.parameters(), model.parameters(), strict=True):
+                t.lerp_(p - 0.1 * p.grad, 0.5)
+    return {}
+
+
+def _intermediates(model: nn.Module) -> dict:
+    kept = {}
+    handles = [mod.register_forward_hook(lambda m, args, out, name=name: kept.setdefault(name, out))
+               for name, mod in (("norm", model.blocks[1].norm), ("gelu", model.blocks[0].act))]
+    out = model(_X)
+    for handle in handles:
+        handle.remove()
+    kept["norm"].retain_grad()
+    kept["gelu"].register_hook(lambda g: g * torch.linspace(0.0, 2.0, g.shape[-1]))
+    loss = out.square().sum() + kept["gelu"].sin().sum()
+    (by_grad,) = torch.autograd.grad(loss, kept["gelu"], retain_graph=True)
+    loss.backward()
+    return {"norm output (retain_grad)": kept["norm"].grad, "gelu output (autograd.grad)": by_grad}
+
+
+def _computed_weights(model: nn.Module) -> dict:
+    from torch.func import functional_call
+
+    params = dict(model.named_parameters())
+    params["blocks.0.fc1.weight"] = 2 * params["blocks.0.fc1.weight"]
+    params["blocks.1.norm.weight"] = params["blocks.1.norm.weight"] + 0.5
+    functional_call(model, params, (_X,)).square().sum().backward()
+    return {}
+
+
+def _sgd(model: nn.Module) -> dict:
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    for k in range(5):
+        opt.zero_grad()
+        torch.manual_seed(k)
+        model(_X * (1 + k / 4)).square().mean().backward()
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return {f"{n} moved": p.detach() - s for (n, p), s in zip(model.named_parameters(), start, strict=True)}
+
+
+_LOOPS = {
+    "one model on two inputs, one loss": _siamese,
+    "three forwards, one backward": _accumulated,
+    "an eval-mode input gradient, then a training step": _adversarial,
+    "a no_grad EMA teacher between steps": _ema_teacher,
+    "retain_grad, a tensor hook and autograd.grad at kept outputs": _intermediates,
+    "functional_call with computed weights": _computed_weights,
+    "5 SGD steps with momentum": _sgd,
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("loop", list(_LOOPS))
+def test_training_loop_patterns_compute_what_plain_does(loop, policy):
+    # Probed against plain (dropout drawn alike: the same seed before each loop): the gradients, or after the SGD steps
+    # the parameters' moves, as plain's under each policy.
+    torch.manual_seed(0)
+    plain = _Stack()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    results = []
+    for model in (plain, slim):
+        torch.manual_seed(1)
+        extra = _LOOPS[loop](model)
+        results.append({**{n: p.grad for n, p in model.named_parameters() if p.grad is not None}, **extra})
+    _assert_like_plain(policy, *results)

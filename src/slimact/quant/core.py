@@ -634,7 +634,24 @@ def share_derived(y: Tensor, packed: Packed, derive: str) -> None:
     """Let a later ``pack(y)`` reuse ``packed``, the pack of ``x`` with ``y = derive(x)``: restored, it is
     ``derive(x_hat)``. A GELU keeps its 8-bit input; the next Linear needs the GELU's output for its weight
     gradient and gets it from the same codes, so the ``[tokens, 4 x hidden]`` tensor is kept once, not twice.
-    The error is the input's, carried through ``derive``: ``|y - y_hat| <= max|derive'| * step / 2``."""
+    The error is the input's, carried through ``derive``: ``|y - y_hat| <= max|derive'| * step / 2``.
+
+    ``packed`` may itself stand behind a function of its codes (a derived pack: the input of a second activation
+    right after a first, or after a softmax, is the first's output, whose pack it reused): ``y`` is then ``derive``
+    of that function's result, and the pack shared for it restores both, in order. Naming ``derive`` alone there
+    rebuilt ``y`` from the first's input, skipping the first function (GELU then SiLU: the next Linear's weight
+    gradient at cosine 0.956)."""
     if packed.meta.raw or packed.meta.clipped or derive not in _DERIVATIONS or y.shape != packed.meta.shape:
         return
+    if packed.meta.derive is not None:
+        derive = _composed(packed.meta.derive, derive)
     _shared.put(y, Packed(packed.tensors, packed.meta._replace(derive=derive, dtype=y.dtype)))
+
+
+def _composed(first: str, then: str) -> str:
+    """The registered name of ``then(first(x))`` (registered at its first use)."""
+    name = f"{first} > {then}"
+    if name not in _DERIVATIONS:
+        inner, outer = _DERIVATIONS[first], _DERIVATIONS[then]
+        _DERIVATIONS[name] = lambda t: outer(inner(t))
+    return name
