@@ -401,6 +401,47 @@ def test_padded_rows_of_a_multi_query_sdpa_get_plains_gradients(policy):
     assert "attention" in slimact.summary(slim).functional
 
 
+class _MaskedSdpa(nn.Module):
+    """F.scaled_dot_product_attention in model code with a mask of its own (``mask_shape``), optionally causal too."""
+
+    def __init__(self, mask_shape, is_causal=False, dim=32, heads=4, t=6):
+        super().__init__()
+        self.heads, self.is_causal, self.qkv, self.proj = heads, is_causal, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        gen = torch.Generator().manual_seed(5)
+        mask = torch.rand(*mask_shape[:-2], t, t, generator=gen) > 0.4
+        mask[..., 0] = True  # every query row sees a key
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)  # [B, H, T, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.is_causal)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize(("mask_shape", "is_causal"), [((4, 6, 6), False), ((1, 6, 6), False), ((6, 6), True)],
+                         ids=["heads-mask", "one-mask", "mask-and-causal"])
+def test_sdpa_with_a_3d_mask_or_a_mask_and_is_causal_runs_as_plain_does(mask_shape, is_causal, policy):
+    # A [H, T, S] mask (broadcast right-aligned by F.scaled_dot_product_attention) reached PyTorch's CPU flash kernel,
+    # which takes 2 or 4 dims only: "Attention mask dim in {2, 4}" where the plain call ran. A mask with
+    # is_causal=True (plain's CPU flash kernel applies both) raised slimact's "pass either attn_mask or is_causal".
+    from _harness import assert_gradients_close
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(_MaskedSdpa(mask_shape, is_causal)).train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    x = torch.randn(2, 6, 32)
+    out0, g0 = _sdpa_grads(plain, x)
+    out1, g1 = _sdpa_grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-6)
+    if policy == "tempo":
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+    else:
+        assert_gradients_close(g0, g1)
+
+
 def test_sdpa_in_an_excluded_module_runs_as_written():
     plain = nn.Sequential(_SdpaAttention(), _SdpaAttention()).train()
     x = torch.randn(2, 32, 64)

@@ -294,6 +294,14 @@ def _saved_mask(mask: Tensor | None):
 _FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 
 
+def _flash_cpu_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``mask`` as the CPU flash kernel's additive ``attn_mask``, which takes 2 or 4 dims only: a ``[H, T, S]`` or
+    ``[1, T, S]`` mask (which ``F.scaled_dot_product_attention`` broadcasts, right-aligned) seen as ``[1, H, T, S]``
+    (the kernel raised "Attention mask dim in {2, 4}" where the plain call ran)."""
+    add = _additive(mask, dtype)
+    return add[None] if add is not None and add.dim() == 3 else add
+
+
 class _FlashAttentionCPU(SlimFunction):
     """PyTorch's CPU flash kernel forward and backward, with q, k, v, out kept packed and lse exact."""
 
@@ -305,7 +313,7 @@ class _FlashAttentionCPU(SlimFunction):
         # stride 1): a transposed view gave a wrong output, up to 1e33. What is kept (and the backward kernel
         # reads) is this copy too.
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        add = _additive(mask, q.dtype)
+        add = _flash_cpu_mask(mask, q.dtype)
         out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, is_causal, attn_mask=add, scale=scale)
         dead = _dead_rows(mask)
         if dead is not None:
@@ -319,7 +327,7 @@ class _FlashAttentionCPU(SlimFunction):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, mask, dead = load(ctx)
-        add = _additive(mask, ctx.dtype)
+        add = _flash_cpu_mask(mask, ctx.dtype)
         if out is None:  # the output and lse of the restored q, k, v: a self-consistent backward
             out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, ctx.is_causal, attn_mask=add, scale=ctx.scale)
         if dead is not None:

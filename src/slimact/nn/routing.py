@@ -556,6 +556,10 @@ class Routing:
         (b, h), (b_kv, h_kv) = query.shape[:2], key.shape[:2]
         if key.shape[:2] != value.shape[:2] or b_kv != b or h % h_kv:
             return None  # a broadcast slimact's attention does not take: as written
+        if attn_mask is not None and is_causal:
+            # As written: PyTorch's CPU flash kernel applies both (the mask and the causal limit), its math kernel
+            # raises; slimact's attention takes one or the other (it raised where the plain call ran).
+            return None
         # A single key/value head broadcast over the query heads (Falcon's multi-query) is grouped-query
         # attention with one group; other head counts broadcast only with enable_gqa, as in PyTorch.
         enable_gqa = enable_gqa or h_kv == 1
