@@ -33,7 +33,8 @@ Which kernel, where (:func:`fused_kernel` chooses; anything it does not take run
   (read off the score guard's error at 8 bits, else one fp32 sum of each: :func:`_not_finite`; a finite q, k
   whose sum overflows fp32 takes the chunked path too, exact).
 * Otherwise (CPU with dropout, other devices): ``_ChunkedAttention``, flash-style attention in PyTorch ops, a
-  block of query rows at a time, its scores in fp32.
+  block of query rows at a time, its scores in fp32 (on the CPU its probabilities' product with v too, the output
+  rounded once, as PyTorch's math kernel: fp16/bf16 outputs bit for bit).
 
 Dropout replay: no mask is drawn, nor kept. The CUDA kernels draw dropout from Philox with a seed and offset
 they take from the CUDA generator (and advance it); under a lossless policy the backward gets the seed and
@@ -404,27 +405,33 @@ class _ChunkedAttention(SlimFunction):
         # two, as head size 64's 1/8, the very same scores)
         qs = _scaled_queries(q, scale).reshape(b, h_kv, h // h_kv, t, d)
         kt, vg = k.unsqueeze(2).transpose(-1, -2), v.unsqueeze(2)
+        # On the CPU, fp16/bf16 probabilities meet v in fp32, the output rounded once: as PyTorch's math kernel
+        # computes them (its attention in fp32 throughout), which F.scaled_dot_product_attention runs where this
+        # path is taken (dropout, value heads of another width). Rounding the probabilities to the inputs' dtype
+        # first left outputs 1 ulp off plain's (bf16 with dropout: 7.8e-3 at values near 1.7).
+        v32 = vg.float() if q.device.type == "cpu" else vg
         rng = None
         if dropout_p > 0:
             # One draw over the whole [B, H, T, S] grid, as eager F.dropout makes it (same masks as the plain
             # model); the backward replays it from the snapshot. Transient here, never kept.
             rng = _rng_state(q.device)
             scores, future = _block_scores(qs, kt, add, is_causal, (b, h, t, s), 0, t)
-            if v.dtype == torch.float32 and _bool_draw(q.device, dropout_p):
+            if _bool_draw(q.device, dropout_p):
                 # native_dropout's draw (the same generator advance), its multiply in the probabilities' loop
                 keep = bernoulli_(torch.empty(scores.shape, dtype=torch.uint8), 1.0 - dropout_p)
                 dropped = _fused_rows(_dropped_probabilities, scores, future, keep, 1.0 / (1.0 - dropout_p))
             else:
                 probs = _fused_rows(_probabilities, scores, future).to(v.dtype)
                 dropped, _ = torch.native_dropout(probs, dropout_p, True)
-            out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, v.shape[-1])
+            out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), v32 if dropped.dtype != v.dtype else vg)
+            out = out.reshape(b, h, t, v.shape[-1]).to(v.dtype)
         else:
             out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype, device=q.device)
             for t0 in range(0, t, CHUNK_ROWS):
                 t1 = min(t, t0 + CHUNK_ROWS)
                 scores, future = _block_scores(qs[..., t0:t1, :], kt, add, is_causal, (b, h, t, s), t0, t1)
-                pg = _fused_rows(_probabilities, scores, future).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
-                out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, v.shape[-1])
+                pg = _fused_rows(_probabilities, scores, future).to(v32.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
+                out[:, :, t0:t1] = torch.matmul(pg, v32).reshape(b, h, t1 - t0, v.shape[-1])
         dead = _dead_rows(mask)
         if dead is not None:
             out = out.masked_fill(dead, 0)
