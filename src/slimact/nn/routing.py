@@ -117,6 +117,13 @@ def _top_saved_hook() -> object:
 _NORM_KINDS = frozenset({"layernorm", "rmsnorm", "groupnorm", "batchnorm"})
 
 
+def _nested(args: tuple, kwargs: dict) -> bool:
+    """Whether a call takes a nested tensor (``torch.nested``, jagged or strided): slimact's Functions view, pack
+    and index a tensor's data, which a nested tensor does not allow (a jagged F.scaled_dot_product_attention, F.gelu
+    or F.dropout raised where the plain call ran), so such a call runs as written."""
+    return any(isinstance(a, Tensor) and a.is_nested for a in (*args, *kwargs.values()))
+
+
 def _wants_grad(x: object) -> bool:
     """Whether a call on ``x`` keeps something slimact compresses: a gradient will flow, in a dtype it packs."""
     return isinstance(x, Tensor) and x.dtype in COMPRESSIBLE_DTYPES and x.requires_grad and torch.is_grad_enabled()
@@ -215,7 +222,7 @@ class _Mode(TorchFunctionMode):
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
         if (handler is not None and args and (not routing.excluded_depth or func is F.linear) and not transformed()
-                and routing.in_scope()):
+                and routing.in_scope() and not _nested(args, kwargs)):
             out = handler(*args, **kwargs)
             if out is not None:
                 return out
