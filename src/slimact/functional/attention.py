@@ -778,6 +778,13 @@ def scaled_dot_product_attention(
         )
     if attn_mask is not None and is_causal:
         raise ValueError("pass either attn_mask or is_causal, not both (as F.scaled_dot_product_attention)")
+    if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
+        # Nothing to keep, and the paths below divide by the empty size: PyTorch's CPU flash kernel with no query or
+        # no key row, or no head, died of SIGFPE (the whole process), the chunked path raised; PyTorch's own call.
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
