@@ -81,8 +81,9 @@ class _DropoutFunction(SlimFunction):
     def forward(ctx, x, p):
         y, mask = native_dropout(x, p, True)
         # On the CPU, F.dropout's backward multiplies by its noise (cpu_scale), which native_dropout_backward's fp32
-        # scale is not (fp16/bf16 gradients 1 ulp off plain's).
-        ctx.cpu = x.device.type == "cpu" and 0.0 < p < 1.0
+        # scale is not (fp16/bf16 gradients 1 ulp off plain's). Not under torch.compile: cpu_scale reads a tensor
+        # (a graph break), and inductor draws its own dropout there anyway.
+        ctx.cpu = x.device.type == "cpu" and 0.0 < p < 1.0 and not torch.compiler.is_compiling()
         ctx.scale = cpu_scale(p, x.dtype) if ctx.cpu else 1.0 / (1.0 - p) if p < 1 else 0.0
         ctx.fast = _fast(x, p)
         save(ctx, Mask.of(mask))
