@@ -9,6 +9,7 @@ from torch import nn
 import slimact
 from _harness import assert_gradients_close, loss_grads, tiny_hf
 from slimact._metrics import cosine
+from slimact.policy import resolve
 
 
 def _grads(model, call):
@@ -54,6 +55,31 @@ def test_uncovered_calls_run_the_module_as_written():
     out1, w1 = slim(x, x, x)
     torch.testing.assert_close(out1, out0)
     torch.testing.assert_close(w1, w0)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
+def test_an_integer_mask_is_refused_as_plain_refuses_it(which, policy):
+    # nn.MultiheadAttention takes boolean or floating masks only (a uint8 key_padding_mask, its boolean before PyTorch
+    # 2.0, raises); the converted module added an integer mask as if additive: a uint8 padding mask padded nothing,
+    # silently, and a routed F.scaled_dot_product_attention did the same with an integer attn_mask.
+    import torch.nn.functional as F
+
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).train()
+    slim = slimact.convert(copy.deepcopy(mha), policy)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    mask = torch.zeros(2, 5, dtype=torch.uint8) if which == "key_padding_mask" else torch.zeros(5, 5, dtype=torch.int64)
+    mask[..., :2] = 1
+    for module in (mha, slim):
+        with pytest.raises(AssertionError, match="only bool and floating types"):
+            module(x, x, x, need_weights=False, **{which: mask})
+    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+    keep = torch.ones(5, 5, dtype=torch.uint8)
+    cfg = resolve(policy).quant_config("attention", 4)
+    for attention in (F.scaled_dot_product_attention,
+                      lambda *a, **kw: slimact.functional.scaled_dot_product_attention(*a, **kw, cfg=cfg)):
+        with pytest.raises(RuntimeError, match="attn_mask dtype"):
+            attention(q, k, v, attn_mask=keep)
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8"])

@@ -781,9 +781,12 @@ def scaled_dot_product_attention(
         )
     if attn_mask is not None and is_causal:
         raise ValueError("pass either attn_mask or is_causal, not both (as F.scaled_dot_product_attention)")
-    if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
-        # Nothing to keep, and the paths below divide by the empty size: PyTorch's CPU flash kernel with no query or
-        # no key row, or no head, died of SIGFPE (the whole process), the chunked path raised; PyTorch's own call.
+    # Nothing to keep, and the paths below divide by the empty size: PyTorch's CPU flash kernel with no query or no key
+    # row, or no head, died of SIGFPE (the whole process), the chunked path raised. A mask neither boolean nor
+    # floating (uint8, int64), which PyTorch refuses, was added as if additive (a 0/1 "keep" mask: +1 on the kept
+    # scores). PyTorch's own call for both.
+    empty = query.numel() == 0 or key.numel() == 0 or value.numel() == 0
+    if empty or (attn_mask is not None and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point()):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,

@@ -38,7 +38,12 @@ class _MultiheadAttentionMixin(SlimModule):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if not self._slimact_active(query, key, value) or not self._slimact_covers(query, key, value, need_weights):
+        # A mask neither boolean nor floating (uint8, int64) runs the module's own forward, which refuses it: here it
+        # was added as if additive (a uint8 key_padding_mask, boolean before PyTorch 2.0, padded nothing).
+        integer = any(m is not None and m.dtype != torch.bool and not m.is_floating_point()
+                      for m in (attn_mask, key_padding_mask))
+        if (integer or not self._slimact_active(query, key, value)
+                or not self._slimact_covers(query, key, value, need_weights)):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                    attn_mask=attn_mask, average_attn_weights=average_attn_weights,
                                    is_causal=is_causal)
