@@ -83,6 +83,28 @@ def test_an_integer_mask_is_refused_as_plain_refuses_it(which, policy):
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_the_is_causal_hint_is_read_as_plain_reads_it(policy):
+    # F.multi_head_attention_forward: without a key padding mask (and weights), is_causal=True stands for attn_mask,
+    # which is then not read; with one, the masks are merged and the hint dropped; without attn_mask it raises. The
+    # converted module read the mask whatever the hint (a mask that is not causal: outputs 0.96 apart) and computed
+    # causal attention where plain raised.
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).train()
+    slim = slimact.convert(copy.deepcopy(mha), policy)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    not_causal = torch.zeros(5, 5).masked_fill(torch.eye(5, dtype=torch.bool).roll(1, 0), float("-inf"))
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, -1] = True
+    for kw in ({}, {"key_padding_mask": pad}):
+        out0, out1 = (m(x, x, x, attn_mask=not_causal, is_causal=True, need_weights=False, **kw)[0]
+                      for m in (mha, slim))
+        torch.testing.assert_close(out1, out0)
+    for module in (mha, slim):
+        with pytest.raises(RuntimeError, match="Need attn_mask"):
+            module(x, x, x, is_causal=True, need_weights=False)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_unbatched_inputs_run_the_module_as_written(policy, batch_first):
     # nn.MultiheadAttention (and so nn.TransformerEncoderLayer) takes an unbatched [T, E] input; the converted

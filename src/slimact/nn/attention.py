@@ -42,7 +42,9 @@ class _MultiheadAttentionMixin(SlimModule):
         # was added as if additive (a uint8 key_padding_mask, boolean before PyTorch 2.0, padded nothing).
         integer = any(m is not None and m.dtype != torch.bool and not m.is_floating_point()
                       for m in (attn_mask, key_padding_mask))
-        if (integer or not self._slimact_active(query, key, value)
+        # is_causal without attn_mask: the module's own forward, which raises ("Need attn_mask if specifying the
+        # is_causal hint").
+        if (integer or (is_causal and attn_mask is None) or not self._slimact_active(query, key, value)
                 or not self._slimact_covers(query, key, value, need_weights)):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                    attn_mask=attn_mask, average_attn_weights=average_attn_weights,
@@ -62,6 +64,11 @@ class _MultiheadAttentionMixin(SlimModule):
             q, k, v = (linear(x, w_i, b_i, cfg, state(f"x{i}"))
                        for i, (x, w_i, b_i) in enumerate(zip((query, key, value), w, bias, strict=True)))
         q, k, v = (x.reshape(b, -1, h, e // h).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, D]
+        # As F.multi_head_attention_forward: without a key padding mask (and weights, never asked for here) the
+        # is_causal hint stands for attn_mask, which is not read (a mask that is not causal, a wrong hint, gave
+        # another output than plain's: 0.96 apart); with one, the masks are merged and the hint is dropped.
+        causal = bool(is_causal and key_padding_mask is None)
+        attn_mask = None if causal else attn_mask
         mask = _additive(attn_mask, q.dtype)
         if mask is not None:
             mask = mask.view(1, 1, t, s) if mask.dim() == 2 else mask.view(b, h, t, s)
@@ -70,7 +77,7 @@ class _MultiheadAttentionMixin(SlimModule):
             mask = pad if mask is None else mask + pad
         out = scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=bool(is_causal and mask is None),
+            is_causal=causal,
             cfg=self._slimact_policy.quant_config("attention", 4),
             state=None if state() is None else {n: state(n) for n in ("q", "k", "v", "o")},
         )
