@@ -104,6 +104,32 @@ def test_the_is_causal_hint_is_read_as_plain_reads_it(policy):
             module(x, x, x, is_causal=True, need_weights=False)
 
 
+class _Weighted(nn.Module):
+    """nn.MultiheadAttention called as most code calls it: need_weights left at its default (True), or not."""
+
+    def __init__(self, need_weights: bool) -> None:
+        super().__init__()
+        self.need_weights, self.head = need_weights, nn.Linear(32, 8)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=self.need_weights)[0])
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_summary_reports_a_multihead_attention_whose_calls_ran_its_own_forward(need_weights):
+    # A call with need_weights=True (nn.MultiheadAttention's default) runs the module's own forward, keeping what
+    # PyTorch keeps; the summary reported the module converted and its bytes covered (coverage 100%, where slimact
+    # handled 11%).
+    model = slimact.convert(_Weighted(need_weights).train(), "int8")
+    summary = slimact.summary(model, torch.randn(2, 16, 32))
+    if need_weights:
+        assert "attn" not in summary.modules and "need_weights=True" in summary.skipped["attn"]
+        assert "attn" in summary.uncovered and summary.coverage < 0.5, summary.coverage
+    else:
+        assert summary.modules["attn"] == "attention" and "attn" not in summary.uncovered
+
+
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_unbatched_inputs_run_the_module_as_written(policy, batch_first):

@@ -6,7 +6,8 @@ v and the output kept 8-bit per head, or exact under a lossless policy; never a 
 output projection with slimact's Linear. Masks follow ``nn.MultiheadAttention``: a boolean ``attn_mask`` or
 ``key_padding_mask`` marks positions *not* to attend; float masks are added. Calls this path does not cover
 (``need_weights=True``, separate key/value projection weights, ``bias_k``/``bias_v``, ``add_zero_attn``, unbatched
-``[T, E]`` inputs) run the module's own forward.
+``[T, E]`` inputs, integer masks, ``is_causal`` without ``attn_mask``) run the module's own forward; ``summary`` with
+inputs reports a module each of whose calls did (``need_weights=True`` is the module's default).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.linear import linear
 from slimact.nn._base import SlimModule, slim_class
 
-__all__ = ["mha_class"]
+__all__ = ["OWN_FORWARD_ATTR", "SLIM_FORWARD_ATTR", "mha_class"]
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -29,23 +30,38 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
+#: Set on a converted ``nn.MultiheadAttention`` by its training calls: why one ran the module's own forward (a call
+#: this path does not cover), and that one ran this path. ``summary`` with inputs reports a module whose calls all
+#: ran its own forward as left alone (``need_weights=True``, the module's default, is such a call).
+OWN_FORWARD_ATTR = "_slimact_own_forward"
+SLIM_FORWARD_ATTR = "_slimact_slim_forward"
+
+
 class _MultiheadAttentionMixin(SlimModule):
-    def _slimact_covers(self, query, key, value, need_weights) -> bool:
-        return (
-            not need_weights and self._qkv_same_embed_dim and self.bias_k is None and self.bias_v is None
-            and not self.add_zero_attn and key.shape == value.shape and query.dim() == 3 and key.dim() == 3
-        )
+    def _slimact_uncovered(self, query, key, value, need_weights, attn_mask, key_padding_mask, is_causal) -> str | None:
+        """Why this path does not cover a call (``None``: it does)."""
+        if need_weights:
+            return "need_weights=True, the module's default (pass need_weights=False where the weights are not used)"
+        if not self._qkv_same_embed_dim or self.bias_k is not None or self.bias_v is not None or self.add_zero_attn:
+            return "kdim/vdim, add_bias_kv or add_zero_attn"
+        if key.shape != value.shape or query.dim() != 3 or key.dim() != 3:
+            return "unbatched inputs, or keys and values of other shapes"
+        # A mask neither boolean nor floating (uint8, int64): the module's own forward refuses it (here it was added
+        # as if additive: a uint8 key_padding_mask, boolean before PyTorch 2.0, padded nothing).
+        if any(m is not None and m.dtype != torch.bool and not m.is_floating_point()
+               for m in (attn_mask, key_padding_mask)):
+            return "a mask neither boolean nor floating"
+        if is_causal and attn_mask is None:  # (the module's own forward raises "Need attn_mask ...")
+            return "is_causal without attn_mask"
+        return None
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        # A mask neither boolean nor floating (uint8, int64) runs the module's own forward, which refuses it: here it
-        # was added as if additive (a uint8 key_padding_mask, boolean before PyTorch 2.0, padded nothing).
-        integer = any(m is not None and m.dtype != torch.bool and not m.is_floating_point()
-                      for m in (attn_mask, key_padding_mask))
-        # is_causal without attn_mask: the module's own forward, which raises ("Need attn_mask if specifying the
-        # is_causal hint").
-        if (integer or (is_causal and attn_mask is None) or not self._slimact_active(query, key, value)
-                or not self._slimact_covers(query, key, value, need_weights)):
+        active = self._slimact_active(query, key, value)
+        why = self._slimact_uncovered(query, key, value, need_weights, attn_mask, key_padding_mask, is_causal)
+        if not torch.compiler.is_compiling() and active and torch.is_grad_enabled():
+            self.__dict__[OWN_FORWARD_ATTR if why else SLIM_FORWARD_ATTR] = why or True
+        if not active or why is not None:
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                    attn_mask=attn_mask, average_attn_weights=average_attn_weights,
                                    is_causal=is_causal)
