@@ -82,7 +82,7 @@ from slimact._kinds import _FORM_KIND, kind_of
 from slimact.functional._saving import IN_PLACE, Mask, copy_on_write, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
-from slimact.functional.dropout import dropout
+from slimact.functional.dropout import cpu_scale, dropout
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
@@ -244,8 +244,11 @@ class _NoteDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        noted = not torch.compiler.is_compiling() and (func is torch.native_dropout or func is slim_native_dropout)
-        out = self.routing._native_dropout(*args, **kwargs) if noted else None
+        out = None
+        if not torch.compiler.is_compiling() and func is torch.native_dropout:
+            out = self.routing._native_dropout(*args, **kwargs)
+        elif not torch.compiler.is_compiling() and func is slim_native_dropout:
+            out = self.routing._slim_native_dropout(*args, **kwargs)
         return func(*args, **kwargs) if out is None else out
 
 
@@ -351,7 +354,7 @@ class Routing:
         handlers = {"matmul": (self._matmul, self._matmul, self._matmul, self._bmm, self._bmm, self._baddbmm,
                                self._baddbmm, self._einsum),
                     "softmax": (self._functional_softmax, self._softmax, self._softmax, self._native_dropout,
-                                self._native_dropout),
+                                self._slim_native_dropout),
                     "attention": (self._gather, self._gather)}
         for kind in sorted(on):
             self.handlers.update(zip(_ATTENTION_CALLS[kind], handlers[kind], strict=True))
@@ -430,12 +433,21 @@ class Routing:
         self._probs.put(y, True)
         return y
 
-    def _native_dropout(self, x, p, train):
+    def _native_dropout(self, x, p, train, fn=torch.native_dropout):
         if not train or not self._inside or "matmul" not in self._inside[-1][1] or self._probs.get(x) is None:
             return None
-        y, mask = torch.native_dropout(x, p, train)
-        self._dropped.put(y, Dropped(x, Mask.of(mask), 1.0 / (1.0 - p) if p < 1 else 0.0))
+        y, mask = fn(x, p, train)
+        # (slimact's dropout on the CPU scales by F.dropout's factor, cpu_scale)
+        scale = cpu_scale(p, x.dtype) if fn is slim_native_dropout and x.device.type == "cpu" and 0 < p < 1 else (
+            1.0 / (1.0 - p) if p < 1 else 0.0)
+        self._dropped.put(y, Dropped(x, Mask.of(mask), scale))
         return y, mask
+
+    def _slim_native_dropout(self, x, p, train=True):
+        """:meth:`_native_dropout` for slimact's own (``F.dropout`` and ``nn.Dropout`` of a routed softmax's output):
+        its draw and values, F.dropout's, not ``torch.native_dropout``'s (whose factor on the CPU is 1 ulp off
+        F.dropout's at 15 of p = 0.01, ..., 0.99: the forward of an 8-bit attention by hand with such a dropout was)."""
+        return self._native_dropout(x, p, train, fn=slim_native_dropout)
 
     def _functional_softmax(self, x, dim=None, _stacklevel=3, dtype=None):
         return self._softmax(x, dim, dtype)
