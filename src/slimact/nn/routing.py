@@ -56,13 +56,13 @@ attention routes (``matmul``, ``softmax``, and ``attention`` for the gather) are
 its qualified name (kinds, ``include``/``exclude`` patterns); a lossless policy has no saving for the products
 and softmaxes and leaves them as written.
 Functional calls have no module to hold a running estimate, so they use each tensor's own range under
-``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
-run as written; the forward result is PyTorch's own in every case. A layer that activation checkpointing
-recomputes in the backward (outside the model's forward) enters the mode for its own call: it routes as it did
-in the forward. Calls made directly in checkpointed code that is not a module's call (a checkpointed method, the
-``forward`` that transformers' gradient checkpointing wraps) run as written in both passes. A mode sees the calls
-of Python code only, not those made inside another torch function (the attention dropout inside
-``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
+``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place) and
+calls on nested tensors run as written; the forward result is PyTorch's own in every case. A layer that
+activation checkpointing recomputes in the backward (outside the model's forward) enters the mode for its own
+call: it routes as it did in the forward. Calls made directly in checkpointed code that is not a module's call (a
+checkpointed method, the ``forward`` that transformers' gradient checkpointing wraps) run as written in both
+passes. A mode sees the calls of Python code only, not those made inside another torch function (the attention
+dropout inside ``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
 """
 
 from __future__ import annotations
