@@ -130,6 +130,30 @@ def test_summary_reports_a_multihead_attention_whose_calls_ran_its_own_forward(n
         assert summary.modules["attn"] == "attention" and "attn" not in summary.uncovered
 
 
+@pytest.mark.parametrize("call", ["time-major-self-attention", "shared-keys-and-values"])
+def test_one_input_is_projected_once_as_plain_projects_it(call):
+    # F.multi_head_attention_forward projects an input that is query, key and value at once (one product), and keys
+    # and values from one tensor at once. The converted module read which inputs were one tensor after transposing a
+    # time-major input (a view each: three products) and projected shared keys and values apart: the same output,
+    # but in bf16 input gradients summed from several products, 1 ulp off plain's (6e-3 of the largest for the
+    # time-major self-attention; 3e-3 for shared keys and values under CPU autocast).
+    torch.manual_seed(0)
+    batch_first = call != "time-major-self-attention"
+    mha = nn.MultiheadAttention(16, 4, batch_first=batch_first).bfloat16().train()
+    slim = slimact.convert(copy.deepcopy(mha), "tempo")
+    gen = torch.Generator().manual_seed(1)
+    x, memory = (torch.randn(3, 5, 16, generator=gen).bfloat16() for _ in range(2))
+    results = []
+    for module in (mha, slim):
+        xi, mi = (t.clone().requires_grad_(True) for t in (x, memory))
+        out = module(xi, xi, xi, need_weights=False)[0] if call == "time-major-self-attention" else (
+            module(xi, mi, mi, need_weights=False)[0])
+        out.float().square().sum().backward()
+        results.append((out.detach(), xi.grad, mi.grad))
+    for a, e in zip(results[1], results[0], strict=True):
+        assert (a is None and e is None) or torch.equal(a, e)
+
+
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_unbatched_inputs_run_the_module_as_written(policy, batch_first):
