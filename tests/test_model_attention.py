@@ -212,3 +212,81 @@ def test_a_timm_style_vision_transformer(fused, policy):
         assert_gradients_close(grads[0], grads[1])
         ratio = slimact.profile(slim, x).activation_bytes / slimact.profile(plain, x).activation_bytes
         assert ratio < 0.3, ratio
+
+
+class _Bf16Attention(nn.Module):
+    """Attention by hand in bf16 as Hugging Face's eager functions write it: a causal ``masked_fill``, the softmax in
+    fp32 (``dtype=torch.float32``) cast back, ``F.dropout`` on the probabilities (p = 0.15), ``@ v``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim).bfloat16(), nn.Linear(dim, dim).bfloat16()
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = (q @ k.transpose(-1, -2) * (c // self.heads) ** -0.5).masked_fill(~causal, float("-inf"))
+        attn = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        attn = nn.functional.dropout(attn, 0.15, self.training)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, c))
+
+
+def test_bf16_attention_with_dropout_by_hand_has_plains_tempo_gradients_bit_for_bit():
+    # F.dropout on the CPU multiplies by its noise, 1 / (1 - p) rounded through the input's dtype, forward and
+    # backward; slimact's routed dropout scaled the gradient by the fp32 1 / (1 - p) (native_dropout_backward): bf16
+    # gradients 1 ulp off plain's under the lossless policy, and in fp32 at 15 of p = 0.01, ..., 0.99 (0.15 among
+    # them) the forward too.
+    torch.manual_seed(0)
+    plain = nn.Sequential(_Bf16Attention()).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    outs, grads = [], []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(3)
+        out = model(xi)
+        out.float().square().sum().backward()
+        outs.append(out.detach())
+        grads.append({"x": xi.grad, **{n: p.grad for n, p in model.named_parameters()}})
+    assert torch.equal(outs[1], outs[0])
+    for n in grads[0]:
+        assert torch.equal(grads[1][n], grads[0][n]), n
+
+
+class _ProbabilityDropoutAttention(nn.Module):
+    """Attention by hand whose probabilities a dropout drops (F.dropout or nn.Dropout) before ``@ v``."""
+
+    def __init__(self, p: float, functional: bool, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.p, self.functional = heads, p, functional
+        self.qkv, self.proj, self.drop = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.Dropout(p)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = (q @ k.transpose(-1, -2) * (c // self.heads) ** -0.5).softmax(-1)
+        attn = nn.functional.dropout(attn, self.p, self.training) if self.functional else self.drop(attn)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.parametrize("functional", [True, False], ids=["F.dropout", "nn.Dropout"])
+@pytest.mark.parametrize("p", [0.15, 0.42])
+def test_int8_attention_by_hand_with_dropped_probabilities_has_plains_forward(p, functional):
+    # Under an 8-bit policy the dropout of a routed softmax's output is noted (the product keeps the softmax's pack and
+    # the mask), and the noting ran torch.native_dropout, whose factor on the CPU, float32(1 / (1 - p)), is 1 ulp off
+    # F.dropout's (1 / float32(1 - p)) at 15 of p = 0.01, ..., 0.99: the forward was 2e-7 relative off plain's.
+    torch.manual_seed(0)
+    plain = nn.Sequential(_ProbabilityDropoutAttention(p, functional)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    outs, grads = [], []
+    for model in (plain, slim):
+        torch.manual_seed(3)
+        out = model(x)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append({n: q.grad for n, q in model.named_parameters()})
+    assert torch.equal(outs[1], outs[0])
+    assert_gradients_close(grads[0], grads[1])

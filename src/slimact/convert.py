@@ -23,7 +23,7 @@ from slimact import attention
 from slimact._kinds import Recognised, forget, forward_names, kind_of, recognise, uses_attention_interface
 from slimact.nn._base import SlimModule, StepCounter, attach, clear_state, detach
 from slimact.nn.activation import activation_class
-from slimact.nn.attention import mha_class
+from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
 from slimact.nn.batch_norm import batch_norm_class
 from slimact.nn.conv import conv_class
 from slimact.nn.dropout import dropout_class
@@ -524,8 +524,11 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             "(slimact compresses fp32, fp16 and bf16)"
         )
     if inputs is not None:
-        result.coverage, result.uncovered, unrouted, idle = _coverage(model, set(modules), inputs, loss_fn, routing,
-                                                                      by_products)
+        result.coverage, result.uncovered, unrouted, idle, own = _coverage(model, set(modules), inputs, loss_fn,
+                                                                           routing, by_products)
+        for name, why in own.items():
+            modules.pop(name, None)
+            skipped[name] = f"each call on these inputs ran the module's own forward, left as written: {why}"
         for name in idle:
             del modules[name]
             skipped[name] = ("the LM loss would be fused with the head, but no F.cross_entropy on the head's logits "
@@ -548,9 +551,11 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
 def _coverage(
     model: nn.Module, converted: set[str], inputs: Any, loss_fn, routing: Routing | None = None,
     by_products: set[str] = frozenset(),
-) -> tuple[float, dict[str, int], list[str], list[str]]:
-    """``(share, {module: bytes}, unrouted, idle)``: the share of the plain model's bytes that slimact handles, the
-    bytes it leaves by module, the tagged attention modules whose attention never reached slimact, and the modules of
+) -> tuple[float, dict[str, int], list[str], list[str], dict[str, str]]:
+    """``(share, {module: bytes}, unrouted, idle, own)``: the share of the plain model's bytes that slimact handles,
+    the bytes it leaves by module, the tagged attention modules whose attention never reached slimact, the converted
+    ``nn.MultiheadAttention`` modules each of whose calls ran the module's own forward (``{name: why}``: a call
+    slimact's path does not cover, as ``need_weights=True``), and the modules of
     ``by_products`` (reported converted as the routing watches their products and softmaxes, or for the
     F.scaled_dot_product_attention their forward mentions) in which no such call was routed in the forward, with
     ``"(loss)"`` where the routing would fuse the LM loss but none was fused (a loss the training loop computes
@@ -566,6 +571,9 @@ def _coverage(
     tagged = {name: m for name, m in model.named_modules() if attention.POLICY_ATTR in m.__dict__}
     for m in tagged.values():
         m.__dict__.pop(attention.SEEN_ATTR, None)
+    for m in model.modules():
+        m.__dict__.pop(OWN_FORWARD_ATTR, None)
+        m.__dict__.pop(SLIM_FORWARD_ATTR, None)
     earlier = set(routing.routed) if routing is not None else set()
     if routing is not None:
         routing.routed.clear()
@@ -582,7 +590,9 @@ def _coverage(
     idle = sorted(name for name in by_products if not any(_at_or_under(r, name) for r in routed))
     if tracker is not None and tracker.fused == fused:
         idle.append("(loss)")
-    converted = converted - set(unrouted) - set(idle)
+    own = {name: m.__dict__[OWN_FORWARD_ATTR] for name, m in model.named_modules()
+           if OWN_FORWARD_ATTR in m.__dict__ and SLIM_FORWARD_ATTR not in m.__dict__}
+    converted = converted - set(unrouted) - set(idle) - set(own)
     plain = revert(copy.deepcopy(model))
     before = profile(plain, inputs, loss_fn=loss_fn).by_module
     del plain
@@ -594,4 +604,4 @@ def _coverage(
     uncovered = {name: min(n, after.get(name, 0)) for name, n in before.items() if not covered(name)}
     uncovered = {name: n for name, n in uncovered.items() if n}
     total = sum(before.values())
-    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle
+    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle, own

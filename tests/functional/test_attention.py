@@ -196,6 +196,61 @@ def test_dropout_replays_torchs_draws(cfg):
             assert sqnr_db(e, a) >= 25
 
 
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+@pytest.mark.parametrize(("p", "dv"), [(0.2, 16), (0.0, 12)], ids=["dropout", "value-heads-of-another-width"])
+def test_the_chunked_path_in_bf16_gives_torchs_output_bit_for_bit(p, dv, cfg):
+    # The chunked path (taken with dropout, or value heads of another width than the query's) rounded the
+    # probabilities to bf16 before the dropout and the product with v; PyTorch's math kernel, which
+    # F.scaled_dot_product_attention runs there, keeps them in fp32 and rounds the output once: outputs 1 ulp apart
+    # (7.8e-3 at values near 1.7), in a converted model's forward too.
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 24, 16, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(2, 4, 24, dv, generator=gen).bfloat16()
+    g = torch.randn(2, 4, 24, dv, generator=gen).bfloat16()
+    torch.manual_seed(7)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g, dropout_p=p, is_causal=True)
+    torch.manual_seed(7)
+    out1, g1 = _run(lambda *a, **k_: scaled_dot_product_attention(*a, **k_, cfg=cfg), q, k, v, g, dropout_p=p,
+                    is_causal=True)
+    assert torch.equal(out1, out0)
+    for a, e in zip(g1, g0, strict=True):
+        if cfg is None:
+            torch.testing.assert_close(a, e)
+        else:
+            assert sqnr_db(e, a) >= 25
+
+
+_EMPTY = """
+import torch, torch.nn.functional as F
+from slimact.functional import scaled_dot_product_attention
+from slimact.quant import QuantConfig
+for b, h, t, s, d in [(2, 4, 0, 7, 8), (2, 4, 5, 0, 8), (2, 0, 5, 7, 8), (2, 4, 5, 7, 0)]:
+    for p in (0.0, 0.2):
+        for cfg in (None, QuantConfig(group_dim=1, groups=0)):
+            grads = []
+            for fn in (F.scaled_dot_product_attention, lambda *a, **k: scaled_dot_product_attention(*a, **k, cfg=cfg)):
+                q, k, v = (torch.ones(b, h, n, d, requires_grad=True) for n in (t, s, s))
+                out = fn(q, k, v, dropout_p=p)
+                out.sum().backward()
+                grads.append((out, q.grad, k.grad, v.grad))
+            for a, e in zip(*grads):
+                torch.testing.assert_close(a, e, equal_nan=True)
+print("ok")
+"""
+
+
+def test_attention_over_no_query_key_or_head_is_torchs_own():
+    # Run apart: before, PyTorch's CPU flash kernel, given no query row, no key row or no head, died of SIGFPE and took
+    # the whole process with it (F.scaled_dot_product_attention returns an empty or zero output there); with dropout
+    # the chunked path raised (amax over no key, a division by no head), and a head size of 0 failed computing the
+    # default scale. Now such calls are PyTorch's own.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EMPTY], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
+
+
 class _Call(nn.Module):
     def __init__(self, fn, **kw):
         super().__init__()

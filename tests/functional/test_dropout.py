@@ -13,6 +13,29 @@ def test_dropout_is_exact_with_the_same_draws(shape, dtype, p):
     check_against_plain(nn.Dropout(p), x.to(dtype), exact=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("p", [0.15, 0.3, 0.42, 0.9])
+def test_dropout_is_f_dropout_bit_for_bit_forward_and_backward(p, dtype):
+    # F.dropout on the CPU multiplies by its noise, bernoulli_(1 - p) divided in place by 1 - p in the input's dtype:
+    # 1 / (1 - p) rounded through that dtype, forward and backward. slimact multiplied by float32(1 / (1 - p)) in fp32
+    # (1 ulp off at p = 0.15 and 0.42: 15 of p = 0.01, ..., 0.99, forward and gradient) and scaled fp16/bf16
+    # gradients in fp32 (native_dropout_backward: 1 ulp off at most p).
+    from slimact.functional import dropout
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=gen).to(dtype)
+    up = torch.randn(64, 256, generator=gen).to(dtype)
+    results = []
+    for fn in (nn.functional.dropout, dropout):
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(5)
+        y = fn(xi, p, True)
+        y.backward(up)
+        results.append((y.detach(), xi.grad))
+    (y0, g0), (y1, g1) = results
+    assert torch.equal(y1, y0) and torch.equal(g1, g0)
+
+
 def test_dropout_keeps_bits():
     ratio = saved_ratio(nn.Dropout(0.1), torch.randn(256, 256))
     assert ratio <= 0.125 + 1e-9  # PyTorch keeps a one-byte bool mask; slimact keeps one bit

@@ -9,6 +9,7 @@ from torch import nn
 import slimact
 from _harness import assert_gradients_close, loss_grads, tiny_hf
 from slimact._metrics import cosine
+from slimact.policy import resolve
 
 
 def _grads(model, call):
@@ -54,6 +55,103 @@ def test_uncovered_calls_run_the_module_as_written():
     out1, w1 = slim(x, x, x)
     torch.testing.assert_close(out1, out0)
     torch.testing.assert_close(w1, w0)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
+def test_an_integer_mask_is_refused_as_plain_refuses_it(which, policy):
+    # nn.MultiheadAttention takes boolean or floating masks only (a uint8 key_padding_mask, its boolean before PyTorch
+    # 2.0, raises); the converted module added an integer mask as if additive: a uint8 padding mask padded nothing,
+    # silently, and a routed F.scaled_dot_product_attention did the same with an integer attn_mask.
+    import torch.nn.functional as F
+
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).train()
+    slim = slimact.convert(copy.deepcopy(mha), policy)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    mask = torch.zeros(2, 5, dtype=torch.uint8) if which == "key_padding_mask" else torch.zeros(5, 5, dtype=torch.int64)
+    mask[..., :2] = 1
+    for module in (mha, slim):
+        with pytest.raises(AssertionError, match="only bool and floating types"):
+            module(x, x, x, need_weights=False, **{which: mask})
+    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+    keep = torch.ones(5, 5, dtype=torch.uint8)
+    cfg = resolve(policy).quant_config("attention", 4)
+    for attention in (F.scaled_dot_product_attention,
+                      lambda *a, **kw: slimact.functional.scaled_dot_product_attention(*a, **kw, cfg=cfg)):
+        with pytest.raises(RuntimeError, match="attn_mask dtype"):
+            attention(q, k, v, attn_mask=keep)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_the_is_causal_hint_is_read_as_plain_reads_it(policy):
+    # F.multi_head_attention_forward: without a key padding mask (and weights), is_causal=True stands for attn_mask,
+    # which is then not read; with one, the masks are merged and the hint dropped; without attn_mask it raises. The
+    # converted module read the mask whatever the hint (a mask that is not causal: outputs 0.96 apart) and computed
+    # causal attention where plain raised.
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).train()
+    slim = slimact.convert(copy.deepcopy(mha), policy)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    not_causal = torch.zeros(5, 5).masked_fill(torch.eye(5, dtype=torch.bool).roll(1, 0), float("-inf"))
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, -1] = True
+    for kw in ({}, {"key_padding_mask": pad}):
+        out0, out1 = (m(x, x, x, attn_mask=not_causal, is_causal=True, need_weights=False, **kw)[0]
+                      for m in (mha, slim))
+        torch.testing.assert_close(out1, out0)
+    for module in (mha, slim):
+        with pytest.raises(RuntimeError, match="Need attn_mask"):
+            module(x, x, x, is_causal=True, need_weights=False)
+
+
+class _Weighted(nn.Module):
+    """nn.MultiheadAttention called as most code calls it: need_weights left at its default (True), or not."""
+
+    def __init__(self, need_weights: bool) -> None:
+        super().__init__()
+        self.need_weights, self.head = need_weights, nn.Linear(32, 8)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=self.need_weights)[0])
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_summary_reports_a_multihead_attention_whose_calls_ran_its_own_forward(need_weights):
+    # A call with need_weights=True (nn.MultiheadAttention's default) runs the module's own forward, keeping what
+    # PyTorch keeps; the summary reported the module converted and its bytes covered (coverage 100%, where slimact
+    # handled 11%).
+    model = slimact.convert(_Weighted(need_weights).train(), "int8")
+    summary = slimact.summary(model, torch.randn(2, 16, 32))
+    if need_weights:
+        assert "attn" not in summary.modules and "need_weights=True" in summary.skipped["attn"]
+        assert "attn" in summary.uncovered and summary.coverage < 0.5, summary.coverage
+    else:
+        assert summary.modules["attn"] == "attention" and "attn" not in summary.uncovered
+
+
+@pytest.mark.parametrize("call", ["time-major-self-attention", "shared-keys-and-values"])
+def test_one_input_is_projected_once_as_plain_projects_it(call):
+    # F.multi_head_attention_forward projects an input that is query, key and value at once (one product), and keys
+    # and values from one tensor at once. The converted module read which inputs were one tensor after transposing a
+    # time-major input (a view each: three products) and projected shared keys and values apart: the same output,
+    # but in bf16 input gradients summed from several products, 1 ulp off plain's (6e-3 of the largest for the
+    # time-major self-attention; 3e-3 for shared keys and values under CPU autocast).
+    torch.manual_seed(0)
+    batch_first = call != "time-major-self-attention"
+    mha = nn.MultiheadAttention(16, 4, batch_first=batch_first).bfloat16().train()
+    slim = slimact.convert(copy.deepcopy(mha), "tempo")
+    gen = torch.Generator().manual_seed(1)
+    x, memory = (torch.randn(3, 5, 16, generator=gen).bfloat16() for _ in range(2))
+    results = []
+    for module in (mha, slim):
+        xi, mi = (t.clone().requires_grad_(True) for t in (x, memory))
+        out = module(xi, xi, xi, need_weights=False)[0] if call == "time-major-self-attention" else (
+            module(xi, mi, mi, need_weights=False)[0])
+        out.float().square().sum().backward()
+        results.append((out.detach(), xi.grad, mi.grad))
+    for a, e in zip(results[1], results[0], strict=True):
+        assert (a is None and e is None) or torch.equal(a, e)
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8"])

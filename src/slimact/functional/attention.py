@@ -33,7 +33,8 @@ Which kernel, where (:func:`fused_kernel` chooses; anything it does not take run
   (read off the score guard's error at 8 bits, else one fp32 sum of each: :func:`_not_finite`; a finite q, k
   whose sum overflows fp32 takes the chunked path too, exact).
 * Otherwise (CPU with dropout, other devices): ``_ChunkedAttention``, flash-style attention in PyTorch ops, a
-  block of query rows at a time, its scores in fp32.
+  block of query rows at a time, its scores in fp32 (on the CPU its probabilities' product with v too, the output
+  rounded once, as PyTorch's math kernel: fp16/bf16 outputs bit for bit).
 
 Dropout replay: no mask is drawn, nor kept. The CUDA kernels draw dropout from Philox with a seed and offset
 they take from the CUDA generator (and advance it); under a lossless policy the backward gets the seed and
@@ -80,6 +81,7 @@ from torch import Tensor
 from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
+from slimact.functional.dropout import cpu_scale
 from slimact.functional.softmax import normalized, pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
@@ -294,6 +296,14 @@ def _saved_mask(mask: Tensor | None):
 _FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 
 
+def _flash_cpu_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``mask`` as the CPU flash kernel's additive ``attn_mask``, which takes 2 or 4 dims only: a ``[H, T, S]`` or
+    ``[1, T, S]`` mask (which ``F.scaled_dot_product_attention`` broadcasts, right-aligned) seen as ``[1, H, T, S]``
+    (the kernel raised "Attention mask dim in {2, 4}" where the plain call ran)."""
+    add = _additive(mask, dtype)
+    return add[None] if add is not None and add.dim() == 3 else add
+
+
 class _FlashAttentionCPU(SlimFunction):
     """PyTorch's CPU flash kernel forward and backward, with q, k, v, out kept packed and lse exact."""
 
@@ -305,7 +315,7 @@ class _FlashAttentionCPU(SlimFunction):
         # stride 1): a transposed view gave a wrong output, up to 1e33. What is kept (and the backward kernel
         # reads) is this copy too.
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        add = _additive(mask, q.dtype)
+        add = _flash_cpu_mask(mask, q.dtype)
         out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, is_causal, attn_mask=add, scale=scale)
         dead = _dead_rows(mask)
         if dead is not None:
@@ -319,7 +329,7 @@ class _FlashAttentionCPU(SlimFunction):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, mask, dead = load(ctx)
-        add = _additive(mask, ctx.dtype)
+        add = _flash_cpu_mask(mask, ctx.dtype)
         if out is None:  # the output and lse of the restored q, k, v: a self-consistent backward
             out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, ctx.is_causal, attn_mask=add, scale=ctx.scale)
         if dead is not None:
@@ -396,27 +406,33 @@ class _ChunkedAttention(SlimFunction):
         # two, as head size 64's 1/8, the very same scores)
         qs = _scaled_queries(q, scale).reshape(b, h_kv, h // h_kv, t, d)
         kt, vg = k.unsqueeze(2).transpose(-1, -2), v.unsqueeze(2)
+        # On the CPU, fp16/bf16 probabilities meet v in fp32, the output rounded once: as PyTorch's math kernel
+        # computes them (its attention in fp32 throughout), which F.scaled_dot_product_attention runs where this
+        # path is taken (dropout, value heads of another width). Rounding the probabilities to the inputs' dtype
+        # first left outputs 1 ulp off plain's (bf16 with dropout: 7.8e-3 at values near 1.7).
+        v32 = vg.float() if q.device.type == "cpu" else vg
         rng = None
         if dropout_p > 0:
             # One draw over the whole [B, H, T, S] grid, as eager F.dropout makes it (same masks as the plain
             # model); the backward replays it from the snapshot. Transient here, never kept.
             rng = _rng_state(q.device)
             scores, future = _block_scores(qs, kt, add, is_causal, (b, h, t, s), 0, t)
-            if v.dtype == torch.float32 and _bool_draw(q.device, dropout_p):
+            if _bool_draw(q.device, dropout_p):
                 # native_dropout's draw (the same generator advance), its multiply in the probabilities' loop
                 keep = bernoulli_(torch.empty(scores.shape, dtype=torch.uint8), 1.0 - dropout_p)
-                dropped = _fused_rows(_dropped_probabilities, scores, future, keep, 1.0 / (1.0 - dropout_p))
+                dropped = _fused_rows(_dropped_probabilities, scores, future, keep, cpu_scale(dropout_p, torch.float32))
             else:
                 probs = _fused_rows(_probabilities, scores, future).to(v.dtype)
                 dropped, _ = torch.native_dropout(probs, dropout_p, True)
-            out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), vg).reshape(b, h, t, v.shape[-1])
+            out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), v32 if dropped.dtype != v.dtype else vg)
+            out = out.reshape(b, h, t, v.shape[-1]).to(v.dtype)
         else:
             out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype, device=q.device)
             for t0 in range(0, t, CHUNK_ROWS):
                 t1 = min(t, t0 + CHUNK_ROWS)
                 scores, future = _block_scores(qs[..., t0:t1, :], kt, add, is_causal, (b, h, t, s), t0, t1)
-                pg = _fused_rows(_probabilities, scores, future).to(v.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
-                out[:, :, t0:t1] = torch.matmul(pg, vg).reshape(b, h, t1 - t0, v.shape[-1])
+                pg = _fused_rows(_probabilities, scores, future).to(v32.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
+                out[:, :, t0:t1] = torch.matmul(pg, v32).reshape(b, h, t1 - t0, v.shape[-1])
         dead = _dead_rows(mask)
         if dead is not None:
             out = out.masked_fill(dead, 0)
@@ -447,7 +463,9 @@ class _ChunkedAttention(SlimFunction):
         gg = g.reshape(b, h_kv, rep, t, v.shape[-1])
         # [B, H, T, S] 0/1 uint8, drawn as the forward drew it (in p_dtype), and the dropout's factor
         keep_all = _replayed_mask(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
-        factor = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
+        # (on the CPU the factor F.dropout's fp32 noise has, as the forward applied it)
+        factor = cpu_scale(dropout_p, torch.float32) if _bool_draw(q.device, dropout_p) else (
+            1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
         # A learned additive mask (Swin's and T5's position biases): its gradient is the scores' gradient,
         # summed over the dims it broadcasts along. [B|1, H|1, T|1, S]
         need_mask_grad = ctx.needs_input_grad[3]
@@ -763,15 +781,22 @@ def scaled_dot_product_attention(
         )
     if attn_mask is not None and is_causal:
         raise ValueError("pass either attn_mask or is_causal, not both (as F.scaled_dot_product_attention)")
+    # Nothing to keep, and the paths below divide by the empty size: PyTorch's CPU flash kernel with no query or no key
+    # row, or no head, died of SIGFPE (the whole process), the chunked path raised. A mask neither boolean nor
+    # floating (uint8, int64), which PyTorch refuses, was added as if additive (a 0/1 "keep" mask: +1 on the kept
+    # scores). PyTorch's own call for both.
+    empty = query.numel() == 0 or key.numel() == 0 or value.numel() == 0
+    if empty or (attn_mask is not None and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point()):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
     # Under torch.compile, attention with dropout is PyTorch's own: the mask replay reads the host RNG state,
-    # which dynamo cannot trace (a graph break), and inductor draws dropout from its own generator anyway. So is
-    # attention over no rows or no keys (nothing to keep; PyTorch's CPU flash kernel dies of SIGFPE on a
-    # zero-length sequence, the process with it).
-    empty = query.numel() == 0 or key.numel() == 0 or value.numel() == 0
-    if (not needs_grad and not mask_grad) or (dropout_p > 0 and torch.compiler.is_compiling()) or empty:
+    # which dynamo cannot trace (a graph break), and inductor draws dropout from its own generator anyway.
+    if (not needs_grad and not mask_grad) or (dropout_p > 0 and torch.compiler.is_compiling()):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,

@@ -1,7 +1,9 @@
 """Dropout keeping its mask as bits.
 
 Math: ``y = x * m / (1 - p)`` with ``m ~ Bernoulli(1 - p)``; ``grad_x = grad_y * m / (1 - p)``. The
-forward is PyTorch's ``native_dropout`` (same random draws, same output as ``F.dropout``).
+forward is PyTorch's ``native_dropout`` (same random draws, same output as ``F.dropout``). On the CPU, where
+``F.dropout`` multiplies by a noise tensor, ``1 / (1 - p)`` rounded through the input's dtype (:func:`cpu_scale`),
+forward and backward both scale by that value (bit for bit ``F.dropout``'s, in fp16/bf16 gradients too).
 
 What it keeps: the mask at 1 bit per element (exact), where PyTorch keeps a one-byte ``bool`` mask: 8x
 less, and never the dropped output. Only in training; in eval mode dropout is the identity, as in PyTorch.
@@ -15,6 +17,8 @@ mask, by a vectorised kernel (3-5x the speed of the CPU's serial ``bernoulli_``)
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -38,6 +42,15 @@ def _apply_mask(x: Tensor, keep: Tensor, scale: float) -> Tensor:
     return inductor.fused_or_eager(_masked, ("dropout", x.dtype), x, keep, scale)
 
 
+@functools.cache
+def cpu_scale(p: float, dtype: torch.dtype) -> float:
+    """The factor F.dropout multiplies kept elements by on the CPU (``0 < p < 1``): its noise, ``bernoulli_(1 - p)``
+    in the input's dtype divided in place by ``1 - p``, which rounds through that dtype: in fp32 ``1 / float32(1 -
+    p)``, not ``float32(1 / (1 - p))`` (1 ulp apart for p = 0.04, 0.15, 0.42, ...: 15 of p = 0.01, ..., 0.99), in
+    fp16/bf16 the dtype's value (native_dropout's backward scales in fp32: 1 ulp off F.dropout's gradient)."""
+    return torch.ones(1, dtype=dtype).div_(1.0 - p).item()
+
+
 def _fast(x: Tensor, p: float) -> bool:
     """Whether :func:`native_dropout` draws and applies the mask itself: CPU, fp32, ``0 < p < 1``, eagerly (under
     torch.compile inductor fuses ``native_dropout`` itself; a uint8 mask seen as bool did not compile there)."""
@@ -46,8 +59,9 @@ def _fast(x: Tensor, p: float) -> bool:
 
 def native_dropout(x: Tensor, p: float, train: bool = True) -> tuple[Tensor, Tensor]:
     """``torch.native_dropout(x, p, train)``: the output and the bool mask, the same draw (and generator
-    advance) and the same values; see the module docstring for the CPU's fp32 path. Torch function modes see
-    this function itself (slimact's routing notes a dropout of a routed softmax's output by it)."""
+    advance) and, but on the CPU's fp32 path, the same values; see the module docstring for that path, whose output
+    is F.dropout's (its factor rounded as :func:`cpu_scale`). Torch function modes see this function itself
+    (slimact's routing notes a dropout of a routed softmax's output by it)."""
     if has_torch_function_unary(x):
         return handle_torch_function(native_dropout, (x,), x, p, train)
     if not (train and _fast(x, p)):
@@ -56,7 +70,7 @@ def native_dropout(x: Tensor, p: float, train: bool = True) -> tuple[Tensor, Ten
     # its dtype (tests/functional/test_attention.py checks it bit for bit); into uint8, which the compiled loop
     # reads vectorised (a bool mask: element by element, twice its time), then seen as the bool it is.
     keep = bernoulli_(torch.empty_like(x, dtype=torch.uint8), 1.0 - p)
-    return _apply_mask(x, keep, 1.0 / (1.0 - p)), keep.view(torch.bool)
+    return _apply_mask(x, keep, cpu_scale(p, x.dtype)), keep.view(torch.bool)
 
 
 class _DropoutFunction(SlimFunction):
@@ -66,7 +80,11 @@ class _DropoutFunction(SlimFunction):
     @staticmethod
     def forward(ctx, x, p):
         y, mask = native_dropout(x, p, True)
-        ctx.scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+        # On the CPU, F.dropout's backward multiplies by its noise (cpu_scale), which native_dropout_backward's fp32
+        # scale is not (fp16/bf16 gradients 1 ulp off plain's). Not under torch.compile: cpu_scale reads a tensor
+        # (a graph break), and inductor draws its own dropout there anyway.
+        ctx.cpu = x.device.type == "cpu" and 0.0 < p < 1.0 and not torch.compiler.is_compiling()
+        ctx.scale = cpu_scale(p, x.dtype) if ctx.cpu else 1.0 / (1.0 - p) if p < 1 else 0.0
         ctx.fast = _fast(x, p)
         save(ctx, Mask.of(mask))
         return y
@@ -74,8 +92,10 @@ class _DropoutFunction(SlimFunction):
     @staticmethod
     def backward(ctx, grad_y):
         (mask,) = load(ctx)
-        if ctx.fast and grad_y.dtype == torch.float32:  # native_dropout_backward's (grad * mask) * scale
+        if ctx.fast and grad_y.dtype == torch.float32:  # F.dropout's grad * noise, as (grad * mask) * scale
             return _apply_mask(grad_y, mask.view(torch.uint8), ctx.scale), None
+        if ctx.cpu:  # F.dropout's grad * noise
+            return grad_y * mask.to(grad_y.dtype).mul_(ctx.scale), None
         return torch.ops.aten.native_dropout_backward(grad_y, mask, ctx.scale), None
 
 

@@ -56,13 +56,13 @@ attention routes (``matmul``, ``softmax``, and ``attention`` for the gather) are
 its qualified name (kinds, ``include``/``exclude`` patterns); a lossless policy has no saving for the products
 and softmaxes and leaves them as written.
 Functional calls have no module to hold a running estimate, so they use each tensor's own range under
-``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place)
-run as written; the forward result is PyTorch's own in every case. A layer that activation checkpointing
-recomputes in the backward (outside the model's forward) enters the mode for its own call: it routes as it did
-in the forward. Calls made directly in checkpointed code that is not a module's call (a checkpointed method, the
-``forward`` that transformers' gradient checkpointing wraps) run as written in both passes. A mode sees the calls
-of Python code only, not those made inside another torch function (the attention dropout inside
-``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
+``scale = "running"`` policies too. Calls that would not save anything (no gradient, eval mode, in-place) and
+calls on nested tensors run as written; the forward result is PyTorch's own in every case. A layer that
+activation checkpointing recomputes in the backward (outside the model's forward) enters the mode for its own
+call: it routes as it did in the forward. Calls made directly in checkpointed code that is not a module's call (a
+checkpointed method, the ``forward`` that transformers' gradient checkpointing wraps) run as written in both
+passes. A mode sees the calls of Python code only, not those made inside another torch function (the attention
+dropout inside ``F.multi_head_attention_forward``, which slimact's ``nn.MultiheadAttention`` replaces anyway).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ from slimact._kinds import _FORM_KIND, kind_of
 from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
-from slimact.functional.dropout import dropout
+from slimact.functional.dropout import cpu_scale, dropout
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
@@ -115,6 +115,13 @@ def _top_saved_hook() -> object:
 #: The kinds of norm modules, in whose own code a product runs as written (``Routing._product``; also a module whose
 #: class is named a norm: a gated or grouped norm, ``MambaRMSNormGated``, is no form slimact knows).
 _NORM_KINDS = frozenset({"layernorm", "rmsnorm", "groupnorm", "batchnorm"})
+
+
+def _nested(args: tuple, kwargs: dict) -> bool:
+    """Whether a call takes a nested tensor (``torch.nested``, jagged or strided): slimact's Functions view, pack
+    and index a tensor's data, which a nested tensor does not allow (a jagged F.scaled_dot_product_attention, F.gelu
+    or F.dropout raised where the plain call ran), so such a call runs as written."""
+    return any(isinstance(a, Tensor) and a.is_nested for a in (*args, *kwargs.values()))
 
 
 def _wants_grad(x: object) -> bool:
@@ -223,7 +230,7 @@ class _Mode(TorchFunctionMode):
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
         if (handler is not None and args and (not routing.excluded_depth or func is F.linear) and not transformed()
-                and routing.in_scope()):
+                and routing.in_scope() and not _nested(args, kwargs)):
             out = handler(*args, **kwargs)
             if out is not None:
                 return out
@@ -245,8 +252,11 @@ class _NoteDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        noted = not torch.compiler.is_compiling() and (func is torch.native_dropout or func is slim_native_dropout)
-        out = self.routing._native_dropout(*args, **kwargs) if noted else None
+        out = None
+        if not torch.compiler.is_compiling() and func is torch.native_dropout:
+            out = self.routing._native_dropout(*args, **kwargs)
+        elif not torch.compiler.is_compiling() and func is slim_native_dropout:
+            out = self.routing._slim_native_dropout(*args, **kwargs)
         return func(*args, **kwargs) if out is None else out
 
 
@@ -357,7 +367,7 @@ class Routing:
         handlers = {"matmul": (self._matmul, self._matmul, self._matmul, self._bmm, self._bmm, self._baddbmm,
                                self._baddbmm, self._einsum),
                     "softmax": (self._functional_softmax, self._softmax, self._softmax, self._native_dropout,
-                                self._native_dropout),
+                                self._slim_native_dropout),
                     "attention": (self._gather, self._gather)}
         for kind in sorted(on):
             self.handlers.update(zip(_ATTENTION_CALLS[kind], handlers[kind], strict=True))
@@ -436,12 +446,21 @@ class Routing:
         self._probs.put(y, True)
         return y
 
-    def _native_dropout(self, x, p, train):
+    def _native_dropout(self, x, p, train, fn=torch.native_dropout):
         if not train or not self._inside or "matmul" not in self._inside[-1][1] or self._probs.get(x) is None:
             return None
-        y, mask = torch.native_dropout(x, p, train)
-        self._dropped.put(y, Dropped(x, Mask.of(mask), 1.0 / (1.0 - p) if p < 1 else 0.0))
+        y, mask = fn(x, p, train)
+        # (slimact's dropout on the CPU scales by F.dropout's factor, cpu_scale)
+        scale = cpu_scale(p, x.dtype) if fn is slim_native_dropout and x.device.type == "cpu" and 0 < p < 1 else (
+            1.0 / (1.0 - p) if p < 1 else 0.0)
+        self._dropped.put(y, Dropped(x, Mask.of(mask), scale))
         return y, mask
+
+    def _slim_native_dropout(self, x, p, train=True):
+        """:meth:`_native_dropout` for slimact's own (``F.dropout`` and ``nn.Dropout`` of a routed softmax's output):
+        its draw and values, F.dropout's, not ``torch.native_dropout``'s (whose factor on the CPU is 1 ulp off
+        F.dropout's at 15 of p = 0.01, ..., 0.99: the forward of an 8-bit attention by hand with such a dropout was)."""
+        return self._native_dropout(x, p, train, fn=slim_native_dropout)
 
     def _functional_softmax(self, x, dim=None, _stacklevel=3, dtype=None):
         return self._softmax(x, dim, dtype)
@@ -569,6 +588,10 @@ class Routing:
         (b, h), (b_kv, h_kv) = query.shape[:2], key.shape[:2]
         if key.shape[:2] != value.shape[:2] or b_kv != b or h % h_kv:
             return None  # a broadcast slimact's attention does not take: as written
+        if attn_mask is not None and is_causal:
+            # As written: PyTorch's CPU flash kernel applies both (the mask and the causal limit), its math kernel
+            # raises; slimact's attention takes one or the other (it raised where the plain call ran).
+            return None
         # A single key/value head broadcast over the query heads (Falcon's multi-query) is grouped-query
         # attention with one group; other head counts broadcast only with enable_gqa, as in PyTorch.
         enable_gqa = enable_gqa or h_kv == 1
