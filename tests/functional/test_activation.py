@@ -296,6 +296,35 @@ def test_squared_relu_under_tempo_is_exact_and_keeps_only_its_output(dtype):
     assert kept(slim) == ["1"]  # y, for both
 
 
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_squared_relu_output_changed_in_place_in_model_code(policy):
+    # A residual added in place to a squared ReLU's output (`y = F.relu(conv(x)).square(); y += x`, found by a CNN
+    # fuzzer): PyTorch's square keeps its input, so plain trains; "tempo" keeps the output and did not mark it
+    # (keep_output), so the in-place add was not moved to a copy and the backward raised.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = nn.Conv2d(4, 4, 1), nn.Linear(4, 2)
+
+        def forward(self, x):
+            y = torch.nn.functional.relu(self.conv(x)).square()
+            y += x
+            return self.head(y.mean((2, 3)))
+
+    torch.manual_seed(0)
+    plain = Block()
+    x = torch.randn(8, 4, 5, 5)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    (out0, g0), (out1, g1) = (_step(m, (x,), seed=1) for m in (plain, slim))
+    assert torch.equal(out1, out0)
+    if policy == "tempo":
+        assert_gradients_equal(g0, g1)
+    else:
+        from _harness import assert_gradients_close
+
+        assert_gradients_close(g0, g1)
+
+
 @pytest.mark.parametrize("policy", ["int8", "tempo"])
 def test_squared_relu_shows_non_finite_inputs_in_the_gradient_as_torch(policy):
     from _harness import _step, converted_copy

@@ -335,6 +335,9 @@ class _SquaredReLUFunction(SlimFunction):
     def forward(ctx, x, fn, inplace):
         y = _apply(ctx, fn, x, inplace)
         save(ctx, y)
+        # Kept as it is where PyTorch's square keeps its input: an in-place op on y in model code (`y += h`) must
+        # move it to a copy first (copy_on_write), as for the other outputs kept; unmarked, autograd refused it.
+        keep_output(y)
         return y
 
     @staticmethod

@@ -194,6 +194,7 @@ def pack(
     training: bool = True,
     backend: Backend | None = None,
     share: bool = True,
+    reuse: bool = True,
 ) -> Packed:
     """Compress ``x`` for a backward pass.
 
@@ -206,8 +207,11 @@ def pack(
         backend: ``"reference"``, ``"triton"`` or ``"inductor"``; default :func:`backend_for`.
         share: reuse a pack of the same tensor (same storage view, unchanged since, at least ``cfg.bits``)
             while that tensor is alive (see :class:`_SharedPacks`).
+        reuse: with ``share``, whether a pack made already may serve; ``False`` packs ``x`` with ``cfg`` whatever
+            the cache holds (a consumer whose error bound needs its own layout and range: BatchNorm's one scale per
+            channel from this batch), and still offers the pack to later consumers.
     """
-    return pack_many([(x, cfg, state)], training=training, backend=backend, share=share)[0]
+    return pack_many([(x, cfg, state)], training=training, backend=backend, share=share, reuse=reuse)[0]
 
 
 @torch.no_grad()
@@ -217,6 +221,7 @@ def pack_many(
     training: bool = True,
     backend: Backend | None = None,
     share: bool = True,
+    reuse: bool = True,
 ) -> list[Packed]:
     """:func:`pack` of several tensors at once (attention's ``q``, ``k`` and ``v``): the same packs, the same
     stochastic-rounding seeds in the same order, with one host sync for all of them instead of one each (on
@@ -224,9 +229,9 @@ def pack_many(
     own finishing kernel before the sync). A tensor given twice (``k is v``) is packed once. Arguments as
     :func:`pack`, per item ``(x, cfg, state)``."""
     if torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack():  # (no dispatch mode: the common case)
-        return _pack_many(items, training, backend, share)
+        return _pack_many(items, training, backend, share, reuse)
     with unseen_by_selective_checkpointing():  # (slimact.quant.recompute: the recompute packs alike by itself)
-        return _pack_many(items, training, backend, share)
+        return _pack_many(items, training, backend, share, reuse)
 
 
 def _pack_many(
@@ -234,6 +239,7 @@ def _pack_many(
     training: bool,
     backend: Backend | None,
     share: bool,
+    reuse: bool = True,
 ) -> list[Packed]:
     compiling = torch.compiler.is_compiling()
     # Dynamo does not trace the weakly keyed cache reliably (an internal KeyError, seen once in the suite):
@@ -250,7 +256,7 @@ def _pack_many(
         layout = group_layout(x.shape, cfg)  # before the cache, so that a bad group count is refused every time
         if cfg.scale == "running" and state is None:
             raise ValueError("scale='running' needs a RunningRange state")
-        if share:
+        if share and reuse:
             hit = _shared.get(x, cfg)
             if hit is not None:
                 out[i] = hit
