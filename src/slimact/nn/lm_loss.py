@@ -25,15 +25,15 @@ gets them, or an alias of them in the same token order (``float``, ``view``/``re
 ``contiguous``), the loss and its gradients are computed from those logits, the head's input and weight,
 keeping the gradients instead of the logits.
 
-Anything else (class weights, ``reduction="none"``, a logits tensor the head did not produce, ops that
-reorder tokens, logits or the head's input changed in place since the head's call, logits whose own gradient is
-asked for with ``retain_grad`` or a hook) runs exactly as written; a lazy head's input changed in place before
-the loss raises (the logits it stood for are gone). So does a hook or ``retain_grad`` on the logits a loss was fused
-from, asked for after that loss (``output.logits.register_hook(...)`` once a model called with labels returns): no
-gradient of the loss ever passes through them, and plain PyTorch would apply the hook (lazy logits refuse it at
-once, computed ones when the loss's backward starts). Exclude ``"(loss)"`` in the policy to compute the loss as
-written. The hooks PyTorch's own wrappers put on every output of a forward (FSDP2's pre-backward unshard) are let
-through: they change no gradient and expect none from an output outside the loss's graph.
+Anything else (class weights, ``reduction="none"``, logits cast to float64, a logits tensor the head did not
+produce, ops that reorder tokens, logits or the head's input changed in place since the head's call, logits whose
+own gradient is asked for with ``retain_grad`` or a hook) runs exactly as written; a lazy head's input changed in
+place before the loss raises (the logits it stood for are gone). So does a hook or ``retain_grad`` on the logits a
+loss was fused from, asked for after that loss (``output.logits.register_hook(...)`` once a model called with labels
+returns): no gradient of the loss ever passes through them, and plain PyTorch would apply the hook (lazy logits
+refuse it at once, computed ones when the loss's backward starts). Exclude ``"(loss)"`` in the policy to compute the
+loss as written. The hooks PyTorch's own wrappers put on every output of a forward (FSDP2's pre-backward unshard)
+are let through: they change no gradient and expect none from an output outside the loss's graph.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class _Spec:
         if not isinstance(out, Tensor) or out.dim() < 1 or out.shape[-1] != self.shape[-1]:
             return None
         if func in _VIEWS:
-            return self._with(out.shape, self.dtype, self.steps)
+            # (``view(torch.int32)`` reinterprets the logits' bits: computed, as a view in another dtype)
+            return self._with(out.shape, self.dtype, self.steps) if out.dtype == self.dtype else None
         if not out.dtype.is_floating_point or out.shape != self.shape:
             return None
         step = functools.partial(_step, func, rest, kwargs)
@@ -517,6 +518,7 @@ class LossTracker:
             h is None or weight is not None or size_average is not None or reduce is not None
             or reduction not in ("mean", "sum") or logits.dim() != 2 or target.dim() != 1
             or target.dtype != torch.int64 or logits.shape[-1] != head.weight.shape[0]
+            or logits.dtype not in COMPRESSIBLE_DTYPES  # (float64 logits: the chunks would compute in fp32)
         ):
             return None
         if h.numel() // h.shape[-1] != logits.shape[0]:
