@@ -216,6 +216,10 @@ class LazyLogits(Tensor):
         # one derived from it (weak references to their graph nodes): no gradient of those losses passes through it
         # (lazy_call refuses its hooks, and autograd.grad of them with respect to it).
         t._parent, t._taken = None, []
+        # Where this one is a view of its parent (``view``, ``reshape``, ``flatten``): that view, applied to the
+        # parent's logits. As in PyTorch the two then share their elements: a write through either (``lg.div_(T)``
+        # after ``flat = lg.view(-1, V)``) shows in the other, where each computed its own logits before.
+        t._view = None
         return t
 
     @classmethod
@@ -227,13 +231,28 @@ class LazyLogits(Tensor):
         grad mode, whatever the mode of the first read (a metric under ``no_grad`` read before a loss term: cached
         without a graph, the later term had no gradient at all)."""
         if self._value is None:
-            with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), torch.enable_grad():
-                self._value = self._spec.compute(*self._inputs, by_head=True)
+            if self._view is not None:
+                value = self._parent.materialise()
+                with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), torch.enable_grad():
+                    self._value = self._view(value)
+            else:
+                with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), torch.enable_grad():
+                    self._value = self._spec.compute(*self._inputs, by_head=True)
         return self._value
+
+    def computed(self) -> bool:
+        """Whether these logits, or those they are a view of, exist (and may have been written in place since): they
+        are then what any further use reads, not the head's product."""
+        t = self
+        while t is not None:
+            if t._value is not None:
+                return True
+            t = t._parent if t._view is not None else None
+        return False
 
     def fused(self) -> tuple[Tensor, Tensor, Tensor | None, _Spec] | None:
         """``(h, weight, bias, spec)`` for the fused loss, or ``None`` once the logits exist (use them)."""
-        return None if self._value is not None else (*self._inputs, self._spec)
+        return None if self.computed() else (*self._inputs, self._spec)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -340,7 +359,7 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
             # Never called, as on any output outside the loss's graph: a handle to nothing.
             return RemovableHandle(collections.OrderedDict()), args, kwargs
         raise RuntimeError(_HOOKED_AFTER_LOSS.format(_NEVER_BUILT))
-    if isinstance(first, cls) and first._value is None and (func in _VIEWS or func in _ELEMENTWISE):
+    if isinstance(first, cls) and not first.computed() and (func in _VIEWS or func in _ELEMENTWISE):
         if func is Tensor.contiguous or (func in (Tensor.float, Tensor.to) and _same_dtype(func, first, args, kwargs)):
             return first, args, kwargs  # as PyTorch: the tensor itself
         spec = first._spec.derived(func, args[1:], kwargs)
@@ -348,6 +367,8 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
             h, weight, bias = first._inputs
             derived = LazyLogits.make(h, weight, bias, spec)
             derived._parent = first
+            if func in _VIEWS:
+                derived._view = functools.partial(_step, func, args[1:], kwargs)
             return derived, args, kwargs
     return NOT_LAZY, _materialised(args), _materialised(kwargs)
 
