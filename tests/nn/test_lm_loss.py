@@ -644,3 +644,13 @@ def test_a_view_of_the_lazy_logits_shares_their_elements(where):
     (loss0, g0), (loss1, g1) = out
     torch.testing.assert_close(loss1, loss0)
     assert_gradients_equal(g0, g1)
+
+
+def test_summary_of_a_loss_it_computes_as_written_says_so():
+    # The summary said no F.cross_entropy on the head's logits ran in the forward, where one did (on logits cast to
+    # float64, with class weights) and was computed as written.
+    model = _CastLM(torch.float64)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    slim = slimact.convert(model, "tempo")
+    why = slimact.summary(slim, (ids, ids), loss_fn=lambda out: out[0]).skipped["(loss)"]
+    assert "computes as written" in why and "class weights" in why
