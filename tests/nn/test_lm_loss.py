@@ -654,3 +654,33 @@ def test_summary_of_a_loss_it_computes_as_written_says_so():
     slim = slimact.convert(model, "tempo")
     why = slimact.summary(slim, (ids, ids), loss_fn=lambda out: out[0]).skipped["(loss)"]
     assert "computes as written" in why and "class weights" in why
+
+
+_CONSTANTS = {  # a target taken from the logits under no_grad (a distillation target, a reference)
+    "div": lambda lg: (lg / 2.0).view(-1, VOCAB),
+    "view": lambda lg: lg.view(-1, VOCAB),
+    "tanh": lambda lg: 10.0 * torch.tanh(lg.view(-1, VOCAB) / 10.0),
+}
+
+
+@pytest.mark.parametrize("op", list(_CONSTANTS))
+def test_lazy_logits_derived_under_no_grad_are_constants(op):
+    # Lazy logits derived under no_grad (lg / T for a target) were computed with their graph when first read, as the
+    # logits themselves are: the loss's gradient flowed through the target too (Llama's norm weight at cosine 0.98
+    # from plain's for a KL to lg / 2 taken under no_grad).
+    torch.manual_seed(0)
+    model = _TinyLM()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    slim = slimact.convert(copy.deepcopy(model), "tempo")
+    out = []
+    for m in (model, slim):
+        loss, logits = m(ids, ids)
+        with torch.no_grad():
+            target = _CONSTANTS[op](logits)
+        loss = loss + ((logits.view(-1, VOCAB) * 2.0 - target) ** 2).mean()
+        out.append((loss, dict(zip(("embed", "head"), torch.autograd.grad(loss, [m.embed.weight, m.head.weight]),
+                                   strict=True)), target.requires_grad))
+    (loss0, g0, wants0), (loss1, g1, wants1) = out
+    assert wants1 == wants0  # (a view taken under no_grad requires grad as its base does, in PyTorch)
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_equal(g0, g1)

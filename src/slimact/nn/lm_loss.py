@@ -220,6 +220,9 @@ class LazyLogits(Tensor):
         # parent's logits. As in PyTorch the two then share their elements: a write through either (``lg.div_(T)``
         # after ``flat = lg.view(-1, V)``) shows in the other, where each computed its own logits before.
         t._view = None
+        # Whether it was made in grad mode from logits that were (the head's in a training forward are): one made
+        # under no_grad (a distillation target ``lg / T``) is a constant, as in PyTorch, whenever it is computed.
+        t._made_in_grad = True
         return t
 
     @classmethod
@@ -227,16 +230,17 @@ class LazyLogits(Tensor):
         return _Lazy.apply(h, weight, bias, spec)
 
     def materialise(self) -> Tensor:
-        """The logits, computed on first use (cached), as the forward would have computed them: with their graph, in
-        grad mode, whatever the mode of the first read (a metric under ``no_grad`` read before a loss term: cached
-        without a graph, the later term had no gradient at all)."""
+        """The logits, computed on first use (cached), as the forward would have computed them: with their graph
+        where they were made in grad mode, whatever the mode of the first read (a metric under ``no_grad`` read before
+        a loss term: cached without a graph, the later term had no gradient at all), without one where they were made
+        under ``no_grad`` (a gradient flowed into a distillation target ``lg / T`` taken there)."""
         if self._value is None:
-            if self._view is not None:
-                value = self._parent.materialise()
-                with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), torch.enable_grad():
+            value = self._parent.materialise() if self._view is not None else None
+            with (torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False),
+                  torch.enable_grad() if self._made_in_grad else torch.no_grad()):
+                if self._view is not None:
                     self._value = self._view(value)
-            else:
-                with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), torch.enable_grad():
+                else:
                     self._value = self._spec.compute(*self._inputs, by_head=True)
         return self._value
 
@@ -251,8 +255,9 @@ class LazyLogits(Tensor):
         return False
 
     def fused(self) -> tuple[Tensor, Tensor, Tensor | None, _Spec] | None:
-        """``(h, weight, bias, spec)`` for the fused loss, or ``None`` once the logits exist (use them)."""
-        return None if self.computed() else (*self._inputs, self._spec)
+        """``(h, weight, bias, spec)`` for the fused loss, or ``None`` once the logits exist (use them) or where they
+        carry no gradient (made under ``no_grad``)."""
+        return None if self.computed() or not self._made_in_grad else (*self._inputs, self._spec)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -365,8 +370,14 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
         spec = first._spec.derived(func, args[1:], kwargs)
         if spec is not None:
             h, weight, bias = first._inputs
-            derived = LazyLogits.make(h, weight, bias, spec)
-            derived._parent = first
+            grad = first._made_in_grad and torch.is_grad_enabled()
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                derived = LazyLogits.make(h, weight, bias, spec)
+            derived._parent, derived._made_in_grad = first, grad
+            if not grad and func in _VIEWS and first.requires_grad:
+                # As in PyTorch, a view made under no_grad of logits that require grad does too (a leaf: a constant)
+                with torch._C.DisableTorchFunction():
+                    derived.requires_grad_(True)
             if func in _VIEWS:
                 derived._view = functools.partial(_step, func, args[1:], kwargs)
             return derived, args, kwargs
