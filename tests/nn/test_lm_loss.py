@@ -684,3 +684,33 @@ def test_lazy_logits_derived_under_no_grad_are_constants(op):
     assert wants1 == wants0  # (a view taken under no_grad requires grad as its base does, in PyTorch)
     torch.testing.assert_close(loss1, loss0)
     assert_gradients_equal(g0, g1)
+
+
+class _MetricHeadLM(_TinyLM):
+    """The head and its LM loss under no_grad (a metric), and a loss of its own on the hidden states."""
+
+    def forward(self, ids, labels=None):
+        h = self.embed(ids)
+        with torch.no_grad():
+            logits = self.head(h)
+        lm = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+        return lm + (h**2).mean(), logits
+
+
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["lazy", "computed"])
+def test_a_head_called_under_no_grad_gives_its_loss_no_gradient(keep_logits):
+    # A head called under no_grad in a training forward gave lazy logits (or computed ones the loss was fused from)
+    # and the fused loss its gradients through the head's input and weight, which the plain loss on logits without
+    # a graph does not have: the embedding's gradient was 1.64 (relative) off plain's here.
+    torch.manual_seed(0)
+    model = _MetricHeadLM()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    slim = slimact.convert(copy.deepcopy(model), slimact.Policy(name="t", quantize=False, keep_logits=keep_logits))
+    out = []
+    for m in (model, slim):
+        loss, logits = m(ids, ids)
+        assert not logits.requires_grad
+        out.append((loss, {"embed": torch.autograd.grad(loss, m.embed.weight)[0]}))
+    (loss0, g0), (loss1, g1) = out
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_equal(g0, g1)

@@ -470,7 +470,10 @@ class LossTracker:
 
     def lazy_head(self, x, weight, bias=None):
         """The head's ``F.linear`` in a forward called with labels: a :class:`LazyLogits` (``None``: computed)."""
-        if (not self._in_head or weight is not self.head.weight or not isinstance(x, Tensor) or x.dim() < 1
+        # (Under no_grad, as a head called in a `with torch.no_grad()` block of the forward is, its logits carry no
+        # gradient: computed, so that no loss on them is fused with gradients the plain loss does not have.)
+        if (not self._in_head or not torch.is_grad_enabled() or weight is not self.head.weight
+                or not isinstance(x, Tensor) or x.dim() < 1
                 or x.dtype not in COMPRESSIBLE_DTYPES or (weight.dtype != x.dtype and not _autocasting(x))):
             return None
         device = x.device.type
@@ -555,8 +558,10 @@ class LossTracker:
             return None
         if h.numel() // h.shape[-1] != logits.shape[0]:
             return None
-        if lazy is None and (not (h.requires_grad or head.weight.requires_grad) or h.dtype not in COMPRESSIBLE_DTYPES):
-            return None  # nothing will be kept (or float64, kept exact): the loss as written
+        if lazy is None and (not logits.requires_grad or h.dtype not in COMPRESSIBLE_DTYPES):
+            # Nothing will be kept (or float64, kept exact), or the logits carry no gradient (the head ran under
+            # no_grad, its weight and input frozen): the loss as written, with none of the gradients a fused one has.
+            return None
         kwargs = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction}
         if lazy is None:
             loss = linear_cross_entropy(h, head.weight, head.bias, target, logits=logits, **kwargs)
