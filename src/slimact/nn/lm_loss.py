@@ -223,6 +223,9 @@ class LazyLogits(Tensor):
         # Whether it was made in grad mode from logits that were (the head's in a training forward are): one made
         # under no_grad (a distillation target ``lg / T``) is a constant, as in PyTorch, whenever it is computed.
         t._made_in_grad = True
+        # The innermost saved-tensors hooks in place at the head's call (:func:`_hooks_of`), which the logits are
+        # computed under, as the head would have computed them there.
+        t._hooks = None
         return t
 
     @classmethod
@@ -236,7 +239,7 @@ class LazyLogits(Tensor):
         under ``no_grad`` (a gradient flowed into a distillation target ``lg / T`` taken there)."""
         if self._value is None:
             value = self._parent.materialise() if self._view is not None else None
-            with (torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False),
+            with (torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), _hooks_of(self._hooks),
                   torch.enable_grad() if self._made_in_grad else torch.no_grad()):
                 if self._view is not None:
                     self._value = self._view(value)
@@ -373,7 +376,7 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
             grad = first._made_in_grad and torch.is_grad_enabled()
             with contextlib.nullcontext() if grad else torch.no_grad():
                 derived = LazyLogits.make(h, weight, bias, spec)
-            derived._parent, derived._made_in_grad = first, grad
+            derived._parent, derived._made_in_grad, derived._hooks = first, grad, first._hooks
             if not grad and func in _VIEWS and first.requires_grad:
                 # As in PyTorch, a view made under no_grad of logits that require grad does too (a leaf: a constant)
                 with torch._C.DisableTorchFunction():
@@ -483,7 +486,9 @@ class LossTracker:
         spec = _Spec((*x.shape[:-1], weight.shape[0]), dtype, (), autocast, versions, self._head_call,
                      (_fingerprint(weight), _fingerprint(bias)))
         self.lazy_made = True
-        return LazyLogits.make(x, weight, bias, spec)
+        lazy = LazyLogits.make(x, weight, bias, spec)
+        lazy._hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        return lazy
 
     def _head_call(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
         """The head module's own call on ``h``, or ``None`` where the head no longer holds the ``weight`` and
@@ -605,6 +610,26 @@ def _fingerprint(t: Tensor | None) -> Tensor | None:
             except RuntimeError:  # (strides or offset not aligned to 4 bytes: its own width)
                 pass
         return t.view(ints[t.element_size()]).sum(dtype=ints[t.element_size()])
+
+
+@contextlib.contextmanager
+def _hooks_of(top: tuple | None):
+    """Run with the saved-tensors hooks whose innermost was ``top`` (the pair in place at the head's call): those
+    pushed since are popped for the while and pushed back after. Lazy logits first read inside a non-reentrant
+    checkpoint (a loss checkpointed apart from the model) had the head's saved tensors packed by it in its forward and
+    not in its recomputation, which reads the logits computed then: it raised that the two saved different numbers of
+    tensors. The plain head saved its tensors in the forward, outside the checkpoint."""
+    popped = []
+    if torch._C._autograd._saved_tensors_hooks_is_enabled():
+        while (now := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None and (
+                top is None or now[0] is not top[0]):
+            popped.append(now)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _autocasting(x: Tensor) -> bool:
