@@ -532,8 +532,10 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         for name in idle:
             del modules[name]
             skipped[name] = ("the LM loss would be fused with the head, but no F.cross_entropy on the head's logits "
-                             "ran in the model's forward on these inputs (a loss computed outside the model, or no "
-                             "labels): left as written" if name == "(loss)" else
+                             "that it takes ran in the model's forward on these inputs (a loss computed outside the "
+                             "model, no labels, or a loss it computes as written: class weights, reduction='none', "
+                             "logits sliced, cast to float64 or changed in place): left as written"
+                             if name == "(loss)" else
                              "its attention calls (products and softmaxes, or F.scaled_dot_product_attention) would be "
                              "routed, but none reached slimact in the forward on these inputs (its attention ran "
                              "otherwise, e.g. F.scaled_dot_product_attention with the policy's attention kind off, or "

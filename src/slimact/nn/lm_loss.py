@@ -25,15 +25,15 @@ gets them, or an alias of them in the same token order (``float``, ``view``/``re
 ``contiguous``), the loss and its gradients are computed from those logits, the head's input and weight,
 keeping the gradients instead of the logits.
 
-Anything else (class weights, ``reduction="none"``, a logits tensor the head did not produce, ops that
-reorder tokens, logits or the head's input changed in place since the head's call, logits whose own gradient is
-asked for with ``retain_grad`` or a hook) runs exactly as written; a lazy head's input changed in place before
-the loss raises (the logits it stood for are gone). So does a hook or ``retain_grad`` on the logits a loss was fused
-from, asked for after that loss (``output.logits.register_hook(...)`` once a model called with labels returns): no
-gradient of the loss ever passes through them, and plain PyTorch would apply the hook (lazy logits refuse it at
-once, computed ones when the loss's backward starts). Exclude ``"(loss)"`` in the policy to compute the loss as
-written. The hooks PyTorch's own wrappers put on every output of a forward (FSDP2's pre-backward unshard) are let
-through: they change no gradient and expect none from an output outside the loss's graph.
+Anything else (class weights, ``reduction="none"``, logits cast to float64, a logits tensor the head did not
+produce, ops that reorder tokens, logits or the head's input changed in place since the head's call, logits whose
+own gradient is asked for with ``retain_grad`` or a hook) runs exactly as written; a lazy head's input changed in
+place before the loss raises (the logits it stood for are gone). So does a hook or ``retain_grad`` on the logits a
+loss was fused from, asked for after that loss (``output.logits.register_hook(...)`` once a model called with labels
+returns): no gradient of the loss ever passes through them, and plain PyTorch would apply the hook (lazy logits
+refuse it at once, computed ones when the loss's backward starts). Exclude ``"(loss)"`` in the policy to compute the
+loss as written. The hooks PyTorch's own wrappers put on every output of a forward (FSDP2's pre-backward unshard)
+are let through: they change no gradient and expect none from an output outside the loss's graph.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class _Spec:
         if not isinstance(out, Tensor) or out.dim() < 1 or out.shape[-1] != self.shape[-1]:
             return None
         if func in _VIEWS:
-            return self._with(out.shape, self.dtype, self.steps)
+            # (``view(torch.int32)`` reinterprets the logits' bits: computed, as a view in another dtype)
+            return self._with(out.shape, self.dtype, self.steps) if out.dtype == self.dtype else None
         if not out.dtype.is_floating_point or out.shape != self.shape:
             return None
         step = functools.partial(_step, func, rest, kwargs)
@@ -215,6 +216,16 @@ class LazyLogits(Tensor):
         # one derived from it (weak references to their graph nodes): no gradient of those losses passes through it
         # (lazy_call refuses its hooks, and autograd.grad of them with respect to it).
         t._parent, t._taken = None, []
+        # Where this one is a view of its parent (``view``, ``reshape``, ``flatten``): that view, applied to the
+        # parent's logits. As in PyTorch the two then share their elements: a write through either (``lg.div_(T)``
+        # after ``flat = lg.view(-1, V)``) shows in the other, where each computed its own logits before.
+        t._view = None
+        # Whether it was made in grad mode from logits that were (the head's in a training forward are): one made
+        # under no_grad (a distillation target ``lg / T``) is a constant, as in PyTorch, whenever it is computed.
+        t._made_in_grad = True
+        # The innermost saved-tensors hooks in place at the head's call (:func:`_hooks_of`), which the logits are
+        # computed under, as the head would have computed them there.
+        t._hooks = None
         return t
 
     @classmethod
@@ -222,17 +233,34 @@ class LazyLogits(Tensor):
         return _Lazy.apply(h, weight, bias, spec)
 
     def materialise(self) -> Tensor:
-        """The logits, computed on first use (cached), as the forward would have computed them: with their graph, in
-        grad mode, whatever the mode of the first read (a metric under ``no_grad`` read before a loss term: cached
-        without a graph, the later term had no gradient at all)."""
+        """The logits, computed on first use (cached), as the forward would have computed them: with their graph
+        where they were made in grad mode, whatever the mode of the first read (a metric under ``no_grad`` read before
+        a loss term: cached without a graph, the later term had no gradient at all), without one where they were made
+        under ``no_grad`` (a gradient flowed into a distillation target ``lg / T`` taken there)."""
         if self._value is None:
-            with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), torch.enable_grad():
-                self._value = self._spec.compute(*self._inputs, by_head=True)
+            value = self._parent.materialise() if self._view is not None else None
+            with (torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False), _hooks_of(self._hooks),
+                  torch.enable_grad() if self._made_in_grad else torch.no_grad()):
+                if self._view is not None:
+                    self._value = self._view(value)
+                else:
+                    self._value = self._spec.compute(*self._inputs, by_head=True)
         return self._value
 
+    def computed(self) -> bool:
+        """Whether these logits, or those they are a view of, exist (and may have been written in place since): they
+        are then what any further use reads, not the head's product."""
+        t = self
+        while t is not None:
+            if t._value is not None:
+                return True
+            t = t._parent if t._view is not None else None
+        return False
+
     def fused(self) -> tuple[Tensor, Tensor, Tensor | None, _Spec] | None:
-        """``(h, weight, bias, spec)`` for the fused loss, or ``None`` once the logits exist (use them)."""
-        return None if self._value is not None else (*self._inputs, self._spec)
+        """``(h, weight, bias, spec)`` for the fused loss, or ``None`` once the logits exist (use them) or where they
+        carry no gradient (made under ``no_grad``)."""
+        return None if self.computed() or not self._made_in_grad else (*self._inputs, self._spec)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -339,14 +367,22 @@ def lazy_call(func: Callable, args: tuple, kwargs: dict) -> tuple[object, tuple,
             # Never called, as on any output outside the loss's graph: a handle to nothing.
             return RemovableHandle(collections.OrderedDict()), args, kwargs
         raise RuntimeError(_HOOKED_AFTER_LOSS.format(_NEVER_BUILT))
-    if isinstance(first, cls) and first._value is None and (func in _VIEWS or func in _ELEMENTWISE):
+    if isinstance(first, cls) and not first.computed() and (func in _VIEWS or func in _ELEMENTWISE):
         if func is Tensor.contiguous or (func in (Tensor.float, Tensor.to) and _same_dtype(func, first, args, kwargs)):
             return first, args, kwargs  # as PyTorch: the tensor itself
         spec = first._spec.derived(func, args[1:], kwargs)
         if spec is not None:
             h, weight, bias = first._inputs
-            derived = LazyLogits.make(h, weight, bias, spec)
-            derived._parent = first
+            grad = first._made_in_grad and torch.is_grad_enabled()
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                derived = LazyLogits.make(h, weight, bias, spec)
+            derived._parent, derived._made_in_grad, derived._hooks = first, grad, first._hooks
+            if not grad and func in _VIEWS and first.requires_grad:
+                # As in PyTorch, a view made under no_grad of logits that require grad does too (a leaf: a constant)
+                with torch._C.DisableTorchFunction():
+                    derived.requires_grad_(True)
+            if func in _VIEWS:
+                derived._view = functools.partial(_step, func, args[1:], kwargs)
             return derived, args, kwargs
     return NOT_LAZY, _materialised(args), _materialised(kwargs)
 
@@ -437,7 +473,10 @@ class LossTracker:
 
     def lazy_head(self, x, weight, bias=None):
         """The head's ``F.linear`` in a forward called with labels: a :class:`LazyLogits` (``None``: computed)."""
-        if (not self._in_head or weight is not self.head.weight or not isinstance(x, Tensor) or x.dim() < 1
+        # (Under no_grad, as a head called in a `with torch.no_grad()` block of the forward is, its logits carry no
+        # gradient: computed, so that no loss on them is fused with gradients the plain loss does not have.)
+        if (not self._in_head or not torch.is_grad_enabled() or weight is not self.head.weight
+                or not isinstance(x, Tensor) or x.dim() < 1
                 or x.dtype not in COMPRESSIBLE_DTYPES or (weight.dtype != x.dtype and not _autocasting(x))):
             return None
         device = x.device.type
@@ -447,7 +486,9 @@ class LossTracker:
         spec = _Spec((*x.shape[:-1], weight.shape[0]), dtype, (), autocast, versions, self._head_call,
                      (_fingerprint(weight), _fingerprint(bias)))
         self.lazy_made = True
-        return LazyLogits.make(x, weight, bias, spec)
+        lazy = LazyLogits.make(x, weight, bias, spec)
+        lazy._hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        return lazy
 
     def _head_call(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
         """The head module's own call on ``h``, or ``None`` where the head no longer holds the ``weight`` and
@@ -517,12 +558,15 @@ class LossTracker:
             h is None or weight is not None or size_average is not None or reduce is not None
             or reduction not in ("mean", "sum") or logits.dim() != 2 or target.dim() != 1
             or target.dtype != torch.int64 or logits.shape[-1] != head.weight.shape[0]
+            or logits.dtype not in COMPRESSIBLE_DTYPES  # (float64 logits: the chunks would compute in fp32)
         ):
             return None
         if h.numel() // h.shape[-1] != logits.shape[0]:
             return None
-        if lazy is None and (not (h.requires_grad or head.weight.requires_grad) or h.dtype not in COMPRESSIBLE_DTYPES):
-            return None  # nothing will be kept (or float64, kept exact): the loss as written
+        if lazy is None and (not logits.requires_grad or h.dtype not in COMPRESSIBLE_DTYPES):
+            # Nothing will be kept (or float64, kept exact), or the logits carry no gradient (the head ran under
+            # no_grad, its weight and input frozen): the loss as written, with none of the gradients a fused one has.
+            return None
         kwargs = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction}
         if lazy is None:
             loss = linear_cross_entropy(h, head.weight, head.bias, target, logits=logits, **kwargs)
@@ -566,6 +610,26 @@ def _fingerprint(t: Tensor | None) -> Tensor | None:
             except RuntimeError:  # (strides or offset not aligned to 4 bytes: its own width)
                 pass
         return t.view(ints[t.element_size()]).sum(dtype=ints[t.element_size()])
+
+
+@contextlib.contextmanager
+def _hooks_of(top: tuple | None):
+    """Run with the saved-tensors hooks whose innermost was ``top`` (the pair in place at the head's call): those
+    pushed since are popped for the while and pushed back after. Lazy logits first read inside a non-reentrant
+    checkpoint (a loss checkpointed apart from the model) had the head's saved tensors packed by it in its forward and
+    not in its recomputation, which reads the logits computed then: it raised that the two saved different numbers of
+    tensors. The plain head saved its tensors in the forward, outside the checkpoint."""
+    popped = []
+    if torch._C._autograd._saved_tensors_hooks_is_enabled():
+        while (now := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None and (
+                top is None or now[0] is not top[0]):
+            popped.append(now)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _autocasting(x: Tensor) -> bool:
