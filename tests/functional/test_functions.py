@@ -237,9 +237,13 @@ def test_a_zero_element_input_runs_as_in_pytorch(case):
     assert y1.shape == y0.shape and y1.dtype == y0.dtype
     torch.testing.assert_close(y1, y0, equal_nan=True)
     for x, a, b in zip(inputs, g0, g1, strict=True):
+        # PyTorch leaves a mask broadcast over an empty batch without a gradient: slimact's attention over an empty
+        # batch is PyTorch's own call (its CPU flash kernel dies of SIGFPE there), which does the same
+        if a is None:
+            assert b is None or not b.any()
+            continue
         assert b is not None and b.shape == x.shape
-        # PyTorch leaves a mask broadcast over an empty batch without a gradient; its gradient is zero
-        torch.testing.assert_close(b, torch.zeros_like(x) if a is None else a)
+        torch.testing.assert_close(b, a)
 
 
 # (case, whether its first input needs a gradient): a one-input Function only with it
