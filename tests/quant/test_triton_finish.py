@@ -269,9 +269,14 @@ def test_degenerate_groups_give_the_references_pack(values, dtype):
         assert not tri.raw
 
 
-@pytest.mark.parametrize("qmax", [255, 15, 3])
-@pytest.mark.parametrize("clip", [None, 0.1, 7.0], ids=["no-clip", "clip0.1", "clip7"])
-@pytest.mark.parametrize("whole", [False, True], ids=["groups", "whole"])
+# Every (levels, clip) pair on one whole-tensor group; on 512 groups (an interpreted program each, 4 s a case on the
+# CPU) each level and each clip once.
+_FINISH_CASES = [pytest.param(qmax, clip, True, id=f"whole-{qmax}-{clip}") for qmax in (255, 15, 3)
+                 for clip in (None, 0.1, 7.0)] + [
+    pytest.param(qmax, clip, False, id=f"groups-{qmax}-{clip}") for qmax, clip in ((255, None), (15, 0.1), (3, 7.0))]
+
+
+@pytest.mark.parametrize("qmax,clip,whole", _FINISH_CASES)
 def test_the_finishing_kernel_reproduces_scale_params_and_outlier_threshold_bit_for_bit(qmax, clip, whole):
     # Partials made up to reach every corner of the two formulas: ranges from denormal to fp32's largest,
     # straddling zero or not, zero and one-sided; group sizes past 2**24 elements (fp32 counts round).
@@ -429,10 +434,14 @@ def _running_packs_agree(x, cfg, state, training):
 
 # (A one-element group whose element is its own outlier gets lo = inf, range = -inf from the first pack's host
 # path, as before; its estimate's hi, inf + -inf, is NaN, which the interpreter's numpy warns about.)
+# fp32 with and without a clip and outliers (at 8, 4 and 2 bits); bf16, which only changes the dtype read, with both.
+_RUNNING_CASES = [pytest.param(clip, outliers, torch.float32, id=f"{clip}-{outliers}-fp32")
+                  for clip in (None, 1.5) for outliers in (True, False)] + [
+    pytest.param(1.5, True, torch.bfloat16, id="1.5-True-bf16")]
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("outliers", [True, False], ids=["outliers", "no-outliers"])
-@pytest.mark.parametrize("clip", [None, 1.5], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("clip,outliers,dtype", _RUNNING_CASES)
 @pytest.mark.parametrize("shape,cfg", LAYOUTS)
 def test_the_device_running_pack_equals_the_replaced_paths(shape, cfg, clip, outliers, dtype):
     gen = torch.Generator().manual_seed(8)
