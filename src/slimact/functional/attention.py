@@ -81,7 +81,7 @@ from torch import Tensor
 from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
-from slimact.functional.dropout import cpu_scale
+from slimact.functional.dropout import cpu_scale, scale_of
 from slimact.functional.softmax import normalized, pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
 
@@ -464,8 +464,7 @@ class _ChunkedAttention(SlimFunction):
         # [B, H, T, S] 0/1 uint8, drawn as the forward drew it (in p_dtype), and the dropout's factor
         keep_all = _replayed_mask(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
         # (on the CPU the factor F.dropout's fp32 noise has, as the forward applied it)
-        factor = cpu_scale(dropout_p, torch.float32) if _bool_draw(q.device, dropout_p) else (
-            1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+        factor = scale_of(q.device, dropout_p, torch.float32)
         # A learned additive mask (Swin's and T5's position biases): its gradient is the scores' gradient,
         # summed over the dims it broadcasts along. [B|1, H|1, T|1, S]
         need_mask_grad = ctx.needs_input_grad[3]

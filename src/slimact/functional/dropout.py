@@ -28,7 +28,7 @@ from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.quant import inductor
 
-__all__ = ["dropout", "native_dropout"]
+__all__ = ["cpu_scale", "dropout", "native_dropout", "scale_of"]
 
 
 def _masked(x: Tensor, keep: Tensor, scale: float) -> Tensor:
@@ -49,6 +49,21 @@ def cpu_scale(p: float, dtype: torch.dtype) -> float:
     p)``, not ``float32(1 / (1 - p))`` (1 ulp apart for p = 0.04, 0.15, 0.42, ...: 15 of p = 0.01, ..., 0.99), in
     fp16/bf16 the dtype's value (native_dropout's backward scales in fp32: 1 ulp off F.dropout's gradient)."""
     return torch.ones(1, dtype=dtype).div_(1.0 - p).item()
+
+
+def _cpu_factor(device: torch.device, p: float) -> bool:
+    """Whether slimact's dropout scales by :func:`cpu_scale` (F.dropout's factor): on the CPU, ``0 < p < 1``, eagerly
+    (under torch.compile ``cpu_scale`` would read a tensor, a graph break, and inductor draws its own dropout)."""
+    return device.type == "cpu" and 0.0 < p < 1.0 and not torch.compiler.is_compiling()
+
+
+def scale_of(device: torch.device, p: float, dtype: torch.dtype) -> float:
+    """The factor slimact's dropout (:func:`native_dropout`, :func:`dropout`, attention's replayed dropout) scales
+    kept elements of ``dtype`` by, forward and backward: F.dropout's own on the CPU (:func:`cpu_scale`), else
+    ``1 / (1 - p)`` (0 for ``p = 1``)."""
+    if _cpu_factor(device, p):
+        return cpu_scale(p, dtype)
+    return 1.0 / (1.0 - p) if p < 1 else 0.0
 
 
 def _fast(x: Tensor, p: float) -> bool:
@@ -81,10 +96,9 @@ class _DropoutFunction(SlimFunction):
     def forward(ctx, x, p):
         y, mask = native_dropout(x, p, True)
         # On the CPU, F.dropout's backward multiplies by its noise (cpu_scale), which native_dropout_backward's fp32
-        # scale is not (fp16/bf16 gradients 1 ulp off plain's). Not under torch.compile: cpu_scale reads a tensor
-        # (a graph break), and inductor draws its own dropout there anyway.
-        ctx.cpu = x.device.type == "cpu" and 0.0 < p < 1.0 and not torch.compiler.is_compiling()
-        ctx.scale = cpu_scale(p, x.dtype) if ctx.cpu else 1.0 / (1.0 - p) if p < 1 else 0.0
+        # scale is not (fp16/bf16 gradients 1 ulp off plain's).
+        ctx.cpu = _cpu_factor(x.device, p)
+        ctx.scale = scale_of(x.device, p, x.dtype)
         ctx.fast = _fast(x, p)
         save(ctx, Mask.of(mask))
         return y

@@ -82,7 +82,7 @@ from slimact._kinds import _FORM_KIND, kind_of
 from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
-from slimact.functional.dropout import cpu_scale, dropout
+from slimact.functional.dropout import dropout, scale_of
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
@@ -253,10 +253,11 @@ class _NoteDropout(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = None
-        if not torch.compiler.is_compiling() and func is torch.native_dropout:
-            out = self.routing._native_dropout(*args, **kwargs)
-        elif not torch.compiler.is_compiling() and func is slim_native_dropout:
-            out = self.routing._slim_native_dropout(*args, **kwargs)
+        if not torch.compiler.is_compiling():
+            if func is torch.native_dropout:
+                out = self.routing._native_dropout(*args, **kwargs)
+            elif func is slim_native_dropout:
+                out = self.routing._slim_native_dropout(*args, **kwargs)
         return func(*args, **kwargs) if out is None else out
 
 
@@ -450,9 +451,7 @@ class Routing:
         if not train or not self._inside or "matmul" not in self._inside[-1][1] or self._probs.get(x) is None:
             return None
         y, mask = fn(x, p, train)
-        # (slimact's dropout on the CPU scales by F.dropout's factor, cpu_scale)
-        scale = cpu_scale(p, x.dtype) if fn is slim_native_dropout and x.device.type == "cpu" and 0 < p < 1 else (
-            1.0 / (1.0 - p) if p < 1 else 0.0)
+        scale = scale_of(x.device, p, x.dtype) if fn is slim_native_dropout else 1.0 / (1.0 - p) if p < 1 else 0.0
         self._dropped.put(y, Dropped(x, Mask.of(mask), scale))
         return y, mask
 
