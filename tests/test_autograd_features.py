@@ -119,6 +119,13 @@ _SAC = {
 }
 
 
+def _stacks(policy: str) -> tuple[nn.Module, nn.Module]:
+    """A seeded :class:`_Stack` and a copy of it converted with ``policy``."""
+    torch.manual_seed(0)
+    plain = _Stack()
+    return plain, slimact.convert(copy.deepcopy(plain), policy)
+
+
 def _step(model: nn.Module, x: torch.Tensor = _X, whole: bool = False, ctx=contextlib.nullcontext) -> dict:
     model.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
@@ -145,9 +152,7 @@ def test_a_checkpointed_recompute_packs_what_the_forward_packed(how, policy):
     # temporary the recompute's codes were truncated with no noise (a Linear's dW biased by -4% of |dW| on average),
     # a kept arange gave other hash bits. Now the recompute's packs are the forward's, bit for bit, and the estimate
     # moves once per step.
-    torch.manual_seed(0)
-    plain = _Stack()
-    slim = slimact.convert(copy.deepcopy(plain), policy)
+    plain, slim = _stacks(policy)
     checkpointed = copy.deepcopy(slim)
     checkpointed.checkpointing = None if how == "whole model" else how
     for _ in range(2):  # (the second step packs with the estimate the first one left)
@@ -286,9 +291,7 @@ _HOOKS = {
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("hooks", list(_HOOKS))
 def test_module_hooks_see_and_change_what_they_do_on_plain(hooks, policy):
-    torch.manual_seed(0)
-    plain = _Stack()
-    slim = slimact.convert(copy.deepcopy(plain), policy)
+    plain, slim = _stacks(policy)
     seen_plain, seen_slim = [], []
     _HOOKS[hooks](plain, seen_plain)
     _HOOKS[hooks](slim, seen_slim)
@@ -331,9 +334,7 @@ def test_a_forward_hook_modifying_the_output_in_place(policy):
     # Plain PyTorch keeps the norm's input, so `out.mul_(2)` in a hook is fine there; "tempo" keeps the norm's output
     # (rebuilding the gradient from it), and the hook, run in the converted model's forward, moves the output to a copy
     # first (functional._saving.copy_on_write). 8-bit policies keep inputs. As plain under each.
-    torch.manual_seed(0)
-    plain = _Stack()
-    slim = slimact.convert(copy.deepcopy(plain), policy)
+    plain, slim = _stacks(policy)
     for model in (plain, slim):
         model.blocks[1].norm.register_forward_hook(lambda mod, args, out: out.mul_(2))
     _assert_like_plain(policy, _step(plain), _step(slim))
@@ -357,9 +358,7 @@ class _Counting:
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("hooks", ["counting", "counting inside save_on_cpu", "disable_saved_tensors_hooks"])
 def test_saved_tensor_hooks_see_the_compressed_tensors(hooks, policy):
-    torch.manual_seed(0)
-    plain = _Stack()
-    slim = slimact.convert(copy.deepcopy(plain), policy)
+    plain, slim = _stacks(policy)
     counts = [_Counting(), _Counting()]
 
     def context(counting):
@@ -419,9 +418,7 @@ def test_func_grad_vjp_and_forward_ad_with_a_backward(policy):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("what", ["gradient penalty on the input", "Hessian-vector product"])
 def test_second_order_through_slimact_is_a_clear_error(what, policy):
-    torch.manual_seed(0)
-    plain = _Stack()
-    slim = slimact.convert(copy.deepcopy(plain), policy)
+    plain, slim = _stacks(policy)
 
     def second_order(model):
         x = _X.clone().requires_grad_(True)
@@ -551,9 +548,7 @@ def _run_in(how: str, model: nn.Module) -> dict:
 @pytest.mark.parametrize("how", ["global module hooks", "detect_anomaly", "backward(inputs=...)",
                                  "allow_mutation_on_saved_tensors, a hook changing a norm's output in place"])
 def test_other_autograd_contexts(how, policy):
-    torch.manual_seed(0)
-    plain = _Stack()
-    slim = slimact.convert(copy.deepcopy(plain), policy)
+    plain, slim = _stacks(policy)
     want, got = _run_in(how, plain), _run_in(how, slim)
     assert want.keys() == got.keys()
     _assert_like_plain(policy, want, got)
@@ -653,9 +648,7 @@ def test_tensors_captured_by_forward_hooks_are_the_plain_ones_after_the_backward
     # Opacus/captum keep each layer's input and output from a forward hook (no copy) and read them in the backward:
     # no slimact layer writes into a tensor the plain layer leaves alone (a lossless layer keeps its output, it does
     # not overwrite its input).
-    torch.manual_seed(0)
-    plain = _Stack()
-    slim = slimact.convert(copy.deepcopy(plain), policy)
+    plain, slim = _stacks(policy)
     captured = []
     for model in (plain, slim):
         kept = {}
@@ -759,9 +752,7 @@ _LOOPS = {
 def test_training_loop_patterns_compute_what_plain_does(loop, policy):
     # Probed against plain (dropout drawn alike: the same seed before each loop): the gradients, or after the SGD steps
     # the parameters' moves, as plain's under each policy.
-    torch.manual_seed(0)
-    plain = _Stack()
-    slim = slimact.convert(copy.deepcopy(plain), policy)
+    plain, slim = _stacks(policy)
     results = []
     for model in (plain, slim):
         torch.manual_seed(1)

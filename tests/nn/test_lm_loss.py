@@ -624,26 +624,33 @@ _WRITES = {  # a write in place through the logits or a view of them, then a rea
 }
 
 
+def _tempo_as_plain(model, loss_of) -> None:
+    """``loss_of(m, ids)`` for ``model`` and a ``"tempo"`` copy of it: the same loss, and the embedding's and the
+    head's gradients equal to float rounding."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    slim = slimact.convert(copy.deepcopy(model), "tempo")
+    out = []
+    for m in (model, slim):
+        loss = loss_of(m, ids)
+        grads = torch.autograd.grad(loss, [m.embed.weight, m.head.weight])
+        out.append((loss, dict(zip(("embed", "head"), grads, strict=True))))
+    (loss0, g0), (loss1, g1) = out
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_equal(g0, g1)
+
+
 @pytest.mark.parametrize("where", ["model", *_WRITES])
 def test_a_view_of_the_lazy_logits_shares_their_elements(where):
     # A view of lazy logits computed its own logits: a write through the logits (a mask, a temperature in place)
     # after the view was taken did not show in it, nor a write through the view in the logits, as they do in
     # PyTorch. A loss on the view taken before the mask was fused from the unmasked product (loss 1.9e-2 off
     # plain's for lg.div_(2) on a nanoGPT-style model, gradient cosine 0.98); KL terms read unscaled logits.
-    torch.manual_seed(0)
-    model = _MaskedViewLM() if where == "model" else _TinyLM()
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    slim = slimact.convert(copy.deepcopy(model), "tempo")
-    out = []
-    for m in (model, slim):
+    def loss_of(m, ids):
         loss, logits = m(ids, ids)
-        if where != "model":
-            loss = loss + F.log_softmax(_WRITES[where](logits), -1)[..., 0].mean()
-        out.append((loss, {n: g for n, g in zip(("embed", "head"), torch.autograd.grad(
-            loss, [m.embed.weight, m.head.weight]), strict=True)}))
-    (loss0, g0), (loss1, g1) = out
-    torch.testing.assert_close(loss1, loss0)
-    assert_gradients_equal(g0, g1)
+        return loss if where == "model" else loss + F.log_softmax(_WRITES[where](logits), -1)[..., 0].mean()
+
+    torch.manual_seed(0)
+    _tempo_as_plain(_MaskedViewLM() if where == "model" else _TinyLM(), loss_of)
 
 
 def test_summary_of_a_loss_it_computes_as_written_says_so():
@@ -668,22 +675,18 @@ def test_lazy_logits_derived_under_no_grad_are_constants(op):
     # Lazy logits derived under no_grad (lg / T for a target) were computed with their graph when first read, as the
     # logits themselves are: the loss's gradient flowed through the target too (Llama's norm weight at cosine 0.98
     # from plain's for a KL to lg / 2 taken under no_grad).
-    torch.manual_seed(0)
-    model = _TinyLM()
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    slim = slimact.convert(copy.deepcopy(model), "tempo")
-    out = []
-    for m in (model, slim):
+    wants = []  # (a view taken under no_grad requires grad as its base does, in PyTorch)
+
+    def loss_of(m, ids):
         loss, logits = m(ids, ids)
         with torch.no_grad():
             target = _CONSTANTS[op](logits)
-        loss = loss + ((logits.view(-1, VOCAB) * 2.0 - target) ** 2).mean()
-        out.append((loss, dict(zip(("embed", "head"), torch.autograd.grad(loss, [m.embed.weight, m.head.weight]),
-                                   strict=True)), target.requires_grad))
-    (loss0, g0, wants0), (loss1, g1, wants1) = out
-    assert wants1 == wants0  # (a view taken under no_grad requires grad as its base does, in PyTorch)
-    torch.testing.assert_close(loss1, loss0)
-    assert_gradients_equal(g0, g1)
+        wants.append(target.requires_grad)
+        return loss + ((logits.view(-1, VOCAB) * 2.0 - target) ** 2).mean()
+
+    torch.manual_seed(0)
+    _tempo_as_plain(_TinyLM(), loss_of)
+    assert wants[1] == wants[0]
 
 
 class _MetricHeadLM(_TinyLM):
@@ -729,16 +732,9 @@ def test_a_loss_on_lazy_logits_in_a_checkpoint_of_its_own_is_plains(loss):
     # by the checkpoint in its forward, but not in its recomputation, which read the logits computed then, so the
     # backward raised CheckpointError (a different number of tensors saved). They are computed under the hooks in
     # place at the head's call now, as the plain head's were.
-    torch.manual_seed(0)
-    model = _TinyLM()
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    slim = slimact.convert(copy.deepcopy(model), "tempo")
-    out = []
-    for m in (model, slim):
+    def loss_of(m, ids):
         _, logits = m(ids, ids)
-        mine = torch.utils.checkpoint.checkpoint(_CHECKPOINTED[loss], logits, ids, use_reentrant=False)
-        out.append((mine, dict(zip(("embed", "head"), torch.autograd.grad(mine, [m.embed.weight, m.head.weight]),
-                                   strict=True))))
-    (loss0, g0), (loss1, g1) = out
-    torch.testing.assert_close(loss1, loss0)
-    assert_gradients_equal(g0, g1)
+        return torch.utils.checkpoint.checkpoint(_CHECKPOINTED[loss], logits, ids, use_reentrant=False)
+
+    torch.manual_seed(0)
+    _tempo_as_plain(_TinyLM(), loss_of)
