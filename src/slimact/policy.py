@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 import json
 import numbers
 import os
@@ -32,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from slimact._cache import cache
 from slimact.quant.reference import QuantConfig
 
 if sys.version_info >= (3, 11):
@@ -369,7 +369,7 @@ def _toml_value(value: Any) -> str:
     return "[" + ", ".join(json.dumps(v) for v in value) + "]"
 
 
-@functools.lru_cache(maxsize=256)
+@cache(maxsize=256)
 def _settings(policy: Policy, kind: str) -> KindSettings:
     own = dict(policy.per_kind).get(kind, KindSettings())
     headwise = kind in _HEADWISE_KINDS
@@ -383,7 +383,7 @@ def _settings(policy: Policy, kind: str) -> KindSettings:
     )
 
 
-@functools.lru_cache(maxsize=256)
+@cache(maxsize=256)
 def _quant_config(policy: Policy, kind: str, ndim: int) -> QuantConfig:
     s = _settings(policy, kind)
     if (kind in _HEADWISE_KINDS and ndim == 4) or (kind in _CHANNEL_FIRST_KINDS and ndim >= 2):

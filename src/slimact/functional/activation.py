@@ -72,6 +72,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from slimact._cache import cache
 from slimact.functional._saving import Mask, SlimFunction, foreign_saved_hooks, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack, unpack_map
 from slimact.quant.core import register_derivation, share_derived
@@ -160,7 +161,7 @@ def _stable(form: str, x: Tensor) -> Tensor:
     return reference(form, x)
 
 
-@functools.cache
+@cache
 def _table(form: str, device: torch.device) -> tuple[Tensor, Tensor, float]:
     """float64 ``(x, key, y_min)``: ``x`` ascending over both branches, ``key`` ascending with it.
 
@@ -223,7 +224,7 @@ def _key(y: Tensor, right: Tensor, y_min: float) -> Tensor:
     return torch.where(right, root, -(root + _KEY_LOG * tail))
 
 
-@functools.cache
+@cache
 def _derivative_table(form: str, device: torch.device) -> tuple[Tensor, Tensor, int, float]:
     """fp32 ``(values, slopes, offset, y_min)``: ``y'`` at keys ``(j - offset) * _KEY_SPACING``."""
     x_min = MINIMUM[form]
@@ -346,7 +347,7 @@ class _SquaredReLUFunction(SlimFunction):
         return (grad_y.float() * (2.0 * y.float().sqrt())).to(grad_y.dtype), None, None
 
 
-@functools.cache
+@cache
 def _clipped(cfg: QuantConfig, flat: float | None) -> QuantConfig:
     return cfg if flat is None else dataclasses.replace(cfg, clip=flat)
 

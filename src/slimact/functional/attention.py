@@ -71,13 +71,13 @@ is within its documented error (tests assert SQNR >= 30 dB).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from slimact._cache import cache
 from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
@@ -554,7 +554,7 @@ def _op(kind: str, which: int) -> Callable:
     return getattr(torch.ops.aten, op) if isinstance(op, str) else op
 
 
-@functools.cache
+@cache
 def _capability(device: torch.device) -> tuple[int, int]:
     """``torch.cuda.get_device_capability``, asked once per device (a tensor's: its index given), not twice per call."""
     return torch.cuda.get_device_capability(device)

@@ -25,12 +25,12 @@ CUDA the same read as the fused kernels' NaN/inf check of ``q`` and ``k``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 from torch import Tensor
 
+from slimact._cache import cache
 from slimact.quant import QuantConfig, inductor
 
 __all__ = ["MAX_SCORE_ERROR", "checked_score_error", "score_error", "score_safe_config", "score_unsafe"]
@@ -108,7 +108,7 @@ def checked_score_error(query: Tensor, key: Tensor, scale: float | None, cfg: Qu
     return score_error(query, key, scale, _at_8_bits(cfg))
 
 
-@functools.cache
+@cache
 def _at_8_bits(cfg: QuantConfig) -> QuantConfig:
     return dataclasses.replace(cfg, bits=8)  # (once per config: dataclasses.replace costs microseconds a call)
 

@@ -18,12 +18,11 @@ mask, by a vectorised kernel (3-5x the speed of the CPU's serial ``bernoulli_``)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
+from slimact._cache import cache
 from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.quant import inductor
@@ -42,7 +41,7 @@ def _apply_mask(x: Tensor, keep: Tensor, scale: float) -> Tensor:
     return inductor.fused_or_eager(_masked, ("dropout", x.dtype), x, keep, scale)
 
 
-@functools.cache
+@cache
 def cpu_scale(p: float, dtype: torch.dtype) -> float:
     """The factor F.dropout multiplies kept elements by on the CPU (``0 < p < 1``): its noise, ``bernoulli_(1 - p)``
     in the input's dtype divided in place by ``1 - p``, which rounds through that dtype: in fp32 ``1 / float32(1 -

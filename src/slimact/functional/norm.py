@@ -109,13 +109,13 @@ SQNR >= 30 dB (8-bit), for GroupNorm too.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch._prims_common import suggest_memory_format
 
+from slimact._cache import cache
 from slimact.functional._saving import SlimFunction, foreign_saved_hooks, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
@@ -399,7 +399,7 @@ def _length_may_drift(cfg: QuantConfig) -> bool:
 _RESCALE_FLOOR = 2.0**-10
 
 
-@functools.lru_cache(maxsize=64)
+@cache(maxsize=64)
 def _rescaled_backward(eps: float) -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
     """:func:`_backward` with ``rescale_eps=eps``, a constant of the function (one compiled copy per ``eps``: passed as
     an argument, the float made the compiled backward 2.4x slower, [4, 512, 768] fp32 on the CPU)."""

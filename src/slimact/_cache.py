@@ -1,0 +1,36 @@
+"""Memoised helpers that ``torch.compile`` traces without a warning.
+
+Dynamo does not run a ``functools`` cache: it traces the function under it and warns, once per call site, that
+"silent incorrectness is a *potential* risk" (five such warnings met a user compiling a converted GPT-2). The caches
+here hold pure functions of hashable constants (a frozen policy, a kind, a dtype), so tracing the function is right;
+:func:`cache` calls it directly while compiling, as dynamo would, and through the cache otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["cache"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def cache(fn: _F | None = None, *, maxsize: int | None = None) -> Any:
+    """``functools.lru_cache(maxsize)`` (unbounded by default) of ``fn``, bypassed while ``torch.compile`` traces;
+    used bare (``@cache``) or with ``maxsize`` (``@cache(maxsize=64)``). ``cache_clear`` clears it."""
+    if fn is None:
+        return functools.partial(cache, maxsize=maxsize)
+    cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        return cached(*args, **kwargs)
+
+    call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return call
