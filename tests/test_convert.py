@@ -568,3 +568,21 @@ def test_summary_with_inputs_drops_a_watched_attention_whose_products_never_reac
         assert "none reached slimact" in summary.skipped["transformer.h.0.attn"]
     else:
         assert summary.modules["transformer.h.0.attn"] == "attention"
+
+
+def test_exclude_index_leaves_alone_the_attention_and_the_loss_it_names():
+    # Hugging Face attention modules are routed through slimact's attention function, not replaced, and the LM loss
+    # is routed, not a module: "attention:1" and "lmloss:0" were checked by Policy but never reached these, so both
+    # stayed converted, silently.
+    pytest.importorskip("transformers")
+    from _harness import tiny_hf
+
+    model, inputs = tiny_hf("gpt2")
+    slimact.convert(model, slimact.Policy(exclude_index=("attention:1", "lmloss:0")))
+    s = slimact.summary(model)
+    assert s.modules.get("transformer.h.0.attn") == "attention"
+    assert "transformer.h.1.attn" not in s.modules
+    assert s.skipped["transformer.h.1.attn"] == "excluded by index (attention:1)"
+    assert "(loss)" not in s.modules and s.skipped["(loss)"] == "excluded by index (lmloss:0)"
+    assert slimact.attention.POLICY_ATTR not in model.transformer.h[1].attn.__dict__
+    model(**inputs).loss.backward()  # the excluded attention runs as written, under the same config

@@ -193,6 +193,7 @@ def convert(
     steps = model.__dict__.get(_HOOK_ATTR, (None, None))[1] or StepCounter()
     skipped: dict[str, str] = {}
     seen: dict[str, int] = {}
+    attention_index: dict[str, int] = {}  # attention modules routed through transformers' interface -> index
     fused: set[str] = set()  # modules a converted parent computes itself
     scale_free = _scale_free_chains(model) if pol.quantize else {}
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
@@ -203,6 +204,10 @@ def convert(
             skipped[name] = "computed by its parent (a fused gated MLP or attention module)"
             continue
         if slim_cls is None:
+            if found.kind == "attention" and uses_attention_interface(module):
+                # Routed, not replaced (_route_attention): numbered here all the same, in the same order as the
+                # replaced kinds, so that an "attention:i" of exclude_index reaches it.
+                attention_index[name] = seen["attention"] = seen.get("attention", -1) + 1
             if unsupported is not None:
                 skipped[name] = unsupported
             continue
@@ -217,7 +222,7 @@ def convert(
         attach(module, slim_cls, pol, kind, steps, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
     _route_calls(model, pol, skipped, filter_fn)
-    _route_attention(model, pol, skipped, filter_fn, steps)
+    _route_attention(model, pol, skipped, filter_fn, steps, attention_index)
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
         model.__dict__[_HOOK_ATTR] = (handles, steps)
@@ -249,7 +254,8 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     # Only a head that computes a plain Linear: the loss is recomputed from its input and weight (a subclass
     # whose forward scales or caps the logits would lose that, and its parameters' gradients).
     head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
-    if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
+    # (one loss per model: "lmloss:0" names it)
+    if head is not None and (reason := pol.skip_reason("lmloss", "(loss)", 0)) is not None:
         skipped["(loss)"] = reason
         head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
     excluded = [m for name, m in model.named_modules() if name and (
@@ -302,14 +308,15 @@ def _unknown_setting(config: Any) -> str | None:
 
 
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,
-                     steps: StepCounter) -> None:
+                     steps: StepCounter, index: dict[str, int]) -> None:
     """Select slimact's attention function on a Hugging Face model and tag its attention modules.
 
     A module is tagged only if its forward calls transformers' ``AttentionInterface``; a configuration is
     switched only if no attention module reading it branches on the setting in its own code (Falcon's tests
     ``== "sdpa"`` and otherwise computes scores with an eager mask: switching it would change its forward).
     Each configuration object is switched on its own (sub-configurations too, without the property's
-    recursion), shared ones are counted (two models on one config: the last ``revert`` restores it).
+    recursion), shared ones are counted (two models on one config: the last ``revert`` restores it). ``index``: each
+    candidate's position among the model's attention modules, for ``exclude_index``.
     """
     _untag_attention(model)
     attention.release_configs(model, model.__dict__.pop(_ATTN_ATTR, ()))
@@ -331,7 +338,7 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
                                      "its own code (not through transformers' AttentionInterface): left as written")
     tagged = []
     for name, module in candidates:
-        reason = _leave_alone(pol, "attention", name, module, filter_fn)
+        reason = _leave_alone(pol, "attention", name, module, filter_fn, index.get(name, -1))
         if reason is None and (name + ".").startswith(eager_only):
             reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
                       "scaled dot-product attention): left as written")

@@ -221,7 +221,8 @@ class Policy:
         include: ``fnmatch`` patterns on qualified module names; if given, only matching modules convert.
         exclude: patterns whose matches are left alone.
         exclude_index: ``"kind:i"`` entries leaving alone the ``i``-th module of that kind (counted from 0
-            in ``model.named_modules()`` order, as Mesa's ``by_index`` does).
+            in ``model.named_modules()`` order, as Mesa's ``by_index`` does; a Hugging Face attention module,
+            routed rather than replaced, counts as an ``attention``, and the LM loss is ``lmloss:0``).
         per_kind: settings of single kinds overriding the ones above, ``{"attention": {"bits": 4},
             "gelu": {"quantize": False}}`` (:class:`KindSettings` or dicts; stored as sorted pairs).
         keep_logits: a language model called in training with labels computes its logits in the forward and
