@@ -51,6 +51,9 @@ KINDS: tuple[str, ...] = (
 LOSSLESS_KINDS: tuple[str, ...] = (
     "relu", "dropout", "layernorm", "rmsnorm", "groupnorm", "gelu", "silu", "mlp", "lmloss", "attention",
 )
+#: Kinds that pack no tensor whatever the policy (a dropout keeps its mask as bits, the LM loss keeps no logits):
+#: ``per_kind`` compression settings of theirs would be ignored, so they are refused.
+_PACKLESS_KINDS = ("dropout", "lmloss")
 _HEADWISE_KINDS = ("matmul", "softmax", "attention")
 _CHANNEL_FIRST_KINDS = ("conv", "batchnorm", "groupnorm")
 
@@ -99,6 +102,8 @@ _POLICY_FIELDS: dict[str, _Check] = {
     "exclude_index": (tuple, _every(_is_kind_index), "a sequence of 'kind:index' strings with a known kind"),
     "keep_logits": (bool, bool.__instancecheck__, "a bool"),
 }
+#: The :class:`KindSettings` fields that only say how a tensor is packed.
+_COMPRESSION_FIELDS = ("bits", "scale", "ema_decay", "stochastic", "groups")
 _KIND_FIELDS: dict[str, _Check] = {
     **_COMMON, "groups": (int, lambda v: v >= 0, "an int >= 0 (0 = one per channel or head)"),
 }
@@ -159,6 +164,11 @@ def _checked_per_kind(value: Any, where: str) -> tuple[tuple[str, KindSettings],
         if kind in out:
             raise PolicyError(f"{where}: per_kind: layer kind {kind!r} given twice")
         out[kind] = KindSettings.of(settings, f"{where}: per_kind.{kind}")
+        if kind in _PACKLESS_KINDS:
+            unused = next((f for f in _COMPRESSION_FIELDS if getattr(out[kind], f) is not None), None)
+            if unused is not None:
+                raise PolicyError(f"{where}: per_kind.{kind}: {unused} must be left unset: a {kind} packs no tensor "
+                                  f"(it would be ignored); only quantize may be given")
     return tuple(sorted(out.items()))
 
 
@@ -224,7 +234,8 @@ class Policy:
             in ``model.named_modules()`` order, as Mesa's ``by_index`` does; a Hugging Face attention module,
             routed rather than replaced, counts as an ``attention``, and the LM loss is ``lmloss:0``).
         per_kind: settings of single kinds overriding the ones above, ``{"attention": {"bits": 4},
-            "gelu": {"quantize": False}}`` (:class:`KindSettings` or dicts; stored as sorted pairs).
+            "gelu": {"quantize": False}}`` (:class:`KindSettings` or dicts; stored as sorted pairs). ``dropout`` and
+            ``lmloss`` pack nothing: they take ``quantize`` alone.
         keep_logits: a language model called in training with labels computes its logits in the forward and
             returns them, as the plain model does. By default (``False``) its head and the loss run together
             in chunks and ``output.logits`` is a :class:`slimact.nn.lm_loss.LazyLogits` that computes them only
