@@ -160,6 +160,30 @@ def test_a_part_of_a_fused_block_excluded_by_name_stays_exact(part, how):
         assert cosine(g, grads[1][n]) >= 0.99, n
 
 
+@pytest.mark.parametrize("first", [slimact.Policy(kinds=tuple(k for k in KINDS if k != "mlp")),
+                                   slimact.Policy(exclude=("1",))], ids=["mlp-kind-off", "mlp-excluded"])
+def test_converting_again_fuses_a_gated_mlp_whose_parts_the_first_policy_converted(first):
+    # A first policy that left the gated MLP unfused converted its projections and activation on their own; converting
+    # again with "int8" then probed the block with those parts computing slimact's 8-bit forms, whose gradients are
+    # not the exact form's, so the block was not recognised: it stayed unfused (tiny Llama: both MLPs, the summary
+    # naming down_proj and act_fn converted on their own, gradients other than a fresh "int8" conversion's).
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _GatedMLP())
+    twice = slimact.convert(slimact.convert(copy.deepcopy(plain), first), "int8")
+    once = slimact.convert(copy.deepcopy(plain), "int8")
+    assert slimact.summary(once).modules["1"] == "mlp"
+    assert slimact.summary(twice).modules == slimact.summary(once).modules
+    assert [type(m) for m in twice.modules()] == [type(m) for m in once.modules()]
+    x = torch.randn(4, 7, 16)
+    grads = []
+    for model in (twice, once):
+        torch.manual_seed(1)
+        model(x).square().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[1].items():
+        assert torch.equal(grads[0][n], g), n
+
+
 def test_summary_reports_converted_and_left_alone():
     model = slimact.convert(_model())
     s = slimact.summary(model)

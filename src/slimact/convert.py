@@ -21,7 +21,7 @@ from torch import nn
 
 from slimact import attention
 from slimact._kinds import Recognised, forget, forward_names, kind_of, recognise, uses_attention_interface
-from slimact.nn._base import SlimModule, StepCounter, attach, clear_state, detach
+from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
 from slimact.nn.batch_norm import batch_norm_class
@@ -197,6 +197,10 @@ def convert(
     fused: set[str] = set()  # modules a converted parent computes itself
     scale_free = _scale_free_chains(model) if pol.quantize else {}
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
+    with as_written(model):
+        # ... and as on the plain model: a part converted by an earlier policy would hide a gated MLP from its probe.
+        for module in model.modules():
+            recognise(module)
     for name, module in model.named_modules():
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:
