@@ -428,8 +428,9 @@ def _from_mesa_text(text: str, source: str) -> Policy:
 
     A tag is converted if some block enables it for ``all``; blocks that disable listed indices become
     ``exclude_index`` entries; ``level`` (256, 16, 4) sets the tag's ``bits`` and ``ema_decay`` its decay
-    (``per_kind``). Unlisted tags stay off, as in Mesa. Mesa's running estimates and stochastic rounding are
-    the base.
+    (``per_kind``), from an ``all`` block (in a disabling block they are moot; in an enabling block of indices,
+    per-layer settings, refused). Unlisted tags stay off, as in Mesa. Mesa's running estimates and stochastic
+    rounding are the base.
     """
     base = PRESETS["mesa"]
     kinds: list[str] = []
@@ -448,13 +449,20 @@ def _from_mesa_text(text: str, source: str) -> Policy:
                 kinds.append(kind)
             if not enable and kind in kinds:
                 kinds.remove(kind)
+            if block["settings"]:
+                settings.setdefault(kind, {}).update(block["settings"])
         elif not enable:
+            # (a level or decay here is for layers kept exact: it sets nothing, and must not reach the tag's others)
             excluded.extend(f"{kind}:{i}" for i in block["by_index"])
         elif kind not in kinds:
             raise PolicyError(
                 f"{source}:{block['line']}: enabling only some {tag!r} layers by index is not supported; "
                 "enable 'all' and disable the others by index"
             )
+        elif block["settings"]:  # settings are per kind here: applied to the tag, they would change every layer
+            key, no = next(iter(block["lines"].items()))
+            raise PolicyError(f"{source}:{no}: {key} for only some {tag!r} layers (by index) is not supported; "
+                              "set it in the 'by_index: all' block")
 
     lines = text.splitlines()
     for no, raw in enumerate(lines, 1):
@@ -477,10 +485,11 @@ def _from_mesa_text(text: str, source: str) -> Policy:
         if head == "by_index":
             close_block()
             if value == "all":
-                block = {"by_index": "all", "line": no}
+                block = {"by_index": "all", "line": no, "settings": {}, "lines": {}}
             else:
                 try:
-                    block = {"by_index": [int(v) for v in value.replace(",", " ").split()], "line": no}
+                    block = {"by_index": [int(v) for v in value.replace(",", " ").split()], "line": no,
+                             "settings": {}, "lines": {}}
                 except ValueError:
                     raise PolicyError(f"{source}:{no}: by_index must be 'all' or indices, got {value!r}") from None
             continue
@@ -494,9 +503,11 @@ def _from_mesa_text(text: str, source: str) -> Policy:
                     raise ValueError
                 block["enable"] = value in ("True", "true")
             elif head == "level":
-                settings.setdefault(_MESA_TAGS[tag], {})["bits"] = _MESA_LEVELS[int(value)]
+                block["settings"]["bits"] = _MESA_LEVELS[int(value)]
             else:
-                settings.setdefault(_MESA_TAGS[tag], {})["ema_decay"] = float(value)
+                block["settings"]["ema_decay"] = float(value)
+            if head != "enable":
+                block["lines"][head] = no
         except (ValueError, KeyError):
             raise PolicyError(f"{source}:{no}: bad value for {head!r}: {value!r}") from None
     close_block()
