@@ -184,6 +184,22 @@ def test_converting_again_fuses_a_gated_mlp_whose_parts_the_first_policy_convert
         assert torch.equal(grads[0][n], g), n
 
 
+def test_exclude_index_counts_every_module_of_its_kind_in_model_order_fused_parts_included():
+    # "linear:i" is the i-th Linear in named_modules() order (Policy's docstring, Mesa's by_index). A gated MLP's down
+    # projection, computed by the fused block, was not counted: on nn.Sequential(Linear, gated MLP, Linear) "linear:3"
+    # (the MLP's down_proj) excluded the last Linear instead, and the numbering moved with the policy's mlp kind.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _GatedMLP(), nn.Linear(16, 16))
+    linears = [n for n, m in plain.named_modules() if isinstance(m, nn.Linear)]
+    assert linears == ["0", "1.gate_proj", "1.up_proj", "1.down_proj", "2"]
+    for kinds in (KINDS, tuple(k for k in KINDS if k != "mlp")):
+        slim = slimact.convert(copy.deepcopy(plain), slimact.Policy(kinds=kinds, exclude_index=("linear:3",)))
+        s = slimact.summary(slim)
+        assert s.skipped["1.down_proj"] == "excluded by index (linear:3)", kinds
+        assert type(slim[1].down_proj) is nn.Linear and s.modules["2"] == "linear"
+        assert s.modules.get("1") != "mlp" and s.modules["1.gate_proj"] == "linear"  # (left unfused, as by name)
+
+
 def test_summary_reports_converted_and_left_alone():
     model = slimact.convert(_model())
     s = slimact.summary(model)

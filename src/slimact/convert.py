@@ -126,14 +126,34 @@ def _excluded(pol: Policy, name: str, module: nn.Module, filter_fn: FilterFn | N
     return by_name or (filter_fn is not None and not filter_fn(module, name))
 
 
+def _numbered(model: nn.Module) -> dict[str, str]:
+    """``{name: "kind:i"}``: each module slimact converts or routes is the ``i``-th of its kind in ``named_modules()``
+    order, what ``Policy.exclude_index`` names. Every such module counts, whatever the policy: the parts a fused
+    block computes itself (a gated MLP's down projection) and the attention modules routed through transformers'
+    AttentionInterface too, so that an index names the same module under every policy."""
+    counts: Counter[str] = Counter()
+    out = {}
+    for name, module in model.named_modules():
+        found = recognise(module)
+        if found.replace is not None or (found.kind == "attention" and uses_attention_interface(module)):
+            out[name] = f"{found.kind}:{counts[found.kind]}"
+            counts[found.kind] += 1
+    return out
+
+
+def _index(numbered: dict[str, str], name: str) -> int:
+    return int(numbered[name].rpartition(":")[2]) if name in numbered else -1
+
+
 def _excluded_parts(pol: Policy, name: str, module: nn.Module, parts: tuple[str, ...],
-                    filter_fn: FilterFn | None) -> str | None:
+                    filter_fn: FilterFn | None, numbered: dict[str, str]) -> str | None:
     """Why a module whose replacement computes some of its children itself (a gated MLP's down projection and
     activation, ``nn.MultiheadAttention``'s ``out_proj``) stays as written: the user excluded one of those children
-    by name (a policy ``exclude`` pattern, ``filter_fn``), which the fused replacement would compute, and keep
-    for, all the same. ``None`` if none is excluded."""
+    (a policy ``exclude`` pattern or ``exclude_index`` entry, ``filter_fn``), which the fused replacement would
+    compute, and keep for, all the same. ``None`` if none is excluded."""
     excluded = [part for part in parts if (child := module._modules.get(part)) is not None
-                and _excluded(pol, f"{name}.{part}" if name else part, child, filter_fn)]
+                and (_excluded(pol, full := f"{name}.{part}" if name else part, child, filter_fn)
+                     or numbered.get(full) in pol.exclude_index)]
     if not excluded:
         return None
     return (f"its {', '.join(excluded)} excluded by the policy or filter_fn, which slimact's fused "
@@ -192,8 +212,6 @@ def convert(
         _unroot(sub)
     steps = model.__dict__.get(_HOOK_ATTR, (None, None))[1] or StepCounter()
     skipped: dict[str, str] = {}
-    seen: dict[str, int] = {}
-    attention_index: dict[str, int] = {}  # attention modules routed through transformers' interface -> index
     fused: set[str] = set()  # modules a converted parent computes itself
     scale_free = _scale_free_chains(model) if pol.quantize else {}
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
@@ -201,6 +219,7 @@ def convert(
         # ... and as on the plain model: a part converted by an earlier policy would hide a gated MLP from its probe.
         for module in model.modules():
             recognise(module)
+    numbered = _numbered(model)
     for name, module in model.named_modules():
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:
@@ -208,17 +227,12 @@ def convert(
             skipped[name] = "computed by its parent (a fused gated MLP or attention module)"
             continue
         if slim_cls is None:
-            if found.kind == "attention" and uses_attention_interface(module):
-                # Routed, not replaced (_route_attention): numbered here all the same, in the same order as the
-                # replaced kinds, so that an "attention:i" of exclude_index reaches it.
-                attention_index[name] = seen["attention"] = seen.get("attention", -1) + 1
             if unsupported is not None:
                 skipped[name] = unsupported
             continue
         kind = found.kind
-        index = seen[kind] = seen.get(kind, -1) + 1
-        reason = (scale_free.get(name) or _leave_alone(pol, kind, name, module, filter_fn, index)
-                  or _excluded_parts(pol, name, module, found.parts, filter_fn))
+        reason = (scale_free.get(name) or _leave_alone(pol, kind, name, module, filter_fn, _index(numbered, name))
+                  or _excluded_parts(pol, name, module, found.parts, filter_fn, numbered))
         if reason is not None:
             detach(module)
             skipped[name] = reason
@@ -226,7 +240,7 @@ def convert(
         attach(module, slim_cls, pol, kind, steps, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
     _route_calls(model, pol, skipped, filter_fn)
-    _route_attention(model, pol, skipped, filter_fn, steps, attention_index)
+    _route_attention(model, pol, skipped, filter_fn, steps, numbered)
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
         model.__dict__[_HOOK_ATTR] = (handles, steps)
@@ -312,15 +326,15 @@ def _unknown_setting(config: Any) -> str | None:
 
 
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,
-                     steps: StepCounter, index: dict[str, int]) -> None:
+                     steps: StepCounter, numbered: dict[str, str]) -> None:
     """Select slimact's attention function on a Hugging Face model and tag its attention modules.
 
     A module is tagged only if its forward calls transformers' ``AttentionInterface``; a configuration is
     switched only if no attention module reading it branches on the setting in its own code (Falcon's tests
     ``== "sdpa"`` and otherwise computes scores with an eager mask: switching it would change its forward).
     Each configuration object is switched on its own (sub-configurations too, without the property's
-    recursion), shared ones are counted (two models on one config: the last ``revert`` restores it). ``index``: each
-    candidate's position among the model's attention modules, for ``exclude_index``.
+    recursion), shared ones are counted (two models on one config: the last ``revert`` restores it). ``numbered``: each
+    module's ``"kind:i"`` for ``exclude_index`` (:func:`_numbered`).
     """
     _untag_attention(model)
     attention.release_configs(model, model.__dict__.pop(_ATTN_ATTR, ()))
@@ -342,7 +356,7 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
                                      "its own code (not through transformers' AttentionInterface): left as written")
     tagged = []
     for name, module in candidates:
-        reason = _leave_alone(pol, "attention", name, module, filter_fn, index.get(name, -1))
+        reason = _leave_alone(pol, "attention", name, module, filter_fn, _index(numbered, name))
         if reason is None and (name + ".").startswith(eager_only):
             reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
                       "scaled dot-product attention): left as written")

@@ -231,8 +231,9 @@ class Policy:
         include: ``fnmatch`` patterns on qualified module names; if given, only matching modules convert.
         exclude: patterns whose matches are left alone.
         exclude_index: ``"kind:i"`` entries leaving alone the ``i``-th module of that kind (counted from 0
-            in ``model.named_modules()`` order, as Mesa's ``by_index`` does; a Hugging Face attention module,
-            routed rather than replaced, counts as an ``attention``, and the LM loss is ``lmloss:0``).
+            in ``model.named_modules()`` order, as Mesa's ``by_index`` does, whatever the policy converts: a fused
+            block's parts count, a Hugging Face attention module counts as an ``attention``, the LM loss is
+            ``lmloss:0``; excluding a part of a fused block leaves the block unfused, as by name).
         per_kind: settings of single kinds overriding the ones above, ``{"attention": {"bits": 4},
             "gelu": {"quantize": False}}`` (:class:`KindSettings` or dicts; stored as sorted pairs). ``dropout`` and
             ``lmloss`` pack nothing: they take ``quantize`` alone.
