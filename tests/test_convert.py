@@ -626,3 +626,21 @@ def test_exclude_index_leaves_alone_the_attention_and_the_loss_it_names():
     assert "(loss)" not in s.modules and s.skipped["(loss)"] == "excluded by index (lmloss:0)"
     assert slimact.attention.POLICY_ATTR not in model.transformer.h[1].attn.__dict__
     model(**inputs).loss.backward()  # the excluded attention runs as written, under the same config
+
+
+def test_attention_excluded_by_index_computes_as_written():
+    # An attention module excluded by index was left untagged, but the F.scaled_dot_product_attention in its code
+    # (transformers' sdpa function) was still routed through slimact's attention (an exclude pattern stops that):
+    # with both of tiny GPT-2's attentions excluded and nothing else converted, the loss and 28 gradients differed
+    # from plain's.
+    pytest.importorskip("transformers")
+    from _harness import loss_grads, tiny_hf
+
+    plain, inputs = tiny_hf("gpt2")
+    slim = slimact.convert(copy.deepcopy(plain), slimact.Policy(kinds=("attention",),
+                                                                exclude_index=("attention:0", "attention:1")))
+    assert slimact.summary(slim).converted == {}
+    loss0, g0 = loss_grads(plain, inputs)
+    loss1, g1 = loss_grads(slim, inputs)
+    assert torch.equal(loss1, loss0)
+    assert all(torch.equal(g1[n], g) for n, g in g0.items())

@@ -239,7 +239,7 @@ def convert(
             continue
         attach(module, slim_cls, pol, kind, steps, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
-    _route_calls(model, pol, skipped, filter_fn)
+    _route_calls(model, pol, skipped, filter_fn, numbered)
     _route_attention(model, pol, skipped, filter_fn, steps, numbered)
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
@@ -261,7 +261,8 @@ def _lm_head(model: nn.Module) -> nn.Module | None:
     return head
 
 
-def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
+def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,
+                 numbered: dict[str, str]) -> None:
     """Route the LM loss, functional dropout/activations in model code, and the products and softmaxes of
     attention modules that compute attention in their own code through slimact (:mod:`slimact.nn.routing`), as
     far as the policy wants them."""
@@ -276,8 +277,11 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)", 0)) is not None:
         skipped["(loss)"] = reason
         head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
+    # (an attention module excluded by index is routed, not replaced: not in skipped yet, so named here, or the
+    # scaled_dot_product_attention in its code would still be routed)
     excluded = [m for name, m in model.named_modules() if name and (
-        _excluded(pol, name, m, filter_fn) or (name in skipped and recognise(m).replace is not None))]
+        _excluded(pol, name, m, filter_fn) or (name in skipped and recognise(m).replace is not None)
+        or numbered.get(name) in pol.exclude_index)]
     own = [(name, m) for name, m in model.named_modules() if name not in skipped and kind_of(m) == "attention"
            and not any(isinstance(sub, SlimModule) for sub in m.modules() if kind_of(sub) == "attention")
            and (filter_fn is None or filter_fn(m, name))]
