@@ -160,6 +160,46 @@ def test_a_part_of_a_fused_block_excluded_by_name_stays_exact(part, how):
         assert cosine(g, grads[1][n]) >= 0.99, n
 
 
+@pytest.mark.parametrize("first", [slimact.Policy(kinds=tuple(k for k in KINDS if k != "mlp")),
+                                   slimact.Policy(exclude=("1",))], ids=["mlp-kind-off", "mlp-excluded"])
+def test_converting_again_fuses_a_gated_mlp_whose_parts_the_first_policy_converted(first):
+    # A first policy that left the gated MLP unfused converted its projections and activation on their own; converting
+    # again with "int8" then probed the block with those parts computing slimact's 8-bit forms, whose gradients are
+    # not the exact form's, so the block was not recognised: it stayed unfused (tiny Llama: both MLPs, the summary
+    # naming down_proj and act_fn converted on their own, gradients other than a fresh "int8" conversion's).
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _GatedMLP())
+    twice = slimact.convert(slimact.convert(copy.deepcopy(plain), first), "int8")
+    once = slimact.convert(copy.deepcopy(plain), "int8")
+    assert slimact.summary(once).modules["1"] == "mlp"
+    assert slimact.summary(twice).modules == slimact.summary(once).modules
+    assert [type(m) for m in twice.modules()] == [type(m) for m in once.modules()]
+    x = torch.randn(4, 7, 16)
+    grads = []
+    for model in (twice, once):
+        torch.manual_seed(1)
+        model(x).square().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[1].items():
+        assert torch.equal(grads[0][n], g), n
+
+
+def test_exclude_index_counts_every_module_of_its_kind_in_model_order_fused_parts_included():
+    # "linear:i" is the i-th Linear in named_modules() order (Policy's docstring, Mesa's by_index). A gated MLP's down
+    # projection, computed by the fused block, was not counted: on nn.Sequential(Linear, gated MLP, Linear) "linear:3"
+    # (the MLP's down_proj) excluded the last Linear instead, and the numbering moved with the policy's mlp kind.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _GatedMLP(), nn.Linear(16, 16))
+    linears = [n for n, m in plain.named_modules() if isinstance(m, nn.Linear)]
+    assert linears == ["0", "1.gate_proj", "1.up_proj", "1.down_proj", "2"]
+    for kinds in (KINDS, tuple(k for k in KINDS if k != "mlp")):
+        slim = slimact.convert(copy.deepcopy(plain), slimact.Policy(kinds=kinds, exclude_index=("linear:3",)))
+        s = slimact.summary(slim)
+        assert s.skipped["1.down_proj"] == "excluded by index (linear:3)", kinds
+        assert type(slim[1].down_proj) is nn.Linear and s.modules["2"] == "linear"
+        assert s.modules.get("1") != "mlp" and s.modules["1.gate_proj"] == "linear"  # (left unfused, as by name)
+
+
 def test_summary_reports_converted_and_left_alone():
     model = slimact.convert(_model())
     s = slimact.summary(model)
@@ -568,3 +608,39 @@ def test_summary_with_inputs_drops_a_watched_attention_whose_products_never_reac
         assert "none reached slimact" in summary.skipped["transformer.h.0.attn"]
     else:
         assert summary.modules["transformer.h.0.attn"] == "attention"
+
+
+def test_exclude_index_leaves_alone_the_attention_and_the_loss_it_names():
+    # Hugging Face attention modules are routed through slimact's attention function, not replaced, and the LM loss
+    # is routed, not a module: "attention:1" and "lmloss:0" were checked by Policy but never reached these, so both
+    # stayed converted, silently.
+    pytest.importorskip("transformers")
+    from _harness import tiny_hf
+
+    model, inputs = tiny_hf("gpt2")
+    slimact.convert(model, slimact.Policy(exclude_index=("attention:1", "lmloss:0")))
+    s = slimact.summary(model)
+    assert s.modules.get("transformer.h.0.attn") == "attention"
+    assert "transformer.h.1.attn" not in s.modules
+    assert s.skipped["transformer.h.1.attn"] == "excluded by index (attention:1)"
+    assert "(loss)" not in s.modules and s.skipped["(loss)"] == "excluded by index (lmloss:0)"
+    assert slimact.attention.POLICY_ATTR not in model.transformer.h[1].attn.__dict__
+    model(**inputs).loss.backward()  # the excluded attention runs as written, under the same config
+
+
+def test_attention_excluded_by_index_computes_as_written():
+    # An attention module excluded by index was left untagged, but the F.scaled_dot_product_attention in its code
+    # (transformers' sdpa function) was still routed through slimact's attention (an exclude pattern stops that):
+    # with both of tiny GPT-2's attentions excluded and nothing else converted, the loss and 28 gradients differed
+    # from plain's.
+    pytest.importorskip("transformers")
+    from _harness import loss_grads, tiny_hf
+
+    plain, inputs = tiny_hf("gpt2")
+    slim = slimact.convert(copy.deepcopy(plain), slimact.Policy(kinds=("attention",),
+                                                                exclude_index=("attention:0", "attention:1")))
+    assert slimact.summary(slim).converted == {}
+    loss0, g0 = loss_grads(plain, inputs)
+    loss1, g1 = loss_grads(slim, inputs)
+    assert torch.equal(loss1, loss0)
+    assert all(torch.equal(g1[n], g) for n, g in g0.items())

@@ -6,6 +6,7 @@ import pytest
 
 import slimact
 from slimact import Policy, PolicyError
+from slimact.policy import _toml_value
 
 
 def test_presets_and_frozen():
@@ -269,3 +270,36 @@ def test_existing_constructions_and_presets_stay_valid(kwargs, tmp_path):
         assert preset.replace(**kwargs) == Policy(**{**dataclasses.asdict(preset), "per_kind": preset.per_kind,
                                                       **kwargs})
         assert Policy.from_file(preset.to_file(tmp_path / f"{name}.toml")) == preset
+
+
+@pytest.mark.parametrize("kind", ["dropout", "lmloss"])
+@pytest.mark.parametrize("setting", [{"bits": 4}, {"scale": "running"}, {"ema_decay": 0.5}, {"stochastic": True},
+                                     {"groups": 2}])
+def test_per_kind_compression_settings_of_a_kind_that_compresses_nothing_are_an_error(kind, setting, tmp_path):
+    # A dropout keeps its mask as bits and the LM loss keeps no logits: neither packs a tensor, so these settings
+    # would be ignored (Policy(per_kind={"dropout": {"bits": 2}}) converted and trained as "int8" does, silently).
+    (field,) = setting
+    with pytest.raises(PolicyError, match=rf"^Policy: per_kind\.{kind}: {field} must be left unset: "):
+        Policy(per_kind={kind: setting})
+    f = tmp_path / "p.toml"
+    f.write_text(f"bits = 8\n\n[per_kind.{kind}]\n{field} = {_toml_value(setting[field])}\n", encoding="utf-8")
+    with pytest.raises(PolicyError, match=rf"^{re.escape(str(f))}:4: per_kind\.{kind}: {field} must be left unset"):
+        Policy.from_file(f)
+    assert Policy(per_kind={kind: {"quantize": False}}).settings(kind).quantize is False  # (exact either way)
+
+
+def test_a_level_or_decay_in_a_by_index_block_never_reaches_the_other_layers_of_the_tag(tmp_path):
+    # Mesa's level and ema_decay lines belong to their by_index block; slimact's settings are per kind, and a level in
+    # a block of indices was applied to every layer of the tag: "by_index: 1 / enable: False / level: 16" made every
+    # other GELU 4-bit, silently.
+    f = tmp_path / "p.txt"
+    f.write_text("on gelu:\n  by_index: all\n  enable: True\n  level: 256\n  ema_decay: 0.9\n"
+                 "  by_index: 1\n  enable: False\n  level: 16\n  ema_decay: 0.5\n", encoding="utf-8")
+    policy = Policy.from_file(f)  # (the layers of a disabling block are kept exact: its level means nothing)
+    assert policy.exclude_index == ("gelu:1",)
+    assert (policy.settings("gelu").bits, policy.settings("gelu").ema_decay) == (8, 0.9)
+    for line in ("level: 16", "ema_decay: 0.5"):
+        f.write_text(f"on gelu:\n  by_index: all\n  enable: True\n  by_index: 1 2\n  enable: True\n  {line}\n",
+                     encoding="utf-8")
+        with pytest.raises(PolicyError, match=rf"p.txt:6: {line.split(':')[0]} for only some 'gelu' layers"):
+            Policy.from_file(f)

@@ -21,7 +21,7 @@ from torch import nn
 
 from slimact import attention
 from slimact._kinds import Recognised, forget, forward_names, kind_of, recognise, uses_attention_interface
-from slimact.nn._base import SlimModule, StepCounter, attach, clear_state, detach
+from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
 from slimact.nn.batch_norm import batch_norm_class
@@ -126,14 +126,34 @@ def _excluded(pol: Policy, name: str, module: nn.Module, filter_fn: FilterFn | N
     return by_name or (filter_fn is not None and not filter_fn(module, name))
 
 
+def _numbered(model: nn.Module) -> dict[str, str]:
+    """``{name: "kind:i"}``: each module slimact converts or routes is the ``i``-th of its kind in ``named_modules()``
+    order, what ``Policy.exclude_index`` names. Every such module counts, whatever the policy: the parts a fused
+    block computes itself (a gated MLP's down projection) and the attention modules routed through transformers'
+    AttentionInterface too, so that an index names the same module under every policy."""
+    counts: Counter[str] = Counter()
+    out = {}
+    for name, module in model.named_modules():
+        found = recognise(module)
+        if found.replace is not None or (found.kind == "attention" and uses_attention_interface(module)):
+            out[name] = f"{found.kind}:{counts[found.kind]}"
+            counts[found.kind] += 1
+    return out
+
+
+def _index(numbered: dict[str, str], name: str) -> int:
+    return int(numbered[name].rpartition(":")[2]) if name in numbered else -1
+
+
 def _excluded_parts(pol: Policy, name: str, module: nn.Module, parts: tuple[str, ...],
-                    filter_fn: FilterFn | None) -> str | None:
+                    filter_fn: FilterFn | None, numbered: dict[str, str]) -> str | None:
     """Why a module whose replacement computes some of its children itself (a gated MLP's down projection and
     activation, ``nn.MultiheadAttention``'s ``out_proj``) stays as written: the user excluded one of those children
-    by name (a policy ``exclude`` pattern, ``filter_fn``), which the fused replacement would compute, and keep
-    for, all the same. ``None`` if none is excluded."""
+    (a policy ``exclude`` pattern or ``exclude_index`` entry, ``filter_fn``), which the fused replacement would
+    compute, and keep for, all the same. ``None`` if none is excluded."""
     excluded = [part for part in parts if (child := module._modules.get(part)) is not None
-                and _excluded(pol, f"{name}.{part}" if name else part, child, filter_fn)]
+                and (_excluded(pol, full := f"{name}.{part}" if name else part, child, filter_fn)
+                     or numbered.get(full) in pol.exclude_index)]
     if not excluded:
         return None
     return (f"its {', '.join(excluded)} excluded by the policy or filter_fn, which slimact's fused "
@@ -192,10 +212,14 @@ def convert(
         _unroot(sub)
     steps = model.__dict__.get(_HOOK_ATTR, (None, None))[1] or StepCounter()
     skipped: dict[str, str] = {}
-    seen: dict[str, int] = {}
     fused: set[str] = set()  # modules a converted parent computes itself
     scale_free = _scale_free_chains(model) if pol.quantize else {}
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
+    with as_written(model):
+        # ... and as on the plain model: a part converted by an earlier policy would hide a gated MLP from its probe.
+        for module in model.modules():
+            recognise(module)
+    numbered = _numbered(model)
     for name, module in model.named_modules():
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:
@@ -207,17 +231,16 @@ def convert(
                 skipped[name] = unsupported
             continue
         kind = found.kind
-        index = seen[kind] = seen.get(kind, -1) + 1
-        reason = (scale_free.get(name) or _leave_alone(pol, kind, name, module, filter_fn, index)
-                  or _excluded_parts(pol, name, module, found.parts, filter_fn))
+        reason = (scale_free.get(name) or _leave_alone(pol, kind, name, module, filter_fn, _index(numbered, name))
+                  or _excluded_parts(pol, name, module, found.parts, filter_fn, numbered))
         if reason is not None:
             detach(module)
             skipped[name] = reason
             continue
         attach(module, slim_cls, pol, kind, steps, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
-    _route_calls(model, pol, skipped, filter_fn)
-    _route_attention(model, pol, skipped, filter_fn, steps)
+    _route_calls(model, pol, skipped, filter_fn, numbered)
+    _route_attention(model, pol, skipped, filter_fn, steps, numbered)
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
         model.__dict__[_HOOK_ATTR] = (handles, steps)
@@ -238,7 +261,8 @@ def _lm_head(model: nn.Module) -> nn.Module | None:
     return head
 
 
-def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None) -> None:
+def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,
+                 numbered: dict[str, str]) -> None:
     """Route the LM loss, functional dropout/activations in model code, and the products and softmaxes of
     attention modules that compute attention in their own code through slimact (:mod:`slimact.nn.routing`), as
     far as the policy wants them."""
@@ -249,11 +273,15 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     # Only a head that computes a plain Linear: the loss is recomputed from its input and weight (a subclass
     # whose forward scales or caps the logits would lose that, and its parameters' gradients).
     head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
-    if head is not None and (reason := pol.skip_reason("lmloss", "(loss)")) is not None:
+    # (one loss per model: "lmloss:0" names it)
+    if head is not None and (reason := pol.skip_reason("lmloss", "(loss)", 0)) is not None:
         skipped["(loss)"] = reason
         head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
+    # (an attention module excluded by index is routed, not replaced: not in skipped yet, so named here, or the
+    # scaled_dot_product_attention in its code would still be routed)
     excluded = [m for name, m in model.named_modules() if name and (
-        _excluded(pol, name, m, filter_fn) or (name in skipped and recognise(m).replace is not None))]
+        _excluded(pol, name, m, filter_fn) or (name in skipped and recognise(m).replace is not None)
+        or numbered.get(name) in pol.exclude_index)]
     own = [(name, m) for name, m in model.named_modules() if name not in skipped and kind_of(m) == "attention"
            and not any(isinstance(sub, SlimModule) for sub in m.modules() if kind_of(sub) == "attention")
            and (filter_fn is None or filter_fn(m, name))]
@@ -302,14 +330,15 @@ def _unknown_setting(config: Any) -> str | None:
 
 
 def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,
-                     steps: StepCounter) -> None:
+                     steps: StepCounter, numbered: dict[str, str]) -> None:
     """Select slimact's attention function on a Hugging Face model and tag its attention modules.
 
     A module is tagged only if its forward calls transformers' ``AttentionInterface``; a configuration is
     switched only if no attention module reading it branches on the setting in its own code (Falcon's tests
     ``== "sdpa"`` and otherwise computes scores with an eager mask: switching it would change its forward).
     Each configuration object is switched on its own (sub-configurations too, without the property's
-    recursion), shared ones are counted (two models on one config: the last ``revert`` restores it).
+    recursion), shared ones are counted (two models on one config: the last ``revert`` restores it). ``numbered``: each
+    module's ``"kind:i"`` for ``exclude_index`` (:func:`_numbered`).
     """
     _untag_attention(model)
     attention.release_configs(model, model.__dict__.pop(_ATTN_ATTR, ()))
@@ -331,7 +360,7 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
                                      "its own code (not through transformers' AttentionInterface): left as written")
     tagged = []
     for name, module in candidates:
-        reason = _leave_alone(pol, "attention", name, module, filter_fn)
+        reason = _leave_alone(pol, "attention", name, module, filter_fn, _index(numbered, name))
         if reason is None and (name + ".").startswith(eager_only):
             reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
                       "scaled dot-product attention): left as written")

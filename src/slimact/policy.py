@@ -51,6 +51,9 @@ KINDS: tuple[str, ...] = (
 LOSSLESS_KINDS: tuple[str, ...] = (
     "relu", "dropout", "layernorm", "rmsnorm", "groupnorm", "gelu", "silu", "mlp", "lmloss", "attention",
 )
+#: Kinds that pack no tensor whatever the policy (a dropout keeps its mask as bits, the LM loss keeps no logits):
+#: ``per_kind`` compression settings of theirs would be ignored, so they are refused.
+_PACKLESS_KINDS = ("dropout", "lmloss")
 _HEADWISE_KINDS = ("matmul", "softmax", "attention")
 _CHANNEL_FIRST_KINDS = ("conv", "batchnorm", "groupnorm")
 
@@ -99,6 +102,8 @@ _POLICY_FIELDS: dict[str, _Check] = {
     "exclude_index": (tuple, _every(_is_kind_index), "a sequence of 'kind:index' strings with a known kind"),
     "keep_logits": (bool, bool.__instancecheck__, "a bool"),
 }
+#: The :class:`KindSettings` fields that only say how a tensor is packed.
+_COMPRESSION_FIELDS = ("bits", "scale", "ema_decay", "stochastic", "groups")
 _KIND_FIELDS: dict[str, _Check] = {
     **_COMMON, "groups": (int, lambda v: v >= 0, "an int >= 0 (0 = one per channel or head)"),
 }
@@ -159,6 +164,11 @@ def _checked_per_kind(value: Any, where: str) -> tuple[tuple[str, KindSettings],
         if kind in out:
             raise PolicyError(f"{where}: per_kind: layer kind {kind!r} given twice")
         out[kind] = KindSettings.of(settings, f"{where}: per_kind.{kind}")
+        if kind in _PACKLESS_KINDS:
+            unused = next((f for f in _COMPRESSION_FIELDS if getattr(out[kind], f) is not None), None)
+            if unused is not None:
+                raise PolicyError(f"{where}: per_kind.{kind}: {unused} must be left unset: a {kind} packs no tensor "
+                                  f"(it would be ignored); only quantize may be given")
     return tuple(sorted(out.items()))
 
 
@@ -221,9 +231,12 @@ class Policy:
         include: ``fnmatch`` patterns on qualified module names; if given, only matching modules convert.
         exclude: patterns whose matches are left alone.
         exclude_index: ``"kind:i"`` entries leaving alone the ``i``-th module of that kind (counted from 0
-            in ``model.named_modules()`` order, as Mesa's ``by_index`` does).
+            in ``model.named_modules()`` order, as Mesa's ``by_index`` does, whatever the policy converts: a fused
+            block's parts count, a Hugging Face attention module counts as an ``attention``, the LM loss is
+            ``lmloss:0``; excluding a part of a fused block leaves the block unfused, as by name).
         per_kind: settings of single kinds overriding the ones above, ``{"attention": {"bits": 4},
-            "gelu": {"quantize": False}}`` (:class:`KindSettings` or dicts; stored as sorted pairs).
+            "gelu": {"quantize": False}}`` (:class:`KindSettings` or dicts; stored as sorted pairs). ``dropout`` and
+            ``lmloss`` pack nothing: they take ``quantize`` alone.
         keep_logits: a language model called in training with labels computes its logits in the forward and
             returns them, as the plain model does. By default (``False``) its head and the loss run together
             in chunks and ``output.logits`` is a :class:`slimact.nn.lm_loss.LazyLogits` that computes them only
@@ -416,8 +429,9 @@ def _from_mesa_text(text: str, source: str) -> Policy:
 
     A tag is converted if some block enables it for ``all``; blocks that disable listed indices become
     ``exclude_index`` entries; ``level`` (256, 16, 4) sets the tag's ``bits`` and ``ema_decay`` its decay
-    (``per_kind``). Unlisted tags stay off, as in Mesa. Mesa's running estimates and stochastic rounding are
-    the base.
+    (``per_kind``), from an ``all`` block (in a disabling block they are moot; in an enabling block of indices,
+    per-layer settings, refused). Unlisted tags stay off, as in Mesa. Mesa's running estimates and stochastic
+    rounding are the base.
     """
     base = PRESETS["mesa"]
     kinds: list[str] = []
@@ -436,13 +450,20 @@ def _from_mesa_text(text: str, source: str) -> Policy:
                 kinds.append(kind)
             if not enable and kind in kinds:
                 kinds.remove(kind)
+            if block["settings"]:
+                settings.setdefault(kind, {}).update(block["settings"])
         elif not enable:
+            # (a level or decay here is for layers kept exact: it sets nothing, and must not reach the tag's others)
             excluded.extend(f"{kind}:{i}" for i in block["by_index"])
         elif kind not in kinds:
             raise PolicyError(
                 f"{source}:{block['line']}: enabling only some {tag!r} layers by index is not supported; "
                 "enable 'all' and disable the others by index"
             )
+        elif block["settings"]:  # settings are per kind here: applied to the tag, they would change every layer
+            key, no = next(iter(block["lines"].items()))
+            raise PolicyError(f"{source}:{no}: {key} for only some {tag!r} layers (by index) is not supported; "
+                              "set it in the 'by_index: all' block")
 
     lines = text.splitlines()
     for no, raw in enumerate(lines, 1):
@@ -465,10 +486,11 @@ def _from_mesa_text(text: str, source: str) -> Policy:
         if head == "by_index":
             close_block()
             if value == "all":
-                block = {"by_index": "all", "line": no}
+                block = {"by_index": "all", "line": no, "settings": {}, "lines": {}}
             else:
                 try:
-                    block = {"by_index": [int(v) for v in value.replace(",", " ").split()], "line": no}
+                    block = {"by_index": [int(v) for v in value.replace(",", " ").split()], "line": no,
+                             "settings": {}, "lines": {}}
                 except ValueError:
                     raise PolicyError(f"{source}:{no}: by_index must be 'all' or indices, got {value!r}") from None
             continue
@@ -482,9 +504,11 @@ def _from_mesa_text(text: str, source: str) -> Policy:
                     raise ValueError
                 block["enable"] = value in ("True", "true")
             elif head == "level":
-                settings.setdefault(_MESA_TAGS[tag], {})["bits"] = _MESA_LEVELS[int(value)]
+                block["settings"]["bits"] = _MESA_LEVELS[int(value)]
             else:
-                settings.setdefault(_MESA_TAGS[tag], {})["ema_decay"] = float(value)
+                block["settings"]["ema_decay"] = float(value)
+            if head != "enable":
+                block["lines"][head] = no
         except (ValueError, KeyError):
             raise PolicyError(f"{source}:{no}: bad value for {head!r}: {value!r}") from None
     close_block()

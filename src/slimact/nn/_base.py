@@ -17,7 +17,9 @@ slimact module used on its own one site per call between two backward passes.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -288,6 +290,27 @@ def detach(module: nn.Module) -> nn.Module:
     for name in [n for n in module.__dict__ if n.startswith("_slimact_") and not n.startswith("_slimact_root")]:
         del module.__dict__[name]
     return module
+
+
+@contextlib.contextmanager
+def as_written(model: nn.Module) -> Iterator[None]:
+    """``model``'s converted modules in their original classes for the duration, everything else (their state
+    included) as it is: what a probe of a parent's forward must see to recognise the parent as on the plain model
+    (a gated MLP whose parts compute slimact's 8-bit forms has other gradients than the exact form's)."""
+    swapped = []
+    try:
+        for module in model.modules():
+            if isinstance(module, SlimModule):
+                try:
+                    plain = _unslimmed_class(type(module), module._slimact_orig_cls)
+                except RuntimeError:  # (a class derived from slimact's that revert cannot rebuild either: kept)
+                    continue
+                swapped.append((module, type(module)))
+                module.__class__ = plain
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def standalone(mixin: type, base: type[nn.Module], kind: str, name: str, doc: str, **extra: Any) -> type[nn.Module]:
