@@ -138,6 +138,34 @@ def test_a_norm_whose_scale_a_batch_norm_removes_keeps_exact_tensors():
     assert not slimact.summary(slimact.convert(copy.deepcopy(model), "tempo")).skipped.get("norm")
 
 
+def _inverted_residual(act: type[nn.Module]) -> nn.Sequential:
+    """MobileNetV2's block: 1 x 1 expansion, BatchNorm, ReLU6, depthwise conv, BatchNorm, ReLU6, 1 x 1 projection,
+    BatchNorm. The first BatchNorm's per-channel scale passes the ReLU6 (``relu6(a x) = a relu6(x)`` below the
+    cap; its bias is 0 at initialisation) and the depthwise conv, and the second BatchNorm removes it."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(8, 32, 1, bias=False), nn.BatchNorm2d(32), act()),
+        nn.Sequential(nn.Conv2d(32, 32, 3, padding=1, groups=32, bias=False), nn.BatchNorm2d(32), act()),
+        nn.Conv2d(32, 8, 1, bias=False), nn.BatchNorm2d(8),
+    )
+
+
+@pytest.mark.parametrize("act", [nn.ReLU6, nn.ReLU])
+def test_a_batch_norm_whose_scale_a_batch_norm_after_a_depthwise_conv_removes_keeps_exact_tensors(act):
+    import slimact
+
+    model = _inverted_residual(act)
+    x = torch.randn(8, 8, 12, 12)
+    report = slimact.check(model, x, "int8", loss_fn=lambda y: (y * torch.linspace(-1, 1, 12)).pow(2).sum())
+    assert report.passed, str(report)  # 0.1.weight at cosine 0.83 when either BatchNorm's input is 8-bit
+    skipped = slimact.summary(slimact.convert(copy.deepcopy(model), "int8")).skipped
+    assert "nearly cancelling" in skipped["0.1"]
+    assert "removes the per-channel scale" in skipped["1.1"]
+    assert "3" not in skipped  # (the projection's BatchNorm: nothing removes its scale)
+    lossless = slimact.summary(slimact.convert(copy.deepcopy(model), "tempo")).skipped
+    assert not any("cancelling" in why or "removes the per-channel" in why for why in lossless.values())
+
+
 def test_running_estimate_policies_scale_the_input_by_this_batchs_own_range():
     # The backward's error is invstd_c * step / 2: bounded only where the step follows this batch's spread of the
     # channel. A running estimate follows the ranges of earlier batches, and where a channel's offset moves from
