@@ -1,5 +1,6 @@
 import copy
 import sys
+import warnings
 
 import pytest
 import torch
@@ -644,3 +645,14 @@ def test_attention_excluded_by_index_computes_as_written():
     loss1, g1 = loss_grads(slim, inputs)
     assert torch.equal(loss1, loss0)
     assert all(torch.equal(g1[n], g) for n, g in g0.items())
+
+
+def test_an_exclude_index_naming_no_module_of_the_model_is_warned_of():
+    # A Mesa policy file names layers by index; one written for another model silently excluded nothing.
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match=r"exclude_index \['linear:2'\] name no module .*'linear': 2"):
+        slimact.convert(copy.deepcopy(model), slimact.Policy(exclude_index=("linear:2", "linear:1")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converted = slimact.convert(copy.deepcopy(model), slimact.Policy(exclude_index=("linear:1",)))
+    assert list(slimact.summary(converted).skipped) == ["2"]

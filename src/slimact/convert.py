@@ -11,6 +11,7 @@ import copy
 import fnmatch
 import itertools
 import os
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -249,6 +250,12 @@ def convert(
         for module in model.modules():
             recognise(module)
     numbered = _numbered(model)
+    # (a Mesa policy file names layers by index: one written for another model may name none of this one's)
+    unmatched = [e for e in pol.exclude_index if e not in numbered.values() and not e.startswith("lmloss:")]
+    if unmatched:
+        warnings.warn(f"slimact.convert: exclude_index {unmatched} name no module of this model (it has "
+                      f"{dict(Counter(v.rpartition(':')[0] for v in numbered.values()))}, counted from 0): "
+                      "nothing is left alone for them", stacklevel=2)
     for name, module in model.named_modules():
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:
