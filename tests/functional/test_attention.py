@@ -306,6 +306,36 @@ def test_a_learned_mask_gets_its_gradient(shape, p, cfg):
             assert sqnr_db(g0, g1) >= 30, name
 
 
+@pytest.mark.parametrize("dead_row", [False, True], ids=["bias", "a-fully-masked-row"])
+@pytest.mark.parametrize(("shape", "learned", "h_kv"), [((2, 4, 9, 9), True, 4), ((4, 9, 9), True, 2),
+                                                        ((9, 9), True, 4), ((4, 9, 9), False, 4)],
+                         ids=["learned-4d", "learned-3d-gqa", "learned-2d", "fixed-3d"])
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_call_pytorch_runs_through_its_math_kernel_gives_its_output_bit_for_bit(cfg, shape, learned, h_kv, dead_row):
+    # PyTorch's CPU call runs its math kernel for a mask that needs a gradient (a learned relative-position bias
+    # written in model code) and for a mask of a shape its flash kernel refuses ([H, T, S]); the chunked blocks
+    # and the flash kernel gave outputs an ulp off it (fp32: 1.5e-7), breaking the bit-exact forward.
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 9, 16, requires_grad=True)
+    k, v = (torch.randn(2, h_kv, 9, 16, requires_grad=True) for _ in range(2))
+    bias = (0.5 * torch.randn(*shape)).requires_grad_(learned)
+    fill = torch.zeros(shape)
+    if dead_row:
+        fill[..., 3, :] = float("-inf")
+    upstream = torch.randn(2, 4, 9, 16)
+    outs, grads = [], []
+    for fn, kw in ((F.scaled_dot_product_attention, {}), (scaled_dot_product_attention, {"cfg": cfg})):
+        out = fn(q, k, v, attn_mask=bias + fill, enable_gqa=h_kv != 4, **kw)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v, bias) if learned else (q, k, v), upstream))
+    assert torch.equal(outs[1], outs[0])
+    for name, g0, g1 in zip("qkvm", *grads, strict=False):
+        if cfg is None:
+            torch.testing.assert_close(g1, g0, msg=name)
+        else:
+            assert sqnr_db(g0, g1) >= 25, name
+
+
 class _Biased(nn.Module):
     def __init__(self, fn, **kw):
         super().__init__()
@@ -329,17 +359,17 @@ def test_a_learned_mask_keeps_nothing_of_size_t_by_s():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_transposed_query_key_value_give_torchs_output(dtype, cfg):
     # The CPU flash kernel reads the head dim as contiguous: q, k, v seen through transposed strides (last-dim
-    # stride != 1) gave a wrong output, up to 1e33, before they were made contiguous for it. The reference is
-    # PyTorch's attention of contiguous copies (the same kernel; F.scaled_dot_product_attention itself falls back
-    # to its math path for such strides, which rounds otherwise in bf16).
+    # stride != 1) gave a wrong output, up to 1e33, before they were made contiguous for it. For such strides
+    # F.scaled_dot_product_attention itself runs its math kernel, and so does slimact's forward since (its output
+    # bit for bit; the flash kernel on contiguous copies rounds otherwise in bf16).
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 8, 5, generator=gen).to(dtype).transpose(-1, -2).contiguous().transpose(-1, -2)
                for _ in range(3))
     assert q.stride(-1) != 1
     g = torch.randn(2, 4, 8, 5, generator=gen).to(dtype)
-    out0, g0 = _run(lambda *a: F.scaled_dot_product_attention(*(t.contiguous() for t in a)), q, k, v, g)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g)
     out1, g1 = _run(lambda *a: scaled_dot_product_attention(*a, cfg=cfg), q, k, v, g)
-    torch.testing.assert_close(out1, out0)
+    assert torch.equal(out1, out0)
     for name, a, e in zip("qkv", g1, g0, strict=True):
         if cfg is None:
             torch.testing.assert_close(a, e, msg=name)

@@ -77,6 +77,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._saving import Mask, SlimFunction, load, save
@@ -398,7 +399,7 @@ class _ChunkedAttention(SlimFunction):
     layer = "attention (chunked)"
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state):
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state, math_forward=False):
         b, h, t, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
         add = _additive(mask, torch.float32)
@@ -426,6 +427,12 @@ class _ChunkedAttention(SlimFunction):
                 dropped, _ = torch.native_dropout(probs, dropout_p, True)
             out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), v32 if dropped.dtype != v.dtype else vg)
             out = out.reshape(b, h, t, v.shape[-1]).to(v.dtype)
+        elif math_forward:
+            # PyTorch's own call runs its math kernel here (_math_chosen): that very op gives the very output, where
+            # the blocks below differ from it by an ulp (q scaled once, not q and k by sqrt(scale) each; fp32 with
+            # a learned [H, T, S] bias: 1.5e-7). Its [B, H, T, S] scores are transient, as in the plain call.
+            out = torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=h != h_kv)[0]
         else:
             out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype, device=q.device)
             for t0 in range(0, t, CHUNK_ROWS):
@@ -505,7 +512,7 @@ class _ChunkedAttention(SlimFunction):
         # Summed over each group's heads (a dim of one without grouping: a view, not a summing copy).
         gk, gv = (x.squeeze(2) if rep == 1 else x.sum(2) for x in (gk, gv))
         return (gq.reshape(b, h, t, d).to(q.dtype), gk.to(k.dtype), gv.to(v.dtype),
-                grad_mask, None, None, None, None, None, None)
+                grad_mask, None, None, None, None, None, None, None)
 
 
 def _scaled_queries(q: Tensor, scale: float) -> Tensor:
@@ -602,6 +609,19 @@ def _not_finite(query: Tensor, key: Tensor) -> Tensor:
     flagged too: they take the chunked path, exact, as non-finite ones do (slower, never wrong)."""
     total = query.detach().sum(dtype=torch.float32) + key.detach().sum(dtype=torch.float32)
     return (total - total) != 0
+
+
+def _math_chosen(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                 is_causal: bool, scale: float, enable_gqa: bool) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` on the CPU, without dropout, runs PyTorch's math kernel for these
+    arguments (a mask that needs a gradient; a mask of a shape its CPU flash kernel refuses, ``[H, T, S]``): its
+    own choice (``aten._fused_sdp_choice``), so the forward is its output bit for bit. With dropout the chunked path
+    draws the mask itself (its forward is within float rounding of PyTorch's, docs/attention.md)."""
+    if dropout_p != 0.0 or query.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    choice = torch.ops.aten._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    return choice == SDPBackend.MATH.value
 
 
 def _fused_kind(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -849,6 +869,8 @@ def scaled_dot_product_attention(
     if kind is not None:
         return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state,
                                      dead)
-    if flash:
+    math_forward = _math_chosen(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if flash and not math_forward:
         return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
-    return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)
+    return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state,
+                                   math_forward)
