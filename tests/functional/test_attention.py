@@ -307,27 +307,36 @@ def test_a_learned_mask_gets_its_gradient(shape, p, cfg):
 
 
 @pytest.mark.parametrize("dead_row", [False, True], ids=["bias", "a-fully-masked-row"])
-@pytest.mark.parametrize(("shape", "learned", "h_kv"), [((2, 4, 9, 9), True, 4), ((4, 9, 9), True, 2),
-                                                        ((9, 9), True, 4), ((4, 9, 9), False, 4)],
-                         ids=["learned-4d", "learned-3d-gqa", "learned-2d", "fixed-3d"])
+@pytest.mark.parametrize(("shape", "kind", "h_kv"), [((2, 4, 9, 9), "learned", 4), ((4, 9, 9), "learned", 2),
+                                                     ((9, 9), "learned", 4), ((4, 9, 9), "fixed", 4),
+                                                     ((4, 9, 9), "bool", 4), ((2, 1, 9, 9), "bool", 4)],
+                         ids=["learned-4d", "learned-3d-gqa", "learned-2d", "fixed-3d", "bool-3d", "bool-4d"])
 @pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
-def test_a_call_pytorch_runs_through_its_math_kernel_gives_its_output_bit_for_bit(cfg, shape, learned, h_kv, dead_row):
-    # PyTorch's CPU call runs its math kernel for a mask that needs a gradient (a learned relative-position bias
-    # written in model code) and for a mask of a shape its flash kernel refuses ([H, T, S]); the chunked blocks
-    # and the flash kernel gave outputs an ulp off it (fp32: 1.5e-7), breaking the bit-exact forward.
+def test_a_call_pytorch_runs_through_its_math_kernel_gives_its_output_bit_for_bit(cfg, shape, kind, h_kv, dead_row):
+    # PyTorch's CPU call without dropout runs its math kernel for a mask that needs a gradient (a learned
+    # relative-position bias written in model code) and for a mask of a shape its flash kernel refuses ([H, T, S]);
+    # the chunked blocks and the flash kernel gave outputs an ulp off it (fp32: 1.5e-7). A boolean mask is handed
+    # to that kernel as PyTorch's call hands it (as is, it read it otherwise: outputs 1.0 off).
     torch.manual_seed(0)
     q = torch.randn(2, 4, 9, 16, requires_grad=True)
     k, v = (torch.randn(2, h_kv, 9, 16, requires_grad=True) for _ in range(2))
-    bias = (0.5 * torch.randn(*shape)).requires_grad_(learned)
-    fill = torch.zeros(shape)
-    if dead_row:
-        fill[..., 3, :] = float("-inf")
+    if kind == "bool":
+        mask = torch.rand(shape) > 0.3
+        mask[..., 3, :] = not dead_row
+        mask[..., 0] = True if not dead_row else mask[..., 0]
+    else:
+        bias = (0.5 * torch.randn(*shape)).requires_grad_(kind == "learned")
+        fill = torch.zeros(shape)
+        if dead_row:
+            fill[..., 3, :] = float("-inf")
+        mask = bias + fill
     upstream = torch.randn(2, 4, 9, 16)
     outs, grads = [], []
     for fn, kw in ((F.scaled_dot_product_attention, {}), (scaled_dot_product_attention, {"cfg": cfg})):
-        out = fn(q, k, v, attn_mask=bias + fill, enable_gqa=h_kv != 4, **kw)
+        torch.manual_seed(1)
+        out = fn(q, k, v, attn_mask=mask, enable_gqa=h_kv != 4, **kw)
         outs.append(out)
-        grads.append(torch.autograd.grad(out, (q, k, v, bias) if learned else (q, k, v), upstream))
+        grads.append(torch.autograd.grad(out, (q, k, v, bias) if kind == "learned" else (q, k, v), upstream))
     assert torch.equal(outs[1], outs[0])
     for name, g0, g1 in zip("qkvm", *grads, strict=False):
         if cfg is None:

@@ -412,11 +412,21 @@ class _ChunkedAttention(SlimFunction):
         # path is taken (dropout, value heads of another width). Rounding the probabilities to the inputs' dtype
         # first left outputs 1 ulp off plain's (bf16 with dropout: 7.8e-3 at values near 1.7).
         v32 = vg.float() if q.device.type == "cpu" else vg
-        rng = None
-        if dropout_p > 0:
+        rng = _rng_state(q.device) if dropout_p > 0 else None
+        if math_forward and dropout_p == 0.0:
+            # PyTorch's own call runs its math kernel here (_math_chosen): that very op gives the very output, where
+            # the blocks below differ from it by an ulp (q scaled once, not q and k by sqrt(scale) each; fp32 with
+            # a learned [H, T, S] bias: 1.5e-7). Its [B, H, T, S] scores are transient, as in the plain call. A
+            # boolean mask is handed over as F.scaled_dot_product_attention hands it (-inf where False, 0 elsewhere,
+            # q's dtype): the op reads a boolean one otherwise (outputs 1.0 off).
+            given = mask
+            if mask is not None and mask.dtype == torch.bool:
+                given = torch.where(mask.logical_not(), -math.inf, torch.zeros((), dtype=q.dtype, device=q.device))
+            out = torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, given, 0.0, is_causal, scale=scale, enable_gqa=h != h_kv)[0]
+        elif dropout_p > 0:
             # One draw over the whole [B, H, T, S] grid, as eager F.dropout makes it (same masks as the plain
             # model); the backward replays it from the snapshot. Transient here, never kept.
-            rng = _rng_state(q.device)
             scores, future = _block_scores(qs, kt, add, is_causal, (b, h, t, s), 0, t)
             if _bool_draw(q.device, dropout_p):
                 # native_dropout's draw (the same generator advance), its multiply in the probabilities' loop
@@ -427,12 +437,6 @@ class _ChunkedAttention(SlimFunction):
                 dropped, _ = torch.native_dropout(probs, dropout_p, True)
             out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), v32 if dropped.dtype != v.dtype else vg)
             out = out.reshape(b, h, t, v.shape[-1]).to(v.dtype)
-        elif math_forward:
-            # PyTorch's own call runs its math kernel here (_math_chosen): that very op gives the very output, where
-            # the blocks below differ from it by an ulp (q scaled once, not q and k by sqrt(scale) each; fp32 with
-            # a learned [H, T, S] bias: 1.5e-7). Its [B, H, T, S] scores are transient, as in the plain call.
-            out = torch.ops.aten._scaled_dot_product_attention_math(
-                q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=h != h_kv)[0]
         else:
             out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype, device=q.device)
             for t0 in range(0, t, CHUNK_ROWS):
@@ -615,8 +619,10 @@ def _math_chosen(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | 
                  is_causal: bool, scale: float, enable_gqa: bool) -> bool:
     """Whether ``F.scaled_dot_product_attention`` on the CPU, without dropout, runs PyTorch's math kernel for these
     arguments (a mask that needs a gradient; a mask of a shape its CPU flash kernel refuses, ``[H, T, S]``): its
-    own choice (``aten._fused_sdp_choice``), so the forward is its output bit for bit. With dropout the chunked path
-    draws the mask itself (its forward is within float rounding of PyTorch's, docs/attention.md)."""
+    own choice (``aten._fused_sdp_choice``), so the forward is its output bit for bit. With dropout (always the math
+    kernel in PyTorch) the chunked path keeps its own forward, within float rounding of PyTorch's (2.4e-7 in fp32):
+    its draw and masking run in its compiled loops, where the math kernel's are a serial fp32 draw and two passes
+    over [B, H, T, S] (docs/attention.md)."""
     if dropout_p != 0.0 or query.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     choice = torch.ops.aten._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
