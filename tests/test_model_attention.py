@@ -290,3 +290,46 @@ def test_int8_attention_by_hand_with_dropped_probabilities_has_plains_forward(p,
         grads.append({n: q.grad for n, q in model.named_parameters()})
     assert torch.equal(outs[1], outs[0])
     assert_gradients_close(grads[0], grads[1])
+
+
+class _RelPosSDPA(nn.Module):
+    """A block's attention written with F.scaled_dot_product_attention and a learned relative-position bias (T5/Swin
+    style, [H, T, T] Parameter) or a fixed per-head [H, T, T] mask (ALiBi, sliding windows)."""
+
+    def __init__(self, dim: int, heads: int, mask: str) -> None:
+        super().__init__()
+        self.heads, self.mask = heads, mask
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.rel = nn.Parameter(0.1 * torch.randn(heads, T, T))
+        slopes = torch.tensor([2.0 ** (-i - 1) for i in range(heads)])
+        self.register_buffer("alibi", slopes[:, None, None] * (torch.arange(T)[None, :] - torch.arange(T)[:, None]))
+        self.register_buffer("window", (torch.arange(T)[None, :] - torch.arange(T)[:, None]).abs()[None].expand(
+            heads, T, T) <= torch.arange(2, 2 + heads)[:, None, None])
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        mask = {"learned": self.rel, "alibi": self.alibi, "window": self.window}[self.mask]
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.proj(out.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8", "mesa"])
+@pytest.mark.parametrize("mask", ["learned", "alibi", "window"])
+def test_sdpa_with_a_per_head_or_learned_bias_written_in_model_code_keeps_plains_forward(mask, policy):
+    # PyTorch runs its math kernel for these calls; slimact's chunked blocks (learned bias) and CPU flash kernel
+    # ([H, T, T] mask) gave outputs 1.5e-7 off it, and the math kernel handed a boolean mask as is 1.0 off.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 64), _RelPosSDPA(64, 4, mask), nn.LayerNorm(64), nn.Linear(64, 8))
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    x = torch.randn(2, T, 16)
+    y0, y1 = plain(x), slim(x)
+    assert torch.equal(y1, y0)
+    y0.square().sum().backward()
+    y1.square().sum().backward()
+    # (the bias Parameter gets no gradient where the block reads a fixed mask instead)
+    grads = tuple({n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (plain, slim))
+    if policy == "tempo":
+        assert_gradients_equal(*grads)
+    else:
+        assert_gradients_close(*grads)

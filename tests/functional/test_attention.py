@@ -306,6 +306,45 @@ def test_a_learned_mask_gets_its_gradient(shape, p, cfg):
             assert sqnr_db(g0, g1) >= 30, name
 
 
+@pytest.mark.parametrize("dead_row", [False, True], ids=["bias", "a-fully-masked-row"])
+@pytest.mark.parametrize(("shape", "kind", "h_kv"), [((2, 4, 9, 9), "learned", 4), ((4, 9, 9), "learned", 2),
+                                                     ((9, 9), "learned", 4), ((4, 9, 9), "fixed", 4),
+                                                     ((4, 9, 9), "bool", 4), ((2, 1, 9, 9), "bool", 4)],
+                         ids=["learned-4d", "learned-3d-gqa", "learned-2d", "fixed-3d", "bool-3d", "bool-4d"])
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_a_call_pytorch_runs_through_its_math_kernel_gives_its_output_bit_for_bit(cfg, shape, kind, h_kv, dead_row):
+    # PyTorch's CPU call without dropout runs its math kernel for a mask that needs a gradient (a learned
+    # relative-position bias written in model code) and for a mask of a shape its flash kernel refuses ([H, T, S]);
+    # the chunked blocks and the flash kernel gave outputs an ulp off it (fp32: 1.5e-7). A boolean mask is handed
+    # to that kernel as PyTorch's call hands it (as is, it read it otherwise: outputs 1.0 off).
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 9, 16, requires_grad=True)
+    k, v = (torch.randn(2, h_kv, 9, 16, requires_grad=True) for _ in range(2))
+    if kind == "bool":
+        mask = torch.rand(shape) > 0.3
+        mask[..., 3, :] = not dead_row
+        mask[..., 0] = True if not dead_row else mask[..., 0]
+    else:
+        bias = (0.5 * torch.randn(*shape)).requires_grad_(kind == "learned")
+        fill = torch.zeros(shape)
+        if dead_row:
+            fill[..., 3, :] = float("-inf")
+        mask = bias + fill
+    upstream = torch.randn(2, 4, 9, 16)
+    outs, grads = [], []
+    for fn, kw in ((F.scaled_dot_product_attention, {}), (scaled_dot_product_attention, {"cfg": cfg})):
+        torch.manual_seed(1)
+        out = fn(q, k, v, attn_mask=mask, enable_gqa=h_kv != 4, **kw)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v, bias) if kind == "learned" else (q, k, v), upstream))
+    assert torch.equal(outs[1], outs[0])
+    for name, g0, g1 in zip("qkvm", *grads, strict=False):
+        if cfg is None:
+            torch.testing.assert_close(g1, g0, msg=name)
+        else:
+            assert sqnr_db(g0, g1) >= 25, name
+
+
 class _Biased(nn.Module):
     def __init__(self, fn, **kw):
         super().__init__()
@@ -329,17 +368,17 @@ def test_a_learned_mask_keeps_nothing_of_size_t_by_s():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_transposed_query_key_value_give_torchs_output(dtype, cfg):
     # The CPU flash kernel reads the head dim as contiguous: q, k, v seen through transposed strides (last-dim
-    # stride != 1) gave a wrong output, up to 1e33, before they were made contiguous for it. The reference is
-    # PyTorch's attention of contiguous copies (the same kernel; F.scaled_dot_product_attention itself falls back
-    # to its math path for such strides, which rounds otherwise in bf16).
+    # stride != 1) gave a wrong output, up to 1e33, before they were made contiguous for it. For such strides
+    # F.scaled_dot_product_attention itself runs its math kernel, and so does slimact's forward since (its output
+    # bit for bit; the flash kernel on contiguous copies rounds otherwise in bf16).
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 8, 5, generator=gen).to(dtype).transpose(-1, -2).contiguous().transpose(-1, -2)
                for _ in range(3))
     assert q.stride(-1) != 1
     g = torch.randn(2, 4, 8, 5, generator=gen).to(dtype)
-    out0, g0 = _run(lambda *a: F.scaled_dot_product_attention(*(t.contiguous() for t in a)), q, k, v, g)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g)
     out1, g1 = _run(lambda *a: scaled_dot_product_attention(*a, cfg=cfg), q, k, v, g)
-    torch.testing.assert_close(out1, out0)
+    assert torch.equal(out1, out0)
     for name, a, e in zip("qkv", g1, g0, strict=True):
         if cfg is None:
             torch.testing.assert_close(a, e, msg=name)

@@ -31,10 +31,15 @@ Which kernel, where (:func:`fused_kernel` chooses; anything it does not take run
   NaN scores; one host sync checks).
 * CPU without dropout: PyTorch's CPU flash kernel (``_FlashAttentionCPU``), unless a query or key holds NaN/inf
   (read off the score guard's error at 8 bits, else one fp32 sum of each: :func:`_not_finite`; a finite q, k
-  whose sum overflows fp32 takes the chunked path too, exact).
+  whose sum overflows fp32 takes the chunked path too, exact), or PyTorch's own call runs its math kernel there
+  (:func:`_math_chosen`: a mask that needs a gradient, an ``[H, T, S]`` mask): the chunked path's backward, its
+  forward that kernel's output.
 * Otherwise (CPU with dropout, other devices): ``_ChunkedAttention``, flash-style attention in PyTorch ops, a
   block of query rows at a time, its scores in fp32 (on the CPU its probabilities' product with v too, the output
-  rounded once, as PyTorch's math kernel: fp16/bf16 outputs bit for bit).
+  rounded once, as PyTorch's math kernel). Its sums run in another order than the math kernel's: with dropout the
+  output is within float rounding of PyTorch's, not bit for bit (fp32: 2.4e-7; bf16: a rounding flip of at most one
+  bf16 ulp in about 0.03% of the outputs, [4, 2, 32, 32] with p = 0.1). The math kernel itself would be bit for
+  bit but takes 3x this path's forward time ([4, 12, 256, 64], causal: 44 ms against 15 ms on 2 CPU cores).
 
 Dropout replay: no mask is drawn, nor kept. The CUDA kernels draw dropout from Philox with a seed and offset
 they take from the CUDA generator (and advance it); under a lossless policy the backward gets the seed and
@@ -76,6 +81,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 from slimact._cache import cache
 from slimact.functional._bernoulli import bernoulli_
@@ -398,7 +404,7 @@ class _ChunkedAttention(SlimFunction):
     layer = "attention (chunked)"
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state):
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state, math_forward=False):
         b, h, t, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
         add = _additive(mask, torch.float32)
@@ -411,11 +417,21 @@ class _ChunkedAttention(SlimFunction):
         # path is taken (dropout, value heads of another width). Rounding the probabilities to the inputs' dtype
         # first left outputs 1 ulp off plain's (bf16 with dropout: 7.8e-3 at values near 1.7).
         v32 = vg.float() if q.device.type == "cpu" else vg
-        rng = None
-        if dropout_p > 0:
+        rng = _rng_state(q.device) if dropout_p > 0 else None
+        if math_forward and dropout_p == 0.0:
+            # PyTorch's own call runs its math kernel here (_math_chosen): that very op gives the very output, where
+            # the blocks below differ from it by an ulp (q scaled once, not q and k by sqrt(scale) each; fp32 with
+            # a learned [H, T, S] bias: 1.5e-7). Its [B, H, T, S] scores are transient, as in the plain call. A
+            # boolean mask is handed over as F.scaled_dot_product_attention hands it (-inf where False, 0 elsewhere,
+            # q's dtype): the op reads a boolean one otherwise (outputs 1.0 off).
+            given = mask
+            if mask is not None and mask.dtype == torch.bool:
+                given = torch.where(mask.logical_not(), -math.inf, torch.zeros((), dtype=q.dtype, device=q.device))
+            out = torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, given, 0.0, is_causal, scale=scale, enable_gqa=h != h_kv)[0]
+        elif dropout_p > 0:
             # One draw over the whole [B, H, T, S] grid, as eager F.dropout makes it (same masks as the plain
             # model); the backward replays it from the snapshot. Transient here, never kept.
-            rng = _rng_state(q.device)
             scores, future = _block_scores(qs, kt, add, is_causal, (b, h, t, s), 0, t)
             if _bool_draw(q.device, dropout_p):
                 # native_dropout's draw (the same generator advance), its multiply in the probabilities' loop
@@ -505,7 +521,7 @@ class _ChunkedAttention(SlimFunction):
         # Summed over each group's heads (a dim of one without grouping: a view, not a summing copy).
         gk, gv = (x.squeeze(2) if rep == 1 else x.sum(2) for x in (gk, gv))
         return (gq.reshape(b, h, t, d).to(q.dtype), gk.to(k.dtype), gv.to(v.dtype),
-                grad_mask, None, None, None, None, None, None)
+                grad_mask, None, None, None, None, None, None, None)
 
 
 def _scaled_queries(q: Tensor, scale: float) -> Tensor:
@@ -602,6 +618,21 @@ def _not_finite(query: Tensor, key: Tensor) -> Tensor:
     flagged too: they take the chunked path, exact, as non-finite ones do (slower, never wrong)."""
     total = query.detach().sum(dtype=torch.float32) + key.detach().sum(dtype=torch.float32)
     return (total - total) != 0
+
+
+def _math_chosen(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                 is_causal: bool, scale: float, enable_gqa: bool) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` on the CPU, without dropout, runs PyTorch's math kernel for these
+    arguments (a mask that needs a gradient; a mask of a shape its CPU flash kernel refuses, ``[H, T, S]``): its
+    own choice (``aten._fused_sdp_choice``), so the forward is its output bit for bit. With dropout (always the math
+    kernel in PyTorch) the chunked path keeps its own forward, within float rounding of PyTorch's (2.4e-7 in fp32):
+    its draw and masking run in its compiled loops, where the math kernel's are a serial fp32 draw and two passes
+    over [B, H, T, S] (docs/attention.md)."""
+    if dropout_p != 0.0 or query.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    choice = torch.ops.aten._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    return choice == SDPBackend.MATH.value
 
 
 def _fused_kind(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -849,6 +880,8 @@ def scaled_dot_product_attention(
     if kind is not None:
         return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state,
                                      dead)
-    if flash:
+    math_forward = _math_chosen(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if flash and not math_forward:
         return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
-    return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state)
+    return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state,
+                                   math_forward)
