@@ -439,6 +439,11 @@ def _zero_first_four(h, x):
     return h
 
 
+def _add_to_first_four(h, x):
+    h[:, :4] += x[:, :4]
+    return h
+
+
 #: In-place edits PyTorch's own layer (which keeps its input) takes, as model code writes them.
 _EDITS = {
     "h += x": lambda h, x: h.__iadd__(x),
@@ -457,6 +462,12 @@ _EDITS = {
     "h.clamp_()": lambda h, x: h.clamp_(-0.5, 0.5),
     "h[:, :4] = 0": _zero_first_four,
     "h[:, :4] = 0; h += x": lambda h, x: _zero_first_four(h, x).__iadd__(x),
+    # On a view of it (torchvision's MViT: norm(x)[:, 0] into an nn.Dropout(inplace=True) head).
+    "h[:, :4] += x[:, :4]": _add_to_first_four,
+    "h[:, 0].relu_()": lambda h, x: (h[:, 0].relu_(), h)[1],
+    "F.dropout(h[:, :4], inplace=True)": lambda h, x: (F.dropout(h[:, :4], 0.5, True, inplace=True), h)[1],
+    "h.t().mul_(2)": lambda h, x: (h.t().mul_(2), h)[1],
+    "F.dropout(h[:, 0], inplace=True) used": lambda h, x: F.dropout(h[:, 0], 0.5, True, inplace=True)[:, None] * h,
 }
 
 
@@ -536,16 +547,21 @@ def test_an_in_place_op_on_a_kept_output_under_saved_tensor_hooks_computes_as_pl
     assert_gradients_equal(*grads)
 
 
-@pytest.mark.parametrize("edit", ["h[:, :4] += 1", "h.unsqueeze_(0)", "after the forward"])
+@pytest.mark.parametrize("edit", ["v, w = h[:, :4], h[:, 4:]; v += 1", "h.view(3, 2, 4)[:, 0] += 1",
+                                  "h.unsqueeze_(0)", "after the forward"])
 def test_an_in_place_op_on_a_kept_output_slimact_cannot_copy_is_a_clear_error(edit):
-    # A view of the output (its storage shared), an op changing its shape in place (its version counter moves), or an
-    # op outside the converted model's forward (no copy is made there): the backward finds the output changed and
-    # says so, naming the ways out.
+    # A view of the output while another view of it lives (the other would be left on the storage the Function
+    # keeps), an op changing its shape in place (its version counter moves), or an op outside the converted model's
+    # forward (no copy is made there): the backward finds the output changed and says so, naming the ways out.
     import copy
 
     def change(h, x):
-        if edit == "h[:, :4] += 1":
-            h[:, :4] += 1
+        if edit.startswith("v, w"):
+            v, w = h[:, :4], h[:, 4:]
+            v += 1
+            h = torch.cat([w, v], 1)
+        elif edit.startswith("h.view"):
+            h.view(3, 2, 4)[:, 0] += 1
         elif edit == "h.unsqueeze_(0)":
             h.unsqueeze_(0)
         return h

@@ -30,7 +30,8 @@ from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 from slimact.quant.state import note_backward
 
 __all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks",
-           "is_gradient", "is_parameter_gradient", "keep_output", "load", "observer", "save", "transformed"]
+           "is_gradient", "is_parameter_gradient", "keep_output", "kept_or_view_of_kept", "load", "observer", "save",
+           "transformed"]
 
 
 class Mask(NamedTuple):
@@ -139,9 +140,15 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     target = args[0] if args else None
     if not listed:
         target = _in_place_on(func, args, kwargs)
-    entry = KEPT_OUTPUTS.get(id(target))
-    if entry is None or entry[0]() is not target or not target.requires_grad:
+    view = isinstance(target, Tensor) and target._is_view()
+    kept = target._base if view else target
+    entry = KEPT_OUTPUTS.get(id(kept))
+    if entry is None or entry[0]() is not kept or not kept.requires_grad:
         return NotImplemented
+    if func is Tensor.__setitem__ and _assigns_itself(args, kept):
+        return None
+    if view:
+        return _copy_on_write_view(func, args, kwargs, listed, target)
     # The tensor object the model holds is the only holder of its TensorImpl (no node saved it, no view's base).
     if target._use_count() != 1:
         return NotImplemented
@@ -169,6 +176,62 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     target.copy_(changed)
     torch._C._autograd._unsafe_set_version_counter((target,), (version,))
     return target if out is changed else out
+
+
+def _copy_on_write_view(func: Callable, args: tuple, kwargs: dict, listed: bool, view: Tensor) -> Any:
+    """:func:`copy_on_write` of an in-place op on a view of a kept output (torchvision's MViT: ``x = norm(x)[:, 0]``
+    into an ``nn.Dropout(inplace=True)``; ``h[:, 0] += cls``): the output moves to a copy of its storage, the view to
+    the same place in the copy, and the op runs there (autograd records it on the output as for any view).
+
+    Only where the view and the output are all that hold each other: the output's ``TensorImpl`` held by the view and
+    the object asked here alone (no node saved it, no other view of it), the view by no node, and their storage by
+    them and the Function's saved tensor (not moved yet) or by them alone (moved: the view made of the copy). The
+    output dense from the start of its storage, so that its copy keeps the view's place. Else ``NotImplemented``."""
+    base = view._base
+    entry = KEPT_OUTPUTS[id(base)]
+    if view._use_count() != 1 or base._use_count() != 2 or not base.is_contiguous() or base.storage_offset() != 0:
+        return NotImplemented
+    storage = view.untyped_storage()
+    if (storage.data_ptr() != base.untyped_storage().data_ptr()
+            or torch._C._storage_Use_Count(storage._cdata) != (3 if entry[1] else 4)):
+        return NotImplemented
+    changed = None
+    if not listed:  # (an op that may keep its result: on a clone, then copied in, as for the output itself)
+        changed = view.clone()
+        stride = changed.stride()  # (a clone of a strided view is dense: its own strides)
+        out = func(changed, *args[1:], **kwargs) if args and args[0] is view else func(
+            *args, **{**kwargs, "input": changed})
+        if changed.shape != view.shape or changed.stride() != stride or changed.dtype != view.dtype:
+            return NotImplemented
+    _move(base, entry)
+    view.data = base.data.as_strided(view.size(), view.stride(), view.storage_offset())
+    version = view._version  # (shared with the output and the Function's saved tensor)
+    if listed:
+        out = func(*args, **kwargs)
+    else:
+        view.copy_(changed)
+    torch._C._autograd._unsafe_set_version_counter((view,), (version,))
+    return view if out is changed else out
+
+
+def _assigns_itself(args: tuple, kept: Tensor) -> bool:
+    """Whether ``target[index] = value`` (``target`` the kept output ``kept`` or a view of it) writes into
+    ``target`` the very view it names (``h[:, :4] += 1`` is
+    ``v = h[:, :4]; v += 1; h[:, :4] = v``: the ``+=`` ran on the view, :func:`_copy_on_write_view`): the same
+    elements, so nothing changes and autograd's graph is the same without it (the gradient of the overwritten region
+    flows through the view's op either way), where running it would move the version counter the kept output shares."""
+    if len(args) < 3 or not isinstance(args[2], Tensor) or not args[2]._is_view() or args[2]._base is not kept:
+        return False
+    target, index, value = args[:3]
+    slot = target[index]
+    return (isinstance(slot, Tensor) and slot.data_ptr() == value.data_ptr() and slot.shape == value.shape
+            and slot.stride() == value.stride() and slot.dtype == value.dtype)
+
+
+def kept_or_view_of_kept(t: Any) -> bool:
+    """Whether ``t`` is an output a Function keeps as it is (:func:`keep_output`) or a view of one: an in-place op
+    on it goes through :func:`copy_on_write` (the routing mode's quick test, before it looks at the op)."""
+    return isinstance(t, Tensor) and (id(t) in KEPT_OUTPUTS or (t._is_view() and id(t._base) in KEPT_OUTPUTS))
 
 
 def _move(target: Tensor, entry: list) -> None:
@@ -331,9 +394,10 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 "activations: the output is rebuilt into the gradient), an in-place op on that output leaves "
                 "PyTorch's own layer, which kept its input, unaffected but not slimact's. slimact moves the output "
                 "to a copy first for an in-place op on the output itself in the converted model's forward (`+=`, "
-                "`mul_`, `relu_`, `h[mask] = 0`, `F.dropout(h, inplace=True)`, ...), but not for an op on a view of "
-                "it (`h[:, 0] += 1`), one that changes its shape (`unsqueeze_`), one made after the forward, or one "
-                "on an output another op saved or a view was taken of since. Write that operation out of place "
+                "`mul_`, `relu_`, `h[mask] = 0`, `F.dropout(h, inplace=True)`, ...) or on a view of it (`h[:, 0] "
+                "+= 1`), but not for an op on one view of it while another lives (`v, w = h[:, :4], h[:, 4:]; v += "
+                "1`), one that changes its shape (`unsqueeze_`), one made after the forward, or one on an output "
+                "another op saved or a view was taken of since. Write that operation out of place "
                 "(`h = h + r`), or leave the layer out of the conversion (convert's filter_fn, a policy exclude "
                 "pattern). PyTorch's message: "
                 f"{error}"

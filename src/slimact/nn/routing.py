@@ -79,7 +79,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from slimact._kinds import _FORM_KIND, kind_of
-from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, transformed
+from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, kept_or_view_of_kept, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout, scale_of
@@ -204,7 +204,7 @@ class _Mode(TorchFunctionMode):
         # Most calls (the ops inside slimact's own Functions, tensor attribute reads: ~1,200 per "int8" GPT-2 block
         # forward) are nothing the mode routes or follows: run as written, with no further look-up.
         if func not in routing.handlers and (loss is None or not (loss.lazy_made or func in _ALIASES)):
-            if args and id(args[0]) in KEPT_OUTPUTS:  # (an in-place op on it, as relu_ or h[i] = v: copy_on_write)
+            if args and KEPT_OUTPUTS and kept_or_view_of_kept(args[0]):  # (an in-place op on it: copy_on_write)
                 out = copy_on_write(func, args, kwargs or {})
                 if out is not NotImplemented:
                     return out
