@@ -683,6 +683,37 @@ def test_an_in_place_op_on_a_kept_output_another_op_saved_fails_as_in_pytorch(la
             model(x.clone().requires_grad_(True)).square().sum().backward()
 
 
+#: In-place ops on a kept output (or a view of it) that take that very tensor as another argument, which their
+#: backward saves (a product's factors, lerp's weight, hypot's operands).
+_TAKES_ITSELF = {
+    "h *= h": lambda m, h, x: h.__imul__(h),
+    "h.addcmul_(h, p)": lambda m, h, x: h.addcmul_(h, m.p),
+    "h.lerp_(e, h)": lambda m, h, x: h.lerp_(m.v, h),
+    "h.hypot_(h)": lambda m, h, x: h.hypot_(h),
+    "v = h[:, :4]; v.mul_(v)": lambda m, h, x: (lambda v: (v.mul_(v), h)[1])(h[:, :4]),
+    "h.view(3, 8).mul_(h)": lambda m, h, x: (h.view(3, 8).mul_(h), h)[1],
+}
+
+
+@pytest.mark.parametrize("edit", list(_TAKES_ITSELF))
+@pytest.mark.parametrize("layer", ["layernorm", "gelu"])
+def test_an_in_place_op_on_a_kept_output_taking_itself_fails_as_in_pytorch(layer, edit):
+    # `h *= h` on a kept output: mul_'s backward saves its factor h, the very tensor object the op changes, and
+    # PyTorch's backward refuses it. copy_on_write ran the op on the moved tensor and set the version counter back,
+    # so that node read the changed values with no error: the input gradient 15 off (LayerNorm), 6.3 off (GELU);
+    # h.lerp_(e, h) 17 off, v.mul_(v) on a view 4.2 off, silently. Now such an op runs as written and the backward
+    # fails as PyTorch's.
+    import copy
+
+    torch.manual_seed(0)
+    plain = _InPlaceWithOthers(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), _TAKES_ITSELF[edit]).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8)
+    for model in (plain, slim):
+        with pytest.raises(RuntimeError, match=r"modified by an inplace operation|modified in place"):
+            model(x.clone().requires_grad_(True)).square().sum().backward()
+
+
 @pytest.mark.parametrize("edit", ["h += x", "h.mul_(s)"])
 @pytest.mark.parametrize("layer", ["rmsnorm without weight", "gelu"])
 def test_an_in_place_op_on_a_kept_output_under_torch_compile_computes_as_plain(layer, edit):

@@ -145,6 +145,8 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     entry = KEPT_OUTPUTS.get(id(kept))
     if entry is None or entry[0]() is not kept or not kept.requires_grad:
         return NotImplemented
+    if func not in _KEEPS_NO_ARGUMENT and _takes_itself(args, kwargs, target, kept):
+        return NotImplemented
     if func is Tensor.__setitem__ and _assigns_itself(args, kept):
         return None
     if view:
@@ -226,6 +228,27 @@ def _assigns_itself(args: tuple, kept: Tensor) -> bool:
     slot = target[index]
     return (isinstance(slot, Tensor) and slot.data_ptr() == value.data_ptr() and slot.shape == value.shape
             and slot.stride() == value.stride() and slot.dtype == value.dtype)
+
+
+#: In-place ops whose backward keeps none of their arguments: they may take the tensor they change as another argument.
+_KEEPS_NO_ARGUMENT = frozenset({Tensor.__iadd__, Tensor.__isub__, Tensor.add_, Tensor.sub_, Tensor.copy_,
+                                Tensor.__setitem__})
+
+
+def _takes_itself(args: tuple, kwargs: dict, target: Tensor, kept: Tensor) -> bool:
+    """Whether an in-place op on ``target`` (the kept output ``kept`` or a view of it) takes ``target`` or ``kept``
+    as another argument as well (``h *= h``, ``h.addcmul_(h, w)``, ``h.lerp_(e, h)``, ``h.view(3, 8).mul_(h)``,
+    ``v.hypot_(v)``): its backward may save that argument, the very tensor object the op changes (or whose storage
+    :func:`_move` swaps), which setting the version counter back would hide: PyTorch's backward refuses it (the op
+    changed what it saved); slimact's read the changed values with no error (``h *= h`` after a LayerNorm: input
+    gradient 15 off). Such an op runs as written (slimact's clear error in the backward)."""
+    others = [*args[1:], *(v for k, v in kwargs.items() if k != "input")] if args and args[0] is target else [
+        *args, *(v for k, v in kwargs.items() if k != "input")]
+    for other in others:
+        for t in other if isinstance(other, (tuple, list)) else (other,):
+            if t is target or t is kept:
+                return True
+    return False
 
 
 def kept_or_view_of_kept(t: Any) -> bool:
