@@ -548,7 +548,7 @@ def test_an_in_place_op_on_a_kept_output_under_saved_tensor_hooks_computes_as_pl
 
 
 @pytest.mark.parametrize("edit", ["v, w = h[:, :4], h[:, 4:]; v += 1", "h.view(3, 2, 4)[:, 0] += 1",
-                                  "h.unsqueeze_(0)", "after the forward"])
+                                  "h.unsqueeze_(0)", "after the forward", "h[:, :4] = torch._neg_view(h[:, :4])"])
 def test_an_in_place_op_on_a_kept_output_slimact_cannot_copy_is_a_clear_error(edit):
     # A view of the output while another view of it lives (the other would be left on the storage the Function
     # keeps), an op changing its shape in place (its version counter moves), or an op outside the converted model's
@@ -564,6 +564,10 @@ def test_an_in_place_op_on_a_kept_output_slimact_cannot_copy_is_a_clear_error(ed
             h.view(3, 2, 4)[:, 0] += 1
         elif edit == "h.unsqueeze_(0)":
             h.unsqueeze_(0)
+        elif edit.startswith("h[:, :4] = torch._neg_view"):
+            # (not the self-assignment closing `h[:, :4] += x`, which is skipped: the same memory read negated; it
+            # was skipped too, and the forward differed from plain's by up to 1.4, silently)
+            h[:, :4] = torch._neg_view(h[:, :4])
         return h
 
     plain = _InPlaceAfter(nn.LayerNorm(8), change).train()

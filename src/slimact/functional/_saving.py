@@ -226,8 +226,10 @@ def _assigns_itself(args: tuple, kept: Tensor) -> bool:
         return False
     target, index, value = args[:3]
     slot = target[index]
+    # (a negative or conjugate view, torch._neg_view(h[:, :4]), reads the same memory as other values)
     return (isinstance(slot, Tensor) and slot.data_ptr() == value.data_ptr() and slot.shape == value.shape
-            and slot.stride() == value.stride() and slot.dtype == value.dtype)
+            and slot.stride() == value.stride() and slot.dtype == value.dtype
+            and (slot.is_neg(), slot.is_conj()) == (value.is_neg(), value.is_conj()))
 
 
 #: In-place ops whose backward keeps none of their arguments: they may take the tensor they change as another argument.
