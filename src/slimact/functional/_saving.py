@@ -213,7 +213,13 @@ def _copy_on_write_view(func: Callable, args: tuple, kwargs: dict, listed: bool,
     else:
         view.copy_(changed)
     torch._C._autograd._unsafe_set_version_counter((view,), (version,))
+    _HANDLED_VIEW[0] = weakref.ref(view)
     return view if out is changed else out
+
+
+#: The view the last in-place op :func:`_copy_on_write_view` ran on (a weak reference): the only value
+#: :func:`_assigns_itself` may take for the closing self-assignment of ``h[idx] += x``.
+_HANDLED_VIEW: list[weakref.ref | None] = [None]
 
 
 def _assigns_itself(args: tuple, kept: Tensor) -> bool:
@@ -225,6 +231,13 @@ def _assigns_itself(args: tuple, kept: Tensor) -> bool:
     if len(args) < 3 or not isinstance(args[2], Tensor) or not args[2]._is_view() or args[2]._base is not kept:
         return False
     target, index, value = args[:3]
+    # Only the view that op ran on, as it left it: another view of the same elements may stand for another history
+    # (one taken under no_grad, a custom Function's view such as a gradient reversal's `x.view_as(x)`), which
+    # `h[:, :4] = grad_reverse(h[:, :4])` puts on the graph: skipped, gradients were 1.2-5 off, silently.
+    handled = _HANDLED_VIEW[0]
+    if (handled is None or handled() is not value or not value.requires_grad or value.retains_grad
+            or value._backward_hooks):
+        return False
     slot = target[index]
     # (a negative or conjugate view, torch._neg_view(h[:, :4]), reads the same memory as other values)
     return (isinstance(slot, Tensor) and slot.data_ptr() == value.data_ptr() and slot.shape == value.shape
