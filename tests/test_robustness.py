@@ -502,6 +502,33 @@ def test_an_in_place_op_on_a_kept_output_in_model_code_computes_as_plain(layer, 
     assert_gradients_equal(steps[0][1], steps[1][1])
 
 
+@pytest.mark.parametrize("act", ["relu", "silu"])
+@pytest.mark.parametrize("layer", ["layernorm", "gelu"])
+def test_an_in_place_activation_module_after_a_kept_output_trains_as_plain(layer, act):
+    # nn.ReLU(inplace=True) / nn.SiLU(inplace=True) right after a layer "tempo" keeps the output of (a LayerNorm, a
+    # GELU): slimact's converted activation wrote into that output itself, and the backward failed with slimact's
+    # error where PyTorch's trains. The module now runs its own code there, whose F.relu(x, inplace=True) the
+    # routing mode runs on a copy (copy_on_write).
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(8) if layer == "layernorm" else nn.GELU()
+    plain = nn.Sequential(nn.Linear(8, 8), norm, nn.ReLU(inplace=True) if act == "relu" else nn.SiLU(inplace=True),
+                          nn.Linear(8, 2)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8)
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
+    assert_gradients_equal(steps[0][1], steps[1][1])
+
+
 class _Checkpointed(nn.Module):
     """``inner`` run under checkpointing (non-reentrant unless ``reentrant``): called as a module, or its
     ``forward`` as a function."""
