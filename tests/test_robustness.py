@@ -453,6 +453,9 @@ _EDITS = {
     "h.copy_": lambda h, x: h.copy_(h * 3),
     "b = h.sigmoid(); h += x": lambda h, x: h.sigmoid() + h.__iadd__(x),  # (a branch keeping its own result)
     "no_grad: h.mul_(2)": lambda h, x: _under_no_grad(h.mul_, 2.0),
+    # (the copy made under inference_mode was an inference tensor, which the next Linear could not save: it raised)
+    "inference_mode: h += 1": lambda h, x: _under_inference_mode(h.__iadd__, 1.0),
+    "inference_mode: h[:, 0].relu_()": lambda h, x: (_under_inference_mode(lambda: h[:, 0].relu_()), h)[1],
     # Ops that keep their own result or change part of the tensor (run on a clone, copied into the moved tensor).
     "h.exp_()": lambda h, x: h.exp_(),
     "h.relu_()": lambda h, x: h.relu_(),
@@ -473,6 +476,11 @@ _EDITS = {
 
 def _under_no_grad(op, *args):
     with torch.no_grad():
+        return op(*args)
+
+
+def _under_inference_mode(op, *args):
+    with torch.inference_mode():
         return op(*args)
 
 

@@ -275,7 +275,10 @@ def kept_or_view_of_kept(t: Any) -> bool:
 def _move(target: Tensor, entry: list) -> None:
     """Move the tensor the model holds to a storage of its own (once), away from the one its Function keeps."""
     if not entry[1]:
-        target.data = target.data.clone()
+        # (a normal tensor even under torch.inference_mode(): a clone made there was an inference tensor, which the
+        # next layer could not save, "Inference tensors cannot be saved for backward", where PyTorch's model ran)
+        with torch.inference_mode(False):
+            target.data = target.data.clone()
         entry[1] = True
 
 
