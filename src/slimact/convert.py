@@ -92,10 +92,11 @@ _SCALE_FREE = (
 
 
 _SCALE_FREE_BN = (
-    "its output reaches a training-mode BatchNorm through a ReLU-like activation and a per-channel (depthwise) "
-    "conv, which remove nothing of a per-channel scale that the BatchNorm then removes: its weight's exact "
-    "gradient is a nearly cancelling sum, swamped by the 8-bit error of either BatchNorm's kept input (MobileNetV2, "
-    "MNASNet, ShuffleNetV2: cosine -0.2-0.7 at initialisation and after 30 steps); kept exact, as PyTorch does"
+    "its output reaches a training-mode BatchNorm through a per-channel (depthwise) conv (and ReLU-like "
+    "activations, if any, before it), which remove nothing of a per-channel scale that the BatchNorm then removes: "
+    "its weight's exact gradient is a nearly cancelling sum, swamped by the 8-bit error of either BatchNorm's kept "
+    "input (MobileNetV2, MNASNet, ShuffleNetV2: cosine -0.2-0.7 at initialisation and after 30 steps); kept exact, "
+    "as PyTorch does"
 )
 _REMOVES_SCALE = ("it removes the per-channel scale of a norm's output that reaches it through a depthwise conv "
                   "(see that norm): its input is kept exact")
@@ -267,7 +268,8 @@ def convert(
                 skipped[name] = unsupported
             continue
         kind = found.kind
-        reason = (scale_free.get(name) or _leave_alone(pol, kind, name, module, filter_fn, _index(numbered, name))
+        # (the user's or the policy's own reason first: a module they left out says so, not why slimact would)
+        reason = (_leave_alone(pol, kind, name, module, filter_fn, _index(numbered, name)) or scale_free.get(name)
                   or _excluded_parts(pol, name, module, found.parts, filter_fn, numbered))
         if reason is not None:
             detach(module)

@@ -345,6 +345,29 @@ def test_a_call_pytorch_runs_through_its_math_kernel_gives_its_output_bit_for_bi
             assert sqnr_db(g0, g1) >= 25, name
 
 
+@pytest.mark.parametrize("shape", [(9, 9), (1, 1, 9, 9), (2, 1, 1, 9), (2, 4, 9, 9)])
+@pytest.mark.parametrize("cfg", [None, PER_HEAD], ids=["tempo", "int8"])
+def test_an_fp32_mask_with_bf16_inputs_gives_torchs_output_bit_for_bit(cfg, shape):
+    # F.scaled_dot_product_attention takes a float32 mask with bf16 q, k, v and its CPU flash kernel reads it as
+    # fp32; slimact's CPU flash path cast it to bf16 first (_additive): outputs 1 bf16 ulp off (7.8e-3), gradients
+    # within rounding. The mask now reaches the kernel as it is.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = torch.randn(shape)
+    upstream = torch.randn(2, 4, 9, 16, dtype=torch.bfloat16)
+    outs, grads = [], []
+    for fn, kw in ((F.scaled_dot_product_attention, {}), (scaled_dot_product_attention, {"cfg": cfg})):
+        out = fn(q, k, v, attn_mask=mask, **kw)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), upstream))
+    assert torch.equal(outs[1], outs[0])
+    for name, g0, g1 in zip("qkv", *grads, strict=True):
+        if cfg is None:
+            torch.testing.assert_close(g1, g0, msg=name)
+        else:
+            assert sqnr_db(g0.float(), g1.float()) >= 25, name
+
+
 class _Biased(nn.Module):
     def __init__(self, fn, **kw):
         super().__init__()

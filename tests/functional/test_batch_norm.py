@@ -164,6 +164,9 @@ def test_a_batch_norm_whose_scale_a_batch_norm_after_a_depthwise_conv_removes_ke
     assert "3" not in skipped  # (the projection's BatchNorm: nothing removes its scale)
     lossless = slimact.summary(slimact.convert(copy.deepcopy(model), "tempo")).skipped
     assert not any("cancelling" in why or "removes the per-channel" in why for why in lossless.values())
+    # A module the user left out says so (it said why slimact would have kept it exact).
+    excluded = slimact.convert(copy.deepcopy(model), "int8", filter_fn=lambda m, name: name != "0.1")
+    assert slimact.summary(excluded).skipped["0.1"] == "excluded by filter_fn"
 
 
 def test_running_estimate_policies_scale_the_input_by_this_batchs_own_range():

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
+from slimact.quant.core import forget_shared_packs
 from slimact.quant.state import note_backward
 
 __all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks",
@@ -145,6 +146,8 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     entry = KEPT_OUTPUTS.get(id(kept))
     if entry is None or entry[0]() is not kept or not kept.requires_grad:
         return NotImplemented
+    if func not in _KEEPS_NO_ARGUMENT and _takes_itself(args, kwargs, target, kept):
+        return NotImplemented
     if func is Tensor.__setitem__ and _assigns_itself(args, kept):
         return None
     if view:
@@ -162,7 +165,7 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
         _move(target, entry)
         version = target._version
         out = func(*args, **kwargs)
-        torch._C._autograd._unsafe_set_version_counter((target,), (version,))
+        _set_back(target, version)
         return out
     changed = target.clone()
     if args and args[0] is target:
@@ -174,7 +177,7 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     _move(target, entry)
     version = target._version
     target.copy_(changed)
-    torch._C._autograd._unsafe_set_version_counter((target,), (version,))
+    _set_back(target, version)
     return target if out is changed else out
 
 
@@ -210,8 +213,24 @@ def _copy_on_write_view(func: Callable, args: tuple, kwargs: dict, listed: bool,
         out = func(*args, **kwargs)
     else:
         view.copy_(changed)
-    torch._C._autograd._unsafe_set_version_counter((view,), (version,))
+    _set_back(view, version)
+    _HANDLED_VIEW[0] = weakref.ref(view)
     return view if out is changed else out
+
+
+#: The view the last in-place op :func:`_copy_on_write_view` ran on (a weak reference): the only value
+#: :func:`_assigns_itself` may take for the closing self-assignment of ``h[idx] += x``.
+_HANDLED_VIEW: list[weakref.ref | None] = [None]
+
+
+def _set_back(target: Tensor, version: int) -> None:
+    """Set the version counter of ``target`` (and of the tensors sharing it) back to ``version``, after an op that
+    changed ``target`` in place, and forget the packs slimact's layers made of it (or of its views) for sharing:
+    their version check no longer sees the change. Under an 8-bit Linear and a lossless norm or GELU (per_kind),
+    ``h += a; z = lin(h); h += b; lin2(h)`` handed lin2 lin's pack of h before ``h += b``: lin2's weight gradient
+    at cosine 0.47-0.75 to the exact one, silently (PyTorch's backward refuses this program: lin saved h)."""
+    torch._C._autograd._unsafe_set_version_counter((target,), (version,))
+    forget_shared_packs(target)
 
 
 def _assigns_itself(args: tuple, kept: Tensor) -> bool:
@@ -223,9 +242,39 @@ def _assigns_itself(args: tuple, kept: Tensor) -> bool:
     if len(args) < 3 or not isinstance(args[2], Tensor) or not args[2]._is_view() or args[2]._base is not kept:
         return False
     target, index, value = args[:3]
+    # Only the view that op ran on, as it left it: another view of the same elements may stand for another history
+    # (one taken under no_grad, a custom Function's view such as a gradient reversal's `x.view_as(x)`), which
+    # `h[:, :4] = grad_reverse(h[:, :4])` puts on the graph: skipped, gradients were 1.2-5 off, silently.
+    handled = _HANDLED_VIEW[0]
+    if (handled is None or handled() is not value or not value.requires_grad or value.retains_grad
+            or value._backward_hooks):
+        return False
     slot = target[index]
+    # (a negative or conjugate view, torch._neg_view(h[:, :4]), reads the same memory as other values)
     return (isinstance(slot, Tensor) and slot.data_ptr() == value.data_ptr() and slot.shape == value.shape
-            and slot.stride() == value.stride() and slot.dtype == value.dtype)
+            and slot.stride() == value.stride() and slot.dtype == value.dtype
+            and (slot.is_neg(), slot.is_conj()) == (value.is_neg(), value.is_conj()))
+
+
+#: In-place ops whose backward keeps none of their arguments: they may take the tensor they change as another argument.
+_KEEPS_NO_ARGUMENT = frozenset({Tensor.__iadd__, Tensor.__isub__, Tensor.add_, Tensor.sub_, Tensor.copy_,
+                                Tensor.__setitem__})
+
+
+def _takes_itself(args: tuple, kwargs: dict, target: Tensor, kept: Tensor) -> bool:
+    """Whether an in-place op on ``target`` (the kept output ``kept`` or a view of it) takes ``target`` or ``kept``
+    as another argument as well (``h *= h``, ``h.addcmul_(h, w)``, ``h.lerp_(e, h)``, ``h.view(3, 8).mul_(h)``,
+    ``v.hypot_(v)``): its backward may save that argument, the very tensor object the op changes (or whose storage
+    :func:`_move` swaps), which setting the version counter back would hide: PyTorch's backward refuses it (the op
+    changed what it saved); slimact's read the changed values with no error (``h *= h`` after a LayerNorm: input
+    gradient 15 off). Such an op runs as written (slimact's clear error in the backward)."""
+    others = [*args[1:], *(v for k, v in kwargs.items() if k != "input")] if args and args[0] is target else [
+        *args, *(v for k, v in kwargs.items() if k != "input")]
+    for other in others:
+        for t in other if isinstance(other, (tuple, list)) else (other,):
+            if t is target or t is kept:
+                return True
+    return False
 
 
 def kept_or_view_of_kept(t: Any) -> bool:
@@ -237,7 +286,10 @@ def kept_or_view_of_kept(t: Any) -> bool:
 def _move(target: Tensor, entry: list) -> None:
     """Move the tensor the model holds to a storage of its own (once), away from the one its Function keeps."""
     if not entry[1]:
-        target.data = target.data.clone()
+        # (a normal tensor even under torch.inference_mode(): a clone made there was an inference tensor, which the
+        # next layer could not save, "Inference tensors cannot be saved for backward", where PyTorch's model ran)
+        with torch.inference_mode(False):
+            target.data = target.data.clone()
         entry[1] = True
 
 

@@ -305,8 +305,9 @@ _FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 def _flash_cpu_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """``mask`` as the CPU flash kernel's additive ``attn_mask``, which takes 2 or 4 dims only: a ``[H, T, S]`` or
     ``[1, T, S]`` mask (which ``F.scaled_dot_product_attention`` broadcasts, right-aligned) seen as ``[1, H, T, S]``
-    (the kernel raised "Attention mask dim in {2, 4}" where the plain call ran)."""
-    add = _additive(mask, dtype)
+    (the kernel raised "Attention mask dim in {2, 4}" where the plain call ran). An fp32 mask with bf16 q, k, v
+    stays fp32, as the plain call hands it to the kernel (cast to bf16 first, outputs were 1 bf16 ulp off plain's)."""
+    add = mask if mask is not None and mask.dtype == torch.float32 else _additive(mask, dtype)
     return add[None] if add is not None and add.dim() == 3 else add
 
 

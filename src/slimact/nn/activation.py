@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from slimact._kinds import activation_form
+from slimact.functional._saving import KEPT_OUTPUTS, kept_or_view_of_kept
 from slimact.functional.activation import activation
 from slimact.nn._base import SlimModule, slim_class, standalone
 
@@ -25,6 +27,13 @@ class _ActivationMixin(SlimModule):
         if not self._slimact_one_input(args, kwargs):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
+        if (getattr(self, "inplace", False) and not torch.compiler.is_compiling() and KEPT_OUTPUTS
+                and kept_or_view_of_kept(x)):
+            # An output another slimact Function keeps as it is ("tempo"'s LayerNorm before nn.ReLU(inplace=True)):
+            # the module's own code, whose in-place call (F.relu(x, inplace=True)) the routing mode runs on a copy
+            # (functional._saving.copy_on_write), else as written. Slimact's Function wrote into it directly: the
+            # norm's backward found its output changed (slimact's error) where PyTorch's trains.
+            return super().forward(x)  # type: ignore[misc]
         self._slimact_begin()
         cfg = self._slimact_cfg(x)
         form = self._slimact_form

@@ -181,8 +181,21 @@ class _SharedPacks:
         region = (weakref.ref(frame[0]), set()) if frame is not None and frame[1] is None else None
         entries[key] = (source, x._version, packed, reference.current_stream(), region)
 
+    def forget_storage(self, x: Tensor) -> None:
+        """Drop the packs of every tensor on the storage of ``x`` (``x`` itself, its views)."""
+        device, ptr = x.device, x.untyped_storage().data_ptr()
+        for key in [k for k in self._entries if k[0] == device and k[1] == ptr]:
+            del self._entries[key]
+
 
 _shared = _SharedPacks()
+
+
+def forget_shared_packs(x: Tensor) -> None:
+    """Forget the shared packs (:class:`_SharedPacks`) of ``x`` and its views: ``x`` was changed in place with its
+    version counter set back afterwards (``functional._saving.copy_on_write``), which a pack's version check
+    cannot see."""
+    _shared.forget_storage(x)
 
 
 @torch.no_grad()
