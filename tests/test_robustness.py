@@ -428,6 +428,16 @@ class _InPlaceAfter(nn.Module):
         return self.head(h)
 
 
+def _plain_and_tempo(cls: type[nn.Module], layer: str, edit) -> tuple[nn.Module, nn.Module]:
+    """``cls(LayerNorm or GELU, edit)`` seeded, and its copy converted under "tempo" (which keeps that layer's
+    output)."""
+    import copy
+
+    torch.manual_seed(0)
+    plain = cls(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), edit).train()
+    return plain, slimact.convert(copy.deepcopy(plain), "tempo")
+
+
 def _add_then_scale(h, x):
     h += x
     h *= 2
@@ -491,13 +501,10 @@ def test_an_in_place_op_on_a_kept_output_in_model_code_computes_as_plain(layer, 
     # (vit-pytorch's SimpleViT and CaiT add their position embedding in place to a LayerNorm's output; XLM masks one
     # in place) was fine in PyTorch and failed in the backward. The tensor the model holds moves to a copy at the op
     # (functional._saving.copy_on_write): gradients as plain's.
-    import copy
 
     from _harness import assert_gradients_equal
 
-    torch.manual_seed(0)
-    plain = _InPlaceAfter(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), _EDITS[edit]).train()
-    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    plain, slim = _plain_and_tempo(_InPlaceAfter, layer, _EDITS[edit])
     x = torch.randn(3, 8)
     steps = []
     for model in (plain, slim):
@@ -721,14 +728,11 @@ def test_an_in_place_op_on_a_kept_output_after_a_view_of_its_copy_is_never_silen
     # back, so the view's grad_fn, which autograd renews only when the counter moved, still pointed before the op:
     # p's gradient 0.77 off (h += p), or None and every other gradient 1.5-2x off (h.mul_(p)), silently. Now such
     # an op runs as written and the backward says so (slimact's clear error), or the gradients are plain's.
-    import copy
 
     from _harness import assert_gradients_equal
 
-    torch.manual_seed(0)
     fn = _view_then_add if edit.endswith("h += p") else _view_then_mul
-    plain = _InPlaceWithOthers(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), fn).train()
-    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    plain, slim = _plain_and_tempo(_InPlaceWithOthers, layer, fn)
     x = torch.randn(3, 8)
     grads = []
     for model in (plain, slim):
@@ -777,13 +781,10 @@ def test_an_in_place_op_on_a_kept_output_another_op_saved_fails_as_in_pytorch(la
     # copy, which that node's saved tensor (the same TensorImpl) then held too, and set the version counter back:
     # no error, and that node's gradients computed from the changed tensor, silently. Now the op runs as written and
     # the backward fails as PyTorch's.
-    import copy
 
-    torch.manual_seed(0)
     fn = {"z = lin(h); h += x": _saved_then_add, "z = h * v; h += x": _factor_then_add,
           "z = h * (1 + p); h += x": _scaled_then_add, "h += x; z = h * v; h *= 2": _add_saved_then_scale}[edit]
-    plain = _InPlaceWithOthers(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), fn).train()
-    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    plain, slim = _plain_and_tempo(_InPlaceWithOthers, layer, fn)
     x = torch.randn(3, 8)
     for model in (plain, slim):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -810,11 +811,8 @@ def test_an_in_place_op_on_a_kept_output_taking_itself_fails_as_in_pytorch(layer
     # so that node read the changed values with no error: the input gradient 15 off (LayerNorm), 6.3 off (GELU);
     # h.lerp_(e, h) 17 off, v.mul_(v) on a view 4.2 off, silently. Now such an op runs as written and the backward
     # fails as PyTorch's.
-    import copy
 
-    torch.manual_seed(0)
-    plain = _InPlaceWithOthers(nn.LayerNorm(8) if layer == "layernorm" else nn.GELU(), _TAKES_ITSELF[edit]).train()
-    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    plain, slim = _plain_and_tempo(_InPlaceWithOthers, layer, _TAKES_ITSELF[edit])
     x = torch.randn(3, 8)
     for model in (plain, slim):
         with pytest.raises(RuntimeError, match=r"modified by an inplace operation|modified in place"):
