@@ -425,9 +425,7 @@ class _ChunkedAttention(SlimFunction):
             # a learned [H, T, S] bias: 1.5e-7). Its [B, H, T, S] scores are transient, as in the plain call. A
             # boolean mask is handed over as F.scaled_dot_product_attention hands it (-inf where False, 0 elsewhere,
             # q's dtype): the op reads a boolean one otherwise (outputs 1.0 off).
-            given = mask
-            if mask is not None and mask.dtype == torch.bool:
-                given = torch.where(mask.logical_not(), -math.inf, torch.zeros((), dtype=q.dtype, device=q.device))
+            given = _additive(mask, q.dtype) if mask is not None and mask.dtype == torch.bool else mask
             out = torch.ops.aten._scaled_dot_product_attention_math(
                 q, k, v, given, 0.0, is_causal, scale=scale, enable_gqa=h != h_kv)[0]
         elif dropout_p > 0:
