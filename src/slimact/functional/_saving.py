@@ -150,75 +150,67 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     if func is Tensor.__setitem__ and _assigns_itself(args, kept):
         return None
-    if view:
-        return _copy_on_write_view(func, args, kwargs, listed, target)
+    if not (_view_alone(target, kept, entry) if view else _alone(target, entry)):
+        return NotImplemented
+    return _on_copy(func, args, kwargs, listed, target, kept, entry)
+
+
+def _alone(target: Tensor, entry: list) -> bool:
+    """Whether an in-place op on the kept output ``target`` itself may run on a copy (:func:`_on_copy`)."""
     # The tensor object the model holds is the only holder of its TensorImpl (no node saved it, no view's base).
-    if target._use_count() != 1:
-        return NotImplemented
-    storages = torch._C._storage_Use_Count(target.untyped_storage()._cdata)
-    # Not moved yet: the tensor the model holds, the Function's saved one (a tensor of its own on the same storage:
-    # a saved output does not hold the output object) and the storage object made here to count: nothing else.
-    # Moved: the tensor the model holds and the storage object made here, no view.
-    if storages != (2 if entry[1] else 3):
-        return NotImplemented
-    if listed:
-        _move(target, entry)
-        version = target._version
-        out = func(*args, **kwargs)
-        _set_back(target, version)
-        return out
-    changed = target.clone()
-    if args and args[0] is target:
-        out = func(changed, *args[1:], **kwargs)
-    else:
-        out = func(*args, **{**kwargs, "input": changed})
-    if changed.shape != target.shape or changed.stride() != target.stride() or changed.dtype != target.dtype:
-        return NotImplemented
-    _move(target, entry)
-    version = target._version
-    target.copy_(changed)
-    _set_back(target, version)
-    return target if out is changed else out
+    # Its storage: not moved yet, the tensor the model holds, the Function's saved one (a tensor of its own on the
+    # same storage: a saved output does not hold the output object) and the storage object made here to count;
+    # moved, the tensor the model holds and the storage object made here, no view.
+    return target._use_count() == 1 and torch._C._storage_Use_Count(target.untyped_storage()._cdata) == (
+        2 if entry[1] else 3)
 
 
-def _copy_on_write_view(func: Callable, args: tuple, kwargs: dict, listed: bool, view: Tensor) -> Any:
-    """:func:`copy_on_write` of an in-place op on a view of a kept output (torchvision's MViT: ``x = norm(x)[:, 0]``
-    into an ``nn.Dropout(inplace=True)``; ``h[:, 0] += cls``): the output moves to a copy of its storage, the view to
-    the same place in the copy, and the op runs there (autograd records it on the output as for any view).
+def _view_alone(view: Tensor, base: Tensor, entry: list) -> bool:
+    """Whether an in-place op on ``view``, a view of the kept output ``base``, may run on a copy
+    (:func:`_on_copy`; torchvision's MViT: ``x = norm(x)[:, 0]`` into an ``nn.Dropout(inplace=True)``;
+    ``h[:, 0] += cls``): the output moves to a copy of its storage, the view to the same place in the copy, and the
+    op runs there (autograd records it on the output as for any view).
 
     Only where the view and the output are all that hold each other: the output's ``TensorImpl`` held by the view and
     the object asked here alone (no node saved it, no other view of it), the view by no node, and their storage by
     them and the Function's saved tensor (not moved yet) or by them alone (moved: the view made of the copy). The
-    output dense from the start of its storage, so that its copy keeps the view's place. Else ``NotImplemented``."""
-    base = view._base
-    entry = KEPT_OUTPUTS[id(base)]
+    output dense from the start of its storage, so that its copy keeps the view's place."""
     if view._use_count() != 1 or base._use_count() != 2 or not base.is_contiguous() or base.storage_offset() != 0:
-        return NotImplemented
+        return False
     storage = view.untyped_storage()
-    if (storage.data_ptr() != base.untyped_storage().data_ptr()
-            or torch._C._storage_Use_Count(storage._cdata) != (3 if entry[1] else 4)):
-        return NotImplemented
+    return (storage.data_ptr() == base.untyped_storage().data_ptr()
+            and torch._C._storage_Use_Count(storage._cdata) == (3 if entry[1] else 4))
+
+
+def _on_copy(func: Callable, args: tuple, kwargs: dict, listed: bool, target: Tensor, kept: Tensor,
+             entry: list) -> Any:
+    """Run the in-place op ``func`` on ``target`` (the kept output ``kept`` or a view of it) once ``kept`` moved to a
+    copy of its storage (a view redirected to its place there), then set the shared version counter back. An op of
+    :data:`IN_PLACE` runs there itself; any other on a clone, copied in after (``NotImplemented`` if it changed the
+    clone's shape, strides or dtype: ``unsqueeze_``)."""
     changed = None
-    if not listed:  # (an op that may keep its result: on a clone, then copied in, as for the output itself)
-        changed = view.clone()
+    if not listed:
+        changed = target.clone()
         stride = changed.stride()  # (a clone of a strided view is dense: its own strides)
-        out = func(changed, *args[1:], **kwargs) if args and args[0] is view else func(
+        out = func(changed, *args[1:], **kwargs) if args and args[0] is target else func(
             *args, **{**kwargs, "input": changed})
-        if changed.shape != view.shape or changed.stride() != stride or changed.dtype != view.dtype:
+        if changed.shape != target.shape or changed.stride() != stride or changed.dtype != target.dtype:
             return NotImplemented
-    _move(base, entry)
-    view.data = base.data.as_strided(view.size(), view.stride(), view.storage_offset())
-    version = view._version  # (shared with the output and the Function's saved tensor)
+    _move(kept, entry)
+    if target is not kept:
+        target.data = kept.data.as_strided(target.size(), target.stride(), target.storage_offset())
+    version = target._version  # (shared with the output and the Function's saved tensor)
     if listed:
         out = func(*args, **kwargs)
     else:
-        view.copy_(changed)
-    _set_back(view, version)
-    _HANDLED_VIEW[0] = weakref.ref(view)
-    return view if out is changed else out
+        target.copy_(changed)
+    _set_back(target, version)
+    if target is not kept:
+        _HANDLED_VIEW[0] = weakref.ref(target)
+    return target if out is changed else out
 
 
-#: The view the last in-place op :func:`_copy_on_write_view` ran on (a weak reference): the only value
+#: The view of a kept output the last in-place op :func:`_on_copy` ran changed (a weak reference): the only value
 #: :func:`_assigns_itself` may take for the closing self-assignment of ``h[idx] += x``.
 _HANDLED_VIEW: list[weakref.ref | None] = [None]
 
@@ -236,7 +228,7 @@ def _set_back(target: Tensor, version: int) -> None:
 def _assigns_itself(args: tuple, kept: Tensor) -> bool:
     """Whether ``target[index] = value`` (``target`` the kept output ``kept`` or a view of it) writes into
     ``target`` the very view it names (``h[:, :4] += 1`` is
-    ``v = h[:, :4]; v += 1; h[:, :4] = v``: the ``+=`` ran on the view, :func:`_copy_on_write_view`): the same
+    ``v = h[:, :4]; v += 1; h[:, :4] = v``: the ``+=`` ran on the view, :func:`_on_copy`): the same
     elements, so nothing changes and autograd's graph is the same without it (the gradient of the overwritten region
     flows through the view's op either way), where running it would move the version counter the kept output shares."""
     if len(args) < 3 or not isinstance(args[2], Tensor) or not args[2]._is_view() or args[2]._base is not kept:
