@@ -488,14 +488,11 @@ def _from_mesa_text(text: str, source: str) -> Policy:
             raise PolicyError(f"{source}:{no}: {head!r} before any 'on <tag>:' line")
         if head == "by_index":
             close_block()
-            if value == "all":
-                block = {"by_index": "all", "line": no, "settings": {}, "lines": {}}
-            else:
-                try:
-                    block = {"by_index": [int(v) for v in value.replace(",", " ").split()], "line": no,
-                             "settings": {}, "lines": {}}
-                except ValueError:
-                    raise PolicyError(f"{source}:{no}: by_index must be 'all' or indices, got {value!r}") from None
+            try:
+                indices = "all" if value == "all" else [int(v) for v in value.replace(",", " ").split()]
+            except ValueError:
+                raise PolicyError(f"{source}:{no}: by_index must be 'all' or indices, got {value!r}") from None
+            block = {"by_index": indices, "line": no, "settings": {}, "lines": {}}
             continue
         if block is None:
             raise PolicyError(f"{source}:{no}: {head!r} before a 'by_index:' line")
