@@ -248,9 +248,8 @@ def convert(
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
     with as_written(model):
         # ... and as on the plain model: a part converted by an earlier policy would hide a gated MLP from its probe.
-        for module in model.modules():
-            recognise(module)
-    numbered = _numbered(model)
+        # (_numbered recognises every module)
+        numbered = _numbered(model)
     # (a Mesa policy file names layers by index: one written for another model may name none of this one's)
     unmatched = [e for e in pol.exclude_index if e not in numbered.values() and not e.startswith("lmloss:")]
     if unmatched:
