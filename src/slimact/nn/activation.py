@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from slimact._kinds import activation_form
-from slimact.functional._saving import KEPT_OUTPUTS, kept_or_view_of_kept
+from slimact.functional._saving import kept_or_view_of_kept
 from slimact.functional.activation import activation
 from slimact.nn._base import SlimModule, slim_class, standalone
 
@@ -27,8 +27,7 @@ class _ActivationMixin(SlimModule):
         if not self._slimact_one_input(args, kwargs):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
-        if (getattr(self, "inplace", False) and not torch.compiler.is_compiling() and KEPT_OUTPUTS
-                and kept_or_view_of_kept(x)):
+        if getattr(self, "inplace", False) and not torch.compiler.is_compiling() and kept_or_view_of_kept(x):
             # An output another slimact Function keeps as it is ("tempo"'s LayerNorm before nn.ReLU(inplace=True)):
             # the module's own code, whose in-place call (F.relu(x, inplace=True)) the routing mode runs on a copy
             # (functional._saving.copy_on_write), else as written. Slimact's Function wrote into it directly: the
