@@ -162,7 +162,7 @@ def test_a_part_of_a_fused_block_excluded_by_name_stays_exact(part, how):
 
 
 @pytest.mark.parametrize("first", [slimact.Policy(kinds=tuple(k for k in KINDS if k != "mlp")),
-                                   slimact.Policy(exclude=("1",))], ids=["mlp-kind-off", "mlp-excluded"])
+                                   slimact.Policy(exclude_index=("mlp:0",))], ids=["mlp-kind-off", "mlp-excluded"])
 def test_converting_again_fuses_a_gated_mlp_whose_parts_the_first_policy_converted(first):
     # A first policy that left the gated MLP unfused converted its projections and activation on their own; converting
     # again with "int8" then probed the block with those parts computing slimact's 8-bit forms, whose gradients are
@@ -656,3 +656,28 @@ def test_an_exclude_index_naming_no_module_of_the_model_is_warned_of():
         warnings.simplefilter("error")
         converted = slimact.convert(copy.deepcopy(model), slimact.Policy(exclude_index=("linear:1",)))
     assert list(slimact.summary(converted).skipped) == ["2"]
+
+
+def test_a_pattern_naming_a_block_covers_every_module_inside_it():
+    # exclude=("transformer.h.0",) left alone the block's own code but converted its norms, projections, GELU and
+    # attention: with the whole model excluded, tiny GPT-2's gradients were 8-bit approximations.
+    # include=("transformer.h.0",) converted nothing at all.
+    pytest.importorskip("transformers")
+    from _harness import loss_grads, tiny_hf
+
+    plain, inputs = tiny_hf("gpt2")
+    names = [n for n, _ in plain.named_modules()]
+    slim = slimact.convert(copy.deepcopy(plain), slimact.Policy(exclude=("transformer", "lm_head", "(loss)")))
+    assert slimact.summary(slim).converted == {}
+    assert slimact.summary(slim).skipped["transformer.h.0.mlp.c_fc"] == "matched by policy exclude patterns"
+    loss0, g0 = loss_grads(plain, inputs)
+    loss1, g1 = loss_grads(slim, inputs)
+    assert torch.equal(loss1, loss0)
+    assert all(torch.equal(g1[n], g) for n, g in g0.items())
+
+    block = slimact.convert(copy.deepcopy(plain), slimact.Policy(include=("transformer.h.0",)))
+    converted = slimact.summary(block).modules
+    assert set(converted) == {n for n in names if n.startswith("transformer.h.0.")} - {
+        "transformer.h.0.attn", "transformer.h.0.mlp"} | {"transformer.h.0.attn"}
+    assert converted["transformer.h.0.mlp.c_fc"] == "linear"
+    assert converted["transformer.h.0.attn"] == "attention"

@@ -8,7 +8,6 @@ unchanged, ``isinstance`` checks keep working, and ``revert`` restores the origi
 from __future__ import annotations
 
 import copy
-import fnmatch
 import itertools
 import os
 import warnings
@@ -34,7 +33,7 @@ from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
 from slimact.nn.routing import FUNCTIONAL_NAME, Routing
 from slimact.nn.softmax import softmax_class
-from slimact.policy import Policy, resolve
+from slimact.policy import Policy, matches, resolve
 
 __all__ = ["Summary", "convert", "revert", "summary"]
 
@@ -153,7 +152,7 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
 def _excluded(pol: Policy, name: str, module: nn.Module, filter_fn: FilterFn | None) -> bool:
     """Whether the user excluded ``module`` by name (a policy ``exclude`` pattern) or by ``filter_fn``: the calls
     in its code are then not routed either."""
-    by_name = any(fnmatch.fnmatchcase(name, p) for p in pol.exclude)
+    by_name = matches(name, pol.exclude)
     return by_name or (filter_fn is not None and not filter_fn(module, name))
 
 
@@ -216,7 +215,8 @@ def convert(
         policy: a preset name (``"int8"``, ``"mesa"``, ``"tempo"``), a :class:`slimact.Policy`, or the path of
             a TOML/JSON policy file.
         filter_fn: ``filter_fn(module, qualified_name) -> bool``; modules for which it returns ``False`` are
-            left alone.
+            left alone (asked of each module on its own, as torchao's is; a policy ``exclude`` pattern naming a
+            block covers the modules inside it).
 
     Idempotent: converting again (with the same or another policy) re-applies the policy to every module.
     """

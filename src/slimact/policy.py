@@ -79,6 +79,14 @@ def _is_kind(value: str) -> bool:
     return value in KINDS
 
 
+def matches(name: str, patterns: Sequence[str]) -> bool:
+    """Whether one of the ``fnmatch`` ``patterns`` matches the qualified module name ``name`` or the name of a module
+    above it: a pattern naming a block (``"transformer.h.0"``) covers every module inside it, as a user naming it
+    means (``"model.layers.1*"`` also covers ``"model.layers.10"`` and its modules, as fnmatch does)."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), p) for i in range(1, len(parts) + 1) for p in patterns)
+
+
 def _is_kind_index(entry: str) -> bool:
     return re.fullmatch(r"[a-z]+:\d+", entry) is not None and entry.split(":")[0] in KINDS
 
@@ -228,8 +236,10 @@ class Policy:
         head_groups: scale groups along the head dim of ``[B, H, T, D]`` attention tensors; 0 = one per head.
         quantize: ``False`` keeps every tensor exact (only lossless techniques; the ``"tempo"`` preset).
         kinds: layer kinds to convert (see :data:`KINDS`).
-        include: ``fnmatch`` patterns on qualified module names; if given, only matching modules convert.
-        exclude: patterns whose matches are left alone.
+        include: ``fnmatch`` patterns on qualified module names; if given, only the matching modules and the
+            modules inside them convert (calls in model code are then routed only in the attention modules
+            covered).
+        exclude: patterns whose matches, and every module inside them, are left alone (their code's calls too).
         exclude_index: ``"kind:i"`` entries leaving alone the ``i``-th module of that kind (counted from 0
             in ``model.named_modules()`` order, as Mesa's ``by_index`` does, whatever the policy converts: a fused
             block's parts count, a Hugging Face attention module counts as an ``attention``, the LM loss is
@@ -279,9 +289,9 @@ class Policy:
         """
         if kind not in self.kinds:
             return f"kind {kind!r} not enabled by policy {self.name!r}"
-        if self.include and not any(fnmatch.fnmatchcase(qualified_name, p) for p in self.include):
+        if self.include and not matches(qualified_name, self.include):
             return "not matched by policy include patterns"
-        if any(fnmatch.fnmatchcase(qualified_name, p) for p in self.exclude):
+        if matches(qualified_name, self.exclude):
             return "matched by policy exclude patterns"
         if f"{kind}:{index}" in self.exclude_index:
             return f"excluded by index ({kind}:{index})"
