@@ -582,11 +582,14 @@ def _gate_and_up(layout: GatedLayout, calls: dict) -> tuple[Tensor, Tensor]:
     return calls[layout.gate][2], calls[layout.up][2]
 
 
-def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor, calls: dict) -> bool:
-    """Whether the forward's calls on ``x`` are ``layout``'s gated MLP with ``form``: the gate and up projections
-    of ``x`` itself, the output the down projection's (either possibly with its rows flattened, ``x.reshape(-1,
-    D)``, the output then of ``x``'s shape, as the fused block's is), what reached the down projection the form's
-    product (to float rounding)."""
+def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor, calls: dict,
+                    cast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> bool:
+    """Whether the forward's calls on ``x`` (run under ``cast()``, an autocast or nothing) are ``layout``'s gated MLP
+    with ``form``: the gate and up projections of ``x`` itself, the output the down projection's (either possibly
+    with its rows flattened, ``x.reshape(-1, D)``, the output then of ``x``'s shape, as the fused block's is), what
+    reached the down projection bit for bit the fused block's product ``act(g) * u`` (its dtype too): a forward
+    computing it in another precision, or by a formula written out (``g * torch.sigmoid(g) * u``), would give the
+    converted model another forward, by a rounding."""
     from slimact.functional.activation import reference
 
     h, out, *_ = calls[layout.down]
@@ -595,12 +598,11 @@ def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor
             isinstance(t, Tensor) and _same_rows(t, x) for t in inputs):
         return False
     g, u = _gate_and_up(layout, calls)
-    with _probing_grad(), torch.no_grad():
+    with _probing_grad(), torch.no_grad(), cast():
         act = layout.parts(module)[4]
         fn = act if act is not None else (_GATED_CALLS[form] or functools.partial(reference, form))
         expected = fn(g) * u
-    tol, scale = _tolerance(x.dtype), expected.float().abs().max().item()
-    return expected.shape == h.shape and torch.allclose(h.float(), expected.float(), rtol=tol, atol=tol * scale)
+    return expected.shape == h.shape and expected.dtype == h.dtype and torch.equal(h, expected)
 
 
 def _same_rows(a: Tensor, b: Tensor) -> bool:
@@ -660,20 +662,27 @@ def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tupl
     names = {n for layout, _ in candidates for n in (layout.gate_up, layout.gate, layout.up, layout.down) if n}
     first = module._modules[next(iter(names))]
     dim = candidates[0][0].parts(module)[3].out_features  # (every layout's model width)
+    probes = [(x, contextlib.nullcontext) for x in _gated_probe_inputs(dim, first.weight.dtype)]
+    if first.weight.dtype == torch.float32 and torch.amp.is_autocast_available(first.weight.device.type):
+        # An fp32 block is trained under bf16 autocast too: a forward that computes the product in fp32 there
+        # (BEAM's `act(gate(x).float()) * up(x).float()`) rounds differently from the fused block's bf16 product.
+        probes.append((probes[0][0], functools.partial(torch.autocast, first.weight.device.type, torch.bfloat16)))
     observed = []
-    for x in _gated_probe_inputs(dim, first.weight.dtype):
+    for x, cast in probes:
         x = x.to(device=first.weight.device, dtype=first.weight.dtype).requires_grad_(True)
-        seen = _gated_calls(module, names, x)
+        with cast():
+            seen = _gated_calls(module, names, x)
         if seen is None:
             return []
-        observed.append((x, *seen))
+        observed.append((x, *seen, cast))
     found = [(layout, form) for layout, form in candidates
-             if all(_computes_gated(module, layout, form, x, y, calls) for x, y, calls in observed)]
+             if all(_computes_gated(module, layout, form, x, y, calls, cast) for x, y, calls, cast in observed)]
     act = found[0][0].parts(module)[4] if len(found) == 1 else None
     if len(found) != 1 or (act is not None and _writes_its_input(act)):  # (the rule says why it is left alone)
         return found
     ((layout, form),) = found
-    if not all(_has_form_gradients(module, layout, form, x, y, calls) for x, y, calls in observed):
+    if not all(_has_form_gradients(module, layout, form, x, y, calls)
+               for x, y, calls, cast in observed if cast is contextlib.nullcontext):
         return []
     return found
 

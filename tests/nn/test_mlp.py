@@ -85,8 +85,9 @@ class FusedGeGLU(nn.Module):
         return self.wo(F.gelu(gate, approximate="tanh") * up)
 
 
-class WrittenOutSwiGLU(nn.Module):
-    """SiLU written as its formula, the down projection declared first, square widths (any Linear could be any)."""
+class _WrittenOutSwiGLU(nn.Module):
+    """SiLU written as its formula, the down projection declared first, square widths (any Linear could be any):
+    within an ulp of ``F.silu``, which the fused block would compute instead."""
 
     def __init__(self, d=D):
         super().__init__()
@@ -106,7 +107,7 @@ class FlattenedRows(MetaFeedForward):
         return self.w2(F.silu(self.w1(x)) * self.w3(x)).reshape(shape)
 
 
-LAYOUTS = [MetaFeedForward, LitGPTMLP, OLMoMLP, FusedGeGLU, WrittenOutSwiGLU, FlattenedRows]
+LAYOUTS = [MetaFeedForward, LitGPTMLP, OLMoMLP, FusedGeGLU, FlattenedRows]
 
 
 def _model(block, seed=0):
@@ -134,10 +135,8 @@ def test_a_gated_mlp_in_other_names_is_fused_with_the_plain_blocks_output_and_gr
     assert slimact.summary(slim).modules["1"] == "mlp"
     x = _x()
     (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
-    # The forward is the block's: its activation module or the form's torch function (a formula written out
-    # rounds within an ulp of F.silu).
-    exact = block is not WrittenOutSwiGLU
-    torch.testing.assert_close(out1, out0, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+    # The forward is the block's: its activation module or the form's torch function.
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
 
 
@@ -145,7 +144,7 @@ def test_a_gated_mlp_in_other_names_is_fused_with_the_plain_blocks_output_and_gr
 def test_a_gated_mlp_in_other_names_keeps_what_hugging_faces_llama_mlp_keeps(block):
     # Unfused, the product's inputs act(g) and u stay in fp32 beside the 8-bit codes: 4.3x the bytes at these sizes.
     x = _x()
-    i = F_ if block is not WrittenOutSwiGLU else D
+    i = F_
 
     def kept(model):
         return slimact.profile(model, x, loss_fn=lambda y: y.square().sum()).by_module["1"]
@@ -252,13 +251,14 @@ class _GatedTwice(MetaFeedForward):
 
 
 @pytest.mark.parametrize("block", [_DetachedUp, _StraightThroughGate, _DetachedInput, _HalfGradientInput,
-                                   _FlattenedOutput, _ScaledOutput, _Residual, _NotGated, _DroppedProduct, _GatedTwice],
+                                   _FlattenedOutput, _ScaledOutput, _Residual, _NotGated, _DroppedProduct, _GatedTwice,
+                                   _WrittenOutSwiGLU],
                          ids=lambda b: b.__name__.strip("_"))
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
 def test_a_block_that_is_not_exactly_a_gated_mlp_is_left_as_written(block, policy):
     # Each computes a gated MLP's values on some inputs, or has its shapes, but not its gradients or not its
     # output: fused, the backward would differentiate down(silu(g) * u) (the detached or straight-through ones:
-    # every gradient below the block off, no error).
+    # every gradient below the block off, no error), or the forward would round otherwise (the written-out SiLU).
     plain = _model(block)
     slim = slimact.convert(copy.deepcopy(plain), policy)
     assert recognise(slim[1]).replace is None and not isinstance(slim[1], SlimModule)
@@ -450,3 +450,29 @@ def test_a_block_converted_before_act_types_is_still_fused_under_torch_compile_o
     assert fused
     torch.testing.assert_close(out1.detach(), out0, rtol=1e-5, atol=1e-6)
     assert_gradients_equal(g0, {n: p.grad for n, p in slim.named_parameters()})
+
+
+class _UpcastSwiGLU(HFMLP):
+    """BEAM's MLP: the activation and the product computed in fp32, cast back before the down projection."""
+
+    def forward(self, x):
+        return self.down_proj((self.act_fn(self.gate_proj(x).float()) * self.up_proj(x).float()).to(x.dtype))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+@pytest.mark.parametrize("block", [HFMLP, _UpcastSwiGLU], ids=lambda b: b.__name__.strip("_"))
+def test_a_gated_mlp_is_fused_only_where_its_forward_rounds_as_the_fused_blocks(block, precision):
+    # BEAM's MLP computes act(g) * u in fp32: the fp32 probe saw the fused block's values, so it was fused, and in
+    # bf16 (or under bf16 autocast) the fused block's bf16 product gave the model another forward (tiny BEAM's
+    # logits 0.008 apart, its loss 1.1e-4) and other gradients, where "tempo" promises plain's.
+    plain = _model(block)
+    if precision == "bf16":
+        plain = plain.bfloat16()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert isinstance(slim[1], SlimModule) == (block is HFMLP)
+    x = _x().to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "autocast"):
+        (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    if block is _UpcastSwiGLU:
+        assert_gradients_equal(g0, g1)

@@ -6,11 +6,13 @@ Phi-3's fused ``gate_up_proj`` with ``activation_fn``; or, in other names, two o
 most one activation module, the activation possibly a call in the forward (``w2(F.silu(w1(x)) * w3(x))``: Meta's
 Llama, torchtitan, gpt-fast; LitGPT's ``fc_1``, ``fc_2``, ``proj``; one fused projection chunked either way round).
 A probe of the block's training forward decides which Linear is which and checks that the block computes exactly
-that, with the form's gradients. The gate and up Linears stay the block's own (converted) modules, the down
-projection's weight is used directly (its module is not called). The output is the block's own: its activation
-module, or the torch function of the form (``F.silu``, ``F.gelu``) where the forward called one (a forward
-that wrote the formula out, ``x * torch.sigmoid(x)``, rounds within an ulp of it). A block whose down projection
-or activation changed since (an adapter swapped in, a hook registered, another activation) runs its own forward.
+that, bit for bit, with the form's gradients: what reached its down projection is the fused block's product
+``act(g) * u``, in the block's dtype and, for an fp32 block, under bf16 autocast too (a forward that writes the
+formula out, ``g * torch.sigmoid(g)``, or computes the product in fp32, as BEAM's does, rounds otherwise: left
+unfused). The gate and up Linears stay the block's own (converted) modules, the down projection's weight is used
+directly (its module is not called). The output is the block's own: its activation module, or the torch function
+of the form (``F.silu``, ``F.gelu``) where the forward called one. A block whose down projection or activation
+changed since (an adapter swapped in, a hook registered, another activation) runs its own forward.
 """
 
 from __future__ import annotations
