@@ -282,6 +282,33 @@ def test_argument_errors():
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask", ["bool", "none"])
+def test_one_key_value_head_broadcast_without_enable_gqa_is_pytorchs_forward(mask, dtype):
+    # Falcon's multi-query attention calls F.scaled_dot_product_attention with key/value of one head, broadcast,
+    # no enable_gqa: PyTorch's CPU call then runs its math kernel. Routed as grouped-query attention, slimact ran the
+    # CPU flash kernel (PyTorch's choice with enable_gqa): outputs 3e-7 apart in fp32, 0.008 in bf16 (Falcon's bf16
+    # logits 0.004 apart from plain's under "tempo").
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 1, 16, 16, generator=gen).to(dtype) for _ in range(2))
+    m = torch.ones(16, 16, dtype=torch.bool).tril().expand(2, 1, 16, 16) if mask == "bool" else None
+    g = torch.randn(2, 4, 16, 16, generator=gen).to(dtype)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g, attn_mask=m)
+    out1, g1 = _run(scaled_dot_product_attention, q, k, v, g, attn_mask=m)
+    assert torch.equal(out1, out0)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b)
+
+    class MultiQuery(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    slim = slimact.convert(nn.Sequential(MultiQuery()), "tempo")
+    out2, _ = _run(slim[0], q, k, v, g)
+    assert torch.equal(out2, out0)
+
+
 MASK_SHAPES = [(1, 4, 9, 9), (2, 4, 9, 9), (4, 9, 9), (2, 1, 1, 9), (9, 9)]
 
 

@@ -804,7 +804,10 @@ def scaled_dot_product_attention(
     """
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError("slimact's scaled_dot_product_attention takes [B, H, T, D] query, key and value")
-    if key.shape[1] != query.shape[1] and not (enable_gqa and query.shape[1] % key.shape[1] == 0):
+    # One key/value head broadcasts over the query heads (Falcon's multi-query) as in PyTorch, without enable_gqa;
+    # other counts need it. enable_gqa stays as given: PyTorch's kernel choice differs (its CPU math kernel for the
+    # broadcast, flash with enable_gqa), and _math_chosen follows the call's own.
+    if key.shape[1] not in (query.shape[1], 1) and not (enable_gqa and query.shape[1] % key.shape[1] == 0):
         raise ValueError(
             f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for grouped-query attention"
         )

@@ -591,10 +591,11 @@ class Routing:
             # As written: PyTorch's CPU flash kernel applies both (the mask and the causal limit), its math kernel
             # raises; slimact's attention takes one or the other (it raised where the plain call ran).
             return None
-        # A single key/value head broadcast over the query heads (Falcon's multi-query) is grouped-query
-        # attention with one group; other head counts broadcast only with enable_gqa, as in PyTorch.
-        enable_gqa = enable_gqa or h_kv == 1
-        if h_kv != h and not enable_gqa:
+        # A single key/value head broadcasts over the query heads (Falcon's multi-query); other head counts only
+        # with enable_gqa, as in PyTorch. (Not rewritten as enable_gqa: PyTorch's CPU call runs its math kernel
+        # for the broadcast, and slimact's forward is that kernel's output only where it follows the same choice;
+        # Falcon's logits in bf16 were 0.004 apart from plain's.)
+        if h_kv not in (h, 1) and not enable_gqa:
             return None
         if self._inside:
             self.attended.add(self._inside[-1][0])
