@@ -582,11 +582,12 @@ def _gate_and_up(layout: GatedLayout, calls: dict) -> tuple[Tensor, Tensor]:
     return calls[layout.gate][2], calls[layout.up][2]
 
 
-def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor, calls: dict) -> bool:
+def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor, y: Tensor, calls: dict,
+                    exact: bool = False) -> bool:
     """Whether the forward's calls on ``x`` are ``layout``'s gated MLP with ``form``: the gate and up projections
     of ``x`` itself, the output the down projection's (either possibly with its rows flattened, ``x.reshape(-1,
     D)``, the output then of ``x``'s shape, as the fused block's is), what reached the down projection the form's
-    product (to float rounding)."""
+    product (to float rounding; ``exact``: element by element, to a few ulps of each element)."""
     from slimact.functional.activation import reference
 
     h, out, *_ = calls[layout.down]
@@ -600,6 +601,9 @@ def _computes_gated(module: nn.Module, layout: GatedLayout, form: str, x: Tensor
         fn = act if act is not None else (_GATED_CALLS[form] or functools.partial(reference, form))
         expected = fn(g) * u
     tol, scale = _tolerance(x.dtype), expected.float().abs().max().item()
+    if exact:
+        eps = torch.finfo(x.dtype).eps
+        tol, scale = 16 * eps, eps  # (16 ulps of each element; an absolute floor far below any element's ulp)
     return expected.shape == h.shape and torch.allclose(h.float(), expected.float(), rtol=tol, atol=tol * scale)
 
 
@@ -669,6 +673,15 @@ def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tupl
         observed.append((x, *seen))
     found = [(layout, form) for layout, form in candidates
              if all(_computes_gated(module, layout, form, x, y, calls) for x, y, calls in observed)]
+    if len(found) > 1:
+        # GELU and its tanh approximation agree within the tolerance above (5e-4 of the largest value at most: LitGPT's
+        # GemmaMLP, F.gelu(fc_1(x), approximate="tanh") in its forward, matched both). The form the forward calls
+        # reproduces what reached the down projection to rounding, element by element; where exactly one does, it is
+        # that one. Candidates that agree on every element (a gate and up projection of equal weights) stay apart.
+        exact = [(layout, form) for layout, form in found
+                 if all(_computes_gated(module, layout, form, x, y, calls, exact=True) for x, y, calls in observed)]
+        if len(exact) == 1:
+            found = exact
     act = found[0][0].parts(module)[4] if len(found) == 1 else None
     if len(found) != 1 or (act is not None and _writes_its_input(act)):  # (the rule says why it is left alone)
         return found
