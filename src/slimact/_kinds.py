@@ -389,7 +389,8 @@ def _probe_group_norm(module: nn.GroupNorm) -> bool:
 
 def norm_form(module: nn.Module) -> dict | None:
     """``{"centered", "offset", "eps"}`` if ``module`` is a LayerNorm (centered) or an RMSNorm (Gemma's
-    ``1 + weight``: ``offset=1``) over its last dim, by what it computes; else ``None``."""
+    ``1 + weight``: ``offset=1``) over its last dim, by what it computes; else ``None``. A norm whose weight is its
+    one parameter under another name than ``weight`` (torchtune's ``scale``) has that name as ``"weight_name"``."""
     found = recognise(module)
     return found.extra if found.replace == "norm" else None
 
@@ -813,9 +814,17 @@ def _rule_norm(module, cls):
     if not (typed or named) or next(module.children(), None) is not None:
         return None
     weight, eps = getattr(module, "weight", None), norm_eps(module)
+    weight_name = "weight"
+    own = dict(module.named_parameters(recurse=False))
+    if weight is None and len(own) == 1:
+        # Its one parameter under another name (torchtune's RMSNorm and GemmaRMSNorm: `scale`): the probe says
+        # whether it is the norm's weight, and the replacement reads it by that name.
+        ((weight_name, weight),) = own.items()
     form = None
     if isinstance(weight, nn.Parameter) and weight.dim() == 1 and eps is not None:
         form = _probe_norm(module, weight, eps)
+        if form is not None and weight_name != "weight":
+            form = {**form, "weight_name": weight_name}
     elif weight is None and eps is not None and next(module.parameters(), None) is None:
         # A weightless norm written by hand (x * rsqrt(mean(x^2) + eps)): probed at a width of its own choosing.
         form = _probe_norm(module, torch.ones(48), eps)

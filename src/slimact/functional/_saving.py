@@ -150,9 +150,51 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     if func is Tensor.__setitem__ and _assigns_itself(args, kept):
         return None
-    if not (_view_alone(target, kept, entry) if view else _alone(target, entry)):
+    if view and not _view_alone(target, kept, entry):
+        # Other views of the output live (torchtune's CLIP: `x = ln_post(x).reshape(...)`, then
+        # `x[b, :n] += pos` per image): they would stay on the storage the Function keeps, so the output cannot move.
+        # The Function's own saved tensor takes a copy instead, and the op runs as written on what the model holds.
+        return func(*args, **kwargs) if _release(kept, entry) else NotImplemented
+    if not view and not _alone(target, entry):
         return NotImplemented
     return _on_copy(func, args, kwargs, listed, target, kept, entry)
+
+
+def _release(kept: Tensor, entry: list) -> bool:
+    """Give the Function that keeps ``kept`` (not yet moved to a copy) a copy of its own in place of it, so that
+    in-place ops on ``kept`` and its views run as written, as in PyTorch (whose layer kept its input): each saved
+    tensor of that Function's node on ``kept``'s storage is handed to saved-tensor hooks of its own (``pack``: a
+    clone, made now; autograd checks no version of a tensor saved through hooks), and ``kept`` is no longer a kept
+    output. Its values are the forward's: the node's saved tensors are unpacked first, which raises if anything
+    it saved changed since. The copy costs what PyTorch's layer keeps. Whether it could: not where the output moved
+    already (its views since are on the copy), under saved-tensor hooks (those the Function saved through take no
+    others: slimact's profile count), nor for a node that is no slimact Function's (the output changed in place
+    since its forward, as written: autograd's check stands)."""
+    node = kept.grad_fn
+    forward_cls = getattr(node, "_forward_cls", None)
+    if entry[1] or not (isinstance(forward_cls, type) and issubclass(forward_cls, SlimFunction)):
+        return False
+    storage = kept.untyped_storage().data_ptr()
+    try:
+        saved, raw = node.saved_tensors, node._raw_saved_tensors
+        ours = [r for t, r in zip(saved, raw, strict=True)
+                if isinstance(t, Tensor) and t.untyped_storage().data_ptr() == storage]
+        if not ours:
+            return False
+        for r in ours:
+            r.register_hooks(_own_copy, _own_copy_unpacked)
+    except (RuntimeError, ValueError):  # (hooks there already; a changed tensor: the backward's error stands)
+        return False
+    KEPT_OUTPUTS.pop(id(kept), None)
+    return True
+
+
+def _own_copy(t: Tensor) -> Tensor:
+    return t.clone()
+
+
+def _own_copy_unpacked(t: Tensor) -> Tensor:
+    return t
 
 
 def _alone(target: Tensor, entry: list) -> bool:
@@ -439,11 +481,10 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 "PyTorch's own layer, which kept its input, unaffected but not slimact's. slimact moves the output "
                 "to a copy first for an in-place op on the output itself in the converted model's forward (`+=`, "
                 "`mul_`, `relu_`, `h[mask] = 0`, `F.dropout(h, inplace=True)`, ...) or on a view of it (`h[:, 0] "
-                "+= 1`), but not for an op on one view of it while another lives (`v, w = h[:, :4], h[:, 4:]; v += "
-                "1`), one that changes its shape (`unsqueeze_`), one made after the forward, or one on an output "
-                "another op saved or a view was taken of since. Write that operation out of place "
-                "(`h = h + r`), or leave the layer out of the conversion (convert's filter_fn, a policy exclude "
-                "pattern). PyTorch's message: "
+                "+= 1`, also while other views of it live), but not for one that changes its shape (`unsqueeze_`), "
+                "one made after the forward, or one on an output another op saved or a view was taken of since. "
+                "Write that operation out of place (`h = h + r`), or leave the layer out of the conversion "
+                "(convert's filter_fn, a policy exclude pattern). PyTorch's message: "
                 f"{error}"
             ) from error
 

@@ -31,6 +31,8 @@ class _NormMixin(SlimModule):
     _slimact_centered: bool
     _slimact_offset: float
     _slimact_eps: float | None
+    #: The attribute holding the norm's weight (``scale`` in torchtune's norms), as recognised.
+    _slimact_weight_name: str = "weight"
     #: Whether the forward this class runs is ``nn.LayerNorm.forward`` (``F.layer_norm``): decided per class when
     #: it is made (a class attribute reads under torch.compile, where inspecting ``super().forward`` breaks the
     #: graph).
@@ -55,7 +57,7 @@ class _NormMixin(SlimModule):
                   and not self._slimact_offset and tuple(self.normalized_shape) == (x.shape[-1],)
                   and eps == self.eps)
         return norm(
-            x, getattr(self, "weight", None), getattr(self, "bias", None), eps, self._slimact_cfg(x),
+            x, getattr(self, self._slimact_weight_name, None), getattr(self, "bias", None), eps, self._slimact_cfg(x),
             self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,
             fn=None if native else forward,
         )
