@@ -544,6 +544,56 @@ def test_an_in_place_activation_module_after_a_kept_output_trains_as_plain(layer
     assert_gradients_equal(steps[0][1], steps[1][1])
 
 
+class _ReLUWritingItsInput(nn.Module):
+    """An activation module of model code with no ``inplace`` attribute whose forward writes into its input."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        return x.relu_() if self.how == "relu_" else F.relu(x, inplace=True)
+
+
+class _ChannelsLastLayerNorm(nn.Module):
+    """ConvNeXt's LayerNorm over the channels of an ``[N, C, L]`` map: permuted to channels-last and back."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(c)
+
+    def forward(self, x):
+        return self.ln(x.permute(0, 2, 1)).permute(0, 2, 1)
+
+
+@pytest.mark.parametrize("how", ["relu_", "F.relu(inplace=True)"])
+@pytest.mark.parametrize("permuted", [False, True])
+def test_an_activation_module_writing_its_input_unannounced_after_a_kept_output_trains_as_plain(how, permuted):
+    # An activation module with no `inplace` attribute whose forward calls x.relu_() or F.relu(x, inplace=True),
+    # after a LayerNorm "tempo" keeps the output of (a ConvNeXt-style one over channels, permuted back: its output a
+    # view): slimact's converted activation ran its Function on that output, which the module's code overwrote, and
+    # the backward failed with slimact's error ("_NormFunction keeps a tensor of the forward that was then modified
+    # in place") where PyTorch's trains. Recognition now notes that the module writes its input.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    norm = _ChannelsLastLayerNorm(8) if permuted else nn.LayerNorm(6)
+    plain = nn.Sequential(nn.Conv1d(8, 8, 3, padding=1), norm, _ReLUWritingItsInput(how), nn.Flatten(),
+                          nn.Linear(48, 2)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8, 6)
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
+    assert_gradients_equal(steps[0][1], steps[1][1])
+
+
 class _PackedBetween(nn.Module):
     """``h = layer(fc(x))``, then in place ``h += a``, ``lin(h)``, ``h += b``, ``lin2(h)`` (on views of h with
     ``view``), or (``in_place=False``) the same out of place."""

@@ -862,7 +862,9 @@ def _rule_matmul(module, cls):
 def _rule_activation(module, cls):
     form = _probe_activation(module)
     if form is not None:
-        return Recognised(_FORM_KIND[form], "activation", {"form": form})
+        # (writes_input: the module overwrites the tensor it is given, announced by `inplace` or not: an activation
+        # whose forward calls F.relu(x, inplace=True) or x.relu_(); nn.activation routes it as an in-place one)
+        return Recognised(_FORM_KIND[form], "activation", {"form": form, "writes_input": _writes_its_input(module)})
     return Recognised("activation") if _looks_like_activation(module) else None
 
 
