@@ -144,7 +144,13 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     view = isinstance(target, Tensor) and target._is_view()
     kept = target._base if view else target
     entry = KEPT_OUTPUTS.get(id(kept))
-    if entry is None or entry[0]() is not kept or not kept.requires_grad:
+    holder = kept
+    if view and (entry is None or entry[0]() is not kept):
+        # A kept output that is itself a view: an in-place activation's output is its input, a view where that is
+        # one (F.instance_norm's output, a view of its batch_norm's): the view is moved as a view of its base is
+        # (`InstanceNorm1d -> F.silu(h, inplace=True)`, then `h.add_(x)`: autograd's error where PyTorch trains).
+        entry, holder = KEPT_OUTPUTS.get(id(target)), target
+    if entry is None or entry[0]() is not holder or not kept.requires_grad:
         return NotImplemented
     if func not in _KEEPS_NO_ARGUMENT and _takes_itself(args, kwargs, target, kept):
         return NotImplemented
