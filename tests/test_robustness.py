@@ -644,6 +644,46 @@ def test_an_in_place_op_on_a_kept_output_that_is_a_view_trains_as_plain(act, op)
     assert_gradients_equal(steps[0][1], steps[1][1])
 
 
+class _ChannelsLastSliceAdd(nn.Module):
+    """``h = act(conv(x))`` on a channels-last input (so ``h`` is channels-last), then ``h[:, :4] += p``."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.conv, self.act = nn.Conv2d(8, 8, 1), act
+        self.p, self.fc = nn.Parameter(torch.randn(4, 1, 1)), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h = F.gelu(h) if self.act == "gelu" else F.silu(h)
+        h[:, :4] += self.p
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_an_in_place_op_on_a_view_of_a_channels_last_kept_output_trains_as_plain(act):
+    # A conv on a channels-last input gives a channels-last output, and so does "tempo"'s GELU/SiLU after it, which
+    # keeps that output. `h[:, :4] += p` on it: _view_alone required the output contiguous (for its copy to keep the
+    # view's place), so the op ran as written and the backward failed ("output 0 of _InplaceActivationFunction ...
+    # modified by an inplace operation") where PyTorch trains. A dense layout in any dim order is copied with its
+    # strides: it moves as a contiguous one does.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    plain = _ChannelsLastSliceAdd(act).train().to(memory_format=torch.channels_last)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
+    assert_gradients_equal(steps[0][1], steps[1][1])
+
+
 class _PackedBetween(nn.Module):
     """``h = layer(fc(x))``, then in place ``h += a``, ``lin(h)``, ``h += b``, ``lin2(h)`` (on views of h with
     ``view``), or (``in_place=False``) the same out of place."""
