@@ -702,3 +702,26 @@ def test_convert_leaves_what_a_probed_module_holds_as_it_was():
     assert slim[2].initialized is False
     x = torch.randn(5, 8)
     torch.testing.assert_close(slim.eval()(x), model.eval()(x))
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_an_instance_norm_is_probed_without_a_warning_and_trains_as_plain(affine):
+    # The norm probe ran nn.InstanceNorm1d (a class named *Norm*) on its [2, 3, C] probe, and PyTorch's
+    # "input's size at dim=1 does not match num_features" UserWarning reached the user at every convert; the
+    # probe's own warnings are now kept to it. It is no last-dim norm on the [2, 2, 2, C] probe: left alone.
+    import warnings
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv1d(3, 8, 3, padding=1), nn.InstanceNorm1d(8, affine=affine), nn.ReLU(),
+                          nn.Conv1d(8, 2, 1))
+    slim = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        slimact.convert(slim, "tempo")
+    assert "1" not in slimact.summary(slim).modules
+    x = torch.randn(2, 3, 12)
+    grads = []
+    for model in (plain, slim):
+        model(x).square().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert_gradients_equal(grads[0], grads[1])

@@ -544,6 +544,146 @@ def test_an_in_place_activation_module_after_a_kept_output_trains_as_plain(layer
     assert_gradients_equal(steps[0][1], steps[1][1])
 
 
+class _ReLUWritingItsInput(nn.Module):
+    """An activation module of model code with no ``inplace`` attribute whose forward writes into its input."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        return x.relu_() if self.how == "relu_" else F.relu(x, inplace=True)
+
+
+class _ChannelsLastLayerNorm(nn.Module):
+    """ConvNeXt's LayerNorm over the channels of an ``[N, C, L]`` map: permuted to channels-last and back."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(c)
+
+    def forward(self, x):
+        return self.ln(x.permute(0, 2, 1)).permute(0, 2, 1)
+
+
+@pytest.mark.parametrize("how", ["relu_", "F.relu(inplace=True)"])
+@pytest.mark.parametrize("permuted", [False, True])
+def test_an_activation_module_writing_its_input_unannounced_after_a_kept_output_trains_as_plain(how, permuted):
+    # An activation module with no `inplace` attribute whose forward calls x.relu_() or F.relu(x, inplace=True),
+    # after a LayerNorm "tempo" keeps the output of (a ConvNeXt-style one over channels, permuted back: its output a
+    # view): slimact's converted activation ran its Function on that output, which the module's code overwrote, and
+    # the backward failed with slimact's error ("_NormFunction keeps a tensor of the forward that was then modified
+    # in place") where PyTorch's trains. Recognition now notes that the module writes its input.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    norm = _ChannelsLastLayerNorm(8) if permuted else nn.LayerNorm(6)
+    plain = nn.Sequential(nn.Conv1d(8, 8, 3, padding=1), norm, _ReLUWritingItsInput(how), nn.Flatten(),
+                          nn.Linear(48, 2)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8, 6)
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
+    assert_gradients_equal(steps[0][1], steps[1][1])
+
+
+class _SiLUWritingItsInput(nn.Module):
+    def forward(self, x):
+        return F.silu(x, inplace=True)
+
+
+class _InstanceNormActAdd(nn.Module):
+    """``act(InstanceNorm1d(conv(x)))`` then an in-place op on it with ``x``: an in-place SiLU's output is its input,
+    here a view (F.instance_norm returns a view of its batch_norm's output)."""
+
+    def __init__(self, act: nn.Module, op: str) -> None:
+        super().__init__()
+        self.conv, self.norm, self.act, self.op = nn.Conv1d(8, 8, 1), nn.InstanceNorm1d(8, affine=True), act, op
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        f = self.act(self.norm(self.conv(x)))
+        if self.op == "add_":
+            f = f.add_(x)
+        elif self.op == "+=":
+            f += x
+        else:
+            f.mul_(x)
+        return self.fc(f.mean(-1))
+
+
+@pytest.mark.parametrize("op", ["add_", "+=", "mul_"])
+@pytest.mark.parametrize("act", ["F.silu(inplace=True)", "nn.SiLU(inplace=True)"])
+def test_an_in_place_op_on_a_kept_output_that_is_a_view_trains_as_plain(act, op):
+    # InstanceNorm1d -> an in-place SiLU -> `f.add_(x)` (a residual in place): "tempo"'s SiLU keeps its output, which
+    # is its input, which F.instance_norm made a view; copy_on_write looked the view's base up as the kept output,
+    # found none, ran the op as written, and the backward failed ("output 0 of _InplaceActivationFunction, is at
+    # version 3; expected version 2") where PyTorch trains. The kept view now moves as a view of a kept output does.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    plain = _InstanceNormActAdd(_SiLUWritingItsInput() if act.startswith("F.") else nn.SiLU(inplace=True), op).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8, 12)
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
+    assert_gradients_equal(steps[0][1], steps[1][1])
+
+
+class _ChannelsLastSliceAdd(nn.Module):
+    """``h = act(conv(x))`` on a channels-last input (so ``h`` is channels-last), then ``h[:, :4] += p``."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.conv, self.act = nn.Conv2d(8, 8, 1), act
+        self.p, self.fc = nn.Parameter(torch.randn(4, 1, 1)), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h = F.gelu(h) if self.act == "gelu" else F.silu(h)
+        h[:, :4] += self.p
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_an_in_place_op_on_a_view_of_a_channels_last_kept_output_trains_as_plain(act):
+    # A conv on a channels-last input gives a channels-last output, and so does "tempo"'s GELU/SiLU after it, which
+    # keeps that output. `h[:, :4] += p` on it: _view_alone required the output contiguous (for its copy to keep the
+    # view's place), so the op ran as written and the backward failed ("output 0 of _InplaceActivationFunction ...
+    # modified by an inplace operation") where PyTorch trains. A dense layout in any dim order is copied with its
+    # strides: it moves as a contiguous one does.
+    import copy
+
+    from _harness import assert_gradients_equal
+
+    torch.manual_seed(0)
+    plain = _ChannelsLastSliceAdd(act).train().to(memory_format=torch.channels_last)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(3, 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
+    assert_gradients_equal(steps[0][1], steps[1][1])
+
+
 class _PackedBetween(nn.Module):
     """``h = layer(fc(x))``, then in place ``h += a``, ``lin(h)``, ``h += b``, ``lin2(h)`` (on views of h with
     ``view``), or (``in_place=False``) the same out of place."""

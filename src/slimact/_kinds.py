@@ -29,6 +29,7 @@ import inspect
 import itertools
 import re
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -341,7 +342,10 @@ def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.
     for shape in ((2, 3), (2, 2, 2)):
         x = (torch.randn(*shape, weight.numel(), generator=gen) * 3 + 1).to(device=weight.device, dtype=dtype)
         try:
-            with torch.no_grad():
+            # (warnings the probe itself provokes are not the user's: nn.InstanceNorm1d without affine warned
+            # "input's size at dim=1 does not match num_features" at every convert)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 y = cls.forward(module, x)
         except _PROBE_ERRORS:  # not a plain [..., C] -> [..., C] norm
             return None
@@ -880,7 +884,9 @@ def _rule_matmul(module, cls):
 def _rule_activation(module, cls):
     form = _probe_activation(module)
     if form is not None:
-        return Recognised(_FORM_KIND[form], "activation", {"form": form})
+        # (writes_input: the module overwrites the tensor it is given, announced by `inplace` or not: an activation
+        # whose forward calls F.relu(x, inplace=True) or x.relu_(); nn.activation routes it as an in-place one)
+        return Recognised(_FORM_KIND[form], "activation", {"form": form, "writes_input": _writes_its_input(module)})
     return Recognised("activation") if _looks_like_activation(module) else None
 
 

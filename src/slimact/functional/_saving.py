@@ -144,7 +144,13 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     view = isinstance(target, Tensor) and target._is_view()
     kept = target._base if view else target
     entry = KEPT_OUTPUTS.get(id(kept))
-    if entry is None or entry[0]() is not kept or not kept.requires_grad:
+    holder = kept
+    if view and (entry is None or entry[0]() is not kept):
+        # A kept output that is itself a view: an in-place activation's output is its input, a view where that is
+        # one (F.instance_norm's output, a view of its batch_norm's): the view is moved as a view of its base is
+        # (`InstanceNorm1d -> F.silu(h, inplace=True)`, then `h.add_(x)`: autograd's error where PyTorch trains).
+        entry, holder = KEPT_OUTPUTS.get(id(target)), target
+    if entry is None or entry[0]() is not holder or not kept.requires_grad:
         return NotImplemented
     if func not in _KEEPS_NO_ARGUMENT and _takes_itself(args, kwargs, target, kept):
         return NotImplemented
@@ -217,11 +223,26 @@ def _view_alone(view: Tensor, base: Tensor, entry: list) -> bool:
     the object asked here alone (no node saved it, no other view of it), the view by no node, and their storage by
     them and the Function's saved tensor (not moved yet) or by them alone (moved: the view made of the copy). The
     output dense from the start of its storage, so that its copy keeps the view's place."""
-    if view._use_count() != 1 or base._use_count() != 2 or not base.is_contiguous() or base.storage_offset() != 0:
+    if view._use_count() != 1 or base._use_count() != 2 or not _dense(base) or base.storage_offset() != 0:
         return False
     storage = view.untyped_storage()
     return (storage.data_ptr() == base.untyped_storage().data_ptr()
             and torch._C._storage_Use_Count(storage._cdata) == (3 if entry[1] else 4))
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t`` fills its elements' span with no gap or overlap in some order of its dims (contiguous, or
+    channels-last: a conv's output on a channels-last input), so that its clone (``preserve_format``) has its very
+    strides and a view keeps its place in the copy. Contiguous alone refused channels-last outputs:
+    ``h[:, :4] += p`` after a GELU in a channels-last CNN failed in the backward where PyTorch trains."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _on_copy(func: Callable, args: tuple, kwargs: dict, listed: bool, target: Tensor, kept: Tensor,
