@@ -150,13 +150,12 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     if func is Tensor.__setitem__ and _assigns_itself(args, kept):
         return None
-    if view and not _view_alone(target, kept, entry):
+    if not (_view_alone(target, kept, entry) if view else _alone(target, entry)):
         # Other views of the output live (torchtune's CLIP: `x = ln_post(x).reshape(...)`, then
-        # `x[b, :n] += pos` per image): they would stay on the storage the Function keeps, so the output cannot move.
-        # The Function's own saved tensor takes a copy instead, and the op runs as written on what the model holds.
+        # `x[b, :n] += pos` per image; `v = h[:, :4]; h += r`): they would stay on the storage the Function keeps,
+        # so the output cannot move. The Function's own saved tensor takes a copy instead, and the op runs as
+        # written on what the model holds (where another node saved the output, its version check stands).
         return func(*args, **kwargs) if _release(kept, entry) else NotImplemented
-    if not view and not _alone(target, entry):
-        return NotImplemented
     return _on_copy(func, args, kwargs, listed, target, kept, entry)
 
 
