@@ -403,6 +403,51 @@ def test_a_norm_whose_weight_is_named_scale_is_recognised_and_converted(offset, 
     assert type(slim[1]) is _ScaleRMSNorm
 
 
+class _TransformedWeightRMSNorm(nn.Module):
+    """An RMSNorm using its weight (named ``weight`` or ``scale``) through ``use``: ``abs()``, ``clamp(min=0.5)``
+    or ``detach()``: the norm's values wherever the weight is positive (above 0.5), other gradients."""
+
+    def __init__(self, dim, name, use, eps=1e-6):
+        super().__init__()
+        self.eps, self.name, self.use = eps, name, use
+        self.register_parameter(name, nn.Parameter(torch.ones(dim)))
+
+    def forward(self, x):
+        w = getattr(self, self.name)
+        w = {"abs": w.abs, "clamp": lambda: w.clamp(min=0.5), "detach": w.detach}[self.use]()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+
+
+@pytest.mark.parametrize("use", ["abs", "clamp", "detach"])
+@pytest.mark.parametrize("name", ["weight", "scale"])
+def test_a_norm_using_its_weight_through_another_function_is_left_alone(name, use):
+    # The norm probe compared values only, with the weight shifted to positive values: a forward using its weight
+    # through abs(), clamp(min=0.5) or detach() computes the norm's values there, and was converted; "tempo"'s
+    # backward then differentiated `norm(x) * w`: with weights of both signs the input gradient was 0.34 off
+    # (abs), 0.47 (clamp), and a detached weight got a gradient where PyTorch's has none, silently (200c8ee took
+    # torchtune's `scale` the same way). The probe now checks the gradients too, with weights of both signs.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _TransformedWeightRMSNorm(16, name, use), nn.Linear(16, 4)).train()
+    assert norm_form(plain[1]) is None  # (at its initial weight, all ones)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert not isinstance(slim[1], SlimModule)
+    with torch.no_grad():  # (as after training)
+        for model in (plain, slim):
+            getattr(model[1], name).copy_(torch.linspace(-1, 1, 16))
+    x = torch.randn(4, 6, 16)
+    grads = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        grads.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()
+                                                          if p.grad is not None}}))
+    (out0, g0), (out1, g1) = grads
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys()
+    assert_gradients_equal(g0, g1)
+
+
 class _GatedNorm(torch.nn.Module):
     """An RMSNorm whose forward needs a second input it declares optional (LaraMini's: ``gate=None``, then
     ``gate.to(...)``): called as ``f(x)`` by the probe, it raises AttributeError."""

@@ -306,7 +306,8 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
     ``norm(x * (1 + w))`` (MuseSpark's input-scaled RMSNorm), whose gradients differ as soon as ``w`` moves.
     """
     with _shifted_params(module, weight) as gen:
-        return _probe_norm_as_is(module, weight, eps, gen)
+        form = _probe_norm_as_is(module, weight, eps, gen)
+        return form if form is not None and _has_norm_gradients(module, weight, form, gen) else None
 
 
 @contextlib.contextmanager
@@ -358,6 +359,62 @@ def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.
             return None
         found = match
     return found
+
+
+def _has_norm_gradients(module: nn.Module, weight: Tensor, form: dict, gen: torch.Generator) -> bool:
+    """Whether the gradients the module's forward gives its input and its own weight and bias are the norm
+    ``form``'s, which slimact's backward computes, with the weight (and bias) set, for the probe, to values of both
+    signs and of every size: a forward that uses its weight through ``abs()``, ``clamp(min=...)``, ``detach()`` (or
+    its input's statistics detached) computes the form's values on the forward probe's positive weights, with
+    other gradients ("tempo" gave an RMSNorm with ``weight.abs()`` input gradients 0.34 off, and a detached weight
+    a gradient where PyTorch's has none, silently). Run in the forward probe's setting (:func:`_shifted_params`,
+    which restores the parameters after)."""
+    cls, dtype, device = _cls(module), weight.dtype, weight.device
+    bias = getattr(module, "bias", None)
+    params = []
+    for p in (weight, bias):
+        if (isinstance(p, nn.Parameter) and any(p is q for q in module.parameters(recurse=False))
+                and not any(p is q for q in params)):
+            params.append(p)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype))
+    x = (torch.randn(2, 3, weight.numel(), generator=gen) * 3 + 1).to(device=device, dtype=dtype)
+    flags = [p.requires_grad for p in params]
+    try:
+        with _probing_grad():
+            for p in params:
+                p.requires_grad_(True)
+            xg = x.clone().requires_grad_(True)
+            y = cls.forward(module, xg)
+            if not isinstance(y, Tensor) or y.shape != x.shape or not y.requires_grad:
+                return False
+            v = torch.randn(y.shape, generator=gen).to(y)
+            got = torch.autograd.grad(y, (xg, *params), v, allow_unused=True)
+    except _PROBE_ERRORS:
+        return False
+    finally:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
+    with _probing_grad():
+        xf = x.float().requires_grad_(True)
+        wf = weight.detach().float().requires_grad_(True)
+        bf = bias.detach().float().requires_grad_(True) if isinstance(bias, Tensor) else None
+        eps = form["eps"]
+        if form["centered"]:
+            var, mean = torch.var_mean(xf, -1, unbiased=False, keepdim=True)
+            xn = (xf - mean) * torch.rsqrt(var + eps)
+        else:
+            xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        yf = xn * (wf + form["offset"]) + (bf if bf is not None else 0.0)
+        inputs = (xf, *(wf if p is weight else bf for p in params))
+        want = torch.autograd.grad(yf, inputs, v.float())
+    tol = _tolerance(dtype)
+    for g, w in zip(got, want, strict=True):
+        scale = w.abs().max().item()
+        if g is None or not torch.allclose(g.float(), w, rtol=2 * tol, atol=2 * tol * scale):
+            return False
+    return True
 
 
 def _probe_group_norm(module: nn.GroupNorm) -> bool:
