@@ -309,6 +309,25 @@ def test_one_key_value_head_broadcast_without_enable_gqa_is_pytorchs_forward(mas
     assert torch.equal(out2, out0)
 
 
+@pytest.mark.parametrize("heads", [(1, 4), (4, 1)], ids=["one key head", "one value head"])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_key_and_value_broadcast_each_on_its_own_train_as_pytorch(policy, heads):
+    # PyTorch broadcasts key and value each on its own: one key head with four value heads is a valid call. Since
+    # slimact's attention took one key head as a broadcast (0510484) it ran it, and its backward failed ("shape
+    # '[2, 4, 5, 8]' is invalid for input of size 1280") where PyTorch's trains. Such a call is PyTorch's own.
+    from slimact.policy import resolve
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=gen)
+    k, v = (torch.randn(2, h, 5, 8, generator=gen) for h in heads)
+    g = torch.randn(2, 4, 5, 8, generator=gen)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g)
+    out1, g1 = _run(scaled_dot_product_attention, q, k, v, g, cfg=resolve(policy).quant_config("attention", 4))
+    assert torch.equal(out1, out0)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 MASK_SHAPES = [(1, 4, 9, 9), (2, 4, 9, 9), (4, 9, 9), (2, 1, 1, 9), (9, 9)]
 
 

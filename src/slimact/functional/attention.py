@@ -818,7 +818,11 @@ def scaled_dot_product_attention(
     # floating (uint8, int64), which PyTorch refuses, was added as if additive (a 0/1 "keep" mask: +1 on the kept
     # scores). PyTorch's own call for both.
     empty = query.numel() == 0 or key.numel() == 0 or value.numel() == 0
-    if empty or (attn_mask is not None and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point()):
+    # Key and value broadcast each on its own in PyTorch (one key head, H value heads): slimact's paths take them
+    # as one head count (the backward failed reshaping the key's gradient), as PyTorch's own call (as the routed call).
+    apart = key.shape[:2] != value.shape[:2]
+    if empty or apart or (attn_mask is not None and attn_mask.dtype != torch.bool
+                          and not attn_mask.is_floating_point()):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
