@@ -448,6 +448,34 @@ def test_a_norm_using_its_weight_through_another_function_is_left_alone(name, us
     assert_gradients_equal(g0, g1)
 
 
+class _FlaggedRMSNorm(nn.Module):
+    """An RMSNorm keeping a flag (no tensor) under the name ``bias``, which its forward does not use."""
+
+    def __init__(self, dim, name, flag, eps=1e-6):
+        super().__init__()
+        self.eps, self.name, self.bias = eps, name, flag
+        self.register_parameter(name, nn.Parameter(torch.ones(dim)))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * getattr(self, self.name)
+
+
+@pytest.mark.parametrize("flag", [False, True, 0.5])
+@pytest.mark.parametrize("name", ["weight", "scale"])
+def test_a_norm_keeping_a_flag_named_bias_trains_as_plain(name, flag):
+    # A norm's `bias` that is no tensor (a configuration flag kept under that name) is none to the probe, which
+    # converts the norm; the replacement passed it to slimact's norm as the bias, and the forward failed
+    # ("'bool' object has no attribute 'detach'") where PyTorch's trains.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _FlaggedRMSNorm(16, name, flag), nn.Linear(16, 4)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert isinstance(slim[1], SlimModule)
+    x = torch.randn(4, 6, 16)
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+
+
 class _GatedNorm(torch.nn.Module):
     """An RMSNorm whose forward needs a second input it declares optional (LaraMini's: ``gate=None``, then
     ``gate.to(...)``): called as ``f(x)`` by the probe, it raises AttributeError."""
