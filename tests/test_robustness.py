@@ -794,7 +794,7 @@ def test_an_in_place_op_on_a_view_of_a_kept_output_while_other_views_live_comput
     assert_gradients_equal(*({n: g for n, g in gs.items() if g is not None} for _, gs in grads))
 
 
-def _view_then_add(m, h, x):
+def _a_view_then_add(m, h, x):
     v = h[:, :4]
     h += x
     return h + torch.cat([v, v], 1)
@@ -827,7 +827,7 @@ def _no_grad_view_assigned(m, h, x):
     return h
 
 
-_WITH_A_VIEW = {"v = h[:, :4]; h += x": _view_then_add, "t = h.t(); relu_(h)": _transposed_then_relu,
+_WITH_A_VIEW = {"v = h[:, :4]; h += x": _a_view_then_add, "t = h.t(); relu_(h)": _transposed_then_relu,
                 "h[:, :4] = torch._neg_view(h[:, :4])": _neg_view_assigned,
                 "h[:, :4] = grad_reverse(h[:, :4])": _reversed_view_assigned,
                 "no_grad: v = h[:, :4]; then h[:, :4] = v": _no_grad_view_assigned}
