@@ -855,7 +855,10 @@ def scaled_dot_product_attention(
     # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN (a NaN in the query,
     # or in the key of a one-key row: F.scaled_dot_product_attention's too, torch 2.13): a query or key holding
     # NaN/inf takes the chunked path, whose output is NaN there, as the math path's.
-    flash = dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad
+    # (fp16 too: PyTorch's CPU call runs that kernel for fp16 as well; the chunked path's output was an fp16 ulp
+    # or two from it, 2.4e-4-9.8e-4, and a tiny Llama's fp16 logits under "tempo" 2.4e-4 from plain's)
+    flash = (dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+             and not mask_grad)
     # The kernel takes one head width for q, k and v (F.scaled_dot_product_attention picks its math kernel where
     # the value heads are of another width, GLM-5 Next's): the chunked path.
     flash = flash and query.shape[-1] == key.shape[-1] == value.shape[-1]
