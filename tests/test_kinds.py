@@ -403,6 +403,115 @@ def test_a_norm_whose_weight_is_named_scale_is_recognised_and_converted(offset, 
     assert type(slim[1]) is _ScaleRMSNorm
 
 
+class _TransformedWeightRMSNorm(nn.Module):
+    """An RMSNorm using its weight (named ``weight`` or ``scale``) through ``use``: ``abs()``, ``clamp(min=0.5)``
+    or ``detach()``: the norm's values wherever the weight is positive (above 0.5), other gradients."""
+
+    def __init__(self, dim, name, use, eps=1e-6):
+        super().__init__()
+        self.eps, self.name, self.use = eps, name, use
+        self.register_parameter(name, nn.Parameter(torch.ones(dim)))
+
+    def forward(self, x):
+        w = getattr(self, self.name)
+        w = {"abs": w.abs, "clamp": lambda: w.clamp(min=0.5), "detach": w.detach}[self.use]()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+
+
+@pytest.mark.parametrize("use", ["abs", "clamp", "detach"])
+@pytest.mark.parametrize("name", ["weight", "scale"])
+def test_a_norm_using_its_weight_through_another_function_is_left_alone(name, use):
+    # The norm probe compared values only, with the weight shifted to positive values: a forward using its weight
+    # through abs(), clamp(min=0.5) or detach() computes the norm's values there, and was converted; "tempo"'s
+    # backward then differentiated `norm(x) * w`: with weights of both signs the input gradient was 0.34 off
+    # (abs), 0.47 (clamp), and a detached weight got a gradient where PyTorch's has none, silently (200c8ee took
+    # torchtune's `scale` the same way). The probe now checks the gradients too, with weights of both signs.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _TransformedWeightRMSNorm(16, name, use), nn.Linear(16, 4)).train()
+    assert norm_form(plain[1]) is None  # (at its initial weight, all ones)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert not isinstance(slim[1], SlimModule)
+    with torch.no_grad():  # (as after training)
+        for model in (plain, slim):
+            getattr(model[1], name).copy_(torch.linspace(-1, 1, 16))
+    x = torch.randn(4, 6, 16)
+    grads = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        grads.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()
+                                                          if p.grad is not None}}))
+    (out0, g0), (out1, g1) = grads
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys()
+    assert_gradients_equal(g0, g1)
+
+
+class _TransformedWeightGroupNorm(nn.GroupNorm):
+    """A GroupNorm subclass whose forward uses its weight through ``abs()`` or ``detach()``."""
+
+    def __init__(self, groups, channels, use):
+        super().__init__(groups, channels)
+        self.use = use
+
+    def forward(self, x):
+        w = self.weight.abs() if self.use == "abs" else self.weight.detach()
+        return F.group_norm(x, self.num_groups, w, self.bias, self.eps)
+
+
+@pytest.mark.parametrize("use", ["abs", "detach"])
+def test_a_group_norm_using_its_weight_through_another_function_is_left_alone(use):
+    # As for the last-dim norms: its probe compared values on positive weights only; converted, "int8" gave input
+    # gradients at cosine 0.46 to PyTorch's (abs) once the weight had both signs, and a detached weight a gradient.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(4, 8, 1), _TransformedWeightGroupNorm(2, 8, use), nn.Conv2d(8, 2, 1)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    assert not isinstance(slim[1], SlimModule)
+    with torch.no_grad():
+        for model in (plain, slim):
+            model[1].weight.copy_(torch.linspace(-1, 1, 8))
+    x = torch.randn(2, 4, 3, 3)
+    grads = []
+    for model in (plain, slim):
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().sum().backward()
+        grads.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (out0, g0), (out1, g1) = grads
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys()
+    assert_gradients_close(g0, g1)  # (the convs are 8-bit)
+
+
+class _FlaggedRMSNorm(nn.Module):
+    """An RMSNorm keeping a flag (no tensor) under the name ``bias``, which its forward does not use."""
+
+    def __init__(self, dim, name, flag, eps=1e-6):
+        super().__init__()
+        self.eps, self.name, self.bias = eps, name, flag
+        self.register_parameter(name, nn.Parameter(torch.ones(dim)))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * getattr(self, self.name)
+
+
+@pytest.mark.parametrize("flag", [False, True, 0.5])
+@pytest.mark.parametrize("name", ["weight", "scale"])
+def test_a_norm_keeping_a_flag_named_bias_trains_as_plain(name, flag):
+    # A norm's `bias` that is no tensor (a configuration flag kept under that name) is none to the probe, which
+    # converts the norm; the replacement passed it to slimact's norm as the bias, and the forward failed
+    # ("'bool' object has no attribute 'detach'") where PyTorch's trains.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _FlaggedRMSNorm(16, name, flag), nn.Linear(16, 4)).train()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert isinstance(slim[1], SlimModule)
+    x = torch.randn(4, 6, 16)
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+
+
 class _GatedNorm(torch.nn.Module):
     """An RMSNorm whose forward needs a second input it declares optional (LaraMini's: ``gate=None``, then
     ``gate.to(...)``): called as ``f(x)`` by the probe, it raises AttributeError."""

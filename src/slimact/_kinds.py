@@ -307,7 +307,8 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
     ``norm(x * (1 + w))`` (MuseSpark's input-scaled RMSNorm), whose gradients differ as soon as ``w`` moves.
     """
     with _shifted_params(module, weight) as gen:
-        return _probe_norm_as_is(module, weight, eps, gen)
+        form = _probe_norm_as_is(module, weight, eps, gen)
+        return form if form is not None and _has_norm_gradients(module, weight, form, gen) else None
 
 
 @contextlib.contextmanager
@@ -364,11 +365,79 @@ def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.
     return found
 
 
+def _has_norm_gradients(module: nn.Module, weight: Tensor, form: dict, gen: torch.Generator) -> bool:
+    """Whether the gradients the module's forward gives its input and its own weight and bias are the norm
+    ``form``'s, which slimact's backward computes, with the weight (and bias) set, for the probe, to values of both
+    signs and of every size: a forward that uses its weight through ``abs()``, ``clamp(min=...)``, ``detach()`` (or
+    its input's statistics detached) computes the form's values on the forward probe's positive weights, with
+    other gradients ("tempo" gave an RMSNorm with ``weight.abs()`` input gradients 0.34 off, and a detached weight
+    a gradient where PyTorch's has none, silently). Run in the forward probe's setting (:func:`_shifted_params`,
+    which restores the parameters after)."""
+    eps = form["eps"]
+
+    def reference(xf: Tensor, wf: Tensor | None, bf: Tensor | None) -> Tensor:
+        if form["centered"]:
+            var, mean = torch.var_mean(xf, -1, unbiased=False, keepdim=True)
+            xn = (xf - mean) * torch.rsqrt(var + eps)
+        else:
+            xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return xn * (wf + form["offset"]) + (bf if bf is not None else 0.0)
+
+    return _has_reference_gradients(module, weight, (2, 3, weight.numel()), weight.dtype, weight.device, reference,
+                                    gen)
+
+
+def _has_reference_gradients(module: nn.Module, weight: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                             device: torch.device, reference: Callable, gen: torch.Generator) -> bool:
+    """Whether ``module``'s forward on a ``shape`` probe gives its input, and its own ``weight`` and ``bias``
+    parameters, the gradients of ``reference(x, weight, bias)`` (computed in fp32), to twice its dtype's probe
+    tolerance, with those parameters set to random values of both signs first (see :func:`_has_norm_gradients`)."""
+    cls = _cls(module)
+    bias = getattr(module, "bias", None)
+    params = []
+    for p in (weight, bias):
+        if (isinstance(p, nn.Parameter) and any(p is q for q in module.parameters(recurse=False))
+                and not any(p is q for q in params)):
+            params.append(p)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype))
+    x = (torch.randn(*shape, generator=gen) * 3 + 1).to(device=device, dtype=dtype)
+    flags = [p.requires_grad for p in params]
+    try:
+        with _probing_grad():
+            for p in params:
+                p.requires_grad_(True)
+            xg = x.clone().requires_grad_(True)
+            y = cls.forward(module, xg)
+            if not isinstance(y, Tensor) or y.shape != x.shape or not y.requires_grad:
+                return False
+            v = torch.randn(y.shape, generator=gen).to(y)
+            got = torch.autograd.grad(y, (xg, *params), v, allow_unused=True)
+    except _PROBE_ERRORS:
+        return False
+    finally:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
+    with _probing_grad():
+        xf = x.float().requires_grad_(True)
+        wf, bf = (t.detach().float().requires_grad_(True) if isinstance(t, Tensor) else None for t in (weight, bias))
+        yf = reference(xf, wf, bf)
+        want = torch.autograd.grad(yf, (xf, *(wf if p is weight else bf for p in params)), v.float())
+    tol = _tolerance(dtype)
+    for g, w in zip(got, want, strict=True):
+        scale = w.abs().max().item()
+        if g is None or not torch.allclose(g.float(), w, rtol=2 * tol, atol=2 * tol * scale):
+            return False
+    return True
+
+
 def _probe_group_norm(module: nn.GroupNorm) -> bool:
     """Whether a subclass of ``nn.GroupNorm`` with a forward of its own (guided diffusion's ``GroupNorm32``, which
     runs it in fp32) computes ``F.group_norm`` of its ``num_groups``, weight, bias and ``eps`` on ``[2, C, 3]`` and
     ``[2, C, 2, 3]`` probes, within its parameters' dtype's rounding (weight and bias shifted as
-    :func:`_probe_norm` shifts them; a forward that cannot run on them, or gives another shape, is no GroupNorm)."""
+    :func:`_probe_norm` shifts them; a forward that cannot run on them, or gives another shape, is no GroupNorm), with
+    its gradients (:func:`_has_reference_gradients`)."""
     cls, (device, dtype) = _cls(module), _params_of(module)
     weight, bias = (t if isinstance(t, Tensor) else None for t in (module.weight, module.bias))
     if not isinstance(module.eps, float) or not isinstance(module.num_groups, int) or module.num_groups < 1:
@@ -388,7 +457,11 @@ def _probe_group_norm(module: nn.GroupNorm) -> bool:
             want = nn.functional.group_norm(x.float(), module.num_groups, w, b, module.eps)
             if not torch.allclose(y.float(), want, rtol=tol, atol=tol / 10):
                 return False
-    return True
+        # (and its gradients: a forward using its weight through abs() or detach() was converted; "int8"'s input
+        # gradients at cosine 0.46 to PyTorch's, a detached weight given a gradient)
+        return _has_reference_gradients(
+            module, weight, (2, module.num_channels, 2, 3), dtype, device,
+            lambda xf, wf, bf: nn.functional.group_norm(xf, module.num_groups, wf, bf, module.eps), gen)
 
 
 def norm_form(module: nn.Module) -> dict | None:

@@ -309,6 +309,48 @@ def test_one_key_value_head_broadcast_without_enable_gqa_is_pytorchs_forward(mas
     assert torch.equal(out2, out0)
 
 
+@pytest.mark.parametrize("heads", [(1, 4), (4, 1)], ids=["one key head", "one value head"])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_key_and_value_broadcast_each_on_its_own_train_as_pytorch(policy, heads):
+    # PyTorch broadcasts key and value each on its own: one key head with four value heads is a valid call. Since
+    # slimact's attention took one key head as a broadcast (0510484) it ran it, and its backward failed ("shape
+    # '[2, 4, 5, 8]' is invalid for input of size 1280") where PyTorch's trains. Such a call is PyTorch's own.
+    from slimact.policy import resolve
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=gen)
+    k, v = (torch.randn(2, h, 5, 8, generator=gen) for h in heads)
+    g = torch.randn(2, 4, 5, 8, generator=gen)
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g)
+    out1, g1 = _run(scaled_dot_product_attention, q, k, v, g, cfg=resolve(policy).quant_config("attention", 4))
+    assert torch.equal(out1, out0)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float"])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_fp16_on_the_cpu_is_pytorchs_forward(policy, mask):
+    # fp16 on the CPU took slimact's chunked path, whose output was an fp16 ulp or two (2.4e-4-9.8e-4) from the
+    # flash kernel PyTorch's own call runs there: a converted tiny Llama's fp16 logits were 2.4e-4 from plain's
+    # under "tempo", whose forward is PyTorch's bit for bit. fp16 runs that kernel as fp32 and bf16 do.
+    from slimact.policy import resolve
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(2, 4, 7, 8, generator=gen).half() for _ in range(4))
+    kw = {"is_causal": True} if mask == "causal" else {}
+    if mask == "bool":
+        kw["attn_mask"] = torch.rand(7, 7, generator=gen) > 0.3
+    elif mask == "float":
+        kw["attn_mask"] = torch.randn(2, 1, 7, 7, generator=gen).half()
+    out0, g0 = _run(F.scaled_dot_product_attention, q, k, v, g, **kw)
+    out1, g1 = _run(scaled_dot_product_attention, q, k, v, g, cfg=resolve(policy).quant_config("attention", 4), **kw)
+    assert torch.equal(out1, out0)
+    if policy == "tempo":
+        for a, b in zip(g1, g0, strict=True):
+            torch.testing.assert_close(a, b)
+
+
 MASK_SHAPES = [(1, 4, 9, 9), (2, 4, 9, 9), (4, 9, 9), (2, 1, 1, 9), (9, 9)]
 
 

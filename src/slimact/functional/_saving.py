@@ -156,13 +156,12 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     if func is Tensor.__setitem__ and _assigns_itself(args, kept):
         return None
-    if view and not _view_alone(target, kept, entry):
+    if not (_view_alone(target, kept, entry) if view else _alone(target, entry)):
         # Other views of the output live (torchtune's CLIP: `x = ln_post(x).reshape(...)`, then
-        # `x[b, :n] += pos` per image): they would stay on the storage the Function keeps, so the output cannot move.
-        # The Function's own saved tensor takes a copy instead, and the op runs as written on what the model holds.
+        # `x[b, :n] += pos` per image; `v = h[:, :4]; h += r`): they would stay on the storage the Function keeps,
+        # so the output cannot move. The Function's own saved tensor takes a copy instead, and the op runs as
+        # written on what the model holds (where another node saved the output, its version check stands).
         return func(*args, **kwargs) if _release(kept, entry) else NotImplemented
-    if not view and not _alone(target, entry):
-        return NotImplemented
     return _on_copy(func, args, kwargs, listed, target, kept, entry)
 
 
@@ -172,15 +171,20 @@ def _release(kept: Tensor, entry: list) -> bool:
     tensor of that Function's node on ``kept``'s storage is handed to saved-tensor hooks of its own (``pack``: a
     clone, made now; autograd checks no version of a tensor saved through hooks), and ``kept`` is no longer a kept
     output. Its values are the forward's: the node's saved tensors are unpacked first, which raises if anything
-    it saved changed since. The copy costs what PyTorch's layer keeps. Whether it could: not where the output moved
-    already (its views since are on the copy), under saved-tensor hooks (those the Function saved through take no
-    others: slimact's profile count), nor for a node that is no slimact Function's (the output changed in place
-    since its forward, as written: autograd's check stands)."""
-    node = kept.grad_fn
+    it saved changed since. The copy costs what PyTorch's layer keeps (none where the output moved to a copy
+    already: the saved tensor's storage is then its own). Whether it could: not under saved-tensor hooks (those the
+    Function saved through take no others: slimact's profile count), nor for a node that is no slimact Function's
+    (the output changed in place since its forward, as written: autograd's check stands)."""
+    # Moved already (``h += r`` ran on a copy, :func:`_move`): the Function's node and the storage its saved output
+    # is on are those the move noted (the output's grad_fn is the op's since); that storage is the saved tensor's
+    # alone, so the hooks keep it as it is (no copy). Its version counter is still the one the model's tensor shares:
+    # an op on a view of the copy while other views live (`h += r; v, w = h[:, :4], h[:, 4:]; v += 1`) failed the
+    # backward where PyTorch's trains.
+    node, storage = entry[2] if entry[1] else (kept.grad_fn, kept.untyped_storage().data_ptr())
     forward_cls = getattr(node, "_forward_cls", None)
-    if entry[1] or not (isinstance(forward_cls, type) and issubclass(forward_cls, SlimFunction)):
+    if not (isinstance(forward_cls, type) and issubclass(forward_cls, SlimFunction)):
         return False
-    storage = kept.untyped_storage().data_ptr()
+    pack = _as_is if entry[1] else _own_copy
     try:
         saved, raw = node.saved_tensors, node._raw_saved_tensors
         ours = [r for t, r in zip(saved, raw, strict=True)
@@ -188,7 +192,7 @@ def _release(kept: Tensor, entry: list) -> bool:
         if not ours:
             return False
         for r in ours:
-            r.register_hooks(_own_copy, _own_copy_unpacked)
+            r.register_hooks(pack, _own_copy_unpacked)
     except (RuntimeError, ValueError):  # (hooks there already; a changed tensor: the backward's error stands)
         return False
     KEPT_OUTPUTS.pop(id(kept), None)
@@ -200,6 +204,10 @@ def _own_copy(t: Tensor) -> Tensor:
 
 
 def _own_copy_unpacked(t: Tensor) -> Tensor:
+    return t
+
+
+def _as_is(t: Tensor) -> Tensor:
     return t
 
 
@@ -343,6 +351,9 @@ def _move(target: Tensor, entry: list) -> None:
     if not entry[1]:
         # (a normal tensor even under torch.inference_mode(): a clone made there was an inference tensor, which the
         # next layer could not save, "Inference tensors cannot be saved for backward", where PyTorch's model ran)
+        # (the Function's node and the storage its saved output stays on, for _release: the output's grad_fn
+        # becomes the op's)
+        entry[2:] = [(target.grad_fn, target.untyped_storage().data_ptr())]
         with torch.inference_mode(False):
             target.data = target.data.clone()
         entry[1] = True

@@ -818,7 +818,11 @@ def scaled_dot_product_attention(
     # floating (uint8, int64), which PyTorch refuses, was added as if additive (a 0/1 "keep" mask: +1 on the kept
     # scores). PyTorch's own call for both.
     empty = query.numel() == 0 or key.numel() == 0 or value.numel() == 0
-    if empty or (attn_mask is not None and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point()):
+    # Key and value broadcast each on its own in PyTorch (one key head, H value heads): slimact's paths take them
+    # as one head count (the backward failed reshaping the key's gradient), as PyTorch's own call (as the routed call).
+    apart = key.shape[:2] != value.shape[:2]
+    if empty or apart or (attn_mask is not None and attn_mask.dtype != torch.bool
+                          and not attn_mask.is_floating_point()):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
@@ -851,7 +855,10 @@ def scaled_dot_product_attention(
     # PyTorch's CPU flash kernel drops NaN from its output where a row's scores are all NaN (a NaN in the query,
     # or in the key of a one-key row: F.scaled_dot_product_attention's too, torch 2.13): a query or key holding
     # NaN/inf takes the chunked path, whose output is NaN there, as the math path's.
-    flash = dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and not mask_grad
+    # (fp16 too: PyTorch's CPU call runs that kernel for fp16 as well; the chunked path's output was an fp16 ulp
+    # or two from it, 2.4e-4-9.8e-4, and a tiny Llama's fp16 logits under "tempo" 2.4e-4 from plain's)
+    flash = (dropout_p == 0.0 and device == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+             and not mask_grad)
     # The kernel takes one head width for q, k and v (F.scaled_dot_product_attention picks its math kernel where
     # the value heads are of another width, GLM-5 Next's): the chunked path.
     flash = flash and query.shape[-1] == key.shape[-1] == value.shape[-1]

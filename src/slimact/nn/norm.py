@@ -56,8 +56,11 @@ class _NormMixin(SlimModule):
         native = (self._slimact_layer_norm_forward and self._slimact_centered
                   and not self._slimact_offset and tuple(self.normalized_shape) == (x.shape[-1],)
                   and eps == self.eps)
+        # (a `bias` that is no tensor, a flag a model's norm keeps under that name, is none: as the probe took it)
+        bias = getattr(self, "bias", None)
         return norm(
-            x, getattr(self, self._slimact_weight_name, None), getattr(self, "bias", None), eps, self._slimact_cfg(x),
+            x, getattr(self, self._slimact_weight_name, None), bias if isinstance(bias, Tensor) else None, eps,
+            self._slimact_cfg(x),
             self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,
             fn=None if native else forward,
         )
