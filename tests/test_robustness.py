@@ -207,6 +207,22 @@ def _plain_and_converted_step(plain: nn.Module, x: torch.Tensor, policy: str, *a
     return slim, steps
 
 
+def _assert_trains_as_plain(plain: nn.Module, slim: nn.Module, x: torch.Tensor) -> None:
+    """One training step (loss: the output's squares) of each from ``x``: the converted forward is plain's bit for bit,
+    the same parameters get gradients, equal to plain's (``assert_gradients_equal``), the input's included."""
+    from _harness import assert_gradients_equal
+
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
+    assert {n for n, g in steps[0][1].items() if g is None} == {n for n, g in steps[1][1].items() if g is None}
+    assert_gradients_equal(*({n: g for n, g in gs.items() if g is not None} for _, gs in steps))
+
+
 class _GatedRMSNorm(nn.Module):
     """Mamba2's ``MambaRMSNormGated``: an RMSNorm when called with its input alone (what a probe sees), the norm of
     ``x * silu(gate)`` when given a gate."""
@@ -526,7 +542,6 @@ def test_an_in_place_activation_module_after_a_kept_output_trains_as_plain(layer
     # routing mode runs on a copy (copy_on_write).
     import copy
 
-    from _harness import assert_gradients_equal
 
     torch.manual_seed(0)
     norm = nn.LayerNorm(8) if layer == "layernorm" else nn.GELU()
@@ -534,14 +549,7 @@ def test_an_in_place_activation_module_after_a_kept_output_trains_as_plain(layer
                           nn.Linear(8, 2)).train()
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
     x = torch.randn(3, 8)
-    steps = []
-    for model in (plain, slim):
-        xi = x.clone().requires_grad_(True)
-        out = model(xi)
-        out.square().sum().backward()
-        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
-    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
-    assert_gradients_equal(steps[0][1], steps[1][1])
+    _assert_trains_as_plain(plain, slim, x)
 
 
 class _ReLUWritingItsInput(nn.Module):
@@ -576,7 +584,6 @@ def test_an_activation_module_writing_its_input_unannounced_after_a_kept_output_
     # in place") where PyTorch's trains. Recognition now notes that the module writes its input.
     import copy
 
-    from _harness import assert_gradients_equal
 
     torch.manual_seed(0)
     norm = _ChannelsLastLayerNorm(8) if permuted else nn.LayerNorm(6)
@@ -584,14 +591,7 @@ def test_an_activation_module_writing_its_input_unannounced_after_a_kept_output_
                           nn.Linear(48, 2)).train()
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
     x = torch.randn(3, 8, 6)
-    steps = []
-    for model in (plain, slim):
-        xi = x.clone().requires_grad_(True)
-        out = model(xi)
-        out.square().sum().backward()
-        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
-    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
-    assert_gradients_equal(steps[0][1], steps[1][1])
+    _assert_trains_as_plain(plain, slim, x)
 
 
 class _SiLUWritingItsInput(nn.Module):
@@ -628,20 +628,12 @@ def test_an_in_place_op_on_a_kept_output_that_is_a_view_trains_as_plain(act, op)
     # version 3; expected version 2") where PyTorch trains. The kept view now moves as a view of a kept output does.
     import copy
 
-    from _harness import assert_gradients_equal
 
     torch.manual_seed(0)
     plain = _InstanceNormActAdd(_SiLUWritingItsInput() if act.startswith("F.") else nn.SiLU(inplace=True), op).train()
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
     x = torch.randn(3, 8, 12)
-    steps = []
-    for model in (plain, slim):
-        xi = x.clone().requires_grad_(True)
-        out = model(xi)
-        out.square().sum().backward()
-        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
-    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
-    assert_gradients_equal(steps[0][1], steps[1][1])
+    _assert_trains_as_plain(plain, slim, x)
 
 
 class _ChannelsLastSliceAdd(nn.Module):
@@ -668,20 +660,12 @@ def test_an_in_place_op_on_a_view_of_a_channels_last_kept_output_trains_as_plain
     # strides: it moves as a contiguous one does.
     import copy
 
-    from _harness import assert_gradients_equal
 
     torch.manual_seed(0)
     plain = _ChannelsLastSliceAdd(act).train().to(memory_format=torch.channels_last)
     slim = slimact.convert(copy.deepcopy(plain), "tempo")
     x = torch.randn(3, 8, 5, 6).contiguous(memory_format=torch.channels_last)
-    steps = []
-    for model in (plain, slim):
-        xi = x.clone().requires_grad_(True)
-        out = model(xi)
-        out.square().sum().backward()
-        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
-    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=0, atol=0)
-    assert_gradients_equal(steps[0][1], steps[1][1])
+    _assert_trains_as_plain(plain, slim, x)
 
 
 class _PackedBetween(nn.Module):
@@ -915,7 +899,6 @@ def test_an_in_place_op_on_a_view_of_a_kept_output_while_other_views_live_comput
     # Function's saved output takes a copy of its own (saved-tensor hooks on that one saved tensor) and the ops run
     # as written: PyTorch's gradients. (Also where an op on the output itself moved it to a copy first: the backward
     # failed there still, the Function's node no longer the output's grad_fn.)
-    from _harness import assert_gradients_equal
 
     fns = {"h += x; v, w": _moved_then_one_view_of_two, "v, w": _one_view_of_two,
            "h.view": _view_of_a_view, "g = h.reshape(...); g[b": _per_row_of_a_reshape,
@@ -923,15 +906,7 @@ def test_an_in_place_op_on_a_view_of_a_kept_output_while_other_views_live_comput
     fn = next(f for k, f in fns.items() if edit.startswith(k))
     plain, slim = _plain_and_tempo(_InPlaceWithOthers, layer, fn)
     x = torch.randn(3, 8)
-    grads = []
-    for model in (plain, slim):
-        xi = x.clone().requires_grad_(True)
-        out = model(xi)
-        out.square().sum().backward()
-        grads.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
-    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=0, atol=0)
-    assert {n for n, g in grads[0][1].items() if g is None} == {n for n, g in grads[1][1].items() if g is None}
-    assert_gradients_equal(*({n: g for n, g in gs.items() if g is not None} for _, gs in grads))
+    _assert_trains_as_plain(plain, slim, x)
 
 
 def _a_view_then_add(m, h, x):
@@ -980,19 +955,10 @@ def test_an_in_place_op_on_a_kept_output_while_a_view_of_it_lives_computes_as_pl
     # value is a view of it): the output cannot move to a copy (the view would stay on the storage the Function
     # keeps), and the op ran as written: the backward failed with slimact's error where PyTorch's trains. The
     # Function's saved output now takes a copy of its own (as for an op on one view while others live).
-    from _harness import assert_gradients_equal
 
     plain, slim = _plain_and_tempo(_InPlaceWithOthers, layer, _WITH_A_VIEW[edit])
     x = torch.randn(3, 8)
-    grads = []
-    for model in (plain, slim):
-        xi = x.clone().requires_grad_(True)
-        out = model(xi)
-        out.square().sum().backward()
-        grads.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
-    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=0, atol=0)
-    assert {n for n, g in grads[0][1].items() if g is None} == {n for n, g in grads[1][1].items() if g is None}
-    assert_gradients_equal(*({n: g for n, g in gs.items() if g is not None} for _, gs in grads))
+    _assert_trains_as_plain(plain, slim, x)
 
 
 def _saved_then_one_view_of_two(m, h, x):
