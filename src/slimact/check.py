@@ -69,9 +69,11 @@ The floors:
   being as close to the truth, or closer. The float64 run widens every cast to a narrower floating dtype written
   in the model's code (``x.to(torch.bfloat16)``, ``.float()``, ``dtype=torch.float32``) to float64, and draws its
   random numbers (dropout, drop-path, noise) as float32 draws widened, so that it consumes the RNG exactly as the
-  plain run did; it is used only if its loss and outputs agree with plain's to ``1e-3`` relative (with 16-bit
-  tensors, 8 of their ``eps``: bfloat16 0.0625) and it made no draw it cannot reproduce (alpha dropout); else, or if
-  the model cannot run in float64, no parameter is judged this way. With 16-bit tensors that agreement is loose
+  plain run did (``torch._grouped_mm``, which has no float64 kernel, runs as one matmul per group); it is used only
+  if its loss and outputs agree with plain's to ``1e-3`` relative (with 16-bit tensors, in the parameters, inputs or
+  outputs or cast to in the model's code, as torchtitan's MoE computes its experts in bfloat16 in a float32 model:
+  8 of their ``eps``, bfloat16 0.0625) and it made no draw it cannot reproduce (alpha dropout); else, or if the
+  model cannot run in float64, no parameter is judged this way. With 16-bit tensors that agreement is loose
   enough to hide model code that branches on the dtype (the float64 run taking the other branch in a small part of
   the model), so there, under a lossless policy, plain's distance from float64 counts only up to that guard.
   ``report.reference`` (and the report's ``reference:`` line) says what the gradients were judged against, and each
@@ -496,6 +498,43 @@ def _wide_dtype(value: Any) -> Any:
     return torch.float64 if isinstance(value, torch.dtype) and value in _NARROW else value
 
 
+def _narrower(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None:
+    """The one of two floating dtypes (or ``None``) with the larger ``eps``."""
+    if a is None or b is None:
+        return a if b is None else b
+    return max(a, b, key=lambda d: torch.finfo(d).eps)
+
+
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_wide(mat_a: Tensor, mat_b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> Tensor:
+    """``torch._grouped_mm`` for the float64 run, which it has no kernel for (torchtitan's and Hugging Face's MoE
+    experts call it): one matmul per group. With ``offs`` (group ends): 2-D x 3-D, rows of ``mat_a`` per group (rows
+    past the last end are zero); 3-D x 2-D, columns of ``mat_b`` per group; 2-D x 2-D, the inner dimension per group
+    (one output per group). Without: 3-D x 3-D, a batched matmul."""
+    if bias is not None:
+        raise NotImplementedError("slimact.check: a float64 grouped_mm with a bias")
+    if offs is None:
+        if mat_a.dim() != 3 or mat_b.dim() != 3:
+            raise NotImplementedError("slimact.check: a float64 grouped_mm without offsets of other than 3-D inputs")
+        return torch.bmm(mat_a, mat_b)
+    ends = [int(e) for e in offs.tolist()]
+    starts = [0, *ends[:-1]]
+    if mat_a.dim() == 2 and mat_b.dim() == 3:
+        parts = [mat_a[s:e] @ mat_b[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True))]
+        tail = mat_a.shape[0] - (ends[-1] if ends else 0)
+        return torch.cat([*parts, mat_a.new_zeros(tail, mat_b.shape[-1])])
+    if mat_a.dim() == 3 and mat_b.dim() == 2:
+        parts = [mat_a[g] @ mat_b[:, s:e] for g, (s, e) in enumerate(zip(starts, ends, strict=True))]
+        tail = mat_b.shape[-1] - (ends[-1] if ends else 0)
+        return torch.cat([*parts, mat_a.new_zeros(mat_a.shape[1], tail)], dim=-1)
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return torch.stack([mat_a[:, s:e] @ mat_b[s:e] for s, e in zip(starts, ends, strict=True)])
+    raise NotImplementedError(f"slimact.check: a float64 grouped_mm of {mat_a.dim()}-D and {mat_b.dim()}-D inputs")
+
+
 class _Float32Draws(TorchFunctionMode):
     """Inside a float64 run: every random draw made in float32, then widened, so that it consumes the RNG (and
     gives the values) the float32 run's draw did. A float64 draw takes other bits of the generator's stream.
@@ -509,17 +548,31 @@ class _Float32Draws(TorchFunctionMode):
 
     #: The name of a draw it could not reproduce (``alpha_dropout``), if one was made: the run is then no reference.
     unreproducible: str | None = None
+    #: The narrowest floating dtype below float32 that a cast in the model's code asked for (a float32 model computing
+    #: its experts in bfloat16, ``x.bfloat16() @ w.bfloat16()``, as torchtitan's MoE does), ``None`` if none: the plain
+    #: run had tensors that narrow, which its parameters, inputs and outputs do not show.
+    narrowest: torch.dtype | None = None
+
+    def _cast_to(self, dtype: Any) -> None:
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point and torch.finfo(dtype).bits < 32:
+            self.narrowest = _narrower(self.narrowest, dtype)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in _CASTS and args and isinstance(args[0], Tensor):
+            self._cast_to(_CASTS[func])
             return args[0].double()
         if func in (Tensor.to, Tensor.type) and args and isinstance(args[0], Tensor):
+            for a in (*args[1:], kwargs.get("dtype")):
+                self._cast_to(a)
             args = (args[0], *(_wide_dtype(a) for a in args[1:]))
             if "dtype" in kwargs:
                 kwargs["dtype"] = _wide_dtype(kwargs["dtype"])
         elif func is not Tensor.view and kwargs.get("dtype") in _NARROW:
+            self._cast_to(kwargs["dtype"])
             kwargs["dtype"] = torch.float64
+        if func is _GROUPED_MM and args and isinstance(args[0], Tensor) and args[0].dtype == torch.float64:
+            return _grouped_mm_wide(*args, **kwargs)
         if func in _DROPOUTS and args and isinstance(args[0], Tensor) and args[0].dtype == torch.float64:
             x = args[0]
             inplace = kwargs.pop("inplace", args[3] if len(args) > 3 else False)
@@ -576,9 +629,10 @@ def _guard_tolerance(low: torch.dtype | None) -> float:
 def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None,
                    rng: _Rng, loss32: Tensor, outs32: list[Tensor],
                    low: torch.dtype | None = None, micro_batch: int | None = None,
-                   ) -> dict[str, Tensor | None] | str:
-    """The gradients of a float64 copy of the plain model from the same RNG state, or why there are none: it cannot
-    run in float64, or does not compute what the plain run did (loss or outputs off by more than
+                   ) -> tuple[dict[str, Tensor | None], torch.dtype | None] | str:
+    """The gradients of a float64 copy of the plain model from the same RNG state, and the narrowest dtype below
+    float32 of the plain run (``low``, or narrower where the model's code casts to one), or why there are none: it
+    cannot run in float64, or does not compute what the plain run did (loss or outputs off by more than
     :func:`_guard_tolerance` relative: a draw it could not reproduce)."""
     try:
         wide = copy.deepcopy(plain).double()
@@ -591,6 +645,7 @@ def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tenso
         return f"the model did not run in float64 ({type(e).__name__}: {first})"
     if mode.unreproducible:
         return f"the float64 run cannot draw what the plain run drew ({mode.unreproducible})"
+    low = _narrower(low, mode.narrowest)
     tol = _guard_tolerance(low)
     pairs = [(loss32, loss), *zip(outs32, outs, strict=False)]
     if len(outs) != len(outs32) or any(
@@ -599,7 +654,7 @@ def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tenso
         for a, b in pairs if a.numel()
     ):
         return f"the float64 run's loss or outputs differ from plain's by more than {tol:.3g} relative"
-    return grads
+    return grads, low
 
 
 def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: bool) -> ParamCheck:
@@ -756,8 +811,12 @@ def check(
         wides: dict[int, dict[str, Tensor | None] | str] = {}
         for ref in {id(r): r for _, (_, r) in judged.items()}.values():
             with _forked_rng(cuda):
-                wides[id(ref)] = _float64_grads(ref.model, inputs, loss_fn, rng, ref.loss, ref.outs, low, micro_batch)
+                wide = _float64_grads(ref.model, inputs, loss_fn, rng, ref.loss, ref.outs, low, micro_batch)
+            if isinstance(wide, tuple):  # its casts may show narrower tensors than the parameters and outputs did
+                wide, low = wide
+            wides[id(ref)] = wide
         why = [w for w in wides.values() if not isinstance(w, dict)]
+        reference = "plain PyTorch" + (f" (which has {str(low).removeprefix('torch.')} tensors)" if low else "")
 
         # Plain's own distance from float64 bounds the converted one's wherever it is rounding. In a float32 model
         # it is, however far (a gradient zero by the model's structure keeps what rounding leaves of a cancellation:
