@@ -681,3 +681,22 @@ def test_a_pattern_naming_a_block_covers_every_module_inside_it():
         "transformer.h.0.attn", "transformer.h.0.mlp"} | {"transformer.h.0.attn"}
     assert converted["transformer.h.0.mlp.c_fc"] == "linear"
     assert converted["transformer.h.0.attn"] == "attention"
+
+
+def test_a_head_excluded_by_name_leaves_the_loss_as_written():
+    # The routed LM loss computes the head's product itself: exclude=("lm_head",) left the Linear alone and still
+    # computed the head in the loss's chunks (no logits tensor, no hook of the head's run).
+    pytest.importorskip("transformers")
+    from _harness import loss_grads, tiny_hf
+
+    plain, inputs = tiny_hf("gpt2")
+    by_name = slimact.convert(copy.deepcopy(plain), slimact.Policy(exclude=("lm_head",)))
+    assert "(loss)" not in slimact.summary(by_name).modules
+    assert slimact.summary(by_name).skipped["(loss)"].startswith("its head lm_head is excluded")
+    both = slimact.convert(copy.deepcopy(plain), slimact.Policy(exclude=("lm_head", "(loss)")))
+    by_filter = slimact.convert(copy.deepcopy(plain), "int8", filter_fn=lambda m, name: name != "lm_head")
+    loss0, g0 = loss_grads(both, inputs)
+    for model in (by_name, by_filter):
+        loss1, g1 = loss_grads(model, inputs)
+        assert torch.equal(loss1, loss0)
+        assert all(torch.equal(g1[n], g) for n, g in g0.items())

@@ -314,6 +314,12 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)", 0)) is not None:
         skipped["(loss)"] = reason
         head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
+    head_name = next((n for n, m in model.named_modules() if m is head), "") if head is not None else ""
+    if head is not None and _excluded(pol, head_name, head, filter_fn):
+        # The routed loss computes the head's product itself (in chunks, from its input and weight): a head the user
+        # left alone by name or filter_fn (a hook on it, a head of their own) is not computed by slimact either.
+        skipped["(loss)"] = f"its head {head_name} is excluded (filter_fn or an exclude pattern): computed as written"
+        head = None
     # (an attention module excluded by index is routed, not replaced: not in skipped yet, so named here, or the
     # scaled_dot_product_attention in its code would still be routed)
     excluded = [m for name, m in model.named_modules() if name and (
