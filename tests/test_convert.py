@@ -700,3 +700,23 @@ def test_a_head_excluded_by_name_leaves_the_loss_as_written():
         loss1, g1 = loss_grads(model, inputs)
         assert torch.equal(loss1, loss0)
         assert all(torch.equal(g1[n], g) for n, g in g0.items())
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_converting_under_no_grad_or_inference_mode_converts_as_outside(mode):
+    # Each activation's probe for an in-place write read its probe tensor's version counter: under inference_mode,
+    # which gives no tensor one, convert raised ("Inference tensors do not track version counter"); before that
+    # probe, a gated MLP was left unfused there (its probe could not ask for gradients).
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "nn"))
+    from test_mlp import HFMLP
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.LayerNorm(16), HFMLP(), nn.GELU(), nn.Linear(16, 16), nn.SiLU(), nn.Linear(16, 4))
+
+    outside, inside = slimact.summary(slimact.convert(model(), "int8")), model()
+    with getattr(torch, mode)():
+        slimact.convert(inside, "int8")
+    inside = slimact.summary(inside)
+    assert inside.modules == outside.modules and inside.skipped == outside.skipped
+    assert outside.modules["1"] == "mlp"

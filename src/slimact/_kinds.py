@@ -1021,7 +1021,9 @@ def recognise(module: nn.Module) -> Recognised:
         # shifted the policy's count of each op, so the recompute got another op's kept output (tiny Llama's SiLU
         # kept: "The size of tensor a (2632) must match the size of tensor b (160)"; its products kept:
         # "aten.unsqueeze.default invocation index 4 ... not found in storage").
-        with unseen_by_selective_checkpointing():
+        # And out of inference mode (convert called under it): the probes' tensors need version counters and
+        # gradients (a gated MLP was left unfused there, an activation's in-place probe raised).
+        with unseen_by_selective_checkpointing(), torch.inference_mode(False):
             found = next((r for rule in _RULES if (r := rule(module, cls)) is not None), Recognised("other"))
         _cache[module] = found
     return found
