@@ -192,7 +192,7 @@ def _release(kept: Tensor, entry: list) -> bool:
         if not ours:
             return False
         for r in ours:
-            r.register_hooks(pack, _own_copy_unpacked)
+            r.register_hooks(pack, _as_is)
     except (RuntimeError, ValueError):  # (hooks there already; a changed tensor: the backward's error stands)
         return False
     KEPT_OUTPUTS.pop(id(kept), None)
@@ -201,10 +201,6 @@ def _release(kept: Tensor, entry: list) -> bool:
 
 def _own_copy(t: Tensor) -> Tensor:
     return t.clone()
-
-
-def _own_copy_unpacked(t: Tensor) -> Tensor:
-    return t
 
 
 def _as_is(t: Tensor) -> Tensor:
