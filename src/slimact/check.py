@@ -657,6 +657,11 @@ def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tenso
     return grads, low
 
 
+def _plain_reference(low: torch.dtype | None) -> str:
+    """The report's ``reference:`` line for plain's own gradients, naming the 16-bit dtype the plain run had."""
+    return "plain PyTorch" + (f" (which has {str(low).removeprefix('torch.')} tensors)" if low else "")
+
+
 def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: bool) -> ParamCheck:
     norm = exact.detach().double().norm().item()
     diff = (approx.detach().double() - exact.detach().double()).norm().item()
@@ -806,7 +811,7 @@ def check(
                                                       -o[0].diff))
         params.append(p)
     low = _low_precision(plain, inputs, outs0)
-    reference = "plain PyTorch" + (f" (which has {str(low).removeprefix('torch.')} tensors)" if low else "")
+    reference = _plain_reference(low)
     if any(not p.passed for p in params):
         wides: dict[int, dict[str, Tensor | None] | str] = {}
         for ref in {id(r): r for _, (_, r) in judged.items()}.values():
@@ -816,7 +821,7 @@ def check(
                 wide, low = wide
             wides[id(ref)] = wide
         why = [w for w in wides.values() if not isinstance(w, dict)]
-        reference = "plain PyTorch" + (f" (which has {str(low).removeprefix('torch.')} tensors)" if low else "")
+        reference = _plain_reference(low)
 
         # Plain's own distance from float64 bounds the converted one's wherever it is rounding. In a float32 model
         # it is, however far (a gradient zero by the model's structure keeps what rounding leaves of a cancellation:
