@@ -311,14 +311,24 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
         return form if form is not None and _has_norm_gradients(module, weight, form, gen) else None
 
 
+def _own_weight_and_bias(module: nn.Module, weight: Tensor | None) -> list[nn.Parameter]:
+    """``weight`` and the module's ``bias`` where each is a parameter of the module itself, each once (what a norm's
+    probe sets, differentiates and restores)."""
+    own: list[nn.Parameter] = []
+    for p in (weight, getattr(module, "bias", None)):
+        if (isinstance(p, nn.Parameter) and any(p is q for q in module.parameters(recurse=False))
+                and not any(p is q for q in own)):
+            own.append(p)
+    return own
+
+
 @contextlib.contextmanager
 def _shifted_params(module: nn.Module, weight: Tensor | None) -> Iterator[torch.Generator]:
     """A norm's probe's setting (see :func:`_probe_norm`): its own weight (``weight``) and bias shifted by random
     non-uniform values, the module in training mode (a dropout in its forward: see :func:`_probe_activation`);
     what it held restored after. Gives the probe's generator."""
     gen = torch.Generator().manual_seed(0)
-    own = [p for p in (weight, getattr(module, "bias", None))
-           if isinstance(p, nn.Parameter) and any(p is q for q in module.parameters(recurse=False))]
+    own = _own_weight_and_bias(module, weight)
     saved = [p.detach().clone() for p in own]
     try:
         with torch.no_grad():
@@ -394,11 +404,7 @@ def _has_reference_gradients(module: nn.Module, weight: Tensor | None, shape: tu
     tolerance, with those parameters set to random values of both signs first (see :func:`_has_norm_gradients`)."""
     cls = _cls(module)
     bias = getattr(module, "bias", None)
-    params = []
-    for p in (weight, bias):
-        if (isinstance(p, nn.Parameter) and any(p is q for q in module.parameters(recurse=False))
-                and not any(p is q for q in params)):
-            params.append(p)
+    params = _own_weight_and_bias(module, weight)
     with torch.no_grad():
         for p in params:
             p.copy_(torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype))
