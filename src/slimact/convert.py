@@ -286,16 +286,16 @@ def convert(
     return model
 
 
-def _lm_head(model: nn.Module) -> nn.Module | None:
-    """The model's language-model head: Hugging Face's ``get_output_embeddings()``, else its one module named
-    ``lm_head`` (nanoGPT's, nanochat's, minGPT's, LitGPT's; at any depth, for a model held in a training
-    wrapper), else none (two such modules: which is this model's is a guess)."""
+def _lm_head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The model's language-model head and its qualified name: Hugging Face's ``get_output_embeddings()``, else its
+    one module named ``lm_head`` (nanoGPT's, nanochat's, minGPT's, LitGPT's; at any depth, for a model held in a
+    training wrapper), else none (two such modules: which is this model's is a guess)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if head is None:
-        named = [m for name, m in model.named_modules() if name.rpartition(".")[2] == "lm_head"]
-        head = named[0] if len(named) == 1 else None
-    return head
+    if head is not None:
+        return next(((name, m) for name, m in model.named_modules() if m is head), ("", head))
+    named = [(name, m) for name, m in model.named_modules() if name.rpartition(".")[2] == "lm_head"]
+    return named[0] if len(named) == 1 else None
 
 
 def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_fn: FilterFn | None,
@@ -306,7 +306,7 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     old = model.__dict__.pop(_ROUTE_ATTR, None)
     if old is not None:
         old.remove()
-    head = _lm_head(model)
+    head_name, head = _lm_head(model) or ("", None)
     # Only a head that computes a plain Linear: the loss is recomputed from its input and weight (a subclass
     # whose forward scales or caps the logits would lose that, and its parameters' gradients).
     head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
@@ -314,7 +314,6 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)", 0)) is not None:
         skipped["(loss)"] = reason
         head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
-    head_name = next((n for n, m in model.named_modules() if m is head), "") if head is not None else ""
     if head is not None and _excluded(pol, head_name, head, filter_fn):
         # The routed loss computes the head's product itself (in chunks, from its input and weight): a head the user
         # left alone by name or filter_fn (a hook on it, a head of their own) is not computed by slimact either.
