@@ -193,6 +193,46 @@ def test_shrinker_builds_within_the_tiny_bound(arch, model_type):
     assert sum(p.numel() for p in model.parameters()) <= zoo._MAX_TINY_PARAMS
 
 
+def test_shrinker_gives_detr_a_resnet_backbone_and_pvt_heads_that_divide_its_stages():
+    # DETR's kind named a timm ResNet-50 (timm is not installed: skipped); PVT's heads per stage (1, 2, 5, 8) did
+    # not divide the shrunk stage widths (skipped: "hidden size not a multiple of the number of attention heads").
+    for arch, model_type in (("DetrModel", "detr"), ("DeformableDetrModel", "deformable_detr")):
+        config = zoo.tiny_config(model_type)
+        assert config.backbone_config.model_type == "resnet"
+        with torch.device("meta"):
+            model = _transformers_class(arch)(config)
+        assert sum(p.numel() for p in model.parameters()) <= zoo._MAX_TINY_PARAMS
+    pvt = zoo.tiny_config("pvt")
+    assert all(w % h == 0 for w, h in zip(pvt.hidden_sizes, pvt.num_attention_heads, strict=True))
+
+
+def test_inputs_include_what_forward_requires():
+    # An image-text model whose forward requires token ids beside its main input (images), and an audio encoder
+    # requiring its features' mask: both were skipped ("missing 1 required positional argument").
+    class TwoInputs(torch.nn.Module):
+        main_input_name = "pixel_values"
+
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"vocab_size": 10, "num_channels": 3, "image_size": 8})()
+
+        def forward(self, pixel_values, input_ids, attention_mask=None):
+            return pixel_values
+
+    class Masked(TwoInputs):
+        main_input_name = "input_features"
+
+        def forward(self, input_features, input_features_mask):
+            return input_features
+
+    inputs = zoo.tiny_inputs(TwoInputs(), "base")
+    assert inputs["pixel_values"].shape == (2, 3, 8, 8) and inputs["input_ids"].shape == (2, 16)
+    assert int(inputs["input_ids"].max()) < 10 and "attention_mask" not in inputs  # optional: left to the model
+    masked = zoo.tiny_inputs(Masked(), "base")
+    assert masked["input_features_mask"].shape == masked["input_features"].shape[:2]
+    assert masked["input_features_mask"].all()
+
+
 def test_a_text_only_class_gets_its_own_sub_config():
     config = zoo.tiny_config("llama4")
     assert type(zoo._own_config(_transformers_class("Llama4ForCausalLM"), config)) is type(config.text_config)

@@ -683,6 +683,17 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
                                                                                 "exaone4_5_vision")},
     # Its model code compares ids with the padding and mask ids, which default to None.
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
+    # DETR's kind names a timm ResNet-50 as its backbone (timm is not installed, and it is 24M parameters):
+    # transformers' own ResNet instead, of basic blocks, one a stage, its four stages' features out (the
+    # deformable ones read three levels), on 128 x 128 images (a 4 x 4 map at the last stage's stride 32), 8
+    # object queries.
+    **{family: {"backbone_config": {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 64, 128],
+                                    "depths": [1, 1, 1, 1], "layer_type": "basic", "out_indices": [1, 2, 3, 4],
+                                    "out_features": None},
+                "num_queries": 8, "image_size": 128}
+       for family in ("detr", "conditional_detr", "dab-detr", "deformable_detr", "table-transformer")},
+    # Grounding DINO selects its 900 queries among the image's positions: 8 of a 64 x 64 image's.
+    **{family: {"num_queries": 8, "image_size": 64} for family in ("grounding-dino", "mm-grounding-dino")},
 }
 #: Swin-like stages: a narrower first stage, and images large enough for each stage to hold a window.
 _STAGED = {"embed_dim": 16, "image_size": 64, "window_size": 2}
@@ -810,6 +821,8 @@ def _shrunk(values: dict[str, Any], family: dict[str, Any], layers: bool = True)
             out["num_heads"] = [2**i for i in range(n)]
     if isinstance(values.get("hidden_sizes"), list):
         out["hidden_sizes"] = [16 * 2**i for i in range(len(values["hidden_sizes"]))]
+        if isinstance(values.get("num_attention_heads"), list):  # heads per stage (PVT's 1, 2, 5, 8) must divide them
+            out["num_attention_heads"] = [2**i for i in range(len(values["num_attention_heads"]))]
     vocab = out.get("vocab_size", values.get("vocab_size"))
     if isinstance(vocab, int):
         # Special token ids must index the small vocabulary: the ones beyond it get distinct ids from its top.
@@ -901,8 +914,35 @@ def _own_config(cls: type, config: Any) -> Any:
 
 def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, Tensor]:
     """A training batch for a model of :func:`build_auto`, from its ``main_input_name``: token ids, images,
-    raw audio or audio features; labels where ``task`` has them (the base models have none)."""
+    raw audio or audio features; labels where ``task`` has them (the base models have none); and whatever else
+    its ``forward`` requires (no default) that :func:`_required_inputs` can make."""
     g = torch.Generator().manual_seed(seed)
+    inputs = _main_inputs(model, task, batch, seq, g)
+    return {**inputs, **_required_inputs(model, inputs, batch, seq, g)}
+
+
+def _required_inputs(model: nn.Module, inputs: dict[str, Tensor], batch: int, seq: int,
+                     g: torch.Generator) -> dict[str, Tensor]:
+    """The arguments ``model.forward`` requires beyond ``inputs`` that their names say how to make: token ids
+    (an image-text model's text, Grounding DINO's), images like the ones given, and the mask
+    of a feature input (``input_features_mask``, ``audio_mel_mask``: every frame present)."""
+    config = model.config
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 128)
+    images = next((t for k, t in inputs.items() if k.endswith("pixel_values")), None)
+    out: dict[str, Tensor] = {}
+    for name, p in inspect.signature(model.forward).parameters.items():
+        if p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in inputs:
+            continue
+        if name.endswith("input_ids"):
+            out[name] = torch.randint(0, vocab, (batch, seq), generator=g)
+        elif name.endswith("pixel_values") and images is not None:
+            out[name] = torch.randn(images.shape, generator=g)
+        elif name.endswith("_mask") and isinstance(inputs.get(name.removesuffix("_mask")), Tensor):
+            out[name] = torch.ones(inputs[name.removesuffix("_mask")].shape[:2], dtype=torch.bool)
+    return out
+
+
+def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Generator) -> dict[str, Tensor]:
     config = model.config
     main = getattr(model, "main_input_name", "input_ids")
     vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 128)
@@ -939,7 +979,7 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
         return inputs
     if main == "input_values":  # raw audio: 64 frames of the feature encoder
         inputs[main] = torch.randn(batch, 64 * 20, generator=g)
-    elif main == "input_features":
+    elif main in ("input_features", "audio_mel"):
         mel = getattr(config, "num_mel_bins", None) or getattr(config, "feature_size", 80)
         frames = 2 * getattr(config, "max_source_positions", seq)
         shape = (batch, mel, frames) if getattr(config, "model_type", "") == "whisper" else (batch, frames, mel)
