@@ -5,7 +5,8 @@ Fused path (:func:`scaled_dot_product_attention`): never a ``[T, S]`` tensor kep
 ``q`` ``[B, H, T, D]`` and ``k``, ``v`` ``[B, H_kv, S, D]`` (grouped-query attention: ``H_kv`` divides ``H``):
 
 * at 8 bits (a per-head config): ``q``, ``k``, ``v`` as 8-bit codes, ``B * (H * T + 2 * H_kv * S) * D`` bytes,
-  and their per-head scales (a few bytes per head); the backward recomputes the output
+  and their scales, 8 bytes per 16 channels of a head with their own range (:func:`_head_blocks`), else per head
+  (running estimates); the backward recomputes the output
   and log-sum-exp from the restored tensors (one more fused forward), so it is the exact gradient of the
   attention of the restored tensors (a kept 8-bit output would disagree with the probabilities rebuilt from
   8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients). With dropout, also the generator state the
@@ -76,6 +77,7 @@ is within its documented error (tests assert SQNR >= 30 dB).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -94,16 +96,52 @@ from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pac
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
 
-def _pack_qkv(q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, cfg_kv: QuantConfig | None,
+#: Channels of a head with a scale group of their own in an 8-bit pack of ``q``, ``k``, ``v`` (:func:`_head_blocks`).
+HEAD_BLOCK = 16
+
+
+def _head_blocks(x: Tensor, cfg: QuantConfig | None) -> tuple[Tensor, QuantConfig | None]:
+    """``x`` ``[B, H, T, D]`` seen as ``[B, T, H * D]``, with one scale group per :data:`HEAD_BLOCK` channels of each
+    head, where ``cfg`` is per head (``group_dim=1``, ``groups=0``) with the tensor's own range and ``D`` is a
+    multiple of 16 above 16; else ``x`` and ``cfg`` as given.
+
+    One scale per head cannot resolve a head whose channels are of different sizes: heads concatenate parts of
+    different origins (Conditional DETR's content and position halves, ``[q_content, q_sine]``, 100x apart in
+    its second decoder layer; MLA's ``[q_nope, q_pe]`` and ``[k_nope, k_pe]``). The small part then gets a few codes
+    of the large part's step, and the gradient reaching its projection through it is noise: a tiny Conditional
+    DETR's ``k_pos_proj`` weight gradient at cosine 0.81 with a per-head scale, 0.99998 per block. The scales cost
+    8 bytes a block, ``D / 16`` per head instead of one. ``x`` is most often ``[B, T, H, D]`` memory (a projection's
+    output viewed as heads), which this view reads as it lies; a ``[B, H, T, D]``-contiguous ``x`` is copied for the
+    pack (transient). Running estimates (Mesa's scheme, ``"mesa"``) stay per head, as published."""
+    if cfg is None or cfg.group_dim not in (1, -3) or cfg.groups != 0 or cfg.scale != "dynamic" or x.dim() != 4:
+        return x, cfg
+    b, h, t, d = x.shape
+    if d % HEAD_BLOCK or d == HEAD_BLOCK:
+        return x, cfg
+    return x.transpose(1, 2).reshape(b, t, h * d), dataclasses.replace(cfg, group_dim=-1, groups=h * d // HEAD_BLOCK)
+
+
+def _pack_qkv(ctx, q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, cfg_kv: QuantConfig | None,
               state: dict[str, RunningRange] | None) -> list[Packed]:
-    """``q``, ``k`` and ``v`` packed together: one host sync for the three, not one each (:func:`pack_many`).
-    Where one holds NaN/inf (and so is kept exact), all three are: which scores are NaN depends on the others'
-    exact values too (``-inf * 0`` is NaN, ``-inf`` times a restored ``1e-40`` is not)."""
+    """``q``, ``k`` and ``v`` packed together: one host sync for the three, not one each (:func:`pack_many`), each
+    by blocks of its heads' channels where it is per head (:func:`_head_blocks`; :func:`_loaded_qkv` restores the
+    ``[B, H, T, D]`` view). Where one holds NaN/inf (and so is kept exact), all three are: which scores are NaN
+    depends on the others' exact values too (``-inf * 0`` is NaN, ``-inf`` times a restored ``1e-40`` is not)."""
     st = state or {}
-    packs = pack_many([(q, cfg_q, st.get("q")), (k, cfg_kv, st.get("k")), (v, cfg_kv, st.get("v"))])
+    ctx.heads = (q.shape[1], k.shape[1], v.shape[1])
+    qb, kb = _head_blocks(q, cfg_q), _head_blocks(k, cfg_kv)
+    vb = kb if v is k else _head_blocks(v, cfg_kv)  # (the same view: packed once)
+    packs = pack_many([(*qb, st.get("q")), (*kb, st.get("k")), (*vb, st.get("v"))])
     if any(p.meta.raw for p in packs) and not all(p.meta.raw for p in packs):
         return pack_many([(t, None, None) for t in (q, k, v)])
     return packs
+
+
+def _loaded_qkv(ctx, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The restored ``q``, ``k``, ``v`` of :func:`_pack_qkv` as ``[B, H, T, D]`` (a ``[B, T, H * D]`` one, packed by
+    blocks of its heads, seen as heads again)."""
+    return tuple(x if x.dim() == 4 else x.unflatten(-1, (h, -1)).transpose(1, 2)
+                 for x, h in zip((q, k, v), ctx.heads, strict=True))
 
 
 def _grouped(probs: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -329,13 +367,14 @@ class _FlashAttentionCPU(SlimFunction):
             out = out.masked_fill(dead, 0)
         ctx.is_causal, ctx.scale, ctx.dtype = is_causal, scale, q.dtype
         exact = cfg_q is None  # lossless: keep the output and lse; 8-bit: recompute them from q, k, v
-        save(ctx, *_pack_qkv(q, k, v, cfg_q, cfg_kv, state),
+        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state),
              out if exact else None, lse if exact else None, _saved_mask(mask), dead)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, mask, dead = load(ctx)
+        q, k, v = _loaded_qkv(ctx, q, k, v)
         add = _flash_cpu_mask(mask, ctx.dtype)
         if out is None:  # the output and lse of the restored q, k, v: a self-consistent backward
             out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, ctx.is_causal, attn_mask=add, scale=ctx.scale)
@@ -452,12 +491,13 @@ class _ChunkedAttention(SlimFunction):
         if dead is not None:
             out = out.masked_fill(dead, 0)
         ctx.args = (is_causal, scale, dropout_p, v.dtype)
-        save(ctx, *_pack_qkv(q, k, v, cfg_q, cfg_kv, state), _saved_mask(mask), dead, rng)
+        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), _saved_mask(mask), dead, rng)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, dead, rng = load(ctx)
+        q, k, v = _loaded_qkv(ctx, q, k, v)
         is_causal, scale, dropout_p, p_dtype = ctx.args
         if dead is not None:
             grad_out = grad_out.masked_fill(dead, 0)
@@ -752,12 +792,13 @@ class _FusedAttention(SlimFunction):
             out.masked_fill_(dead, 0)
         ctx.args = (kind, is_causal, scale, dropout_p, q.dtype, shape, sizes if exact else None)
         kept = (out, lse, *aux) if exact else (None,) * 6
-        save(ctx, *_pack_qkv(q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask), dead, rng)
+        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask), dead, rng)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, cq, ck, seed, offset, mask, dead, rng = load(ctx)
+        q, k, v = _loaded_qkv(ctx, q, k, v)
         kind, is_causal, scale, dropout_p, dtype, shape, sizes = ctx.args
         rep = q.shape[1] // k.shape[1]
         ke, ve = _expand_heads(k, rep), _expand_heads(v, rep)
