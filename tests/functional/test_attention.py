@@ -64,6 +64,22 @@ def test_8bit_per_head_gradients(dtype):
         assert sqnr_db(e, a) >= 30
 
 
+@pytest.mark.parametrize("cfg", [None, QuantConfig(group_dim=1, groups=0)], ids=["lossless", "8-bit"])
+def test_one_query_head_broadcast_over_the_key_value_heads_is_pytorchs_call(cfg):
+    # PyTorch broadcasts a single query head over H key/value heads (output [B, H, T, D]); slimact raised "pass
+    # enable_gqa=True" (a direct call; a routed one ran as written).
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 5, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 4, 6, 16, generator=g, requires_grad=True) for _ in range(2))
+    exact = F.scaled_dot_product_attention(q, k, v)
+    out = scaled_dot_product_attention(q, k, v, cfg=cfg)
+    assert torch.equal(out, exact) and out.shape == (2, 4, 5, 16)
+    grad = torch.randn(out.shape, generator=g)
+    for a, e in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(exact, (q, k, v), grad),
+                    strict=True):
+        assert torch.equal(a, e)
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["flash", "chunked"])
 @pytest.mark.parametrize("layout", ["heads", "tokens"])  # [B, H, T, D] memory, or [B, T, H, D] seen as heads
 def test_8bit_heads_concatenating_parts_of_different_sizes_keep_the_small_parts_gradients(dropout_p, layout,

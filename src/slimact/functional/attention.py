@@ -848,7 +848,10 @@ def scaled_dot_product_attention(
     # One key/value head broadcasts over the query heads (Falcon's multi-query) as in PyTorch, without enable_gqa;
     # other counts need it. enable_gqa stays as given: PyTorch's kernel choice differs (its CPU math kernel for the
     # broadcast, flash with enable_gqa), and _math_chosen follows the call's own.
-    if key.shape[1] not in (query.shape[1], 1) and not (enable_gqa and query.shape[1] % key.shape[1] == 0):
+    # One query head broadcasts over the key/value heads in PyTorch (without enable_gqa): PyTorch's own call below.
+    one_query_head = query.shape[1] == 1 and not enable_gqa
+    if key.shape[1] not in (query.shape[1], 1) and not (enable_gqa and query.shape[1] % key.shape[1] == 0) \
+            and not one_query_head:
         raise ValueError(
             f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for grouped-query attention"
         )
@@ -860,8 +863,9 @@ def scaled_dot_product_attention(
     # scores). PyTorch's own call for both.
     empty = query.numel() == 0 or key.numel() == 0 or value.numel() == 0
     # Key and value broadcast each on its own in PyTorch (one key head, H value heads): slimact's paths take them
-    # as one head count (the backward failed reshaping the key's gradient), as PyTorch's own call (as the routed call).
-    apart = key.shape[:2] != value.shape[:2]
+    # as one head count (the backward failed reshaping the key's gradient), as PyTorch's own call (as the routed call);
+    # so one query head broadcast over H key/value heads (it raised "pass enable_gqa=True").
+    apart = key.shape[:2] != value.shape[:2] or (one_query_head and key.shape[1] > 1)
     if empty or apart or (attn_mask is not None and attn_mask.dtype != torch.bool
                           and not attn_mask.is_floating_point()):
         return torch.nn.functional.scaled_dot_product_attention(
