@@ -38,7 +38,11 @@ The floors:
   agree to float rounding (:func:`rounding_tolerance` of the output's dtype, float32's at least, relative to
   the output's largest magnitude).
 * **lossless policies** (nothing quantised: ``"tempo"``): every gradient equals plain's to float rounding:
-  ``||g - g_plain|| <= tol * ||g_plain||`` with ``tol`` from :func:`rounding_tolerance`.
+  ``||g - g_plain|| <= tol * ||g_plain||`` with ``tol`` from :func:`rounding_tolerance` of the gradient's dtype, or
+  of the autocast dtype where ``check`` is called under autocast for the model's device (the step then computes in
+  it, and plain's gradients are rounded at its level as a 16-bit model's are: vit-pytorch's CvT under bfloat16
+  autocast, whose "tempo" norm gradients are 0.026 relative from plain's and as far from float64 as plain's own,
+  30% off it, failed against float32's 1.2e-4).
 * **lossy policies**: every gradient at cosine >= 0.99 with plain's (:data:`MIN_COSINE`), and its norm within
   :data:`MAX_NORM_RATIO` (14%) of plain's: a cosine cannot see a scale (a weight gradient doubled, halved, a
   dequantisation off by a constant factor has cosine 1); 8-bit noise at the cosine floor changes the norm by about
@@ -662,13 +666,25 @@ def _plain_reference(low: torch.dtype | None) -> str:
     return "plain PyTorch" + (f" (which has {str(low).removeprefix('torch.')} tensors)" if low else "")
 
 
-def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: bool) -> ParamCheck:
+def _autocast_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype autocast computes in, where it is on for ``model``'s device at the call; else ``None``."""
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def _tolerance(dtype: torch.dtype, compute: torch.dtype | None) -> float:
+    """:func:`rounding_tolerance` of a gradient of ``dtype`` computed under autocast to ``compute`` (or not)."""
+    return rounding_tolerance(_narrower(dtype, compute) if compute is not None else dtype)
+
+
+def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: bool,
+           compute: torch.dtype | None = None) -> ParamCheck:
     norm = exact.detach().double().norm().item()
     diff = (approx.detach().double() - exact.detach().double()).norm().item()
     cos, db = cosine(exact, approx), sqnr_db(exact, approx)
     if not math.isfinite(diff):
         return ParamCheck(name, cos, db, norm, diff, False, False, "non-finite difference")
-    tol = rounding_tolerance(exact.dtype)
+    tol = _tolerance(exact.dtype, compute)
     bound = (tol if lossless else NOISE) * typical
     negligible = norm <= bound
     if negligible:
@@ -686,7 +702,7 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
 
 
 def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical: float,
-             lossless: bool, guard: float = math.inf) -> ParamCheck:
+             lossless: bool, guard: float = math.inf, compute: torch.dtype | None = None) -> ParamCheck:
     """``p`` (which missed its floor against plain) judged again against the float64 gradient ``wide``, both
     plain's and the converted one (see the module docstring): it passes when the converted gradient meets the
     floor against float64, or, where plain's own gradient misses it too, when it is no farther from float64 than
@@ -698,7 +714,7 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
     norm = wide.norm().item()
     own = (exact.detach().double() - wide).norm().item()
     off = (approx.detach().double() - wide).norm().item()
-    tol = rounding_tolerance(exact.dtype)
+    tol = _tolerance(exact.dtype, compute)
     bound = (tol if lossless else NOISE) * typical
     marked = dataclasses.replace(p, reference="float64", plain_off=own, off=off)
     if lossless:
@@ -761,6 +777,7 @@ def check(
     """
     pol = resolve(policy)
     lossless = is_lossless(pol)
+    compute = _autocast_dtype(model)  # the step computes in it: plain's gradients are rounded at its level
     plain = revert(copy.deepcopy(model))
     slim = convert(copy.deepcopy(plain), pol, filter_fn=filter_fn)
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
@@ -794,8 +811,10 @@ def check(
         diffs += [_max_diff(ref.loss, loss1, floor=1.0)]
         diffs += [_max_diff(a, b) for a, b in zip(ref.outs, outs1, strict=False)]
         same_count = same_count and len(ref.outs) == len(outs1)
-    norms = [g.detach().double().norm().item() for g in grads0.values() if g is not None]
-    typical = float(torch.tensor(norms).median()) if norms else 0.0
+    # (Finite norms only: one NaN gradient of plain's, PyTorch's bf16 CPU convolution reading uninitialised memory,
+    # made the median NaN, every bound NaN, and a zero gradient's judgement divided by zero.)
+    norms = [n for g in grads0.values() if g is not None and math.isfinite(n := g.detach().double().norm().item())]
+    typical = float(torch.tensor(norms, dtype=torch.float64).median()) if norms else 0.0
     params, missing, judged = [], [], {}
     for name, exact in grads0.items():
         if exact is None and all(grads1.get(name) is None for *_, grads1, _ in steps):
@@ -805,12 +824,13 @@ def check(
             missing.append(name)
             continue
         # The worse step: a failure first, then the lower cosine (negligible ones: the larger difference).
-        options = [(dataclasses.replace(_judge(name, ref.grads[name], grads1[name], typical, lossless), step=label),
+        options = [(dataclasses.replace(_judge(name, ref.grads[name], grads1[name], typical, lossless, compute),
+                                        step=label),
                     (grads1[name], ref)) for label, _, _, grads1, ref in steps]
         p, judged[name] = min(options, key=lambda o: (o[0].passed, o[0].cosine if not o[0].negligible else 2.0,
                                                       -o[0].diff))
         params.append(p)
-    low = _low_precision(plain, inputs, outs0)
+    low = _narrower(_low_precision(plain, inputs, outs0), compute)
     reference = _plain_reference(low)
     if any(not p.passed for p in params):
         wides: dict[int, dict[str, Tensor | None] | str] = {}
@@ -835,7 +855,7 @@ def check(
             wide = wides[id(ref)]
             if p.passed or not isinstance(wide, dict) or wide.get(p.name) is None:
                 return p
-            return _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless, guard)
+            return _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless, guard, compute)
 
         params = [rejudged(p) for p in params]
         n = sum(p.reference == "float64" for p in params)
