@@ -391,6 +391,27 @@ def test_a_step_under_autocast_is_judged_at_the_autocast_dtypes_rounding(monkeyp
     assert not report.passed and "up.weight" in [p.name for p in report.failures], str(report)
 
 
+def test_a_nan_gradient_of_plains_leaves_the_other_parameters_judged():
+    # PyTorch's bf16 CPU convolution can give plain a NaN weight gradient (it reads uninitialised memory); the typical
+    # gradient, the median of the norms, was then NaN, every bound NaN, and a zero gradient's judgement divided by zero
+    # (vit-pytorch's RegionViT under bf16 autocast and "int8": ZeroDivisionError).
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.broken = torch.nn.Parameter(torch.ones(8))
+            self.unused = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            # sqrt at 0: a finite loss, and a NaN gradient (inf * 0) for `broken` alone
+            return self.lin(x).sum() + (torch.sqrt(self.broken - 1) * 0).sum() + (self.unused * 0).sum()
+
+    report = slimact.check(Model(), torch.randn(4, 8), "int8", loss_fn=lambda out: out)
+    judged = {p.name: p for p in report.params}
+    assert judged["unused"].passed and judged["unused"].negligible, str(report)
+    assert judged["lin.weight"].passed and not judged["broken"].passed, str(report)
+
+
 def test_the_float64_run_computes_grouped_mm_per_group():
     from slimact.check import _grouped_mm_wide
 
