@@ -184,6 +184,7 @@ def test_shrinker_caps_routing_however_spelled_and_fills_sizes_a_checkpoint_name
     ("Apertus1p5Model", "apertus1p5"), ("Glm4vModel", "glm4v"), ("JanusModel", "janus"),
     ("Florence2Model", "florence2"), ("EfficientNetModel", "efficientnet"), ("MuseSparkModel", "muse_spark"),
     ("Qwen4ExpForCausalLM", "qwen4_exp"), ("CohereCompassForCausalLM", "cohere_compass"), ("VJEPA2Model", "vjepa2"),
+    ("BitModel", "bit"), ("Swin2SRModel", "swin2sr"), ("ReformerModel", "reformer"),
 ])
 def test_shrinker_builds_within_the_tiny_bound(arch, model_type):
     # Each failed validation or was over zoo._MAX_TINY_PARAMS (a width or a scaling the shrinker did not know: a

@@ -692,6 +692,14 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
                                     "out_features": None},
                 "num_queries": 8, "image_size": 128}
        for family in ("detr", "conditional_detr", "dab-detr", "deformable_detr", "table-transformer")},
+    # Reformer's axial position embeddings factor the 16 positions (4 x 4) and their widths sum to the width; its
+    # attention chunks are shorter than the batch's 16 tokens.
+    "reformer": {"axial_pos_shape": [4, 4], "axial_pos_embds_dim": [32, 32], "local_attn_chunk_length": 8,
+                 "lsh_attn_chunk_length": 8},
+    # BiT's GroupNorm groups divide the shrunk stages' narrowest bottleneck (8 channels).
+    "bit": {"num_groups": 8},
+    # Swin2SR keeps one width through its stages: heads that divide it.
+    "swin2sr": {"num_heads": [2] * 6},
     # Grounding DINO selects its 900 queries among the image's positions: 8 of a 64 x 64 image's.
     **{family: {"num_queries": 8, "image_size": 64} for family in ("grounding-dino", "mm-grounding-dino")},
 }
