@@ -5,8 +5,8 @@ Fused path (:func:`scaled_dot_product_attention`): never a ``[T, S]`` tensor kep
 ``q`` ``[B, H, T, D]`` and ``k``, ``v`` ``[B, H_kv, S, D]`` (grouped-query attention: ``H_kv`` divides ``H``):
 
 * at 8 bits (a per-head config): ``q``, ``k``, ``v`` as 8-bit codes, ``B * (H * T + 2 * H_kv * S) * D`` bytes,
-  and their scales, 8 bytes per 16 channels of a head with their own range (:func:`_head_blocks`), else per head
-  (running estimates); the backward recomputes the output
+  and their scales, 8 bytes per 16 channels of a head with their own range (:mod:`slimact.functional._heads`),
+  else per head (running estimates); the backward recomputes the output
   and log-sum-exp from the restored tensors (one more fused forward), so it is the exact gradient of the
   attention of the restored tensors (a kept 8-bit output would disagree with the probabilities rebuilt from
   8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients). With dropout, also the generator state the
@@ -77,7 +77,6 @@ is within its documented error (tests assert SQNR >= 30 dB).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -87,6 +86,7 @@ from torch.nn.attention import SDPBackend
 
 from slimact._cache import cache
 from slimact.functional._bernoulli import bernoulli_
+from slimact.functional._heads import from_head_blocks, head_blocks
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
 from slimact.functional.dropout import cpu_scale, scale_of
@@ -96,41 +96,17 @@ from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pac
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
 
-#: Channels of a head with a scale group of their own in an 8-bit pack of ``q``, ``k``, ``v`` (:func:`_head_blocks`).
-HEAD_BLOCK = 16
-
-
-def _head_blocks(x: Tensor, cfg: QuantConfig | None) -> tuple[Tensor, QuantConfig | None]:
-    """``x`` ``[B, H, T, D]`` seen as ``[B, T, H * D]``, with one scale group per :data:`HEAD_BLOCK` channels of each
-    head, where ``cfg`` is per head (``group_dim=1``, ``groups=0``) with the tensor's own range and ``D`` is a
-    multiple of 16 above 16; else ``x`` and ``cfg`` as given.
-
-    One scale per head cannot resolve a head whose channels are of different sizes: heads concatenate parts of
-    different origins (Conditional DETR's content and position halves, ``[q_content, q_sine]``, 100x apart in
-    its second decoder layer; MLA's ``[q_nope, q_pe]`` and ``[k_nope, k_pe]``). The small part then gets a few codes
-    of the large part's step, and the gradient reaching its projection through it is noise: a tiny Conditional
-    DETR's ``k_pos_proj`` weight gradient at cosine 0.81 with a per-head scale, 0.99998 per block. The scales cost
-    8 bytes a block, ``D / 16`` per head instead of one. ``x`` is most often ``[B, T, H, D]`` memory (a projection's
-    output viewed as heads), which this view reads as it lies; a ``[B, H, T, D]``-contiguous ``x`` is copied for the
-    pack (transient). Running estimates (Mesa's scheme, ``"mesa"``) stay per head, as published."""
-    if cfg is None or cfg.group_dim not in (1, -3) or cfg.groups != 0 or cfg.scale != "dynamic" or x.dim() != 4:
-        return x, cfg
-    b, h, t, d = x.shape
-    if d % HEAD_BLOCK or d == HEAD_BLOCK:
-        return x, cfg
-    return x.transpose(1, 2).reshape(b, t, h * d), dataclasses.replace(cfg, group_dim=-1, groups=h * d // HEAD_BLOCK)
-
-
 def _pack_qkv(ctx, q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, cfg_kv: QuantConfig | None,
               state: dict[str, RunningRange] | None) -> list[Packed]:
     """``q``, ``k`` and ``v`` packed together: one host sync for the three, not one each (:func:`pack_many`), each
-    by blocks of its heads' channels where it is per head (:func:`_head_blocks`; :func:`_loaded_qkv` restores the
-    ``[B, H, T, D]`` view). Where one holds NaN/inf (and so is kept exact), all three are: which scores are NaN
-    depends on the others' exact values too (``-inf * 0`` is NaN, ``-inf`` times a restored ``1e-40`` is not)."""
+    by blocks of its heads' channels where it is per head (:func:`slimact.functional._heads.head_blocks`;
+    :func:`_loaded_qkv` restores the ``[B, H, T, D]`` view). Where one holds NaN/inf (and so is kept exact), all
+    three are: which scores are NaN depends on the others' exact values too (``-inf * 0`` is NaN, ``-inf`` times a
+    restored ``1e-40`` is not)."""
     st = state or {}
     ctx.heads = (q.shape[1], k.shape[1], v.shape[1])
-    qb, kb = _head_blocks(q, cfg_q), _head_blocks(k, cfg_kv)
-    vb = kb if v is k else _head_blocks(v, cfg_kv)  # (the same view: packed once)
+    qb, kb = head_blocks(q, cfg_q), head_blocks(k, cfg_kv)
+    vb = kb if v is k else head_blocks(v, cfg_kv)  # (the same view: packed once)
     packs = pack_many([(*qb, st.get("q")), (*kb, st.get("k")), (*vb, st.get("v"))])
     if any(p.meta.raw for p in packs) and not all(p.meta.raw for p in packs):
         return pack_many([(t, None, None) for t in (q, k, v)])
@@ -140,8 +116,7 @@ def _pack_qkv(ctx, q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, c
 def _loaded_qkv(ctx, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The restored ``q``, ``k``, ``v`` of :func:`_pack_qkv` as ``[B, H, T, D]`` (a ``[B, T, H * D]`` one, packed by
     blocks of its heads, seen as heads again)."""
-    return tuple(x if x.dim() == 4 else x.unflatten(-1, (h, -1)).transpose(1, 2)
-                 for x, h in zip((q, k, v), ctx.heads, strict=True))
+    return tuple(from_head_blocks(x, h) for x, h in zip((q, k, v), ctx.heads, strict=True))
 
 
 def _grouped(probs: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

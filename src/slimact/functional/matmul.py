@@ -5,9 +5,11 @@ Math: ``y = a @ b`` (``torch.matmul`` semantics for rank >= 2, batch dims broadc
 
 What it keeps: ``a`` (only if ``b`` needs a gradient) and ``b`` (only if ``a`` does), each at ``b`` bits
 per element plus 8 bytes per scale group; rank-4 attention operands ``[B, H, T, D]`` are grouped per head
-(heads' ranges differ by orders of magnitude). An operand that another layer keeps too (the softmax output
-feeding ``probs @ v``) is packed once, also when the product reads it through a view that folds its batch dims
-(``probs.view(B * H, T, S)`` into ``torch.bmm``: :func:`packing_source`).
+(heads' ranges differ by orders of magnitude), with their own range by blocks of 16 along the dim the product
+contracts within each head (:mod:`slimact.functional._heads`: heads concatenating parts of different sizes). An
+operand that another layer keeps too (the softmax output feeding ``probs @ v``) is packed once, also when the product
+reads it through a view that folds its batch dims (``probs.view(B * H, T, S)`` into ``torch.bmm``:
+:func:`packing_source`).
 
 :func:`bmm` and :func:`baddbmm` are the same for ``torch.bmm`` and ``torch.baddbmm`` (Bloom's ALiBi scores:
 ``beta * input + alpha * (a @ b)``), each forward PyTorch's own op, so that a routed call computes bit for bit
@@ -25,8 +27,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from slimact.functional._heads import from_head_blocks, head_blocks
 from slimact.functional._saving import Mask, SlimFunction, load, save
-from slimact.quant import QuantConfig, RunningRange, pack
+from slimact.quant import Packed, QuantConfig, RunningRange, pack
+from slimact.quant.core import is_shared
 
 __all__ = ["Dropped", "baddbmm", "bmm", "einsum", "einsum_terms", "matmul", "packing_source"]
 
@@ -57,27 +61,58 @@ class Dropped(NamedTuple):
     scale: float
 
 
+def _pack_operand(x: Tensor, cfg: QuantConfig | None, state: RunningRange | None,
+                  contracted: int | None) -> tuple[Packed, tuple[int, int] | None]:
+    """``pack(x, cfg, state)``, for a ``[B, H, R, C]`` operand contracted along ``contracted`` (-1 or -2) by blocks of
+    that dim within each head (:func:`slimact.functional._heads.head_blocks`: ``q`` of ``q @ k^T`` along its
+    channels, ``k^T`` along its rows, the same channels) where there is no pack of ``x`` to share (the softmax's of
+    the probabilities of ``probs @ v``); with ``(heads, contracted)`` where it did (:func:`_restored` undoes it), else
+    ``None`` (also for ``contracted`` ``None``: no one dim of the last two)."""
+    if contracted is None:
+        return pack(x, cfg, state), None
+    source = x if contracted == -1 else x.transpose(-1, -2)
+    blocked, blocked_cfg = head_blocks(source, cfg)
+    if blocked_cfg is cfg or is_shared(x, cfg):
+        return pack(x, cfg, state), None
+    return pack(blocked, blocked_cfg, state), (x.shape[1], contracted)
+
+
+def _restored(x: Tensor | None, blocks: tuple[int, int] | None) -> Tensor | None:
+    """A restored operand of :func:`_pack_operand` in its own layout again."""
+    if x is None or blocks is None:
+        return x
+    heads, contracted = blocks
+    x = from_head_blocks(x, heads)
+    return x if contracted == -1 else x.transpose(-1, -2)
+
+
 def _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, need_a: bool, need_b: bool,
-                   dropped_a: Dropped | None = None) -> None:
-    """Keep ``a`` where ``b`` needs a gradient and ``b`` where ``a`` does (each through :func:`packing_source`;
-    ``a`` as its probabilities and mask where it is ``dropped_a``)."""
+                   dropped_a: Dropped | None = None, contracted: tuple[int | None, int | None] = (-1, -2)) -> None:
+    """Keep ``a`` where ``b`` needs a gradient and ``b`` where ``a`` does (each through :func:`packing_source`,
+    a head's channels that the product contracts in blocks: :func:`_pack_operand`; ``a`` as its probabilities and
+    mask where it is ``dropped_a``). ``contracted``: the dim of each the product contracts (a matmul's: -1, -2)."""
     ctx.dropped_scale = dropped_a.scale if dropped_a is not None and need_b else None
+    blocks_a = None
     if ctx.dropped_scale is not None:
         kept_a = (pack(dropped_a.probs, cfg_a, state_a), dropped_a.mask)
     else:
-        kept_a = (pack(packing_source(a), cfg_a, state_a) if need_b else None,)
-    save(ctx, *kept_a, pack(packing_source(b), cfg_b, state_b) if need_a else None)
-    ctx.shapes = (a.shape, b.shape)
+        packed_a, blocks_a = _pack_operand(packing_source(a), cfg_a, state_a, contracted[0]) if need_b else (None, None)
+        kept_a = (packed_a,)
+    packed_b, blocks_b = _pack_operand(packing_source(b), cfg_b, state_b, contracted[1]) if need_a else (None, None)
+    save(ctx, *kept_a, packed_b)
+    ctx.shapes, ctx.blocks = (a.shape, b.shape), (blocks_a, blocks_b)
 
 
 def _load_operands(ctx) -> tuple[Tensor | None, Tensor | None]:
-    """The operands :func:`_save_operands` kept, restored (``None`` where not kept)."""
+    """The operands :func:`_save_operands` kept, restored (``None`` where not kept), blocked ones in their own
+    layout again."""
     if ctx.dropped_scale is None:
         a_hat, b_hat = load(ctx)
     else:
         probs_hat, mask, b_hat = load(ctx)
         a_hat = torch.ops.aten.native_dropout_backward(probs_hat, mask, ctx.dropped_scale)
-    return a_hat, b_hat
+    blocks_a, blocks_b = ctx.blocks
+    return _restored(a_hat, blocks_a), _restored(b_hat, blocks_b)
 
 
 def _operand_grads(ctx, grad_y: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor | None, Tensor | None]:
@@ -148,7 +183,8 @@ class _EinsumFunction(SlimFunction):
     @staticmethod
     def forward(ctx, equation, a, b, cfg_a, cfg_b, terms, dropped_a):
         y = torch.einsum(equation, a, b)
-        _save_operands(ctx, a, b, cfg_a, cfg_b, None, None, *ctx.needs_input_grad[1:3], dropped_a)
+        _save_operands(ctx, a, b, cfg_a, cfg_b, None, None, *ctx.needs_input_grad[1:3], dropped_a,
+                       (_contracted(terms[0], terms[2]), _contracted(terms[1], terms[2])))
         ctx.terms = terms
         return y
 
@@ -163,6 +199,13 @@ class _EinsumFunction(SlimFunction):
         if ctx.needs_input_grad[2]:
             grad_b = torch.einsum(f"{out},{sa}->{sb}", grad_y, a_hat.reshape(a_shape).to(grad_y.dtype))
         return None, grad_a, grad_b, None, None, None, None
+
+
+def _contracted(operand: str, out: str) -> int | None:
+    """The dim (-1 or -2) of an einsum operand's indices ``operand`` that the product sums over, where it is the only
+    one summed (``"bhid"`` of ``"bhid,bhjd->bhij"``: -1); else ``None``."""
+    summed = [i - len(operand) for i, c in enumerate(operand) if c not in out]
+    return summed[0] if len(summed) == 1 and summed[0] in (-1, -2) else None
 
 
 def einsum_terms(equation: str, a: Tensor, b: Tensor) -> tuple[str, str, str] | None:

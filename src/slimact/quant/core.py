@@ -198,6 +198,13 @@ def forget_shared_packs(x: Tensor) -> None:
     _shared.forget_storage(x)
 
 
+def is_shared(x: Tensor, cfg: QuantConfig) -> bool:
+    """Whether :func:`pack` of ``x`` with ``cfg`` would reuse a pack another consumer made of it (the softmax's of
+    its probabilities, for the product with ``v``): for a caller that packs ``x`` in a layout of its own only where
+    there is no such pack to share."""
+    return not torch.compiler.is_compiling() and _shared.get(x, cfg) is not None
+
+
 @torch.no_grad()
 def pack(
     x: Tensor,
