@@ -15,6 +15,7 @@ that reason in the summary (its lossless form saves nothing before a lossless Si
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -391,3 +392,29 @@ def test_attention_through_diffusers_dispatch_is_routed_as_a_positional_call(nam
     if policy != "tempo":
         assert bytes_d < plain_bytes / 3, (bytes_d, plain_bytes)
         assert summary.modules[attn] == "attention", summary.skipped.get(attn)
+
+
+@pytest.mark.parametrize("dispatch", [False, True], ids=["AttnProcessor2_0", "dispatch"])
+def test_summary_reports_diffusers_attention_under_a_lossless_policy_by_what_it_keeps(dispatch):
+    """diffusers' Attention computes its attention in its processor's F.scaled_dot_product_attention, which "tempo"
+    routes. summary reported it "computes attention in its own code ...: left as written" whatever it kept: under
+    PyTorch's math kernel (diffusers' "_native_math" backend) the VAE mid block's attention keeps 49,152 bytes where
+    plain's keeps 114,688 (coverage understated). With inputs it is now reported converted where the routed call
+    keeps fewer bytes than PyTorch's kernel, and otherwise left alone with that reason (the CPU flash kernel keeps
+    what slimact's lossless attention keeps)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    plain, inputs = _vae_mid(D.AttnProcessorDispatch() if dispatch else None)
+    attn = next(n for n, m in plain.named_modules() if isinstance(m, D.Attention))
+    for math in (True, False):
+        with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
+            slim = slimact.convert(copy.deepcopy(plain), "tempo").train()
+            summary = slimact.summary(slim, inputs)
+            before = slimact.profile(copy.deepcopy(plain).train(), inputs).by_module[attn]
+            after = slimact.profile(slim, inputs).by_module[attn]
+        if math:
+            assert after < before / 2, (after, before)
+            assert summary.modules.get(attn) == "attention", summary.skipped.get(attn)
+        else:
+            assert after == before
+            assert "run through slimact's attention" in summary.skipped[attn], summary.skipped[attn]
