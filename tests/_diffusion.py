@@ -237,6 +237,46 @@ class AttnProcessor2_0:
         return hidden_states
 
 
+def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=False):
+    """diffusers' ``models/attention_dispatch.py`` with its default (native) backend, ``_native_attention``: ``[B, T,
+    H, D]`` tensors permuted to ``[B, H, T, D]``, and every argument of the call passed by keyword."""
+    query, key, value = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(query=query, key=key, value=value, attn_mask=attn_mask,
+                                                           dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                                           enable_gqa=enable_gqa)
+    return out.permute(0, 2, 1, 3)
+
+
+class AttnProcessorDispatch:
+    """The processors of diffusers' newer transformers (Flux, Wan, Qwen-Image, HunyuanVideo, LTX...): heads unflattened
+    to ``[B, T, H, D]`` and attention through :func:`dispatch_attention_fn`."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
+        residual = hidden_states
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))
+        key = attn.to_k(encoder_hidden_states).unflatten(-1, (attn.heads, -1))
+        value = attn.to_v(encoder_hidden_states).unflatten(-1, (attn.heads, -1))
+        hidden_states = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
+                                              is_causal=False)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
 class Attention(nn.Module):
     def __init__(self, query_dim, cross_attention_dim=None, heads=8, dim_head=64, dropout=0.0, bias=False,
                  upcast_attention=False, upcast_softmax=False, norm_num_groups=None, out_bias=True, scale_qk=True,

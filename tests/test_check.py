@@ -667,3 +667,20 @@ def test_a_float32_models_cancellations_are_judged_by_plains_own_rounding(arch):
     assert report.passed, str(report)
     rejudged = [p for p in report.params if p.reference == "float64"]
     assert rejudged and all(p.off <= 2 * p.plain_off for p in rejudged), str(report)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_model_whose_plain_step_is_not_finite_gets_a_report_saying_so(bad, policy):
+    # A weight plain PyTorch trains into NaN (diffusers' NucleusMoE experts are torch.empty until from_pretrained
+    # fills them): check raised "atol must be greater than or equal to zero, but got nan" from the float64 run's
+    # comparison with plain's outputs (its tolerance is relative to their magnitude), where plain trains (into NaN).
+    # It now reports the step: failed (nothing can be judged), each gradient saying that plain's is not finite.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    with torch.no_grad():
+        model[2].weight[0, 0] = bad
+    report = slimact.check(model, torch.randn(4, 8), policy, loss_fn=lambda out: out.square().mean())
+    assert not report.passed and report.forward_equal, str(report)
+    assert all("plain's gradient is not finite" in p.reason for p in report.failures), str(report)
+    assert "not finite" in report.reference, report.reference

@@ -652,6 +652,8 @@ def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tenso
     low = _narrower(low, mode.narrowest)
     tol = _guard_tolerance(low)
     pairs = [(loss32, loss), *zip(outs32, outs, strict=False)]
+    if not all(torch.isfinite(a).all() for a, _ in pairs):  # (a tolerance relative to NaN is none)
+        return "plain's loss or outputs are not finite"
     if len(outs) != len(outs32) or any(
         a.shape != b.shape or not torch.allclose(b.double(), a.double(), rtol=tol,
                                                  atol=tol * max(a.detach().abs().max().item(), 1e-30))
@@ -683,7 +685,8 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
     diff = (approx.detach().double() - exact.detach().double()).norm().item()
     cos, db = cosine(exact, approx), sqnr_db(exact, approx)
     if not math.isfinite(diff):
-        return ParamCheck(name, cos, db, norm, diff, False, False, "non-finite difference")
+        return ParamCheck(name, cos, db, norm, diff, False, False, "non-finite difference" + (
+            "" if torch.isfinite(exact).all() else " (plain's gradient is not finite: the plain step is not)"))
     tol = _tolerance(exact.dtype, compute)
     bound = (tol if lossless else NOISE) * typical
     negligible = norm <= bound

@@ -540,6 +540,11 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     # Reported converted as the attention calls in their code are routed (their products and softmaxes, or the
     # F.scaled_dot_product_attention their forward mentions): with inputs, kept only where one was routed.
     by_products: set[str] = set()
+    # Of those, the ones reported for an F.scaled_dot_product_attention call their code may make (diffusers'
+    # Attention, whose processor makes it): with inputs, kept only where the routed call keeps fewer bytes than
+    # PyTorch's kernel (a lossless policy's attention keeps what the CPU flash kernel keeps).
+    by_sdpa: set[str] = set()
+    sdpa_on = routing is not None and "attention" in routing.kinds
     for name, module in model.named_modules():
         routed = routing is not None and not any(_at_or_under(name, n) for n in as_written)
         if isinstance(module, SlimModule):
@@ -568,9 +573,17 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                 modules[name] = "attention"
                 by_products.add(name)
                 continue
+            if sdpa_on and "attention" in watched.get(name, set()) and inputs is not None:
+                modules[name] = "attention"
+                by_products.add(name)
+                by_sdpa.add(name)
+                continue
             skipped[name] = (
                 f"{type(module).__name__} computes attention in its own code (not through transformers' "
-                "AttentionInterface or nn.MultiheadAttention): left as written"
+                "AttentionInterface or nn.MultiheadAttention): left as written" + (
+                    "; an F.scaled_dot_product_attention call in its code (a diffusers processor's) is routed all "
+                    "the same: summary(model, inputs) tells whether one runs and what it keeps"
+                    if sdpa_on and "attention" in watched.get(name, set()) else "")
             )
         elif name not in skipped and not any(True for _ in module.children()) and name:
             kind = kind_of(module)
@@ -595,8 +608,13 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             "(slimact compresses fp32, fp16 and bf16)"
         )
     if inputs is not None:
-        result.coverage, result.uncovered, unrouted, idle, own = _coverage(model, set(modules), inputs, loss_fn,
-                                                                           routing, by_products)
+        result.coverage, result.uncovered, unrouted, idle, own, as_plain = _coverage(
+            model, set(modules), inputs, loss_fn, routing, by_products, by_sdpa)
+        for name in as_plain:
+            del modules[name]
+            skipped[name] = ("its F.scaled_dot_product_attention calls run through slimact's attention, which keeps "
+                             "no fewer bytes than PyTorch's own kernel on these inputs under this policy: not "
+                             "counted as converted")
         for name, why in own.items():
             modules.pop(name, None)
             skipped[name] = f"each call on these inputs ran the module's own forward, left as written: {why}"
@@ -623,16 +641,18 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
 
 def _coverage(
     model: nn.Module, converted: set[str], inputs: Any, loss_fn, routing: Routing | None = None,
-    by_products: set[str] = frozenset(),
-) -> tuple[float, dict[str, int], list[str], list[str], dict[str, str]]:
-    """``(share, {module: bytes}, unrouted, idle, own)``: the share of the plain model's bytes that slimact handles,
-    the bytes it leaves by module, the tagged attention modules whose attention never reached slimact, the converted
-    ``nn.MultiheadAttention`` modules each of whose calls ran the module's own forward (``{name: why}``: a call
-    slimact's path does not cover, as ``need_weights=True``), and the modules of
+    by_products: set[str] = frozenset(), by_sdpa: set[str] = frozenset(),
+) -> tuple[float, dict[str, int], list[str], list[str], dict[str, str], list[str]]:
+    """``(share, {module: bytes}, unrouted, idle, own, as_plain)``: the share of the plain model's bytes that slimact
+    handles, the bytes it leaves by module, the tagged attention modules whose attention never reached slimact, the
+    converted ``nn.MultiheadAttention`` modules each of whose calls ran the module's own forward (``{name: why}``: a
+    call slimact's path does not cover, as ``need_weights=True``), and the modules of
     ``by_products`` (reported converted as the routing watches their products and softmaxes, or for the
     F.scaled_dot_product_attention their forward mentions) in which no such call was routed in the forward, with
     ``"(loss)"`` where the routing would fuse the LM loss but none was fused (a loss the training loop computes
-    outside the model is never the model's to route: its bytes are not covered).
+    outside the model is never the model's to route: its bytes are not covered), and the modules of ``by_sdpa``
+    (reported for an F.scaled_dot_product_attention call in their code, diffusers' Attention's) whose routed calls
+    kept no fewer bytes than the plain model's (not covered: counted as left alone).
 
     Bytes kept inside converted modules (or their children) are covered. A module slimact did not convert
     still counts as uncovered with what it keeps in the converted model (measured), at most what it kept in
@@ -669,6 +689,8 @@ def _coverage(
     plain = revert(copy.deepcopy(model))
     before = profile(plain, inputs, loss_fn=loss_fn).by_module
     del plain
+    as_plain = sorted(name for name in by_sdpa if name in converted and after.get(name, 0) >= before.get(name, 0))
+    converted = converted - set(as_plain)
     roots = tuple(f"{name}." for name in converted if name and name != "(loss)")
 
     def covered(name: str) -> bool:
@@ -677,4 +699,4 @@ def _coverage(
     uncovered = {name: min(n, after.get(name, 0)) for name, n in before.items() if not covered(name)}
     uncovered = {name: n for name, n in uncovered.items() if n}
     total = sum(before.values())
-    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle, own
+    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle, own, as_plain

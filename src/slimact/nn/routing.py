@@ -227,6 +227,8 @@ class _Mode(TorchFunctionMode):
         if func in IN_PLACE:
             return func(*args, **kwargs)
         handler = routing.handlers.get(func)
+        if not args and func is F.scaled_dot_product_attention and handler is not None:
+            args, kwargs = _sdpa_positional(kwargs)
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
         if (handler is not None and args and (not routing.excluded_depth or func is F.linear) and not transformed()
@@ -241,6 +243,16 @@ class _Mode(TorchFunctionMode):
             loss.seen(func, args, out)
             return out
         return func(*args, **kwargs)
+
+
+def _sdpa_positional(kwargs: dict) -> tuple[tuple, dict]:
+    """An ``F.scaled_dot_product_attention`` call made with keywords only, as diffusers' ``dispatch_attention_fn``
+    (its native backend: Flux's, Wan's, Qwen-Image's processors) makes it, with ``query``, ``key`` and ``value``
+    positional, as the handlers take them (the call ran as written, keeping plain's bytes)."""
+    if not all(name in kwargs for name in ("query", "key", "value")):
+        return (), kwargs
+    rest = dict(kwargs)
+    return (rest.pop("query"), rest.pop("key"), rest.pop("value")), rest
 
 
 class _NoteDropout(TorchFunctionMode):
