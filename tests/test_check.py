@@ -148,6 +148,47 @@ def test_a_gradient_that_is_float_noise_in_plain_is_judged_by_size(monkeypatch):
     assert [p.name for p in report.failures] == ["conv.bias"], str(report)
 
 
+class _CheckpointedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.drop = torch.nn.Dropout(0.0)  # diffusers' attention and feed-forward: nn.Dropout(p=0.0), in training
+
+    def forward(self, x):
+        return self.drop(self.bn(self.conv(x)))
+
+
+class _CheckpointedBiasBeforeBatchNorm(torch.nn.Module):
+    """:class:`_BiasBeforeBatchNorm` with its block under a non-reentrant activation checkpoint of the module's call,
+    as diffusers' ``enable_gradient_checkpointing()`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _CheckpointedBlock()
+        self.head = torch.nn.Linear(8, 4)
+        self.tiny = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(3)) for _ in range(12))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False).mean(dim=(2, 3))
+        return self.head(h).pow(2).sum() + 1e-9 * sum(p.sum() for p in self.tiny)
+
+
+def test_the_float64_reference_runs_through_activation_checkpointing():
+    # The recompute of a non-reentrant checkpoint runs in the backward, where the float64 run's mode was off: its
+    # dropout drew as written where the forward had drawn through the mode, PyTorch's checkpoint raised ("A different
+    # number of tensors was saved"), and the check had no float64 reference: the bias BatchNorm cancels, float noise
+    # in both runs, was judged as a gradient and FAILED (a diffusers UNet with enable_gradient_checkpointing()).
+    import torch.utils.checkpoint
+
+    torch.manual_seed(0)
+    model, x = _CheckpointedBiasBeforeBatchNorm(), torch.randn(4, 3, 12, 12) * 3
+    report = slimact.check(model, x, "int8", loss_fn=lambda out: out)
+    bias = next(p for p in report.params if p.name == "block.conv.bias")
+    assert report.passed, str(report)
+    assert bias.negligible and "float64" in report.reference, str(report)
+
+
 def test_the_float64_run_draws_what_the_float32_run_drew():
     # Dropout and drop-path draws in float64 take other bits of the RNG stream: the float64 reference draws them
     # as float32 (widened), so it computes the float32 run's function, and the guard accepts it.

@@ -98,7 +98,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from slimact._metrics import cosine, sqnr_db
 from slimact.convert import Summary, convert, revert, summary
@@ -606,6 +606,39 @@ class _Float32Draws(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _float64_run() -> Iterator[_Float32Draws]:
+    """:class:`_Float32Draws` on for a float64 run, in the recompute of an activation checkpoint too.
+
+    A non-reentrant checkpoint recomputes its module in the backward, where no torch function mode is on: the
+    recompute drew and cast as written where the forward had not (a dropout's mask made in float32, a cast
+    widened), and PyTorch's check of the tensors it saved failed ("A different number of tensors was saved": every
+    diffusers model after ``enable_gradient_checkpointing()``, whose attention has an ``nn.Dropout(p=0.0)``), so
+    the check had no float64 reference. A module called with the mode off while grad is on (that recompute) enters
+    it for its own call, as slimact's routing does (``slimact.nn.routing``)."""
+    mode = _Float32Draws()
+    entered: list[nn.Module] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and not any(m is mode for m in _get_current_function_mode_stack()):
+            mode.__enter__()
+            entered.append(module)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if entered and entered[-1] is module:
+            entered.pop()
+            mode.__exit__(None, None, None)
+
+    handles = [nn.modules.module.register_module_forward_pre_hook(enter),
+               nn.modules.module.register_module_forward_hook(leave, always_call=True)]
+    try:
+        with mode:
+            yield mode
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _widened(inputs: Any) -> Any:
     """``inputs`` with every floating tensor in float64."""
     return _map_tensors(inputs, lambda t: t.detach().double().requires_grad_(t.requires_grad)
@@ -642,7 +675,7 @@ def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tenso
         wide = copy.deepcopy(plain).double()
         for q in wide.parameters():
             q.grad = None  # the plain step's
-        with _Float32Draws() as mode:
+        with _float64_run() as mode:
             loss, outs, grads = _step(wide, _fresh_inputs(_widened(inputs)), loss_fn, rng, micro_batch)
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:  # an op without a float64 kernel
         first = str(e).splitlines()[0][:120] if str(e) else ""
