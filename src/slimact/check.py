@@ -39,8 +39,9 @@ The floors:
   the output's largest magnitude).
 * **lossless policies** (nothing quantised: ``"tempo"``): every gradient equals plain's to float rounding:
   ``||g - g_plain|| <= tol * ||g_plain||`` with ``tol`` from :func:`rounding_tolerance` of the gradient's dtype, or
-  of the autocast dtype where ``check`` is called under autocast for the model's device (the step then computes in
-  it, and plain's gradients are rounded at its level as a 16-bit model's are: vit-pytorch's CvT under bfloat16
+  of the autocast dtype where the step runs under autocast, around ``check`` or entered in the model's own forward
+  as accelerate's mixed precision does (the step then computes in it, and plain's gradients are rounded at its level
+  as a 16-bit model's are: vit-pytorch's CvT under bfloat16
   autocast, whose "tempo" norm gradients are 0.026 relative from plain's and as far from float64 as plain's own,
   30% off it, failed against float32's 1.2e-4).
 * **lossy policies**: every gradient at cosine >= 0.99 with plain's (:data:`MIN_COSINE`), and its norm within
@@ -89,6 +90,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -701,10 +703,32 @@ def _plain_reference(low: torch.dtype | None) -> str:
     return "plain PyTorch" + (f" (which has {str(low).removeprefix('torch.')} tensors)" if low else "")
 
 
-def _autocast_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype autocast computes in, where it is on for ``model``'s device at the call; else ``None``."""
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+def _autocast_dtype() -> torch.dtype | None:
+    """The narrowest dtype autocast computes in where it is on now (on the CPU or a GPU); else ``None``."""
+    found = None
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            found = _narrower(found, torch.get_autocast_dtype(device))
+    return found
+
+
+@contextlib.contextmanager
+def _autocast_seen() -> Iterator[list[torch.dtype]]:
+    """The autocast dtypes in force at the module calls made in the block: the step's compute dtype, whether autocast
+    was on around ``check`` or is entered in the model's own forward (accelerate's mixed precision wraps ``forward``
+    in it; a hook on the top module runs before that)."""
+    seen: list[torch.dtype] = []
+
+    def note(module: nn.Module, args: Any) -> None:
+        dtype = _autocast_dtype()
+        if dtype is not None and dtype not in seen:
+            seen.append(dtype)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def _tolerance(dtype: torch.dtype, compute: torch.dtype | None) -> float:
@@ -813,7 +837,6 @@ def check(
     """
     pol = resolve(policy)
     lossless = is_lossless(pol)
-    compute = _autocast_dtype(model)  # the step computes in it: plain's gradients are rounded at its level
     plain = revert(copy.deepcopy(model))
     slim = convert(copy.deepcopy(plain), pol, filter_fn=filter_fn)
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
@@ -829,7 +852,10 @@ def check(
     with _forked_rng(cuda):
         rng = _get_rng(cuda)
         warm = (copy.deepcopy(plain), copy.deepcopy(slim)) if _running(pol) else None
-        loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng, micro_batch)
+        with _autocast_seen() as seen:
+            loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng, micro_batch)
+        # Under autocast the step computes in its dtype: plain's gradients are rounded at that level.
+        compute = functools.reduce(_narrower, seen, None)
         first = _Reference(plain, loss0, outs0, grads0)
         steps.append(("", *_step(slim, _fresh_inputs(inputs), loss_fn, rng, micro_batch), first))
         if warm is not None:
