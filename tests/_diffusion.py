@@ -165,8 +165,10 @@ class Upsample2D(nn.Module):
         return hidden_states
 
 
-class AttnProcessor:
-    """The default processor before PyTorch 2: scores by ``baddbmm`` into an uninitialised tensor (``beta=0``)."""
+class _Processor:
+    """What diffusers' attention processors share: ``[B, C, H, W]`` inputs seen as ``H * W`` tokens, the optional
+    group norm, then (after :meth:`attend`) the output projection and its dropout, the shape back, the residual and
+    the rescale."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
         residual = hidden_states
@@ -177,12 +179,32 @@ class AttnProcessor:
         batch_size, sequence_length, _ = (
             hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
         )
-        attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+        attention_mask = self.mask(attn, attention_mask, sequence_length, batch_size)
         if attn.group_norm is not None:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
-        query = attn.to_q(hidden_states)
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
+        hidden_states = self.attend(attn, hidden_states, encoder_hidden_states, attention_mask, batch_size)
+        hidden_states = attn.to_out[0](hidden_states)  # linear proj
+        hidden_states = attn.to_out[1](hidden_states)  # dropout
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+    def mask(self, attn, attention_mask, sequence_length, batch_size):
+        return attention_mask
+
+
+class AttnProcessor(_Processor):
+    """The default processor before PyTorch 2: scores by ``baddbmm`` into an uninitialised tensor (``beta=0``)."""
+
+    def mask(self, attn, attention_mask, sequence_length, batch_size):
+        return attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+
+    def attend(self, attn, hidden_states, encoder_hidden_states, attention_mask, batch_size):
+        query = attn.to_q(hidden_states)
         key = attn.to_k(encoder_hidden_states)
         value = attn.to_v(encoder_hidden_states)
         query = attn.head_to_batch_dim(query)
@@ -190,32 +212,12 @@ class AttnProcessor:
         value = attn.head_to_batch_dim(value)
         attention_probs = attn.get_attention_scores(query, key, attention_mask)
         hidden_states = torch.bmm(attention_probs, value)
-        hidden_states = attn.batch_to_head_dim(hidden_states)
-        hidden_states = attn.to_out[0](hidden_states)  # linear proj
-        hidden_states = attn.to_out[1](hidden_states)  # dropout
-        if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
-        if attn.residual_connection:
-            hidden_states = hidden_states + residual
-        hidden_states = hidden_states / attn.rescale_output_factor
-        return hidden_states
+        return attn.batch_to_head_dim(hidden_states)
 
 
-class AttnProcessor2_0:
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
-        residual = hidden_states
-        input_ndim = hidden_states.ndim
-        if input_ndim == 4:
-            batch_size, channel, height, width = hidden_states.shape
-            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-        batch_size, sequence_length, _ = (  # noqa: RUF059 (diffusers' code)
-            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
-        )
-        if attn.group_norm is not None:
-            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+class AttnProcessor2_0(_Processor):
+    def attend(self, attn, hidden_states, encoder_hidden_states, attention_mask, batch_size):
         query = attn.to_q(hidden_states)
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
         key = attn.to_k(encoder_hidden_states)
         value = attn.to_v(encoder_hidden_states)
         inner_dim = key.shape[-1]
@@ -226,15 +228,7 @@ class AttnProcessor2_0:
         hidden_states = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
                                                        is_causal=False)
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
-        if attn.residual_connection:
-            hidden_states = hidden_states + residual
-        hidden_states = hidden_states / attn.rescale_output_factor
-        return hidden_states
+        return hidden_states.to(query.dtype)
 
 
 def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -248,33 +242,17 @@ def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     return out.permute(0, 2, 1, 3)
 
 
-class AttnProcessorDispatch:
+class AttnProcessorDispatch(_Processor):
     """The processors of diffusers' newer transformers (Flux, Wan, Qwen-Image, HunyuanVideo, LTX...): heads unflattened
     to ``[B, T, H, D]`` and attention through :func:`dispatch_attention_fn`."""
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
-        residual = hidden_states
-        input_ndim = hidden_states.ndim
-        if input_ndim == 4:
-            batch_size, channel, height, width = hidden_states.shape
-            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-        if attn.group_norm is not None:
-            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
+    def attend(self, attn, hidden_states, encoder_hidden_states, attention_mask, batch_size):
         query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))
         key = attn.to_k(encoder_hidden_states).unflatten(-1, (attn.heads, -1))
         value = attn.to_v(encoder_hidden_states).unflatten(-1, (attn.heads, -1))
         hidden_states = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
                                               is_causal=False)
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
-        if attn.residual_connection:
-            hidden_states = hidden_states + residual
-        return hidden_states / attn.rescale_output_factor
+        return hidden_states.flatten(2, 3).to(query.dtype)
 
 
 class Attention(nn.Module):
