@@ -717,6 +717,8 @@ def test_plain_farther_from_float64_than_rounding_grants_no_leniency(monkeypatch
     report = _tempo_check_with_the_norm_weight_gradient_scaled(_BranchesOnItsDtype, monkeypatch)
     assert not report.passed and [p.name for p in report.failures] == ["norm.weight"], str(report)
     assert "farther from float64 than rounding" in report.failures[0].reason
+    # Said as such: a failure no reference could judge, not a gradient shown wrong.
+    assert report.unjudged == report.failures and "not judged: 1 of those below the floor" in str(report)
 
 
 @pytest.mark.parametrize("arch", ["EfficientNetModel", "MobileViTModel"])

@@ -164,6 +164,9 @@ class ParamCheck:
     #: Under running estimates, the converted step it was judged by (the worse of the two): ``"first step"``
     #: (estimates fresh) or ``"after warm-up"``; ``""`` where there was one step.
     step: str = ""
+    #: False where it missed its floor against plain and no reference could judge it: plain's own gradient is
+    #: farther from float64 than the 16-bit rounding the float64 run was guarded at (see :func:`_rejudge`).
+    judged: bool = True
 
     @property
     def module(self) -> str:
@@ -206,6 +209,12 @@ class CheckReport:
         """The parameters that missed their floor, worst first."""
         return [p for p in self.worst() if not p.passed]
 
+    @property
+    def unjudged(self) -> list[ParamCheck]:
+        """The failures no reference could judge (:attr:`ParamCheck.judged`): plain's own gradient is too far from
+        float64 there (a 16-bit step's rounding) for either run to be measured against."""
+        return [p for p in self.failures if not p.judged]
+
     def worst(self, n: int | None = None) -> list[ParamCheck]:
         """Parameters, failures first, then by cosine (lowest first; negligible ones by relative difference)."""
         ranked = sorted(self.params, key=lambda p: (p.passed, p.cosine if not p.negligible else 2.0, -p.diff))
@@ -229,6 +238,9 @@ class CheckReport:
             "to float rounding)",
             f"gradients: {len(self.params)} parameters, {len(self.failures)} below the floor, "
             f"{sum(p.negligible for p in self.params)} negligible (judged by size)",
+            *([f"not judged: {len(self.unjudged)} of those below the floor, where plain's own gradient is farther from "
+               "float64 than 16-bit rounding, so that no run is a reference (their lines say how far each is from "
+               "float64); a check of the step in float32 judges the conversion"] if self.unjudged else []),
             f"reference: {self.reference}",
         ]
         if self.calls > 1:
@@ -791,9 +803,9 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
                                    f"plain's {own:.3g})")
     limit = max(bound, 2 * own, own + tol * norm if lossless else 0.0)
     if lossless and norm > bound and own > guard * norm:
-        return dataclasses.replace(marked, reason=p.reason + f" (plain is farther from float64 than rounding, "
-                                   f"|g_plain - g_float64| {own:.3g} > {guard:.3g} of |g_float64| {norm:.3g}: no "
-                                   f"reference for it; |g - g_float64| {off:.3g})")
+        return dataclasses.replace(marked, judged=False, reason=p.reason + (
+            f" (plain is farther from float64 than rounding, |g_plain - g_float64| {own:.3g} > {guard:.3g} of "
+            f"|g_float64| {norm:.3g}: no reference for it; |g - g_float64| {off:.3g})"))
     ok = off <= limit
     reason = "" if ok else (f"plain is off float64 too (|g_plain - g_float64| {own:.3g}), but |g - g_float64| "
                             f"{off:.3g} > {limit:.3g}")
