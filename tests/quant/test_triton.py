@@ -189,6 +189,28 @@ def test_a_running_pack_on_the_gpu_path_restores_a_non_finite_group_as_nan_and_k
     assert torch.equal(module._x_lo, after)
 
 
+@pytest.mark.parametrize("layout", ["tokens", "split", "heads"])
+def test_attention_packs_by_blocks_of_a_heads_channels_give_the_references_codes(layout):
+    # q, k, v at 8 bits are packed as [B, T, H * D] with a group per 16 channels of a head
+    # (slimact.functional._heads): a view of [B, T, H, D] memory, of a fused qkv projection's [B, T, 3, H, D]
+    # (GPT-2's c_attn split: rows 3x apart), or a copy of a [B, H, T, D]-contiguous tensor.
+    from slimact.functional._heads import head_blocks
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, t, d = 2, 4, 24, 32
+    if layout == "split":
+        x = torch.randn(b, t, 3, h, d, generator=gen)[:, :, 1].transpose(1, 2)
+    else:
+        x = torch.randn(b, t, h, d, generator=gen).transpose(1, 2)
+        x = x.contiguous() if layout == "heads" else x
+    blocked, cfg = head_blocks(x.to(DEVICE), QuantConfig(group_dim=1, groups=0))
+    assert blocked.shape == (b, t, h * d) and (cfg.group_dim, cfg.groups) == (-1, h * d // 16)
+    ref, tri = pack(blocked, cfg, backend="reference", share=False), pack(blocked, cfg, backend="triton", share=False)
+    for a, c in zip(ref.tensors, tri.tensors, strict=True):
+        assert torch.equal(a, c)
+    assert torch.equal(unpack(ref), unpack(tri))
+
+
 def test_attentions_q_k_v_pack_together_with_one_host_sync_and_none_under_running_estimates():
     from slimact.quant import pack_many
 
