@@ -233,6 +233,19 @@ def test_inputs_include_what_forward_requires():
     assert masked["input_features_mask"].shape == masked["input_features"].shape[:2]
     assert masked["input_features_mask"].all()
 
+    class Series(TwoInputs):  # a time series model (PatchTST's): values over its context, per channel
+        main_input_name = "past_values"
+
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"context_length": 32, "num_input_channels": 3})()
+
+        def forward(self, past_values):
+            return past_values
+
+    series = zoo.tiny_inputs(Series(), "base")["past_values"]
+    assert series.shape == (2, 32, 3) and series.is_floating_point()  # (token ids before: skipped)
+
 
 def test_a_text_only_class_gets_its_own_sub_config():
     config = zoo.tiny_config("llama4")

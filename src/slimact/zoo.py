@@ -985,6 +985,11 @@ def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Gen
         frames = getattr(vision, "num_frames", None) or 4
         inputs[main] = torch.randn(batch, frames, getattr(vision, "num_channels", 3), size, size, generator=g)
         return inputs
+    if main == "past_values":  # a time series: [batch, context, channels] (a channel-less one [batch, context])
+        length = min(getattr(config, "context_length", None) or 64, 512)
+        channels = getattr(config, "num_input_channels", None)
+        inputs[main] = torch.randn(batch, length, *([channels] if channels else []), generator=g)
+        return inputs
     if main == "input_values":  # raw audio: 64 frames of the feature encoder
         inputs[main] = torch.randn(batch, 64 * 20, generator=g)
     elif main in ("input_features", "audio_mel"):
