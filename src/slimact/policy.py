@@ -9,7 +9,7 @@ that silently does nothing is worse than none (Mesa quietly disabled itself when
 Layouts of the scale groups, by kind (see :meth:`Policy.quant_config`):
 
 * attention tensors (``matmul`` operands and ``softmax`` outputs of rank 4, ``[B, H, T, D]``): per head
-  (``head_groups = 0``) or ``head_groups`` groups of heads; the fused attention's ``q``, ``k``, ``v`` per head, with
+  (``head_groups = 0``) or ``head_groups`` groups of heads; the fused attention's ``q`` and ``k`` per head, with
   their own range, get a scale per 16 channels of a head (``slimact.functional._heads``);
 * ``conv``, ``batchnorm`` and ``groupnorm`` inputs ``[N, C, ...]``: ``channel_groups`` groups along dim 1;
 * everything else ``[..., C]``: ``channel_groups`` groups along the last dim.

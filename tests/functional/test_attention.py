@@ -115,8 +115,9 @@ def test_8bit_heads_concatenating_parts_of_different_sizes_keep_the_small_parts_
     for name, a, e in zip("qkv", approx, exact, strict=True):
         for part, sl in (("large", slice(0, d // 2)), ("small", slice(d // 2, d))):
             assert cosine(e[..., sl], a[..., sl]) >= 0.99, (name, part, cosine(e[..., sl], a[..., sl]))
-    # What is packed: q, k, v as [B, T, H * D] with a group per 16 channels of a head; under running estimates
-    # (Mesa's scheme) one scale per head, as published.
+    # What is packed: q, k as [B, T, H * D] with a group per 16 channels of a head, v per head (its channels are
+    # summed over together: blocks would only copy it); under running estimates (Mesa's scheme) one scale per
+    # head, as published.
     packs, real = [], attention_mod.pack_many
     monkeypatch.setattr(attention_mod, "pack_many",
                         lambda items, **kw: packs.append([(x.shape, c) for x, c, _ in items]) or real(items, **kw))
@@ -127,7 +128,7 @@ def test_8bit_heads_concatenating_parts_of_different_sizes_keep_the_small_parts_
     scaled_dot_product_attention(*args, dropout_p=dropout_p, cfg=PER_HEAD).sum().backward()
     assert [c.group_dim for _, c in packs[0]] == [1, 1, 1]  # running: per head
     assert [(shape, c.group_dim, c.groups) for shape, c in packs[1]] == [
-        ((b, t, h * d), -1, h * d // 16), ((b, s, h * d), -1, h * d // 16), ((b, s, h * d), -1, h * d // 16)]
+        ((b, t, h * d), -1, h * d // 16), ((b, s, h * d), -1, h * d // 16), ((b, h, s, d), 1, 0)]
 
 
 def test_keeps_probabilities_once_mask_as_bits_and_values_unrepeated():

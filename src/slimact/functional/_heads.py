@@ -9,7 +9,9 @@ the tiny Conditional DETR's ``k_pos_proj`` weight gradient at cosine 0.81 with a
 :data:`HEAD_BLOCK` channels of a head. Such a pack views ``x`` as ``[B, T, H * D]`` with channel groups of 16: 8 bytes
 of scale a block, ``D / 16`` per head instead of one. ``x`` is most often ``[B, T, H, D]`` memory (a projection's
 output viewed as heads), which the view reads as it lies; a ``[B, H, T, D]``-contiguous ``x`` is copied for the pack
-(transient). Running estimates (Mesa's scheme, ``"mesa"``) stay per head, as published.
+(transient). Callers block only the operands whose channels a product contracts with another tensor's alone
+(``q`` and ``k``; not ``v``, whose channels are summed over together). Running estimates (Mesa's scheme,
+``"mesa"``) stay per head, as published.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Fused path (:func:`scaled_dot_product_attention`): never a ``[T, S]`` tensor kep
 ``q`` ``[B, H, T, D]`` and ``k``, ``v`` ``[B, H_kv, S, D]`` (grouped-query attention: ``H_kv`` divides ``H``):
 
 * at 8 bits (a per-head config): ``q``, ``k``, ``v`` as 8-bit codes, ``B * (H * T + 2 * H_kv * S) * D`` bytes,
-  and their scales, 8 bytes per 16 channels of a head with their own range (:mod:`slimact.functional._heads`),
-  else per head (running estimates); the backward recomputes the output
+  and their scales: for ``q`` and ``k`` with their own range 8 bytes per 16 channels of a head
+  (:mod:`slimact.functional._heads`), else (``v``; running estimates) per head; the backward recomputes the output
   and log-sum-exp from the restored tensors (one more fused forward), so it is the exact gradient of the
   attention of the restored tensors (a kept 8-bit output would disagree with the probabilities rebuilt from
   8-bit ``q`` and ``k`` and blur small ``q``/``k`` gradients). With dropout, also the generator state the
@@ -98,15 +98,17 @@ __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
 def _pack_qkv(ctx, q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, cfg_kv: QuantConfig | None,
               state: dict[str, RunningRange] | None) -> list[Packed]:
-    """``q``, ``k`` and ``v`` packed together: one host sync for the three, not one each (:func:`pack_many`), each
-    by blocks of its heads' channels where it is per head (:func:`slimact.functional._heads.head_blocks`;
-    :func:`_loaded_qkv` restores the ``[B, H, T, D]`` view). Where one holds NaN/inf (and so is kept exact), all
-    three are: which scores are NaN depends on the others' exact values too (``-inf * 0`` is NaN, ``-inf`` times a
-    restored ``1e-40`` is not)."""
+    """``q``, ``k`` and ``v`` packed together: one host sync for the three, not one each (:func:`pack_many`), ``q``
+    and ``k`` by blocks of their heads' channels where they are per head (:func:`slimact.functional._heads.head_blocks`;
+    :func:`_loaded_qkv` restores the ``[B, H, T, D]`` view). Where one holds NaN/inf (and so is kept exact), all three
+    are: which scores are NaN depends on the others' exact values too (``-inf * 0`` is NaN, ``-inf`` times a restored
+    ``1e-40`` is not)."""
     st = state or {}
     ctx.heads = (q.shape[1], k.shape[1], v.shape[1])
+    # v by head: its channels are never contracted with another tensor's alone (the output's and grad_P's sums run
+    # over all of them), so a small part of them costs no gradient its precision, and blocking v would copy it.
     qb, kb = head_blocks(q, cfg_q), head_blocks(k, cfg_kv)
-    vb = kb if v is k else head_blocks(v, cfg_kv)  # (the same view: packed once)
+    vb = kb if v is k else (v, cfg_kv)  # (the same view: packed once)
     packs = pack_many([(*qb, st.get("q")), (*kb, st.get("k")), (*vb, st.get("v"))])
     if any(p.meta.raw for p in packs) and not all(p.meta.raw for p in packs):
         return pack_many([(t, None, None) for t in (q, k, v)])

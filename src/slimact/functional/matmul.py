@@ -68,7 +68,9 @@ def _pack_operand(x: Tensor, cfg: QuantConfig | None, state: RunningRange | None
     channels, ``k^T`` along its rows, the same channels) where there is no pack of ``x`` to share (the softmax's of
     the probabilities of ``probs @ v``); with ``(heads, contracted)`` where it did (:func:`_restored` undoes it), else
     ``None`` (also for ``contracted`` ``None``: no one dim of the last two)."""
-    if contracted is None:
+    # Only where the contracted dim is the operand's contiguous one, its channels as laid out (q's last dim; k^T's
+    # rows, a view of k): probs @ v contracts v's rows, its tokens, where blocks would only copy v.
+    if contracted is None or x.stride(contracted) != 1:
         return pack(x, cfg, state), None
     source = x if contracted == -1 else x.transpose(-1, -2)
     blocked, blocked_cfg = head_blocks(source, cfg)
