@@ -69,12 +69,12 @@ def _pack_operand(x: Tensor, cfg: QuantConfig | None, state: RunningRange | None
     the probabilities of ``probs @ v``); with ``(heads, contracted)`` where it did (:func:`_restored` undoes it), else
     ``None`` (also for ``contracted`` ``None``: no one dim of the last two)."""
     # Only where the contracted dim is the operand's contiguous one, its channels as laid out (q's last dim; k^T's
-    # rows, a view of k): probs @ v contracts v's rows, its tokens, where blocks would only copy v.
-    if contracted is None or x.stride(contracted) != 1:
+    # rows, a view of k): probs @ v contracts v's rows, its tokens, where blocks would only copy v. A shared pack is
+    # asked for before the view is made (the probabilities are [B, H, T, S]-contiguous: it would copy them).
+    if contracted is None or x.stride(contracted) != 1 or is_shared(x, cfg):
         return pack(x, cfg, state), None
-    source = x if contracted == -1 else x.transpose(-1, -2)
-    blocked, blocked_cfg = head_blocks(source, cfg)
-    if blocked_cfg is cfg or is_shared(x, cfg):
+    blocked, blocked_cfg = head_blocks(x if contracted == -1 else x.transpose(-1, -2), cfg)
+    if blocked_cfg is cfg:
         return pack(x, cfg, state), None
     return pack(blocked, blocked_cfg, state), (x.shape[1], contracted)
 
