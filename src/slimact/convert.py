@@ -573,7 +573,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                 modules[name] = "attention"
                 by_products.add(name)
                 continue
-            if sdpa_on and "attention" in watched.get(name, set()) and inputs is not None:
+            sdpa_call = sdpa_on and "attention" in watched.get(name, set())
+            if sdpa_call and inputs is not None:
                 modules[name] = "attention"
                 by_products.add(name)
                 by_sdpa.add(name)
@@ -582,8 +583,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                 f"{type(module).__name__} computes attention in its own code (not through transformers' "
                 "AttentionInterface or nn.MultiheadAttention): left as written" + (
                     "; an F.scaled_dot_product_attention call in its code (a diffusers processor's) is routed all "
-                    "the same: summary(model, inputs) tells whether one runs and what it keeps"
-                    if sdpa_on and "attention" in watched.get(name, set()) else "")
+                    "the same: summary(model, inputs) tells whether one runs and what it keeps" if sdpa_call else "")
             )
         elif name not in skipped and not any(True for _ in module.children()) and name:
             kind = kind_of(module)

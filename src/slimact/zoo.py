@@ -929,13 +929,17 @@ def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed
     return {**inputs, **_required_inputs(model, inputs, batch, seq, g)}
 
 
+def _vocab(config: Any) -> int:
+    """The vocabulary size token ids are drawn below: the config's, its text config's, else 128."""
+    return getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 128)
+
+
 def _required_inputs(model: nn.Module, inputs: dict[str, Tensor], batch: int, seq: int,
                      g: torch.Generator) -> dict[str, Tensor]:
     """The arguments ``model.forward`` requires beyond ``inputs`` that their names say how to make: token ids
     (an image-text model's text, Grounding DINO's), images like the ones given, and the mask
     of a feature input (``input_features_mask``, ``audio_mel_mask``: every frame present)."""
-    config = model.config
-    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 128)
+    vocab = _vocab(model.config)
     images = next((t for k, t in inputs.items() if k.endswith("pixel_values")), None)
     out: dict[str, Tensor] = {}
     for name, p in inspect.signature(model.forward).parameters.items():
@@ -953,7 +957,7 @@ def _required_inputs(model: nn.Module, inputs: dict[str, Tensor], batch: int, se
 def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Generator) -> dict[str, Tensor]:
     config = model.config
     main = getattr(model, "main_input_name", "input_ids")
-    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 128)
+    vocab = _vocab(config)
     inputs: dict[str, Tensor] = {}
     params = inspect.signature(model.forward).parameters
     if main not in params and "pixel_values" in params:  # a vision tower left with the default main input name
