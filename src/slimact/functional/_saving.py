@@ -445,13 +445,23 @@ def load(ctx: Any, restore: bool = True) -> list[Any]:
 
 
 def transformed() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``...) or forward-mode AD
-    (``torch.autograd.forward_ad.dual_level``) is active. slimact Functions support neither (no
-    ``setup_context``/``vmap``/``jvp``, and their forwards read the storage of the tensors they pack): callers run
-    PyTorch's own computation instead, exact, keeping what PyTorch keeps."""
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``...), forward-mode AD
+    (``torch.autograd.forward_ad.dual_level``) or a TorchScript trace (``torch.jit.trace``, the TorchScript ONNX
+    exporter) or ``torch.export`` is active. slimact Functions support none of them (no ``setup_context``/``vmap``/
+    ``jvp``; their forwards read the storage of the tensors they pack; a TorchScript trace records a Python Function as
+    an opaque op, which failed with an internal assert of PyTorch's alias analysis; ``torch.export`` kept their
+    forwards' ops without their backward, and without the grad mode they run in, so an exported training-mode model's
+    output did not require grad and its parameters got none): callers run PyTorch's own computation instead, exact,
+    keeping what PyTorch keeps, and an exported program is the plain model's."""
+    if torch.compiler.is_exporting():
+        return True
     if torch.compiler.is_compiling():
         return False  # dynamo traces transforms itself; a compiled graph never runs a SlimFunction's Python
-    return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
+    return (
+        torch._C._functorch.peek_interpreter_stack() is not None
+        or torch.autograd.forward_ad._current_level >= 0
+        or torch._C._is_tracing()
+    )
 
 
 class SlimFunction(torch.autograd.Function):

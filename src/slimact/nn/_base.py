@@ -162,6 +162,16 @@ class SlimModule:
                 return False
         return not transformed()
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        # torch.jit.script calls this on every submodule before compiling any; without it, scripting a converted
+        # model failed on an annotation of slimact's ("Unknown type annotation: 'str'"). A plain copy returned here
+        # would be written into the model's own _modules by PyTorch, reverting the user's model silently.
+        raise TypeError(
+            f"{type(self).__qualname__} is a slimact module, which TorchScript cannot compile: script a plain copy, "
+            "slimact.revert(copy.deepcopy(model)) (it computes what the converted model computes in eval mode), or "
+            "use torch.export / torch.jit.trace, which run the converted model as PyTorch's own layers"
+        )
+
     def _slimact_one_input(self, args: tuple, kwargs: dict) -> bool:
         """:meth:`_slimact_active` for a call given its input alone, positionally. A call given more (Mamba2's gated
         RMSNorm, ``norm(x, gate)``: a module recognised by a probe then computes something else) or its input by
