@@ -129,7 +129,16 @@ def _model_eager(module: nn.Module, query, key, value, mask, scaling, p, is_caus
 
 class _Switched(str):
     """``"slimact"`` as ``convert`` selects it on a configuration, carrying the setting the configuration had: a copy
-    of the configuration (``copy.deepcopy``, a model built from it with ``from_config``) reads that setting too."""
+    of the configuration (``copy.deepcopy``, a model built from it with ``from_config``) reads that setting too.
+
+    It also equals ``"sdpa"``: model code that branches on the setting's name takes SDPA's branch, the one written for
+    a function that takes SDPA's masks and arguments, as slimact's does. DeepSeek V3.2's sparse attention (and GLM-MoE-
+    DSA's, Mistral Large 4's, ...) folds its indexer's top-k keys into the mask for ``"eager"`` and ``"sdpa"`` alone,
+    and hands any other function the indices instead (for flash-MLA to consume); Gemma 4 slices the queries of its
+    KV-shared layers unless the setting is flash, flex or ``"sdpa"``. Under the name alone a converted model attended
+    to every key there, forward and backward, silently. ``!=`` stays the names' inequality: a check that refuses what
+    is not ``"sdpa"`` (the Trainer's context parallelism, which patches PyTorch's SDPA) still refuses slimact, and
+    ``set_attn_implementation("sdpa")`` still switches a converted model to PyTorch's SDPA."""
 
     original: Any
 
@@ -137,6 +146,12 @@ class _Switched(str):
         self = super().__new__(cls, NAME)
         self.original = original
         return self
+
+    def __eq__(self, other: object) -> bool:  # (plain strings compared: what dynamo traces without a graph break)
+        return isinstance(other, str) and other in (NAME, "sdpa")
+
+    def __hash__(self) -> int:  # (a dict of implementations finds "slimact"'s entry; str's C slot breaks dynamo)
+        return hash(NAME)
 
     def __getnewargs__(self) -> tuple[Any]:  # (copies and pickles)
         return (self.original,)

@@ -638,3 +638,55 @@ def test_a_plain_model_built_from_a_converted_models_configuration_computes_as_i
     slimact.convert(ref, "tempo")
     slimact.revert(ref)
     assert ref.config._attn_implementation == setting
+
+
+def _tiny_auto(model_type: str, cls: str, **fields):
+    from slimact.zoo import build_auto, tiny_config
+
+    config = tiny_config(model_type)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    config._attn_implementation = "sdpa"
+    return build_auto(cls, config).train()
+
+
+@pytest.mark.parametrize("model_type, cls", [("deepseek_v32", "DeepseekV32ForCausalLM"),
+                                             ("glm_moe_dsa", "GlmMoeDsaForCausalLM")])
+def test_sparse_attention_whose_model_code_branches_on_the_setting_attends_to_its_top_k_keys(model_type, cls):
+    # DeepSeek V3.2's sparse attention folds its indexer's top-k keys into the mask where the setting is "eager" or
+    # "sdpa", and hands any other function the indices (flash-MLA consumes them). Under "slimact" the indices were
+    # ignored: every key attended to, logits 0.20 off plain's (and 0.21 for GLM-MoE-DSA), in training and in eval mode.
+    # (A tiny configuration's default top-k, 2048, keeps every key: the sweep could not see it.)
+    from slimact.zoo import tiny_inputs
+
+    plain = _tiny_auto(model_type, cls, index_topk=4)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert slimact.summary(slim).converted["attention"] >= 1
+    inputs = tiny_inputs(plain, "causal-lm", seq=16)
+    _same_step(plain, slim, inputs)
+    plain.eval(), slim.eval()
+    torch.testing.assert_close(slim(**inputs).logits, plain(**inputs).logits, rtol=0, atol=0)
+
+
+def test_gemma4s_kv_shared_layers_keep_their_causality_when_queries_are_sliced():
+    # Gemma 4 slices the queries of its KV-shared layers to the logits kept (assisted generation's logits_to_keep > 1)
+    # unless the setting is flash, flex or "sdpa"; under "slimact" SDPA's mask could then be None and the sliced queries
+    # were taken as the first ones (top-left causal): logits 0.27 off plain's.
+    from slimact.zoo import tiny_inputs
+
+    plain = _tiny_auto("gemma4_text", "Gemma4ForCausalLM", num_hidden_layers=4, num_kv_shared_layers=2,
+                       layer_types=["sliding_attention", "full_attention"] * 2).eval()
+    slim = slimact.convert(copy.deepcopy(plain), "tempo").eval()
+    inputs = {"input_ids": tiny_inputs(plain, "causal-lm", seq=16)["input_ids"]}
+    for keep in (0, 3):
+        torch.testing.assert_close(slim(**inputs, logits_to_keep=keep).logits,
+                                   plain(**inputs, logits_to_keep=keep).logits, rtol=0, atol=0, msg=str(keep))
+
+
+def test_the_selected_setting_reads_as_sdpa_to_model_code_and_as_itself_to_a_switch():
+    slim = slimact.convert(_llama(), "tempo")
+    chosen = slim.config._attn_implementation
+    assert chosen == "slimact" and chosen == "sdpa" and chosen in ("eager", "sdpa") and chosen != "eager"
+    assert chosen != "sdpa"  # (what refuses anything but PyTorch's SDPA still refuses it)
+    slim.set_attn_implementation("sdpa")
+    assert type(slim.config._attn_implementation) is str and slim.config._attn_implementation == "sdpa"
