@@ -579,8 +579,14 @@ _TINY_ATTRS: dict[str, int] = {
     **dict.fromkeys(("vocab_size", "entity_vocab_size", "encoder_hash_byte_group_vocab",
                      "vocab_size_per_layer_input"), 128),
     "hidden_size_per_layer_input": 16,
-    # Windows shorter than the batch's 16 tokens, so that sliding-window and chunked attention masks matter.
-    **dict.fromkeys(("sliding_window", "attention_chunk_size"), 8),
+    # Windows shorter than the batch's 16 tokens, so that sliding-window and chunked attention masks matter, and
+    # sparse attention's top-k keys fewer (DeepSeek V3.2's 2048 kept every key: its model code's branch on the
+    # attention setting, which folds them into the mask, went untested); MiniMax M3's top 2 blocks of 4 keys.
+    **dict.fromkeys(("sliding_window", "attention_chunk_size", "sliding_window_size", "local_attention",
+                     "index_topk"), 8),
+    "index_block_size": 4,
+    "index_topk_blocks": 2,
+    "index_kpool": 4,  # (GLM-5 Next: its top-k a multiple of its key pools)
     "num_latents": 16,
     "image_size": 32,
     "window_size": 4,
