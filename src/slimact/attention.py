@@ -98,6 +98,10 @@ def _probabilities_wanted(kwargs: dict) -> bool:
 #: Keyword arguments of transformers' attention calls that change what attention computes and that the fused
 #: path does not implement: such a call runs the model's own eager attention.
 _EAGER_ONLY = ("softcap", "s_aux", "sinks")
+#: Keyword arguments that only a kernel other than eager or SDPA consumes, which model code passes where the setting
+#: is neither (DeepSeek V3.2's ``indices``: its top-k keys, folded into the mask for eager and SDPA, which slimact's
+#: setting reads as): given one, no mask holds what it says, and neither path can compute what the model asked.
+_KERNEL_ONLY = ("indices",)
 
 
 def _additive_mask(mask: Tensor | None, is_causal: bool, query: Tensor, key: Tensor) -> Tensor | None:
@@ -333,6 +337,12 @@ def attention_forward(
             policy = None  # eval mode (or float64, or a torch.func transform): PyTorch's own attention, nothing packed
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
+    if given := [k for k in _KERNEL_ONLY if kwargs.get(k) is not None]:
+        raise NotImplementedError(
+            f"{type(module).__name__} passed {given} to its attention function: arguments only a kernel other than "
+            "eager or SDPA consumes (its model code did not fold them into the mask), which slimact's attention "
+            "cannot honour: exclude this module from conversion (filter_fn, or a policy with attention off)"
+        )
     if (documents := _documents(module, query, key, attention_mask, is_causal, kwargs)) is not None:
         attention_mask, is_causal = documents, False
     if any(kwargs.get(k) is not None for k in _EAGER_ONLY) or _as_written_eager(module, policy, attention_mask):

@@ -690,3 +690,16 @@ def test_the_selected_setting_reads_as_sdpa_to_model_code_and_as_itself_to_a_swi
     assert chosen != "sdpa"  # (what refuses anything but PyTorch's SDPA still refuses it)
     slim.set_attn_implementation("sdpa")
     assert type(slim.config._attn_implementation) is str and slim.config._attn_implementation == "sdpa"
+
+
+def test_sparse_indices_handed_to_the_attention_function_are_a_clear_error():
+    # Where model code hands the attention function its top-k keys instead of folding them into the mask (what it does
+    # for a setting other than eager or SDPA), slimact's attention would attend to every key: it refuses.
+    from slimact.attention import attention_forward
+
+    module = slimact.convert(_llama(), "tempo").model.layers[0].self_attn
+    q = k = v = torch.randn(1, 4, 8, 16)
+    with pytest.raises(NotImplementedError, match=r"\['indices'\].*exclude this module"):
+        attention_forward(module, q, k, v, None, indices=torch.zeros(1, 8, 4, dtype=torch.long))
+    out, _ = attention_forward(module, q, k, v, None, indices=None)
+    assert out.shape == (1, 8, 4, 16)
