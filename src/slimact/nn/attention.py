@@ -58,7 +58,10 @@ class _MultiheadAttentionMixin(SlimModule):
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         active = self._slimact_active(query, key, value)
-        why = self._slimact_uncovered(query, key, value, need_weights, attn_mask, key_padding_mask, is_causal)
+        # (only for a call this path could take: TransformerEncoder's eval fast path passes nested tensors, which
+        # have no .shape to compare)
+        why = (self._slimact_uncovered(query, key, value, need_weights, attn_mask, key_padding_mask, is_causal)
+               if active else None)
         if not torch.compiler.is_compiling() and active and torch.is_grad_enabled():
             self.__dict__[OWN_FORWARD_ATTR if why else SLIM_FORWARD_ATTR] = why or True
         if not active or why is not None:
