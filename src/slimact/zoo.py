@@ -960,6 +960,10 @@ def _required_inputs(model: nn.Module, inputs: dict[str, Tensor], batch: int, se
     return out
 
 
+#: Tokens of padding at the end of the first sequence of a batch of token ids (:func:`_main_inputs`).
+_PADDED = 5
+
+
 def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Generator) -> dict[str, Tensor]:
     config = model.config
     main = getattr(model, "main_input_name", "input_ids")
@@ -1020,8 +1024,15 @@ def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Gen
         if books and task == "causal-lm":
             inputs["labels"] = inputs[main].reshape(batch, books, seq).transpose(1, 2)
             return inputs
+    if main == "input_ids" and "attention_mask" in params and not books and batch > 1:
+        # The first sequence right-padded over its last 5 tokens (how batches of texts of several lengths come): the
+        # mask, and the branches models take on it, are tested with the rest (no ids-only batch tests them).
+        inputs["attention_mask"] = torch.ones_like(inputs[main])
+        inputs["attention_mask"][0, -_PADDED:] = 0
     if task in ("causal-lm", "masked-lm"):
         inputs["labels"] = inputs[main]
+        if "attention_mask" in inputs:
+            inputs["labels"] = inputs[main].masked_fill(inputs["attention_mask"] == 0, -100)
     elif task == "ctc":
         inputs["labels"] = torch.randint(1, vocab, (batch, 4), generator=g)
     elif task == "seq2seq-lm":
