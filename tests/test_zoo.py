@@ -285,7 +285,7 @@ def test_a_vision_tower_of_patch_rows_gets_patches_and_their_grid_and_its_vlm_to
     config = tower.config
     assert inputs["hidden_states"].shape == (2 * 16, 3 * config.temporal_patch_size * config.patch_size**2)
     assert inputs["grid_thw"].tolist() == [[1, 4, 4]] * 2
-    assert zoo.tiny_inputs(vlm, "base").keys() == {"input_ids"}  # a VLM takes image grids too: text alone
+    assert zoo.tiny_inputs(vlm, "base").keys() == {"input_ids", "attention_mask"}  # a VLM takes image grids too: text
 
 
 def test_a_dual_encoder_gets_images_and_texts_and_a_vision_tower_its_images():

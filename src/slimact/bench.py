@@ -227,6 +227,27 @@ def _read_sweep(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     return rows
 
 
+def _plain_losses(model: torch.nn.Module, inputs: dict) -> list[torch.Tensor]:
+    """The losses of two plain training steps of copies of ``model`` from one RNG state (plain must be deterministic
+    to be a reference); raises where the step fails or its loss is not finite."""
+    import copy
+
+    from slimact.zoo import projection_loss
+
+    losses = []
+    for _ in range(2):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            trial = copy.deepcopy(model)
+            loss = projection_loss(_call_model(trial, inputs))
+            if not torch.isfinite(loss):
+                raise ValueError(f"the plain loss is {loss.item()}")
+            loss.backward()
+            losses.append(loss.detach())
+        del trial
+    return losses
+
+
 def sweep_one(task: str, model_type: str, architecture: str, progress: Any = None,
               policy: str = "int8") -> dict[str, Any]:
     """One architecture of the sweep (see :func:`zoo_all`) under ``policy``: its row. ``progress(stage)`` is
@@ -266,18 +287,18 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
     except Exception as e:  # the sweep records what transformers cannot build offline at this size
         return failed("skipped", "cannot build at the tiny size", e)
     say("plain")
+    padded = True
     try:
-        losses = []
-        for _ in range(2):  # twice from one RNG state: plain must be deterministic to be a reference
-            with torch.random.fork_rng():
-                torch.manual_seed(0)
-                trial = copy.deepcopy(model)
-                loss = projection_loss(_call_model(trial, inputs))
-                if not torch.isfinite(loss):
-                    raise ValueError(f"the plain loss is {loss.item()}")
-                loss.backward()
-                losses.append(loss.detach())
-            del trial
+        try:
+            losses = _plain_losses(model, inputs)
+        except Exception:
+            if "attention_mask" not in inputs:
+                raise
+            # Some models cannot take the generic padding mask (Qwen2.5-Omni's thinker then computes its rotary
+            # positions from vision tokens its text configuration does not name): their batch is unpadded.
+            padded = False
+            inputs = tiny_inputs(model, task, padded=False)
+            losses = _plain_losses(model, inputs)
     except Exception as e:  # not slimact's: the plain model cannot train on the sweep's generic batch
         return failed("skipped", "the plain model cannot run a training step", e)
     if not torch.equal(losses[0], losses[1]):
@@ -289,7 +310,7 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
     # Under running estimates the judged step follows 8 training-mode calls on fresh batches of the same kind (other
     # seeds), as training's would; mixed from the judged batch's 2 rows (check's fallback) every warm-up batch
     # repeats one row, and per-sample tensors (pooled features, 1 x 1 maps) would show the estimates no spread.
-    warm = [tiny_inputs(model, task, seed=s) for s in range(1, 9)] if _running(pol) else None
+    warm = [tiny_inputs(model, task, seed=s, padded=padded) for s in range(1, 9)] if _running(pol) else None
     try:
         report = check(model, inputs, pol, loss_fn=projection_loss, batches=warm)
         say("profile")

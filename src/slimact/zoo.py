@@ -926,12 +926,14 @@ def _own_config(cls: type, config: Any) -> Any:
     return subs[0] if len(subs) == 1 else config
 
 
-def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, Tensor]:
+def tiny_inputs(model: nn.Module, task: str, batch: int = 2, seq: int = 16, seed: int = 0,
+                padded: bool = True) -> dict[str, Tensor]:
     """A training batch for a model of :func:`build_auto`, from its ``main_input_name``: token ids, images,
     raw audio or audio features; labels where ``task`` has them (the base models have none); and whatever else
-    its ``forward`` requires (no default) that :func:`_required_inputs` can make."""
+    its ``forward`` requires (no default) that :func:`_required_inputs` can make. Token ids come with an
+    ``attention_mask`` padding the first sequence where the model takes one, unless ``padded`` is False."""
     g = torch.Generator().manual_seed(seed)
-    inputs = _main_inputs(model, task, batch, seq, g)
+    inputs = _main_inputs(model, task, batch, seq, g, padded)
     return {**inputs, **_required_inputs(model, inputs, batch, seq, g)}
 
 
@@ -964,7 +966,8 @@ def _required_inputs(model: nn.Module, inputs: dict[str, Tensor], batch: int, se
 _PADDED = 5
 
 
-def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Generator) -> dict[str, Tensor]:
+def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Generator,
+                 padded: bool = True) -> dict[str, Tensor]:
     config = model.config
     main = getattr(model, "main_input_name", "input_ids")
     vocab = _vocab(config)
@@ -1024,7 +1027,7 @@ def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Gen
         if books and task == "causal-lm":
             inputs["labels"] = inputs[main].reshape(batch, books, seq).transpose(1, 2)
             return inputs
-    if main == "input_ids" and "attention_mask" in params and not books and batch > 1:
+    if padded and main == "input_ids" and "attention_mask" in params and not books and batch > 1:
         # The first sequence right-padded over its last 5 tokens (how batches of texts of several lengths come): the
         # mask, and the branches models take on it, are tested with the rest (no ids-only batch tests them).
         inputs["attention_mask"] = torch.ones_like(inputs[main])
