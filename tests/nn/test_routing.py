@@ -861,3 +861,58 @@ def test_calls_in_a_checkpointed_function_route_alike_in_the_forward_and_the_rec
             torch.testing.assert_close(g1[n], g0[n], msg=n)
         else:
             assert sqnr_db(g0[n], g1[n]) >= 30, n
+
+
+#: Calls of an attention written in model code: (positional form, the same call with PyTorch's keyword names).
+_BY_KEYWORD = {
+    "torch.matmul(q, other=kt)": (torch.matmul, lambda q, kt: torch.matmul(q, other=kt)),
+    "torch.matmul(input=q, other=kt)": (torch.matmul, lambda q, kt: torch.matmul(input=q, other=kt)),
+    "q.matmul(other=kt)": (torch.matmul, lambda q, kt: q.matmul(other=kt)),
+    "torch.bmm(q, mat2=kt)": (lambda q, kt: torch.bmm(q.flatten(0, 1), kt.flatten(0, 1)).view(2, 2, 5, 5),
+                              lambda q, kt: torch.bmm(q.flatten(0, 1), mat2=kt.flatten(0, 1)).view(2, 2, 5, 5)),
+    "F.softmax(input=s, dim=-1)": (lambda s: F.softmax(s, -1), lambda s: F.softmax(input=s, dim=-1)),
+    "F.gelu(input=y)": (F.gelu, lambda y: F.gelu(input=y)),
+}
+
+
+class _KeywordAttention(nn.Module):  # ("Attention" in its name: its products and softmax are routed)
+    def __init__(self, form: str, by_keyword: bool) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.call = _BY_KEYWORD[form][by_keyword]
+        self.at = "softmax" if "softmax" in form else "gelu" if "gelu" in form else "scores"
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)  # [B, H, T, D] each
+        at = self.at
+        scores = (self.call if at == "scores" else torch.matmul)(q, k.transpose(-1, -2)) * 8**-0.5
+        probs = (self.call if at == "softmax" else lambda s: F.softmax(s, -1))(scores)
+        y = (probs @ v).transpose(1, 2).reshape(2, 5, 16)
+        return self.out((self.call if at == "gelu" else F.gelu)(y))
+
+
+@pytest.mark.parametrize("form", list(_BY_KEYWORD))
+def test_calls_made_with_pytorchs_keyword_names_are_routed_as_positional_ones(form):
+    # A handler names its parameters otherwise than PyTorch (_matmul(a, b)): torch.matmul(q, other=kt) under "int8"
+    # raised "unexpected keyword argument 'other'" where PyTorch ran; a call with keywords only ran as written,
+    # keeping plain's bytes.
+    x = torch.randn(2, 5, 16)
+    kept = {}
+    for keyword in (False, True):
+        torch.manual_seed(0)
+        plain = _KeywordAttention(form, keyword).train()
+        report = slimact.check(plain, x, "int8")
+        assert report.passed, report
+        kept[keyword] = slimact.profile(slimact.convert(copy.deepcopy(plain), "int8"), x).activation_bytes
+    assert kept[True] == kept[False]
+
+
+def test_a_keyword_a_handler_does_not_take_leaves_the_call_as_written():
+    from slimact.nn.routing import _as_handler_call
+
+    def handler(a, b, *, out=None):
+        return None
+
+    assert _as_handler_call(torch.bmm, handler, (), {"input": 1, "mat2": 2}) == ((1, 2), {})
+    assert _as_handler_call(torch.bmm, handler, (1,), {"mat2": 2, "out": 3}) == ((1, 2), {"out": 3})
+    assert _as_handler_call(torch.bmm, handler, (1, 2), {"out_dtype": torch.float32}) is None

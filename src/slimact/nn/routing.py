@@ -227,8 +227,10 @@ class _Mode(TorchFunctionMode):
         if func in IN_PLACE:
             return func(*args, **kwargs)
         handler = routing.handlers.get(func)
-        if not args and func is F.scaled_dot_product_attention and handler is not None:
-            args, kwargs = _sdpa_positional(kwargs)
+        if handler is not None and kwargs and (call := _as_handler_call(func, handler, args, kwargs)) is not None:
+            args, kwargs = call
+        elif handler is not None and kwargs:
+            handler = None  # (a keyword the handler does not take, bmm's out_dtype: as written)
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
         if (handler is not None and args and (not routing.excluded_depth or func is F.linear) and not transformed()
@@ -245,14 +247,67 @@ class _Mode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _sdpa_positional(kwargs: dict) -> tuple[tuple, dict]:
-    """An ``F.scaled_dot_product_attention`` call made with keywords only, as diffusers' ``dispatch_attention_fn``
-    (its native backend: Flux's, Wan's, Qwen-Image's processors) makes it, with ``query``, ``key`` and ``value``
-    positional, as the handlers take them (the call ran as written, keeping plain's bytes)."""
-    if not all(name in kwargs for name in ("query", "key", "value")):
-        return (), kwargs
-    rest = dict(kwargs)
-    return (rest.pop("query"), rest.pop("key"), rest.pop("value")), rest
+#: What :func:`_call_params` found for a handler (keyed by its code: handlers are bound per routing).
+_PARAMS: dict[tuple, tuple[tuple[str, ...], frozenset[str], bool]] = {}
+
+
+def _code_of(handler: object) -> object:
+    if isinstance(handler, functools.partial):
+        return _code_of(handler.func), handler.args, tuple(handler.keywords.items())
+    return getattr(handler, "__func__", handler)
+
+
+@functools.cache
+def _torch_names(func: object) -> tuple[str, ...]:
+    """``func``'s parameter names as PyTorch names them (its ``torch.overrides`` testing signature), in order."""
+    import inspect
+
+    from torch.overrides import get_testing_overrides
+
+    ref = _overrides(get_testing_overrides).get(func)
+    try:
+        return tuple(inspect.signature(ref).parameters) if ref is not None else ()
+    except (TypeError, ValueError):
+        return ()
+
+
+@functools.cache
+def _overrides(get: object) -> dict:
+    return get()  # (built once: PyTorch builds the whole table on each call)
+
+
+def _call_params(func: object, handler: object) -> tuple[tuple[str, ...], frozenset[str], bool]:
+    """A handler's positional parameter names, every name it takes, and whether it takes any keyword."""
+    import inspect
+
+    key = (func, _code_of(handler))
+    if key not in _PARAMS:
+        params = inspect.signature(handler).parameters.values()
+        positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        _PARAMS[key] = (positional, frozenset(p.name for p in params if p.kind != p.VAR_POSITIONAL),
+                        any(p.kind == p.VAR_KEYWORD for p in params))
+    return _PARAMS[key]
+
+
+def _as_handler_call(func: object, handler: object, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A call's arguments as ``handler`` takes them, or ``None`` where it takes one of them under no name.
+
+    Model code passes arguments by PyTorch's names (``torch.matmul(a, other=b)``, ``torch.bmm(a, mat2=b)``,
+    diffusers' ``F.scaled_dot_product_attention(query=q, key=k, value=v)``); a handler may name them otherwise
+    (``_matmul(a, b)``: the call raised "unexpected keyword argument 'other'" where PyTorch ran) and reads its
+    leading tensors positionally (a call with keywords only ran as written, keeping plain's bytes). A keyword at a
+    position where the handler's name differs takes the handler's name; leading ones become positional."""
+    positional, names, any_keyword = _call_params(func, handler)
+    torch_names, kwargs = _torch_names(func), dict(kwargs)
+    for i in range(len(args), min(len(positional), len(torch_names))):
+        theirs, ours = torch_names[i], positional[i]
+        if theirs != ours and theirs in kwargs and theirs not in names and ours not in kwargs:
+            kwargs[ours] = kwargs.pop(theirs)
+    while len(args) < len(positional) and positional[len(args)] in kwargs:
+        args = (*args, kwargs.pop(positional[len(args)]))
+    if not any_keyword and not kwargs.keys() <= names:
+        return None
+    return args, kwargs
 
 
 class _NoteDropout(TorchFunctionMode):
