@@ -227,15 +227,14 @@ class _Mode(TorchFunctionMode):
         if func in IN_PLACE:
             return func(*args, **kwargs)
         handler = routing.handlers.get(func)
-        if handler is not None and kwargs and (call := _as_handler_call(func, handler, args, kwargs)) is not None:
-            args, kwargs = call
-        elif handler is not None and kwargs:
-            handler = None  # (a keyword the handler does not take, bmm's out_dtype: as written)
+        # The call's arguments as the handler names them (None: a keyword it does not take, bmm's out_dtype); the call
+        # itself, where it runs as written, keeps PyTorch's (F.gelu's approximate is keyword-only there).
+        call = _as_handler_call(func, handler, args, kwargs) if handler is not None and kwargs else (args, kwargs)
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
-        if (handler is not None and args and (not routing.excluded_depth or func is F.linear) and not transformed()
-                and routing.in_scope() and not _nested(args, kwargs)):
-            out = handler(*args, **kwargs)
+        if (handler is not None and call is not None and call[0] and (not routing.excluded_depth or func is F.linear)
+                and not transformed() and routing.in_scope() and not _nested(*call)):
+            out = handler(*call[0], **call[1])
             if out is not None:
                 return out
         if loss is not None:
