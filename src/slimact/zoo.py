@@ -1007,6 +1007,7 @@ def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Gen
         channels = getattr(config, "num_input_channels", None)
         inputs[main] = torch.randn(batch, length, *([channels] if channels else []), generator=g)
         return inputs
+    books = None
     if main == "input_values":  # raw audio: 64 frames of the feature encoder
         inputs[main] = torch.randn(batch, 64 * 20, generator=g)
     elif main in ("input_features", "audio_mel"):

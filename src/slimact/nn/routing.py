@@ -261,9 +261,7 @@ def _torch_names(func: object) -> tuple[str, ...]:
     """``func``'s parameter names as PyTorch names them (its ``torch.overrides`` testing signature), in order."""
     import inspect
 
-    from torch.overrides import get_testing_overrides
-
-    ref = _overrides(get_testing_overrides).get(func)
+    ref = _overrides().get(func)
     try:
         return tuple(inspect.signature(ref).parameters) if ref is not None else ()
     except (TypeError, ValueError):
@@ -271,8 +269,10 @@ def _torch_names(func: object) -> tuple[str, ...]:
 
 
 @functools.cache
-def _overrides(get: object) -> dict:
-    return get()  # (built once: PyTorch builds the whole table on each call)
+def _overrides() -> dict:
+    from torch.overrides import get_testing_overrides
+
+    return get_testing_overrides()  # (built once: PyTorch builds the whole table on each call)
 
 
 def _call_params(func: object, handler: object) -> tuple[tuple[str, ...], frozenset[str], bool]:
