@@ -21,7 +21,7 @@ from torch import nn
 
 from slimact import attention
 from slimact._kinds import Recognised, forget, forward_names, kind_of, recognise, uses_attention_interface
-from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach
+from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach, refuse_script
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
 from slimact.nn.batch_norm import batch_norm_class
@@ -281,6 +281,7 @@ def convert(
     if _HOOK_ATTR not in model.__dict__:
         handles = (model.register_forward_pre_hook(steps), model.register_forward_hook(steps.end, always_call=True))
         model.__dict__[_HOOK_ATTR] = (handles, steps)
+    model.__dict__.setdefault("__prepare_scriptable__", refuse_script)
     model.__dict__[_POLICY_ATTR] = pol
     model.__dict__[_SKIPPED_ATTR] = skipped
     return model
@@ -443,6 +444,8 @@ def _unroot(module: nn.Module) -> None:
     attention.release_configs(module, module.__dict__.pop(_ATTN_ATTR, ()))
     module.__dict__.pop(_POLICY_ATTR, None)
     module.__dict__.pop(_SKIPPED_ATTR, None)
+    if module.__dict__.get("__prepare_scriptable__") is refuse_script:
+        del module.__dict__["__prepare_scriptable__"]
 
 
 def revert(model: nn.Module) -> nn.Module:

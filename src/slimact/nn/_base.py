@@ -33,8 +33,8 @@ from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_strea
 from slimact.quant.state import WRITTEN_ATTR, backward_key
 
 __all__ = [
-    "MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "begin_call", "clear_state", "detach", "site_estimate",
-    "slim_class", "standalone",
+    "MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "begin_call", "clear_state", "detach", "refuse_script",
+    "site_estimate", "slim_class", "standalone",
 ]
 
 #: Calls of one module per step that get their own running estimate; later calls share the last.
@@ -139,6 +139,17 @@ def site_estimate(module: nn.Module, operand: str) -> RunningRange:
     return RunningRange(module, f"_slimact_{operand}" + (f"_{site}" if site else ""))
 
 
+def refuse_script(what: str = "a model converted by slimact") -> nn.Module:
+    """What ``torch.jit.script`` meets first in a converted model (``__prepare_scriptable__``: a slimact module's, and
+    the converted root's, set on it by ``convert``, where only the calls in its code may be routed): a clear error
+    where TorchScript failed on slimact's annotations or hooks ("'StepCounter' object has no attribute '__name__'")."""
+    raise TypeError(
+        f"{what}, which TorchScript cannot compile: script a plain copy, slimact.revert(copy.deepcopy(model)) (it "
+        "computes what the converted model computes in eval mode), or use torch.export / torch.jit.trace, which run "
+        "the converted model as PyTorch's own layers"
+    )
+
+
 class SlimModule:
     """Mixin of every slimact module (``isinstance(m, SlimModule)`` tells a converted module)."""
 
@@ -166,11 +177,7 @@ class SlimModule:
         # torch.jit.script calls this on every submodule before compiling any; without it, scripting a converted
         # model failed on an annotation of slimact's ("Unknown type annotation: 'str'"). A plain copy returned here
         # would be written into the model's own _modules by PyTorch, reverting the user's model silently.
-        raise TypeError(
-            f"{type(self).__qualname__} is a slimact module, which TorchScript cannot compile: script a plain copy, "
-            "slimact.revert(copy.deepcopy(model)) (it computes what the converted model computes in eval mode), or "
-            "use torch.export / torch.jit.trace, which run the converted model as PyTorch's own layers"
-        )
+        refuse_script(f"{type(self).__qualname__} is a slimact module")
 
     def _slimact_one_input(self, args: tuple, kwargs: dict) -> bool:
         """:meth:`_slimact_active` for a call given its input alone, positionally. A call given more (Mamba2's gated
