@@ -1033,10 +1033,9 @@ def _main_inputs(model: nn.Module, task: str, batch: int, seq: int, g: torch.Gen
         # mask, and the branches models take on it, are tested with the rest (no ids-only batch tests them).
         inputs["attention_mask"] = torch.ones_like(inputs[main])
         inputs["attention_mask"][0, -_PADDED:] = 0
-    if task in ("causal-lm", "masked-lm"):
-        inputs["labels"] = inputs[main]
-        if "attention_mask" in inputs:
-            inputs["labels"] = inputs[main].masked_fill(inputs["attention_mask"] == 0, -100)
+    if task in ("causal-lm", "masked-lm"):  # (no loss at padded positions)
+        pad = inputs.get("attention_mask")
+        inputs["labels"] = inputs[main] if pad is None else inputs[main].masked_fill(pad == 0, -100)
     elif task == "ctc":
         inputs["labels"] = torch.randint(1, vocab, (batch, 4), generator=g)
     elif task == "seq2seq-lm":
