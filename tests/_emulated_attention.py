@@ -67,16 +67,27 @@ class _Emulated:
             assert int(offset) == 1000 + int(seed)
             keep = self.masks[int(seed)]
             self.log.append((kind, "backward", {"out": out, "lse": lse, "seed": int(seed), "dtype": q.dtype}))
-            # the output and lse given are those of these q, k, v and this mask (a replayed draw), in the rows
-            # that have a gradient (a fully masked row's output is zeroed, and so is its gradient)
-            exp_out, exp_lse = self._attend(q, k, v, bias, p, causal, scale, keep)
+            # As the kernels' backward: the probabilities recomputed as exp(s - lse) from the lse given and the row
+            # sum as rowsum(dO * O) from the output given (what lets slimact hand them attention sinks' rescaled
+            # output and lse). The output given must be that of those probabilities, in the rows that have a
+            # gradient (a fully masked row's output is zeroed, and so is its gradient).
+            s = q.double() @ k.double().transpose(-1, -2) * scale
+            if bias is not None:
+                s = s + bias.double()
+            if causal:
+                s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+            probs = torch.exp(s - lse.double()[..., : q.shape[2], None])
+            factor = 1.0 if keep is None else keep / (1 - p)
             rows = grad.ne(0).any(-1)
-            torch.testing.assert_close(out[rows], exp_out.to(out.dtype)[rows])
-            torch.testing.assert_close(lse[rows], exp_lse.float()[rows])
-            with torch.enable_grad():  # (a backward runs without)
-                qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-                o, _ = self._attend(qd, kd, vd, bias, p, causal, scale, keep)
-                return tuple(g.to(q.dtype) for g in torch.autograd.grad(o, (qd, kd, vd), grad.double()))
+            o = (probs * factor) @ v.double()
+            torch.testing.assert_close(out[rows], o.to(out.dtype)[rows])
+            g = grad.double()
+            gv = (probs * factor).transpose(-1, -2) @ g
+            dp = (g @ v.double().transpose(-1, -2)) * factor
+            # rowsum(dO * O) of that output unrounded (the kernels' rounding of it is theirs: not emulated)
+            ds = probs * (dp - (g * o).sum(-1, keepdim=True))
+            gq, gk = ds @ k.double() * scale, ds.transpose(-1, -2) @ q.double() * scale
+            return tuple(x.to(q.dtype) for x in (gq, gk, gv))
         finally:
             self.inside = False
 

@@ -367,6 +367,22 @@ def test_a_converted_model_compiles_with_no_more_graph_breaks_or_warnings_than_p
     assert [w for w in warned if w not in plain_warnings] == []
 
 
+def test_attention_with_sinks_and_keys_that_are_the_values_compiles_with_no_graph_break():
+    # DeepSeek V4's attention: sinks, and its keys are its values (attention_interface(self, q, kv, kv, ...)): dynamo
+    # traces no autograd Function handed one tensor twice, a graph break at every layer (24 in this tiny model).
+    from slimact.zoo import build_auto, tiny_config, tiny_inputs
+
+    torch.manual_seed(0)
+    model = build_auto("DeepseekV4ForCausalLM", tiny_config("deepseek_v4")).train()
+    inputs = tiny_inputs(model, "causal-lm")
+    slim = slimact.convert(copy.deepcopy(model), "tempo")
+    torch._dynamo.reset()
+    _, want = loss_grads(model, inputs)
+    _, got = loss_grads(torch.compile(slim, backend="aot_eager", fullgraph=True), inputs)  # (plain's has no break)
+    torch._dynamo.reset()
+    assert_gradients_equal(want, {n.removeprefix("_orig_mod."): g for n, g in got.items()})
+
+
 def test_a_compiled_converted_model_propagates_non_finite_activations():
     # Under compile a pack cannot fall back to an exact copy (that is a host sync): a group whose range is not
     # finite is restored as NaN, so the gradient is NaN wherever eager slimact's (and PyTorch's) is, never a

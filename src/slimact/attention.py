@@ -41,11 +41,17 @@ from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 
 __all__ = [
-    "NAME", "ORIGINAL_ATTR", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "register", "registered",
+    "EAGER_NAME", "NAME", "ORIGINAL_ATTR", "POLICY_ATTR", "SEEN_ATTR", "attention_forward", "eager_is_sdpa_with_sinks",
+    "register", "registered",
     "release_configs", "setting", "switch_configs",
 ]
 
 NAME = "slimact"
+#: The same attention function with eager attention's masks (always a tensor, additive, the float minimum where
+#: masked): selected where a model's own code was written for eager attention alone (``_supports_sdpa = False``) and
+#: its attention is SDPA with sinks (:func:`eager_is_sdpa_with_sinks`): DeepSeek V4 extends the mask it is handed with
+#: its compressor's additive block bias, which cast into an SDPA-style boolean mask inverts it.
+EAGER_NAME = "slimact_eager"
 POLICY_ATTR = "_slimact_attention"
 #: Probabilities asked for where nothing is compressed: the same eager path, every tensor exact.
 _EXACT = Policy(name="exact", quantize=False)
@@ -97,7 +103,11 @@ def _probabilities_wanted(kwargs: dict) -> bool:
 
 #: Keyword arguments of transformers' attention calls that change what attention computes and that the fused
 #: path does not implement: such a call runs the model's own eager attention.
-_EAGER_ONLY = ("softcap", "s_aux", "sinks")
+_EAGER_ONLY = ("softcap",)
+#: Attention sinks as transformers' attention calls pass them (gpt-oss's ``s_aux=self.sinks``): the fused path
+#: takes the module's own ``sinks`` parameter, one logit per query head; any other value runs the model's eager
+#: attention (Inkling 2 computes its ``sinks`` per query).
+_SINKS = ("s_aux", "sinks")
 #: Keyword arguments that only a kernel other than eager or SDPA consumes, which model code passes where the setting
 #: is neither (DeepSeek V3.2's ``indices``: its top-k keys, folded into the mask for eager and SDPA, which slimact's
 #: setting reads as): given one, no mask holds what it says, and neither path can compute what the model asked.
@@ -131,6 +141,75 @@ def _model_eager(module: nn.Module, query, key, value, mask, scaling, p, is_caus
                  dropout=p, **kwargs)
 
 
+def _own_sinks(module: nn.Module, given: Tensor, query: Tensor) -> bool:
+    """Whether attention sinks ``given`` to an attention call are the module's own ``sinks`` parameter, one logit
+    per query head: what a model's eager attention reads (gpt-oss's reads ``module.sinks`` whatever the call passes)
+    and what the fused path takes."""
+    return (given is getattr(module, "sinks", None) and given.dim() == 1 and given.shape[0] == query.shape[1]
+            and given.is_floating_point())
+
+
+#: The parameters of an eager attention function that :func:`eager_is_sdpa_with_sinks` probes: any other named one
+#: (Inkling 2's ``position_bias``) is an input the probe does not give, whose effect it cannot see.
+_EAGER_PARAMETERS = ("module", "query", "key", "value", "attention_mask", "scaling", "dropout")
+
+
+def eager_is_sdpa_with_sinks(module: nn.Module) -> bool:
+    """Whether ``module``'s model, which declares ``_supports_sdpa = False``, has an eager attention that computes
+    scaled dot-product attention with the module's attention sinks and nothing else (gpt-oss, Granite SWA, Flint,
+    the OpenAI privacy filter, Hunyuan V4, DeepSeek V4, MiMo V2 Flash): then slimact's fused path, which takes sinks,
+    computes it. A module whose ``sinks`` attribute is ``None`` (MiMo's layers without) is probed without.
+
+    Decided by running it: the modeling file's ``eager_attention_forward`` on random fp32 inputs (2 sequences of 5
+    tokens, a causal mask hiding one padded key of the first, as transformers' eager masks are built: the float
+    minimum) against :func:`slimact.functional.attention._attention` with the module's ``sinks``, to fp32 rounding
+    (a softcap, another sink formula, anything more differs by orders more). Not where the function takes an
+    argument the probe does not give (``_EAGER_PARAMETERS``), or the module has no ``sinks`` attribute, or sinks
+    other than one logit per head.
+    """
+    import inspect
+
+    from slimact.functional.attention import _attention
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None or not hasattr(module, "sinks"):
+        return False
+    sinks = module.sinks
+    groups = getattr(module, "num_key_value_groups", None)
+    d_qk = getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None)  # (MLA: q, k wider than v)
+    d_v = getattr(module, "v_head_dim", None) or getattr(module, "head_dim", None)
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.dim() != 1 or not sinks.is_floating_point():
+            return False
+        heads = sinks.shape[0]
+    if not all(isinstance(x, int) and x > 0 for x in (groups, d_qk, d_v, heads)) or heads % groups:
+        return False
+    try:
+        params = inspect.signature(eager).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.name not in _EAGER_PARAMETERS for p in params if p.kind is not p.VAR_KEYWORD):
+        return False
+    device = next(module.parameters(), torch.empty(0)).device
+    b, t, gen = 2, 5, torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, generator=gen).to(device)
+               for n, d in ((heads, d_qk), (heads // groups, d_qk), (heads // groups, d_v)))
+    allowed = torch.ones(t, t, dtype=torch.bool, device=device).tril().repeat(b, 1, 1, 1)  # [B, 1, T, T]
+    allowed[0, ..., 1] = False  # (a padded key; every row keeps key 0)
+    additive = torch.zeros(allowed.shape, device=device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    scaling = float(getattr(module, "scaling", d_qk**-0.5))
+    try:
+        with torch.no_grad():
+            out = eager(module, q, k, v, additive, scaling=scaling, dropout=0.0, s_aux=sinks)[0]
+            expected = _attention(q, k, v, allowed, 0.0, False, scaling, True,
+                                  None if sinks is None else sinks.detach().float())
+    except Exception:  # (anything it cannot run is not what slimact computes)
+        return False
+    return out.shape == expected.transpose(1, 2).shape and torch.allclose(
+        out.float(), expected.transpose(1, 2), rtol=1e-4, atol=1e-5)
+
+
 class _Switched(str):
     """``"slimact"`` as ``convert`` selects it on a configuration, carrying the setting the configuration had: a copy
     of the configuration (``copy.deepcopy``, a model built from it with ``from_config``) reads that setting too.
@@ -145,20 +224,34 @@ class _Switched(str):
     ``set_attn_implementation("sdpa")`` still switches a converted model to PyTorch's SDPA."""
 
     original: Any
+    #: its own name, then the setting whose branch model code takes
+    _names = (NAME, "sdpa")
 
     def __new__(cls, original: Any) -> _Switched:
-        self = super().__new__(cls, NAME)
+        self = super().__new__(cls, cls._names[0])
         self.original = original
         return self
 
     def __eq__(self, other: object) -> bool:  # (plain strings compared: what dynamo traces without a graph break)
-        return isinstance(other, str) and other in (NAME, "sdpa")
+        return isinstance(other, str) and other in self._names
 
     def __hash__(self) -> int:  # (a dict of implementations finds "slimact"'s entry; str's C slot breaks dynamo)
-        return hash(NAME)
+        return hash(self._names[0])
 
     def __getnewargs__(self) -> tuple[Any]:  # (copies and pickles)
         return (self.original,)
+
+
+class _SwitchedEager(_Switched):
+    """:data:`EAGER_NAME` as ``convert`` selects it: model code written for eager attention alone sees ``"eager"``
+    (its own branch) and eager attention's masks."""
+
+    _names = (EAGER_NAME, "eager")
+
+
+def _ours(value: Any) -> bool:
+    """Whether an attention setting is one ``convert`` selects."""
+    return isinstance(value, _Switched) or value in (NAME, EAGER_NAME)
 
 
 def setting(config: Any) -> Any:
@@ -168,7 +261,7 @@ def setting(config: Any) -> Any:
         return None
     present = _setting(config)
     entry = _SWITCHED.get(id(config))
-    if entry is not None and entry.ref() is config and present == NAME:
+    if entry is not None and entry.ref() is config and _ours(present):
         return entry.original
     # (else another one chosen since, set_attn_implementation: that one)
     return present.original if isinstance(present, _Switched) else present
@@ -190,7 +283,7 @@ def registered(name: Any) -> Any:
 def _chosen(module: nn.Module) -> Any:
     """The attention setting ``module``'s configuration had before ``convert`` selected ``"slimact"``."""
     chosen = setting(getattr(module, "config", None))
-    return module.__dict__.get(ORIGINAL_ATTR, chosen) if chosen == NAME else chosen
+    return module.__dict__.get(ORIGINAL_ATTR, chosen) if _ours(chosen) else chosen
 
 
 def _as_written_eager(module: nn.Module, policy: Policy | None, mask: Tensor | None) -> bool:
@@ -239,9 +332,9 @@ def _forget(key: int, ref: weakref.ref) -> None:
         del _SWITCHED[key]
 
 
-def switch_configs(model: nn.Module, configs: list[Any]) -> list[tuple[Any, Any]]:
-    """Select ``"slimact"`` on each of ``configs`` for ``model``; returns ``[(config, original)]`` for
-    :func:`release_configs`."""
+def switch_configs(model: nn.Module, configs: list[Any], eager_masks: set[int] = frozenset()) -> list[tuple[Any, Any]]:
+    """Select ``"slimact"`` on each of ``configs`` for ``model`` (:data:`EAGER_NAME` on those whose ``id`` is in
+    ``eager_masks``); returns ``[(config, original)]`` for :func:`release_configs`."""
     records = []
     for config in {id(c): c for c in configs}.values():
         key = id(config)
@@ -249,10 +342,10 @@ def switch_configs(model: nn.Module, configs: list[Any]) -> list[tuple[Any, Any]
         if entry is None or entry.ref() is not config:
             ref = weakref.ref(config, lambda r, key=key: _forget(key, r))
             entry = _SWITCHED[key] = _Switch(ref, setting(config), weakref.WeakSet())
-        elif _setting(config) != NAME:  # a setting chosen since it was switched (set_attn_implementation): that one
+        elif not _ours(_setting(config)):  # a setting chosen since it was switched (set_attn_implementation): that one
             entry = _SWITCHED[key] = entry._replace(original=_setting(config))
         entry.users.add(model)
-        _set(config, _Switched(entry.original))
+        _set(config, (_SwitchedEager if key in eager_masks else _Switched)(entry.original))
         records.append((config, entry.original))
     return records
 
@@ -268,7 +361,7 @@ def release_configs(model: nn.Module, records: list[tuple[Any, Any]]) -> None:
                 continue
             del _SWITCHED[id(config)]
             original = entry.original
-        if _setting(config) == NAME:  # (else a setting chosen since, set_attn_implementation: the user's, kept)
+        if _ours(_setting(config)):  # (else a setting chosen since, set_attn_implementation: the user's, kept)
             _set(config, original)
 
 
@@ -345,7 +438,10 @@ def attention_forward(
         )
     if (documents := _documents(module, query, key, attention_mask, is_causal, kwargs)) is not None:
         attention_mask, is_causal = documents, False
-    if any(kwargs.get(k) is not None for k in _EAGER_ONLY) or _as_written_eager(module, policy, attention_mask):
+    given = [kwargs[k] for k in _SINKS if kwargs.get(k) is not None]
+    sinks = given[0] if len(given) == 1 and _own_sinks(module, given[0], query) else None
+    if (any(kwargs.get(k) is not None for k in _EAGER_ONLY) or _as_written_eager(module, policy, attention_mask)
+            or (given and (sinks is None or policy is None or _probabilities_wanted(kwargs)))):
         causal = bool(query.shape[2] > 1 and attention_mask is None
                       and (is_causal if is_causal is not None else getattr(module, "is_causal", True)))
         return _model_eager(module, query, key, value, attention_mask, scaling, p, causal, kwargs)
@@ -373,14 +469,16 @@ def attention_forward(
         state = {n: site_estimate(module, n) for n in ("q", "k", "v", "o")}
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=p, is_causal=is_causal,
                                        scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
-                                       cfg=policy.quant_config("attention", 4), state=state)
+                                       cfg=policy.quant_config("attention", 4), state=state, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
-    """Register ``"slimact"`` with ``transformers`` (attention function and SDPA-style masks). Idempotent."""
+    """Register ``"slimact"`` with ``transformers`` (attention function and SDPA-style masks), and
+    :data:`EAGER_NAME` (the same function, eager attention's masks). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(NAME, attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    for name, masks in ((NAME, "sdpa"), (EAGER_NAME, "eager")):
+        AttentionInterface.register(name, attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[masks])

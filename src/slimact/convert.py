@@ -353,7 +353,7 @@ def _configs_below(config: Any) -> list[Any]:
 #: the user, under a new name or over one of these, as sequence-parallel wrappers do; a hub kernel; the paged variants
 #: of continuous batching; no setting) is left as written.
 _REPRODUCED = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
-               attention.NAME)
+               attention.NAME, attention.EAGER_NAME)
 
 
 def _unknown_setting(config: Any) -> str | None:
@@ -365,7 +365,8 @@ def _unknown_setting(config: Any) -> str | None:
     if chosen not in _REPRODUCED:
         return (f"config._attn_implementation is {chosen!r}, an attention function slimact does not know: "
                 "left as written")
-    fn, own = attention.registered(chosen), {"eager": None, attention.NAME: attention.attention_forward}
+    fn = attention.registered(chosen)
+    own = {"eager": None, **dict.fromkeys((attention.NAME, attention.EAGER_NAME), attention.attention_forward)}
     if fn is own[chosen] if chosen in own else getattr(fn, "__module__", "").startswith("transformers.integrations."):
         return None
     return (f"config._attn_implementation is {chosen!r}, but the function registered under that name is not "
@@ -401,12 +402,17 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
             branching.add(id(cfg))
             skipped.setdefault(name, f"{type(m).__name__} chooses its attention from config._attn_implementation in "
                                      "its own code (not through transformers' AttentionInterface): left as written")
-    tagged = []
+    tagged, eager_masks = [], set()
     for name, module in candidates:
         reason = _leave_alone(pol, "attention", name, module, filter_fn, _index(numbered, name))
         if reason is None and (name + ".").startswith(eager_only):
-            reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
-                      "scaled dot-product attention): left as written")
+            # Written for eager attention alone: converted only where that attention is SDPA with sinks, and then
+            # with eager attention's masks and name, as its model code was written for.
+            if attention.eager_is_sdpa_with_sinks(module):
+                eager_masks.add(id(module.config))
+            else:
+                reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
+                          "scaled dot-product attention with sinks): left as written")
         if reason is None:
             reason = _unknown_setting(module.config)
         if reason is None and id(module.config) in branching:
@@ -424,7 +430,7 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
     attention.register()
     configs = [c for root in (config, *(m.config for m in tagged)) for c in _configs_below(root)]
     records = model.__dict__[_ATTN_ATTR] = attention.switch_configs(
-        model, [c for c in configs if id(c) not in branching and _unknown_setting(c) is None])
+        model, [c for c in configs if id(c) not in branching and _unknown_setting(c) is None], eager_masks)
     originals = {id(c): original for c, original in records}
     for module in model.modules():
         if id(getattr(module, "config", None)) in originals:

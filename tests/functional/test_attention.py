@@ -1301,3 +1301,125 @@ def test_value_heads_of_another_width_than_query_and_key_heads_on_the_cpu(cfg):
             torch.testing.assert_close(a, e)
         else:
             assert cosine(a, e) >= 0.99
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss's): one learned logit per query head joins every row's softmax and meets no value.
+
+
+def _sinks_reference(q, k, v, mask, causal, scale, sinks, keep=None, p=0.0):
+    """``softmax(cat([s, sink]))[..., :-1] @ v`` in float64, as gpt-oss's eager attention computes it; ``keep``: a
+    dropout mask over the probabilities (their sink column dropped first)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(rep, 1) for t in (k, v))
+    s = q.double() @ k.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.double()
+    sink = sinks.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    if keep is not None:
+        probs = probs * keep / (1 - p)
+    return probs @ v
+
+
+def _sinks_case(mask, dtype=torch.float32, h=4, h_kv=2, t=9, d=16):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, t, d, generator=gen).to(dtype).requires_grad_() for n in (h, h_kv, h_kv))
+    sinks = (torch.randn(h, generator=gen) * 2).requires_grad_()
+    m = None
+    if mask in ("bool", "dead"):
+        m = torch.rand(2, 1, t, t, generator=gen) > 0.3
+        m[..., 0] = True
+        if mask == "dead":
+            m[0, 0, 3] = False  # a query row allowed nothing: 0 out, no gradient, as without sinks
+    elif mask == "additive":
+        m = torch.randn(2, 1, t, t, generator=gen)
+    elif mask == "learned":  # (a mask that needs a gradient: the chunked path)
+        m = torch.randn(1, h, t, t, generator=gen).requires_grad_()
+    g = torch.randn(2, h, t, d, generator=gen).to(dtype)
+    return q, k, v, sinks, m, g
+
+
+SINK_MASKS = ["none", "causal", "bool", "dead", "additive", "learned"]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu", "emulated-cuda"])
+@pytest.mark.parametrize("mask", SINK_MASKS)
+def test_attention_sinks_under_a_lossless_policy_are_the_eager_attentions(mask, fused, monkeypatch):
+    # Each path (PyTorch's CPU flash kernel; the chunked path, for the learned mask; the fused CUDA kernels, emulated)
+    # rescales its output by sigmoid(lse - sink) and hands its backward the rescaled output and lse (the kernels
+    # recompute the probabilities from them), or adds the sink to each row's sum: the eager attention's output and
+    # the gradients of q, k, v, the sinks (and a learned mask), to fp32 rounding.
+    if fused:
+        emu = _Emulated()
+        monkeypatch.setattr(attention_mod, "_fused_device", lambda device: True)
+        monkeypatch.setattr(attention_mod, "FUSED_OPS", emu.ops())
+    q, k, v, sinks, m, g = _sinks_case(mask)
+    causal = mask == "causal"
+    out = scaled_dot_product_attention(q, k, v, m, 0.0, causal, 0.3, True, sinks=sinks)
+    inputs = (q, k, v, sinks) + ((m,) if mask == "learned" else ())
+    grads = torch.autograd.grad(out, inputs, g)
+    ref = _sinks_reference(q, k, v, m, causal, 0.3, sinks)
+    want = torch.autograd.grad(ref, inputs, g.double())
+    if fused and mask != "learned":
+        assert {step for _, step, _ in emu.log} == {"forward", "backward"}
+    torch.testing.assert_close(out, ref.float())
+    for name, a, e in zip(["q", "k", "v", "sinks", "mask"], grads, want, strict=False):
+        torch.testing.assert_close(a, e.float(), msg=name)
+    assert sinks.grad is None and grads[3].abs().sum() > 0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu", "emulated-cuda"])
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+def test_attention_sinks_at_8_bits_keep_every_gradient(mask, fused, monkeypatch):
+    if fused:
+        monkeypatch.setattr(attention_mod, "_fused_device", lambda device: True)
+        monkeypatch.setattr(attention_mod, "FUSED_OPS", _Emulated().ops())
+    q, k, v, sinks, m, g = _sinks_case(mask)
+    out = scaled_dot_product_attention(q, k, v, m, 0.0, mask == "causal", 0.3, True, cfg=PER_HEAD, sinks=sinks)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), g)
+    ref = _sinks_reference(q, k, v, m, mask == "causal", 0.3, sinks)
+    want = torch.autograd.grad(ref, (q, k, v, sinks), g.double())
+    torch.testing.assert_close(out, ref.float())  # the forward is exact
+    for name, a, e in zip("qkvs", grads, want, strict=True):
+        assert sqnr_db(e.float(), a) >= 25, name
+
+
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_attention_sinks_with_dropout_replay_the_eager_draws(h_kv):
+    # The chunked path (dropout on the CPU) draws native_dropout's mask over [B, H, T, S] as eager F.dropout does over
+    # the probabilities with their sink column dropped: with the same generator state, the same output and gradients.
+    q, k, v, sinks, _, g = _sinks_case("none", h_kv=h_kv)
+    torch.manual_seed(7)
+    out = scaled_dot_product_attention(q, k, v, None, 0.2, True, 0.3, True, sinks=sinks)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), g)
+    torch.manual_seed(7)
+    ref = attention_mod._attention(q, k, v, None, 0.2, True, 0.3, True, sinks)
+    want = torch.autograd.grad(ref, (q, k, v, sinks), g)
+    torch.testing.assert_close(out, ref)
+    for name, a, e in zip("qkvs", grads, want, strict=True):
+        torch.testing.assert_close(a, e, msg=name)
+
+
+def test_attention_sinks_with_dropout_on_the_fused_kernels_use_their_draws(emulated):
+    q, k, v, sinks, _, g = _sinks_case("none", dtype=torch.bfloat16)
+    out = scaled_dot_product_attention(q, k, v, None, 0.2, False, 0.3, True, sinks=sinks)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), g)
+    keep = emulated.masks[0]  # the forward kernel's draw, which its backward replayed
+    assert [step for _, step, _ in emulated.log] == ["forward", "backward"]
+    ref = _sinks_reference(q, k, v, None, False, 0.3, sinks, keep, 0.2)
+    want = torch.autograd.grad(ref, (q, k, v, sinks), g.double())
+    torch.testing.assert_close(out, ref.to(out.dtype))
+    for name, a, e in zip("qkvs", grads, want, strict=True):
+        assert cosine(e.float(), a.float()) >= 0.999, name
+
+
+def test_attention_sinks_where_nothing_needs_a_gradient_are_the_eager_attentions():
+    q, k, v, sinks, m, _ = _sinks_case("bool")
+    with torch.no_grad():
+        out = scaled_dot_product_attention(q, k, v, m, 0.0, False, 0.3, True, sinks=sinks)
+    torch.testing.assert_close(out, _sinks_reference(q, k, v, m, False, 0.3, sinks).float())
+    with pytest.raises(ValueError, match=r"sinks must be one floating-point logit per query head, shape \(4,\)"):
+        scaled_dot_product_attention(q, k, v, m, enable_gqa=True, sinks=torch.zeros(2))

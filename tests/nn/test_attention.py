@@ -732,3 +732,113 @@ def test_sparse_indices_handed_to_the_attention_function_are_a_clear_error():
         attention_forward(module, q, k, v, None, indices=torch.zeros(1, 8, 4, dtype=torch.long))
     out, _ = attention_forward(module, q, k, v, None, indices=None)
     assert out.shape == (1, 8, 4, 16)
+
+
+# Attention sinks: models that declare _supports_sdpa = False because their eager attention adds one learned logit
+# per head to every row's softmax (gpt-oss and six more families). slimact's fused path takes the sinks; such a model
+# is converted where its eager attention is probed to be SDPA with sinks, with eager attention's masks and name.
+SINK_MODELS = [("gpt_oss", "GptOssForCausalLM"), ("granite_swa", "GraniteSWAForCausalLM"),
+               ("granitemoe_swa", "GraniteMoeSWAForCausalLM"), ("flint", "FlintForCausalLM"),
+               ("hy_v4", "HYV4ForCausalLM"), ("deepseek_v4", "DeepseekV4ForCausalLM"),
+               ("mimo_v2_flash", "MiMoV2FlashForCausalLM")]
+
+
+def _sink_model(model_type, cls):
+    from slimact.zoo import build_auto, tiny_config
+
+    torch.manual_seed(0)
+    return build_auto(cls, tiny_config(model_type)).train()
+
+
+@pytest.mark.parametrize(("policy", "padded"), [("tempo", True), ("tempo", False), ("int8", True)])
+@pytest.mark.parametrize(("model_type", "cls"), SINK_MODELS, ids=[m for m, _ in SINK_MODELS])
+def test_a_model_whose_eager_attention_has_sinks_trains_through_the_fused_path(model_type, cls, policy, padded):
+    # Before, each was left as written (its probabilities [B, H, T, S + 1] and their softmax kept per layer). With
+    # SDPA's masks DeepSeek V4 went wrong: it extends the mask it is handed with its compressor's additive block bias,
+    # which cast into a boolean mask inverts (logits 0.38 off, silently); eager's masks are what its code expects.
+    from slimact import attention
+    from slimact.zoo import tiny_inputs
+
+    plain = _sink_model(model_type, cls)
+    inputs = tiny_inputs(plain, "causal-lm", padded=padded)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    tagged = [m for m in slim.modules() if attention.POLICY_ATTR in m.__dict__]
+    assert tagged and slim.config._attn_implementation == "eager"  # what its model code reads
+    assert str(slim.config._attn_implementation) == attention.EAGER_NAME
+    loss0, g0 = loss_grads(plain, inputs)
+    loss1, g1 = loss_grads(slim, inputs)
+    assert all(m.__dict__.get(attention.SEEN_ATTR) for m in tagged)
+    assert any(n.endswith("sinks") for n in g1)
+    if policy == "tempo":
+        torch.testing.assert_close(loss1, loss0)
+        assert_gradients_equal(g0, g1)
+    else:
+        assert_gradients_close(g0, g1)
+    assert slimact.profile(slim, inputs).activation_bytes < slimact.profile(plain, inputs).activation_bytes
+    plain.eval(), slim.eval()  # the model's own eager attention, as plain
+    torch.testing.assert_close(slim(**inputs).logits, plain(**inputs).logits, rtol=0, atol=0)
+    slimact.revert(slim)
+    assert type(slim.config._attn_implementation) is str and slim.config._attn_implementation == "eager"
+
+
+def test_probabilities_asked_for_from_attention_with_sinks_are_the_eager_attentions():
+    from slimact.zoo import tiny_inputs
+
+    plain = _sink_model("gpt_oss", "GptOssForCausalLM")
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    inputs = tiny_inputs(plain, "causal-lm")
+    want, got = plain(**inputs, output_attentions=True), slim(**inputs, output_attentions=True)
+    for a, e in zip(got.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def _gpt_oss_eager():
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    return eager_attention_forward
+
+
+def _softcapped(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    return _gpt_oss_eager()(module, torch.tanh(query / 4) * 4, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def _sink_subtracted(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    with torch.no_grad():
+        module.sinks.neg_()
+    try:
+        return _gpt_oss_eager()(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    finally:
+        with torch.no_grad():
+            module.sinks.neg_()
+
+
+def _with_bias(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
+    return _gpt_oss_eager()(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+@pytest.mark.parametrize(("eager", "sinks", "expected"), [
+    (None, True, True),  # gpt-oss's own
+    (_softcapped, True, False),  # computes something more
+    (_sink_subtracted, True, False),  # another sink formula
+    (_with_bias, True, False),  # takes an argument the probe cannot give: whatever it computes
+    (None, False, False),  # no sinks attribute: not an attention with sinks
+])
+def test_the_probe_admits_an_eager_attention_only_where_it_is_sdpa_with_sinks(eager, sinks, expected, monkeypatch):
+    import sys
+    import types
+
+    from slimact.attention import eager_is_sdpa_with_sinks
+
+    modeling = types.ModuleType("_slimact_probe_modeling")
+    modeling.eager_attention_forward = eager or _gpt_oss_eager()
+    monkeypatch.setitem(sys.modules, modeling.__name__, modeling)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_key_value_groups, self.head_dim, self.scaling = 2, 8, 8**-0.5
+            if sinks:
+                self.sinks = nn.Parameter(torch.randn(4))
+
+    Attention.__module__ = modeling.__name__
+    assert eager_is_sdpa_with_sinks(Attention()) is expected

@@ -205,7 +205,7 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
 
 
-def _probabilities(scores: Tensor, future: Tensor | None = None) -> Tensor:
+def _probabilities(scores: Tensor, future: Tensor | None = None, sink: Tensor | None = None) -> Tensor:
     """Softmax over the last dim as ``torch.softmax`` computes it, ``exp(s - max) / sum``, with 0 for a row of
     -inf only (fully masked), as PyTorch's CPU flash kernel has it. Not ``exp(s - lse)``: ``lse`` rounded in
     fp32 next to scores of 1e8 (fp16 inputs with outliers) was off by most of its ulp of 8, and two tied keys
@@ -213,56 +213,65 @@ def _probabilities(scores: Tensor, future: Tensor | None = None) -> Tensor:
     fp32, exact integers): keys beyond it are set to -inf first, as ``masked_fill`` would (whatever the score),
     in the same compiled loop, the key index an iota of the loop (no ``[rows, S]`` mask in memory, no pass of its
     own over the scores). (fp32, not bool: inductor's CPU loops read a broadcast bool mask element by element,
-    2.5x slower than the unmasked loop; the fp32 comparison vectorises.)"""
+    2.5x slower than the unmasked loop; the fp32 comparison vectorises.) ``sink``: each head's attention-sink logit
+    (fp32, ``[..., 1, 1]`` broadcast to the rows), one more term of each row's sum whose probability is dropped: the
+    row sums to ``1 - exp(sink - lse)``, a fully masked row to 0."""
     if future is not None:
         keys = torch.arange(scores.shape[-1], dtype=torch.float32, device=scores.device)  # [S]
         scores = torch.where(keys > future, float("-inf"), scores)
     m = scores.amax(-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink)
     e = torch.exp(scores - m.masked_fill(torch.isneginf(m), 0.0))
     total = e.sum(-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - m)
     return e / total.masked_fill(total == 0, 1.0)
 
 
-def _dropped_probabilities(scores: Tensor, future: Tensor | None, keep: Tensor, scale: float) -> Tensor:
+def _dropped_probabilities(scores: Tensor, future: Tensor | None, keep: Tensor, scale: float,
+                           sink: Tensor | None = None) -> Tensor:
     """``native_dropout(softmax(scores), p)`` from its mask ``keep`` (0/1 uint8) and ``scale = 1 / (1 - p)``:
     the CPU kernel's ``(x * mask) * scale``, the same values bit for bit, in the probabilities' own loop (no fp32
     mask, no two multiplying passes over ``[B, H, T, S]``). uint8, not bool: the loop reads a bool mask element
     by element (twice the loop's time), a uint8 one vectorised."""
-    return _probabilities(scores, future) * keep * scale
+    return _probabilities(scores, future, sink) * keep * scale
 
 
 def _rows_backward(scores: Tensor, future: Tensor | None, dp: Tensor, keep: Tensor | None,
-                   scale: float) -> tuple[Tensor, Tensor]:
+                   scale: float, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(D, dS)`` of a block of whole rows from its fp32 scores (causally masked by ``future`` if given, as
     :func:`_probabilities`), the gradient of its dropped probabilities
     ``dp`` and the dropout's mask ``keep`` (0/1 uint8, ``None`` without dropout) and factor ``scale``:
     ``P = softmax(scores)``, ``D = P * keep * scale``, ``dS = P * (dp * keep * scale - rowsum(P * dp * keep *
-    scale))`` (run through :func:`_fused_rows`; ``(x * keep) * scale`` is the forward's dropout bit for bit)."""
+    scale))`` (run through :func:`_fused_rows`; ``(x * keep) * scale`` is the forward's dropout bit for bit). With a
+    ``sink`` (:func:`_probabilities`) the same formula: the sink's own probability has no gradient of its own (it
+    meets no value), so the row sum is still ``rowsum(P * dP)`` over the keys."""
     # rowsum(P * dP) from the block's own fp32 rows (each block holds whole rows): so ds sums to zero over a row
     # to fp32 rounding. (FlashAttention's rowsum(dO * O) from the output rounded to fp16 left a 1e-3 residue,
     # which constant keys turned into a q gradient of 1e-3 where the exact one is 0.)
-    probs = _probabilities(scores, future)
+    probs = _probabilities(scores, future, sink)
     dropped = probs if keep is None else probs * keep * scale
     dp = dp if keep is None else dp * keep * scale
     return dropped, probs * (dp - (probs * dp).sum(-1, keepdim=True))
 
 
 def _rows_backward_in_place(scores: Tensor, future: Tensor | None, dp: Tensor, keep: Tensor | None,
-                            scale: float) -> tuple[Tensor, Tensor]:
+                            scale: float, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`_rows_backward` written over its inputs, ``D`` into ``scores`` and ``dS`` into ``dp`` (the compiled
     loop reads each row before writing it): two ``[B, H, rows, S]`` tensors fewer alive in the backward's row
     loop, where a block's scores and ``dP`` are not read again."""
-    dropped, ds = _rows_backward(scores, future, dp, keep, scale)
+    dropped, ds = _rows_backward(scores, future, dp, keep, scale, sink)
     return scores.copy_(dropped), dp.copy_(ds)
 
 
 def _rows_backward_ds_in_place(scores: Tensor, future: Tensor | None, dp: Tensor, keep: Tensor | None,
-                               scale: float) -> tuple[Tensor, Tensor]:
+                               scale: float, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`_rows_backward` writing ``dS`` over ``dp`` only (``D`` a new tensor), for rows without a causal
     limit: there torch 2.13's inductor CPU codegen fails on :func:`_rows_backward_in_place` (``KeyError: 'buf1'``
     in its outer-loop fusion with a local buffer, whether or not there is dropout), and a failed compile leaves
     the loop eager for the rest of the process (about 15 passes a block) with a RuntimeWarning."""
-    dropped, ds = _rows_backward(scores, future, dp, keep, scale)
+    dropped, ds = _rows_backward(scores, future, dp, keep, scale, sink)
     return dropped, dp.copy_(ds)
 
 
@@ -314,6 +323,46 @@ def _saved_mask(mask: Tensor | None):
     return Mask.of(mask) if mask.dtype == torch.bool else mask
 
 
+def _sunk(out: Tensor, lse: Tensor, sinks: Tensor | None, dead: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A kernel's output and log-sum-exp with attention sinks: ``o' = o * sigmoid(lse - sink)``, ``lse' =
+    logaddexp(lse, sink)`` (each head's sink one more logit of every row, meeting no value). The kernels' backward
+    recomputes the probabilities as ``exp(s - lse')`` and the row sum ``rowsum(dO * o')`` from what it is given, so
+    handed ``o'`` and ``lse'`` it differentiates the attention with the sinks. ``out`` ``[B, H, T, Dv]`` is written
+    in place (its layout kept: the efficient kernel's backward reads it with the strides it returned); ``lse``
+    ``[B, H, T']`` fp32 (``T' >= T``: the efficient kernel pads it), a new tensor. Fully masked rows (``dead``) keep
+    the kernel's log-sum-exp (zeroed outputs, no gradient)."""
+    if sinks is None:
+        return out, lse
+    t = out.shape[2]
+    sink = sinks.detach().float().view(1, -1, 1)  # [1, H, 1]
+    rows = lse[..., :t]
+    sunk = torch.logaddexp(rows, sink)
+    out.copy_(out.float() * torch.exp(rows - sunk).unsqueeze(-1))
+    if dead is not None:
+        sunk = torch.where(dead.squeeze(-1), rows, sunk)
+    lse = lse.clone()
+    lse[..., :t] = sunk
+    return out, lse
+
+
+def _sinks_grad(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor, dead: Tensor | None) -> Tensor:
+    """The sinks' gradient from :func:`_sunk`'s output and log-sum-exp: a sink's probability ``exp(sink - lse')``
+    times ``-rowsum(dO * o')`` (the softmax's gradient sums to 0 over a row, sink included), summed over batch and
+    rows. ``[H]`` in the sinks' dtype; fully masked rows (``dead``) give nothing."""
+    t = out.shape[2]
+    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse[..., :t])  # [B, H, T]
+    rows = (grad_out.float() * out.float()).sum(-1)
+    if dead is not None:
+        p_sink = p_sink.masked_fill(dead.squeeze(-1), 0.0)
+    return -(p_sink * rows).sum((0, 2)).to(sinks.dtype)
+
+
+def _check_sinks(sinks: Tensor | None, heads: int) -> None:
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != heads or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be one floating-point logit per query head, shape ({heads},); got "
+                         f"{tuple(sinks.shape)} {sinks.dtype}")
+
+
 _FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 
 
@@ -332,7 +381,7 @@ class _FlashAttentionCPU(SlimFunction):
     layer = "attention (CPU flash)"
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, cfg_q, cfg_kv, state):
+    def forward(ctx, q, k, v, mask, is_causal, scale, cfg_q, cfg_kv, state, sinks=None):
         # The kernel reads the head dim as contiguous (PyTorch's dispatcher picks it only when the last dim has
         # stride 1): a transposed view gave a wrong output, up to 1e33. What is kept (and the backward kernel
         # reads) is this copy too.
@@ -340,27 +389,30 @@ class _FlashAttentionCPU(SlimFunction):
         add = _flash_cpu_mask(mask, q.dtype)
         out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, is_causal, attn_mask=add, scale=scale)
         dead = _dead_rows(mask)
+        out, lse = _sunk(out, lse, sinks, dead)
         if dead is not None:
             out = out.masked_fill(dead, 0)
         ctx.is_causal, ctx.scale, ctx.dtype = is_causal, scale, q.dtype
         exact = cfg_q is None  # lossless: keep the output and lse; 8-bit: recompute them from q, k, v
         save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state),
-             out if exact else None, lse if exact else None, _saved_mask(mask), dead)
+             out if exact else None, lse if exact else None, _saved_mask(mask), dead, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, mask, dead = load(ctx)
+        q, k, v, out, lse, mask, dead, sinks = load(ctx)
         q, k, v = _loaded_qkv(ctx, q, k, v)
         add = _flash_cpu_mask(mask, ctx.dtype)
         if out is None:  # the output and lse of the restored q, k, v: a self-consistent backward
             out, lse = getattr(torch.ops.aten, _FLASH_CPU)(q, k, v, 0.0, ctx.is_causal, attn_mask=add, scale=ctx.scale)
+            out, lse = _sunk(out, lse, sinks, dead)
         if dead is not None:
             grad_out = grad_out.masked_fill(dead, 0)
         gq, gk, gv = getattr(torch.ops.aten, _FLASH_CPU + "_backward")(
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=add, scale=ctx.scale,
         )
-        return gq, gk, gv, None, None, None, None, None, None
+        gs = _sinks_grad(grad_out, out, lse, sinks, dead) if sinks is not None and ctx.needs_input_grad[9] else None
+        return gq, gk, gv, None, None, None, None, None, None, gs
 
 
 #: Query rows per block of the chunked path (its transient scores are [B, H, rows, S]).
@@ -421,10 +473,12 @@ class _ChunkedAttention(SlimFunction):
     layer = "attention (chunked)"
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state, math_forward=False):
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state, math_forward=False,
+                sinks=None):
         b, h, t, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
         add = _additive(mask, torch.float32)
+        sink = None if sinks is None else sinks.detach().float().view(1, h, 1, 1)  # each row's extra logit
         # q scaled before the product: a pass over [B, H, T, D], not over the [B, H, T, S] scores (for a power of
         # two, as head size 64's 1/8, the very same scores)
         qs = _scaled_queries(q, scale).reshape(b, h_kv, h // h_kv, t, d)
@@ -451,9 +505,10 @@ class _ChunkedAttention(SlimFunction):
             if _bool_draw(q.device, dropout_p):
                 # native_dropout's draw (the same generator advance), its multiply in the probabilities' loop
                 keep = bernoulli_(torch.empty(scores.shape, dtype=torch.uint8), 1.0 - dropout_p)
-                dropped = _fused_rows(_dropped_probabilities, scores, future, keep, cpu_scale(dropout_p, torch.float32))
+                dropped = _fused_rows(_dropped_probabilities, scores, future, keep, cpu_scale(dropout_p, torch.float32),
+                                      sink)
             else:
-                probs = _fused_rows(_probabilities, scores, future).to(v.dtype)
+                probs = _fused_rows(_probabilities, scores, future, sink).to(v.dtype)
                 dropped, _ = torch.native_dropout(probs, dropout_p, True)
             out = torch.matmul(dropped.reshape(b, h_kv, h // h_kv, t, s), v32 if dropped.dtype != v.dtype else vg)
             out = out.reshape(b, h, t, v.shape[-1]).to(v.dtype)
@@ -462,18 +517,19 @@ class _ChunkedAttention(SlimFunction):
             for t0 in range(0, t, CHUNK_ROWS):
                 t1 = min(t, t0 + CHUNK_ROWS)
                 scores, future = _block_scores(qs[..., t0:t1, :], kt, add, is_causal, (b, h, t, s), t0, t1)
-                pg = _fused_rows(_probabilities, scores, future).to(v32.dtype).reshape(b, h_kv, h // h_kv, t1 - t0, s)
+                pg = _fused_rows(_probabilities, scores, future, sink).to(v32.dtype)
+                pg = pg.reshape(b, h_kv, h // h_kv, t1 - t0, s)
                 out[:, :, t0:t1] = torch.matmul(pg, v32).reshape(b, h, t1 - t0, v.shape[-1])
         dead = _dead_rows(mask)
         if dead is not None:
             out = out.masked_fill(dead, 0)
         ctx.args = (is_causal, scale, dropout_p, v.dtype)
-        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), _saved_mask(mask), dead, rng)
+        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), _saved_mask(mask), dead, rng, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, dead, rng = load(ctx)
+        q, k, v, mask, dead, rng, sinks = load(ctx)
         q, k, v = _loaded_qkv(ctx, q, k, v)
         is_causal, scale, dropout_p, p_dtype = ctx.args
         if dead is not None:
@@ -502,6 +558,12 @@ class _ChunkedAttention(SlimFunction):
         need_mask_grad = ctx.needs_input_grad[3]
         m4 = None if not need_mask_grad else mask.view(*(1,) * (4 - mask.dim()), *mask.shape)
         gmask = torch.zeros(m4.shape, dtype=torch.float32, device=q.device) if need_mask_grad else None
+        sink = None if sinks is None else sinks.detach().float().view(1, h_kv, rep, 1, 1)
+        # A sink's gradient is minus the sum of its row's score gradients (a row's softmax gradient sums to 0, the
+        # sink's entry included), summed over batch and rows: [H_kv, rep]
+        gsink = None
+        if sinks is not None and ctx.needs_input_grad[11]:
+            gsink = torch.zeros(h_kv, rep, dtype=torch.float32, device=q.device)
         for t0 in range(0, t, CHUNK_ROWS):
             t1 = min(t, t0 + CHUNK_ROWS)
             scores, future = _block_scores(qs[..., t0:t1, :], kt, add, is_causal, (b, h, t, s), t0, t1)
@@ -510,8 +572,10 @@ class _ChunkedAttention(SlimFunction):
             dp = gblk.matmul(vg.transpose(-1, -2))  # [B, H_kv, rep, rows, S]
             keep = None if keep_all is None else keep_all[:, :, t0:t1].reshape(b, h_kv, rep, t1 - t0, s)
             rows_fn = _rows_backward_in_place if future is not None else _rows_backward_ds_in_place
-            dropped, ds = _fused_rows(rows_fn, scores, future, dp, keep, factor)
+            dropped, ds = _fused_rows(rows_fn, scores, future, dp, keep, factor, sink)
             scores = dp = None
+            if gsink is not None:
+                gsink -= ds.sum((0, 3, 4))
             gv_blk = dropped.transpose(-1, -2).matmul(gblk)
             gv = gv_blk if gv is None else gv.add_(gv_blk)
             if gmask is not None:
@@ -536,8 +600,9 @@ class _ChunkedAttention(SlimFunction):
         grad_mask = gmask.reshape(mask.shape).to(mask.dtype) if gmask is not None else None
         # Summed over each group's heads (a dim of one without grouping: a view, not a summing copy).
         gk, gv = (x.squeeze(2) if rep == 1 else x.sum(2) for x in (gk, gv))
+        grad_sinks = gsink.reshape(h).to(sinks.dtype) if gsink is not None else None
         return (gq.reshape(b, h, t, d).to(q.dtype), gk.to(k.dtype), gv.to(v.dtype),
-                grad_mask, None, None, None, None, None, None, None)
+                grad_mask, None, None, None, None, None, None, None, grad_sinks)
 
 
 def _scaled_queries(q: Tensor, scale: float) -> Tensor:
@@ -751,7 +816,7 @@ class _FusedAttention(SlimFunction):
     layer = "attention (CUDA fused)"
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, kind, cfg_q, cfg_kv, state, dead):
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, kind, cfg_q, cfg_kv, state, dead, sinks=None):
         # dead: the mask's fully masked rows [..., T, 1] where there are any (read by the caller with its other flags)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         rep = q.shape[1] // k.shape[1]
@@ -762,6 +827,7 @@ class _FusedAttention(SlimFunction):
         out, lse, aux, sizes = _fused_forward(kind, q, _expand_heads(k, rep), _expand_heads(v, rep), bias,
                                               dropout_p, is_causal, scale)
         del bias
+        out, lse = _sunk(out, lse, sinks, dead)
         if dead is not None:
             # In place: the kernel's layout ([B, T, H, D] memory) is kept, which the memory-efficient fp16/bf16
             # backward reads the kept output with (out of place, masked_fill made it contiguous: on an H200 the
@@ -769,12 +835,12 @@ class _FusedAttention(SlimFunction):
             out.masked_fill_(dead, 0)
         ctx.args = (kind, is_causal, scale, dropout_p, q.dtype, shape, sizes if exact else None)
         kept = (out, lse, *aux) if exact else (None,) * 6
-        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask), dead, rng)
+        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask), dead, rng, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cq, ck, seed, offset, mask, dead, rng = load(ctx)
+        q, k, v, out, lse, cq, ck, seed, offset, mask, dead, rng, sinks = load(ctx)
         q, k, v = _loaded_qkv(ctx, q, k, v)
         kind, is_causal, scale, dropout_p, dtype, shape, sizes = ctx.args
         rep = q.shape[1] // k.shape[1]
@@ -784,11 +850,14 @@ class _FusedAttention(SlimFunction):
         if out is None:  # the output and lse of the restored q, k, v, with the forward's dropout draws
             with _replaying(rng, q.device):
                 out, lse, aux, sizes = _fused_forward(kind, q, ke, ve, bias, dropout_p, is_causal, scale)
+            out, lse = _sunk(out, lse, sinks, dead)
         if dead is not None:
             grad_out = grad_out.masked_fill(dead, 0)
         gq, gk, gv = _fused_backward(kind, grad_out.contiguous(), q, ke, ve, bias, out, lse, aux, sizes, dropout_p,
                                      is_causal, scale)
-        return (gq, _sum_heads(gk, rep), _sum_heads(gv, rep), None, None, None, None, None, None, None, None, None)
+        gs = _sinks_grad(grad_out, out, lse, sinks, dead) if sinks is not None and ctx.needs_input_grad[12] else None
+        return (gq, _sum_heads(gk, rep), _sum_heads(gv, rep), None, None, None, None, None, None, None, None, None,
+                gs)
 
 
 def scaled_dot_product_attention(
@@ -803,6 +872,7 @@ def scaled_dot_product_attention(
     *,
     cfg: QuantConfig | None = None,
     state: dict[str, RunningRange] | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` keeping no ``[T, S]`` tensor.
 
@@ -818,7 +888,10 @@ def scaled_dot_product_attention(
     keeps ``key``/``value`` unrepeated. See the module docstring for what is kept and its bytes.
 
     Args: those of ``F.scaled_dot_product_attention``; ``cfg`` the compression; ``state`` running
-    estimates (``{"q", "k", "v", "o"}``) for ``scale="running"``.
+    estimates (``{"q", "k", "v", "o"}``) for ``scale="running"``; ``sinks`` ``[H]``: attention sinks (gpt-oss's),
+    one learned logit per query head that joins every row's softmax and meets no value,
+    ``softmax([s, sink])[..., :S] @ v``, differentiated too (nothing more is kept: the kernels' output and
+    log-sum-exp are rescaled, :func:`_sunk`; the chunked path adds it to each row's sum).
     """
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError("slimact's scaled_dot_product_attention takes [B, H, T, D] query, key and value")
@@ -834,6 +907,7 @@ def scaled_dot_product_attention(
         )
     if attn_mask is not None and is_causal:
         raise ValueError("pass either attn_mask or is_causal, not both (as F.scaled_dot_product_attention)")
+    _check_sinks(sinks, query.shape[1])
     # Nothing to keep, and the paths below divide by the empty size: PyTorch's CPU flash kernel with no query or no key
     # row, or no head, died of SIGFPE (the whole process), the chunked path raised. A mask neither boolean nor
     # floating (uint8, int64), which PyTorch refuses, was added as if additive (a 0/1 "keep" mask: +1 on the kept
@@ -845,20 +919,14 @@ def scaled_dot_product_attention(
     apart = key.shape[:2] != value.shape[:2] or (one_query_head and key.shape[1] > 1)
     if empty or apart or (attn_mask is not None and attn_mask.dtype != torch.bool
                           and not attn_mask.is_floating_point()):
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa,
-        )
+        return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
     # Under torch.compile, attention with dropout is PyTorch's own: the mask replay reads the host RNG state,
     # which dynamo cannot trace (a graph break), and inductor draws dropout from its own generator anyway.
     if (not needs_grad and not mask_grad) or (dropout_p > 0 and torch.compiler.is_compiling()):
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa,
-        )
+        return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks)
     device = query.device.type
     if torch.is_autocast_enabled(device):
         # What autocast does for F.scaled_dot_product_attention (a lower-precision op): run it on q, k, v (and a
@@ -869,7 +937,7 @@ def scaled_dot_product_attention(
             attn_mask = attn_mask.to(low)
         with torch.autocast(device, enabled=False):
             return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                                cfg=cfg, state=state)
+                                                cfg=cfg, state=state, sinks=sinks)
     # Attention that would amplify 8-bit q/k errors on its scores keeps q, k, v exact (functional.attention_guard);
     # a NaN/inf in q or k keeps the fused kernels out (fused_kernel). The two flags read in one host sync (each
     # drains a CUDA stream).
@@ -908,11 +976,43 @@ def scaled_dot_product_attention(
         kind = None if read.get("not_finite") or read.get("swamped") else kind
         flash = flash and not read.get("not_finite") and not read.get("swamped")
         dead = dead if read.get("dead", True) else None
+    if value is key and torch.compiler.is_compiling():
+        # (DeepSeek V4's keys are its values: dynamo traces no autograd Function handed one tensor twice, a graph
+        # break at every layer. A view of it is another tensor; eager keeps one pack of the two, compiled two.)
+        value = key.view(key.shape)
     if kind is not None:
         return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state,
-                                     dead)
+                                     dead, sinks)
     math_forward = _math_chosen(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if flash and not math_forward:
-        return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state)
+        return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state, sinks)
+    # (with sinks PyTorch has no kernel of its own to match: the chunked path's rows, which add the sink)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state,
-                                   math_forward)
+                                   math_forward and sinks is None, sinks)
+
+
+def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+               is_causal: bool, scale: float | None, enable_gqa: bool, sinks: Tensor | None) -> Tensor:
+    """PyTorch's own attention, for the calls slimact leaves as written: ``F.scaled_dot_product_attention``, or with
+    ``sinks`` (which it does not take) its math in PyTorch ops, the scores in fp32 (fp64 for fp64 inputs), as the
+    eager attention of the models that have sinks computes it (``softmax(cat([s, sink]))[..., :-1] @ v``)."""
+    if sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    h, h_kv = query.shape[-3], key.shape[-3]
+    if enable_gqa and h_kv not in (1, h):
+        key, value = (x.repeat_interleave(h // h_kv, dim=-3) for x in (key, value))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(query.to(work), key.to(work).transpose(-1, -2)) * scale  # [B, H, T, S]
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), -math.inf)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.to(work)
+    sink = sinks.to(work).view(-1, 1, 1).expand(*s.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    if dropout_p > 0:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
+    return torch.matmul(probs, value.to(work)).to(query.dtype)
