@@ -842,3 +842,22 @@ def test_the_probe_admits_an_eager_attention_only_where_it_is_sdpa_with_sinks(ea
 
     Attention.__module__ = modeling.__name__
     assert eager_is_sdpa_with_sinks(Attention()) is expected
+
+
+def test_attention_with_sinks_under_dropout_and_left_padding_trains_as_plain():
+    # Dropout draws the eager attention's mask (over the probabilities with their sink column dropped); a left-padded
+    # row, masked with the float minimum, gives the sink all its weight, as eager attention does.
+    from slimact.zoo import build_auto, tiny_config, tiny_inputs
+
+    config = tiny_config("gpt_oss")
+    config.attention_dropout = 0.1
+    torch.manual_seed(0)
+    plain = build_auto("GptOssForCausalLM", config).train()
+    ids = tiny_inputs(plain, "causal-lm", padded=False)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    (loss0, g0), (loss1, g1) = loss_grads(plain, inputs), loss_grads(slim, inputs)
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_equal(g0, g1)
