@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 import slimact
+from slimact import zoo
 
 
 def _toy(policy=None):
@@ -354,3 +355,16 @@ def skewed_order(skewed, true):
     """``skewed``'s events in ``true``'s order."""
     by_rest = {e[1:]: e for e in skewed}
     return [by_rest[e[1:]] for e in true]
+
+
+def test_a_converted_model_pickles_after_it_was_profiled():
+    # The routing kept the innermost saved-tensors hook of the last forward (profile's own, a local function) past
+    # that forward: torch.save of the whole model then failed, "Can't pickle local object '_step.<locals>.pack_hook'",
+    # until another step ran.
+    import pickle
+
+    model = slimact.convert(zoo.build("llama", tiny=True).train(), "int8")
+    inputs = zoo.example_inputs(model, 2, 16)
+    slimact.profile(model, inputs)
+    again = pickle.loads(pickle.dumps(model))
+    assert slimact.profile(again, inputs).kept_bytes == slimact.profile(model, inputs).kept_bytes

@@ -412,7 +412,7 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
                 eager_masks.add(id(module.config))
             else:
                 reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
-                          "scaled dot-product attention with sinks): left as written")
+                          "scaled dot-product attention): left as written")
         if reason is None:
             reason = _unknown_setting(module.config)
         if reason is None and id(module.config) in branching:

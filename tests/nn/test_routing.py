@@ -5,6 +5,7 @@ under no_grad, for kinds the policy turns off, or after revert."""
 import copy
 import importlib
 import pickle
+from collections import Counter
 
 import pytest
 import torch
@@ -916,3 +917,53 @@ def test_a_keyword_a_handler_does_not_take_leaves_the_call_as_written():
     assert _as_handler_call(torch.bmm, handler, (), {"input": 1, "mat2": 2}) == ((1, 2), {})
     assert _as_handler_call(torch.bmm, handler, (1,), {"mat2": 2, "out": 3}) == ((1, 2), {"out": 3})
     assert _as_handler_call(torch.bmm, handler, (1, 2), {"out_dtype": torch.float32}) is None
+
+
+# Mixture-of-experts layers: transformers' experts (grouped_mm implementation, its default) compute their up and down
+# projections with torch._grouped_mm, or its own fallback op where that cannot run; PyTorch keeps both inputs as they
+# are (the up projection's: each token's hidden state once per expert it is routed to).
+MOE_MODELS = [("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
+              ("deepseek_v3", "DeepseekV3ForCausalLM")]
+
+
+def _experts_kept(model, inputs):
+    """``(dtype, columns)`` of the 2-d tensors the experts modules keep (their own code's, not their activations')."""
+    report = slimact.profile(model, inputs)
+    return sorted((str(e.dtype), e.shape[1]) for e in report.entries
+                  if e.module.split(".")[-1] == "experts" and len(e.shape) == 2 and e.shape[1] > 1)
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["torch-grouped-mm", "transformers-fallback"])
+@pytest.mark.parametrize(("model_type", "cls"), MOE_MODELS, ids=[m for m, _ in MOE_MODELS])
+def test_the_experts_grouped_products_keep_their_inputs_at_8_bits(model_type, cls, fallback, monkeypatch):
+    from _harness import assert_gradients_close, loss_grads
+    from slimact.zoo import build_auto, tiny_config, tiny_inputs
+
+    moe = importlib.import_module("transformers.integrations.moe")
+    if fallback:  # (CUDA before sm80, CPU before torch 2.10, compiling in fp32)
+        monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
+    torch.manual_seed(0)
+    plain = build_auto(cls, tiny_config(model_type)).train()
+    assert plain.config._experts_implementation == "grouped_mm"
+    inputs = tiny_inputs(plain, "causal-lm")
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    calls = []
+    real = importlib.import_module("slimact.nn.routing").grouped_mm
+    monkeypatch.setattr("slimact.nn.routing.grouped_mm", lambda *a: calls.append(a[-1]) or real(*a))
+    (loss0, g0), (loss1, g1) = loss_grads(plain, inputs), loss_grads(slim, inputs)
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_close(g0, g1)
+    layers = sum(type(m).__name__.endswith("Experts") for m in plain.modules())
+    op = moe.torch.ops.transformers.grouped_mm_fallback if fallback else torch._grouped_mm
+    assert len(calls) == 2 * layers and all(c is op for c in calls)  # up and down, per layer
+    # Per layer plain keeps in fp32 the up projection's input [S, hidden], the down projection's [S, intermediate], the
+    # SwiGLU product's other factor [S, intermediate] and the down projection's output (for the routing weights'
+    # gradient); converted, the two projections' inputs at 8 bits (and the product's factor, as before).
+    experts = next(m for m in plain.modules() if type(m).__name__.endswith("Experts"))
+    hidden, inter = plain.config.hidden_size, experts.down_proj.shape[-1]
+    f32, u8 = "torch.float32", "torch.uint8"
+    assert Counter(_experts_kept(plain, inputs)) == {(f32, hidden): 2 * layers, (f32, inter): 2 * layers}
+    kept = {(f32, hidden): layers, (u8, hidden): layers, (u8, inter): 2 * layers}
+    assert Counter(_experts_kept(slim, inputs)) == kept
+    if fallback:  # a whole converted model pickles (the op, which pickle cannot name, by its name) and still routes
+        assert Counter(_experts_kept(pickle.loads(pickle.dumps(slim)), inputs)) == kept

@@ -33,6 +33,11 @@ forward hook) sends those calls to slimact:
 * ``F.scaled_dot_product_attention`` on ``[B, H, T, D]`` tensors (Falcon's attention, timm's, any model that
   calls it itself) -> :func:`slimact.functional.scaled_dot_product_attention`, keeping q, k, v 8-bit per head
   (exact under a lossless policy) and no ``[T, S]`` tensor.
+* ``torch._grouped_mm`` (and transformers' ``grouped_mm_fallback`` op) of ``[S, K]`` tokens by ``[E, K, N]`` expert
+  weights that need a gradient: the up and down projections of mixture-of-experts layers (transformers' experts
+  under their default ``grouped_mm`` implementation: Mixtral, Qwen-MoE, OLMoE, DeepSeek, ...) ->
+  :func:`slimact.functional.grouped_mm.grouped_mm`, the tokens kept with the linear kind's codes, the weights as they
+  are (kind ``linear``; a lossless policy has no saving for it).
 * inside attention modules that compute attention in their own code (Bloom's ALiBi ``baddbmm``, DeBERTa-v2's
   disentangled scores, MPNet, GPT-Neo, a user's ``q @ k.transpose(-1, -2)``, ``softmax``, ``@ v``; ``convert``
   names them): ``torch.matmul``/``@``, ``torch.bmm``, ``torch.baddbmm``, two-operand ``torch.einsum`` ->
@@ -69,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -85,6 +91,7 @@ from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.dropout import dropout, scale_of
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
+from slimact.functional.grouped_mm import grouped_mm
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.norm import _group_norm_applies, group_norm, norm, output_kept_as, rms_default_eps
 from slimact.functional.product import broadcast_big, broadcast_product, product
@@ -332,12 +339,38 @@ class _NoteDropout(TorchFunctionMode):
 _PICKLED_AS = {Tensor.__pow__: "Tensor.__pow__"}
 
 
+def _op_name(func: object) -> str | None:
+    """``"torch.ops.<namespace>.<name>"`` for a custom op's packet (which pickle cannot name), else ``None``."""
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return f"torch.ops.{func._qualified_op_name.replace('::', '.')}"
+    return None
+
+
+def _op_named(name: str) -> object | None:
+    """The op :func:`_op_name` names, if registered in this process."""
+    if not name.startswith("torch.ops."):
+        return None
+    namespace, _, op = name.removeprefix("torch.ops.").partition(".")
+    try:
+        return getattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _transformers_grouped_mm() -> object | None:
+    """transformers' ``grouped_mm_fallback`` op (its experts' grouped product where ``torch._grouped_mm`` cannot run:
+    CUDA before sm80, CPU before torch 2.10, compiling in fp32), if registered in this process."""
+    if "transformers.integrations.moe" not in sys.modules:
+        return None
+    return _op_named("torch.ops.transformers.grouped_mm_fallback")
+
+
 class Routing:
     """Installed on a converted model by ``convert``; ``remove()`` uninstalls it."""
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["handlers"] = {_PICKLED_AS.get(func, func): fn for func, fn in self.handlers.items()}
+        state["handlers"] = {_PICKLED_AS.get(func, _op_name(func) or func): fn for func, fn in self.handlers.items()}
         # Only the handles of modules still alive: a submodule outlives its converted model (put in another model,
         # the first one dropped) with this routing's hooks on it, and torch's RemovableHandle cannot be copied once
         # the module it was registered on is gone (its always-called hook table: "cannot create weak reference to
@@ -347,8 +380,11 @@ class Routing:
 
     def __setstate__(self, state: dict) -> None:
         named = {name: func for func, name in _PICKLED_AS.items()}
-        state["handlers"] = {named.get(func, func) if isinstance(func, str) else func: fn
-                             for func, fn in state["handlers"].items()}
+        handlers = {named.get(func, func) if isinstance(func, str) else func: fn
+                    for func, fn in state["handlers"].items()}
+        # (an op of a namespace not registered in this process, its library not imported: no call can reach it)
+        state["handlers"] = {_op_named(func) if isinstance(func, str) else func: fn for func, fn in handlers.items()
+                             if not isinstance(func, str) or _op_named(func) is not None}
         self.__dict__.update(state)
 
     def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None,
@@ -377,8 +413,12 @@ class Routing:
             torch.mul: ("product", self._product),
             Tensor.mul: ("product", self._product),
             F.scaled_dot_product_attention: ("attention", self._sdpa),
+            # Mixture-of-experts layers' grouped products (transformers' grouped_mm experts implementation).
+            torch._grouped_mm: ("linear", functools.partial(self._grouped_mm, native=True)),
             **self._norm_routes(),
         }
+        if (fallback := _transformers_grouped_mm()) is not None:
+            routes[fallback] = ("linear", functools.partial(self._grouped_mm, native=False))
         self.handlers = {func: fn for func, (kind, fn) in routes.items() if self._on(kind)}
         self.kinds = sorted({kind for kind, _ in routes.values() if self._on(kind)})
         if self.loss is not None:
@@ -543,6 +583,20 @@ class Routing:
     def _cfg(self, kind: str, x: Tensor):
         cfg = self.policy.quant_config(kind, x.dim())
         return dataclasses.replace(cfg, scale="dynamic") if cfg is not None and cfg.scale == "running" else cfg
+
+    def _grouped_mm(self, mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, native: bool):
+        """A mixture-of-experts layer's grouped product, ``[S, K]`` tokens by ``[E, K, N]`` expert weights
+        (``torch._grouped_mm``; transformers' fallback op, ``native=False``): the tokens kept with the policy's codes
+        for the linear kind (:func:`slimact.functional.grouped_mm.grouped_mm`), the weights as they are. Other forms
+        (a bias, another output dtype, batched operands, weights that need no gradient) run as written."""
+        if (not isinstance(mat_a, Tensor) or not isinstance(mat_b, Tensor) or offs is None or bias is not None
+                or out_dtype not in (None, mat_a.dtype) or mat_a.dim() != 2 or mat_b.dim() != 3
+                or mat_a.dtype != mat_b.dtype or not _wants_grad(mat_b) or isinstance(mat_a, nn.Parameter)):
+            return None
+        cfg = self._cfg("linear", mat_a)
+        if cfg is None:
+            return None
+        return grouped_mm(mat_a, mat_b, offs, cfg, torch._grouped_mm if native else _transformers_grouped_mm())
 
     def _dropout(self, x, p=0.5, training=True, inplace=False):
         if not training or inplace or not _wants_grad(x):
@@ -781,7 +835,7 @@ class Routing:
             self._scope = self._scopes.pop()[1]
         if self._layer is module and self._mode is not None:
             self._mode.__exit__(None, None, None)
-            self._mode, self._layer = None, None
+            self._mode, self._layer, self._scope = None, None, None
             self._scopes.clear()
 
     def in_scope(self) -> bool:
@@ -808,6 +862,9 @@ class Routing:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
+        # (the scope is a saved-tensors hook of the caller's, slimact.profile's local one say: held past the forward,
+        # it stopped the model from pickling, "Can't pickle local object '_step.<locals>.pack_hook'", until the next)
+        self._scope = None
         self._scopes.clear()
         if self.loss is not None:
             self.loss.stop()
