@@ -26,6 +26,7 @@ from slimact._metrics import sqnr_db
 from slimact.functional._saving import SlimFunction
 from slimact.functional.activation import FORMS, reference
 from slimact.functional.gather import gather
+from slimact.functional.grouped_mm import grouped_mm
 from slimact.functional.matmul import baddbmm, einsum
 from slimact.functional.product import broadcast_product, product
 from slimact.quant import QuantConfig
@@ -83,6 +84,11 @@ def _cases() -> list[Case]:
              (lambda n: (n, 3, 8),), True),
         Case("product", lambda a, b: product(a, b, ROWS), torch.mul, (lambda n: (n, 3, 8), lambda n: (n, 3, 8)),
              False),
+        # (a mixture-of-experts layer's product: [S, K] tokens sorted by expert by [E, K, N] weights, two experts;
+        # torch._grouped_mm takes strides of 16 bytes)
+        Case("grouped-mm", lambda x, w: grouped_mm(x, w, _offsets(x), ROWS, torch._grouped_mm),
+             lambda x, w: torch._grouped_mm(x, w, offs=_offsets(x)), (lambda n: (4 * n, 8), lambda n: (2, 8, 8)),
+             False),
         # (adaLN's modulation: a [B, T, C] factor by a [B, 1, C] one, the small one kept exact)
         Case("product-broadcast", lambda a, b: broadcast_product(a, b, ROWS), torch.mul,
              (lambda n: (n, 3, 8), lambda n: (n, 1, 8)), False),
@@ -123,6 +129,10 @@ def _cases() -> list[Case]:
 
 def _index(x: torch.Tensor) -> torch.Tensor:
     return (torch.arange(x.shape[0] * x.shape[1] * 4) % x.shape[2]).reshape(x.shape[0], x.shape[1], 4)
+
+
+def _offsets(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([x.shape[0] // 4, x.shape[0]], dtype=torch.int32)  # expert 0: a quarter of the tokens
 
 
 def _targets(h: torch.Tensor) -> torch.Tensor:
