@@ -1423,3 +1423,94 @@ def test_attention_sinks_where_nothing_needs_a_gradient_are_the_eager_attentions
     torch.testing.assert_close(out, _sinks_reference(q, k, v, m, False, 0.3, sinks).float())
     with pytest.raises(ValueError, match=r"sinks must be one floating-point logit per query head, shape \(4,\)"):
         scaled_dot_product_attention(q, k, v, m, enable_gqa=True, sinks=torch.zeros(2))
+
+
+# What is kept of a mask: bits for a boolean one and for an additive one of 0 and one fill value (transformers' eager
+# masks), restored exactly; a broadcast one by its own elements; the same bits for every call of one forward handed
+# the same mask (a view of it). Before, an additive mask was kept in full and a boolean one's bits once per layer.
+MASKS = ["bool", "finfo.min", "-inf", "zeros", "expanded bool", "expanded additive"]
+
+
+def _kept_mask_case(kind, t=24, s=24):
+    keep = torch.ones(2, 1, t, s, dtype=torch.bool)
+    keep[0, :, :, 20:] = False  # padded keys
+    if kind in ("bool", "-inf", "expanded bool"):  # a fully masked row (with a finite fill: the chunked path)
+        keep[1, :, 3, :] = False
+    if kind.startswith("expanded"):
+        keep = keep[:1].expand(2, 4, t, s)  # [1, 1, T, S] broadcast to [B, H, T, S]: stride 0
+    if kind.endswith("bool"):
+        return keep
+    fill = {"finfo.min": torch.finfo(torch.float32).min, "-inf": -math.inf, "zeros": 0.0}.get(kind, -1e9)
+    mask = torch.zeros(keep[:1, :1].shape if kind.startswith("expanded") else keep.shape)
+    mask = mask.masked_fill(~(keep[:1, :1] if kind.startswith("expanded") else keep), fill)
+    return mask.expand(2, 4, t, s) if kind.startswith("expanded") else mask
+
+
+def _saved(out):
+    return [x for x in out.grad_fn.saved_tensors if x is not None]
+
+
+@pytest.mark.parametrize("path", ["flash", "chunked", "fused"])
+@pytest.mark.parametrize("kind", MASKS)
+def test_a_mask_kept_as_bits_gives_the_gradients_of_the_mask_kept_as_is(kind, path, monkeypatch, request):
+    if path == "fused":
+        request.getfixturevalue("emulated")
+    p = 0.1 if path == "chunked" else 0.0  # (CPU attention with dropout: the chunked path)
+    mask = _kept_mask_case(kind)
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.float32))
+    g = torch.randn(2, 4, 24, 16, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        torch.manual_seed(5)
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return out, _saved(out), torch.autograd.grad(out, (q, k, v), g)
+
+    out, saved, grads = run()
+    name = {"flash": "_FlashAttentionCPUBackward", "chunked": "_ChunkedAttentionBackward"}.get(path, "_FusedAttention")
+    assert type(out.grad_fn).__name__.startswith(name)
+    own = 24 * 24 * (1 if kind.startswith("expanded") else 2)
+    assert [x.numel() for x in saved if x.dtype == torch.uint8].count(own // 8) == 1  # (and the chunked path's RNG)
+    assert not [x for x in saved if x.shape[-2:] == (24, 24)]
+    monkeypatch.setattr(attention_mod, "_mask_bits", lambda mask, one_fill=None: mask)
+    out_as_is, saved_as_is, grads_as_is = run()
+    assert any(x.shape[-2:] == (24, 24) for x in saved_as_is)
+    assert torch.equal(out, out_as_is)
+    for a, e in zip(grads, grads_as_is, strict=True):
+        assert torch.equal(a, e)
+
+
+def test_an_additive_mask_of_more_than_one_fill_value_is_kept_as_given():
+    mask = _kept_mask_case("finfo.min")
+    mask[..., :3] -= 1.5  # a bias (ALiBi's, a relative position's) on top of the padding
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.float32))
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert any(x.data_ptr() == mask.data_ptr() for x in _saved(out))
+
+
+def test_one_forward_keeps_one_copy_of_a_mask_and_a_changed_mask_anew():
+    from slimact.quant import reference
+
+    base = _kept_mask_case("finfo.min", s=30)
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.float32))
+
+    def call():  # a view of the mask, as transformers slices it per layer (a new tensor each call)
+        return scaled_dot_product_attention(q, k, v, attn_mask=base[..., :24])
+
+    def bits(out):
+        return [x.data_ptr() for x in _saved(out) if x.dtype == torch.uint8]
+
+    reference.begin_stream(0)
+    try:
+        outs = [call() for _ in range(3)]
+        assert len({p for o in outs for p in bits(o)}) == 1
+        base[1, :, 7, :5] = torch.finfo(torch.float32).min  # changed in place: its version moves
+        changed = call()
+        assert bits(changed) != bits(outs[0])
+    finally:
+        reference.end_stream()
+    assert bits(call()) != bits(call())  # outside a converted model's forward: per call
+    g = torch.randn_like(changed)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=base[..., :24])
+    for a, e in zip(torch.autograd.grad(changed, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g),
+                    strict=True):
+        torch.testing.assert_close(a, e)

@@ -861,3 +861,30 @@ def test_attention_with_sinks_under_dropout_and_left_padding_trains_as_plain():
     (loss0, g0), (loss1, g1) = loss_grads(plain, inputs), loss_grads(slim, inputs)
     torch.testing.assert_close(loss1, loss0)
     assert_gradients_equal(g0, g1)
+
+
+@pytest.mark.parametrize(("model_type", "cls", "masks"),
+                         [("llama", "LlamaForCausalLM", 1), ("gpt_oss", "GptOssForCausalLM", 2)],
+                         ids=["bool", "additive"])
+def test_the_mask_a_model_hands_every_layer_is_kept_once_as_bits(model_type, cls, masks):
+    # A model builds one mask per layer type and hands it (a view of it, sliced per layer) to every layer. Its bits
+    # were kept once per layer (L/8 of the mask's bytes: a 32-layer Llama with a padded batch kept 4x what plain
+    # keeps of it), and an additive one of 0 and finfo.min (the eager masks of the models with sinks) in full fp32.
+    from slimact.zoo import build_auto, tiny_config, tiny_inputs
+
+    config = tiny_config(model_type)
+    config.num_hidden_layers = 4
+    if model_type == "gpt_oss":
+        config.layer_types = ["sliding_attention", "full_attention"] * 2
+    torch.manual_seed(0)
+    plain = build_auto(cls, config).train()
+    inputs = tiny_inputs(plain, "causal-lm", padded=True)
+    b, t = inputs["input_ids"].shape
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    entries = slimact.profile(slim, inputs).entries
+    bits = [e for e in entries if e.dtype == torch.uint8 and e.shape == (b * t * t // 8,)]
+    assert len(bits) == masks
+    assert not [e for e in entries if e.shape == (b, 1, t, t)]
+    (loss0, g0), (loss1, g1) = loss_grads(plain, inputs), loss_grads(slim, inputs)
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_equal(g0, g1)

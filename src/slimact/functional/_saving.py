@@ -36,14 +36,25 @@ __all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy
 
 
 class Mask(NamedTuple):
-    """A boolean tensor kept as bits, 8 per byte."""
+    """A boolean tensor kept as bits, 8 per byte. With ``fill`` (a 0-dim tensor), the float tensor that is ``fill``
+    where the bits are set and 0 elsewhere (an additive attention mask of one fill value), restored exactly. With
+    ``full``, the bits are of a broadcast tensor's own elements (``shape``, its size-1 dims where it was expanded)
+    and it is restored expanded to ``full``."""
 
     bits: Tensor
     shape: torch.Size
+    fill: Tensor | None = None
+    full: torch.Size | None = None
 
     @classmethod
     def of(cls, mask: Tensor) -> Mask:
         return cls(pack_mask(mask), mask.shape)
+
+    def restore(self, bits: Tensor, fill: Tensor | None) -> Tensor:
+        mask = unpack_mask(bits, self.shape)
+        if fill is not None:
+            mask = torch.zeros(self.shape, dtype=fill.dtype, device=fill.device).masked_fill_(mask, fill)
+        return mask if self.full is None else mask.expand(self.full)
 
 
 class Gradient(NamedTuple):
@@ -413,8 +424,8 @@ def save(ctx: Any, *items: Packed | Mask | Gradient | Tensor | None) -> None:
             flat.extend(item.tensors)
             layout.append(("packed", len(item.tensors), item.meta))
         elif isinstance(item, Mask):
-            flat.append(item.bits)
-            layout.append(("mask", 1, item.shape))
+            flat.extend((item.bits,) if item.fill is None else (item.bits, item.fill))
+            layout.append(("mask", 1 if item.fill is None else 2, item._replace(bits=None, fill=None)))
         elif isinstance(item, Gradient):
             _mark_gradient(item.tensor, item.parameter)
             flat.append(item.tensor)
@@ -437,7 +448,7 @@ def load(ctx: Any, restore: bool = True) -> list[Any]:
             packed = Packed(tuple(saved[i : i + n]), meta)
             out.append(unpack(packed) if restore else packed)
         elif kind == "mask":
-            out.append(unpack_mask(saved[i], meta))
+            out.append(meta.restore(saved[i], saved[i + 1] if n == 2 else None))
         else:
             out.append(saved[i])
         i += n

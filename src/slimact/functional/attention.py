@@ -15,7 +15,9 @@ Fused path (:func:`scaled_dot_product_attention`): never a ``[T, S]`` tensor kep
   and PyTorch's CPU flash kernel), the output (``B * H * T * D`` elements, the returned tensor itself) and the
   fp32 log-sum-exp (``4 * B * H * T`` bytes; the efficient kernel's rounds ``T`` up to 32); on CUDA also the
   kernel's Philox seed and offset (two scalars).
-* a boolean mask as bits (1/8 of its bytes); an additive one as given (often one tensor shared by every layer).
+* a boolean mask as bits (1/8 of its bytes), an additive one of 0 and one fill value (transformers' eager masks) as
+  bits too (1/32 of its fp32 bytes), other additive ones as given; once per forward for a mask handed to every
+  layer (:func:`_saved_mask`).
 
 Which kernel, where (:func:`fused_kernel` chooses; anything it does not take runs the chunked path):
 
@@ -78,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -91,7 +94,7 @@ from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
 from slimact.functional.dropout import cpu_scale, scale_of
 from slimact.functional.softmax import normalized, pack_probabilities
-from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many
+from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many, pack_mask, reference
 
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
@@ -316,11 +319,77 @@ def _dead_rows(mask: Tensor | None) -> Tensor | None:
     return dead if torch.compiler.is_compiling() or bool(dead.any()) else None  # [..., T, 1]
 
 
-def _saved_mask(mask: Tensor | None):
-    """What to keep of an attention mask: bits for a boolean one (1/8 of its bytes), an additive one as is."""
+def _saved_mask(mask: Tensor | None, one_fill: bool | None = None) -> Mask | Tensor | None:
+    """What to keep of an attention mask (:func:`_mask_bits`; ``one_fill``: whether it is an additive mask of one
+    fill value, if the caller read it), the same object for every call of one forward handed the same mask, or a
+    view of it at the same place (transformers slices it per layer): a model builds one mask (per layer type) and
+    hands it to every layer, which PyTorch keeps once; bits made per call were kept once per layer (L/8 of the
+    mask's bytes: a 32-layer Llama with a padded batch kept 4x plain's). Under ``torch.compile`` and outside a
+    converted model's forward, made per call."""
     if mask is None:
         return None
-    return Mask.of(mask) if mask.dtype == torch.bool else mask
+    key, kept = _kept_mask(mask)
+    if kept is None:
+        kept = _mask_bits(mask, one_fill)
+        if key is not None:
+            # (a view dies with its call: the entry lives with the tensor that owns the memory, which outlives the
+            # layers)
+            owner = mask if mask._base is None else mask._base
+            _kept_masks[key] = (weakref.ref(owner, lambda _ref, key=key: _kept_masks.pop(key, None)), mask._version,
+                                reference.current_stream(), kept)
+    return kept
+
+
+#: (forward stream's id, where the mask lies) -> (weak reference to the mask's owner, its version, the forward
+#: stream, what is kept of it): :func:`_saved_mask`.
+_kept_masks: dict[tuple, tuple] = {}
+
+
+def _kept_mask(mask: Tensor) -> tuple[tuple | None, Mask | Tensor | None]:
+    """The key of ``mask`` in :data:`_kept_masks` (``None`` where nothing is shared: outside a converted model's
+    forward, under ``torch.compile``) and what this forward already keeps of it (``None`` if nothing)."""
+    stream = reference.current_stream()
+    if stream is None or torch.compiler.is_compiling():
+        return None, None
+    key = (id(stream), mask.device, mask.untyped_storage().data_ptr(), mask.storage_offset(), mask.shape,
+           mask.stride(), mask.dtype)
+    hit = _kept_masks.get(key)
+    if hit is None or hit[0]() is None or hit[1] != mask._version or hit[2] is not stream:
+        return key, None
+    return key, hit[3]
+
+
+def _own(mask: Tensor) -> Tensor:
+    """A broadcast (expanded: stride 0) mask's own elements, its broadcast dims at size 1."""
+    return mask[tuple(slice(0, 1) if st == 0 else slice(None) for st in mask.stride())]
+
+
+def _one_fill(own: Tensor) -> tuple[Tensor, Tensor]:
+    """An additive mask's fill value (its minimum) and whether it holds 0 and that value alone (a 0-dim bool tensor,
+    not read)."""
+    fill = own.amin() if own.numel() else own.new_zeros(())
+    return fill, ((own == 0) | (own == fill)).all()
+
+
+def _mask_bits(mask: Tensor, one_fill: bool | None = None) -> Mask | Tensor:
+    """An attention mask as bits where it is boolean or an additive mask of 0 and one fill value (transformers' eager
+    masks, ``finfo.min`` where masked: 1/32 of its fp32 bytes), restored exactly; a broadcast (expanded) mask by its
+    own elements (bits of the expanded shape could outgrow the mask). Other additive masks (a position bias, ALiBi),
+    one that needs a gradient, and additive ones under ``torch.compile`` (no host read in the graph), as they are.
+    Whether an additive mask has one fill value is read on the host (``one_fill`` where the caller read it with its
+    other flags)."""
+    if mask.requires_grad or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        return mask
+    own = _own(mask)
+    full = mask.shape if own.shape != mask.shape else None
+    if mask.dtype == torch.bool:
+        return Mask(pack_mask(own), own.shape, None, full)
+    if torch.compiler.is_compiling():
+        return mask
+    fill, flag = _one_fill(own)
+    if not (bool(flag) if one_fill is None else one_fill):
+        return mask
+    return Mask(pack_mask(own == fill), own.shape, fill, full)
 
 
 def _sunk(out: Tensor, lse: Tensor, sinks: Tensor | None, dead: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -381,7 +450,7 @@ class _FlashAttentionCPU(SlimFunction):
     layer = "attention (CPU flash)"
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, cfg_q, cfg_kv, state, sinks=None):
+    def forward(ctx, q, k, v, mask, is_causal, scale, cfg_q, cfg_kv, state, sinks=None, one_fill=None):
         # The kernel reads the head dim as contiguous (PyTorch's dispatcher picks it only when the last dim has
         # stride 1): a transposed view gave a wrong output, up to 1e33. What is kept (and the backward kernel
         # reads) is this copy too.
@@ -395,7 +464,7 @@ class _FlashAttentionCPU(SlimFunction):
         ctx.is_causal, ctx.scale, ctx.dtype = is_causal, scale, q.dtype
         exact = cfg_q is None  # lossless: keep the output and lse; 8-bit: recompute them from q, k, v
         save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state),
-             out if exact else None, lse if exact else None, _saved_mask(mask), dead, sinks)
+             out if exact else None, lse if exact else None, _saved_mask(mask, one_fill), dead, sinks)
         return out
 
     @staticmethod
@@ -412,7 +481,7 @@ class _FlashAttentionCPU(SlimFunction):
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=add, scale=ctx.scale,
         )
         gs = _sinks_grad(grad_out, out, lse, sinks, dead) if sinks is not None and ctx.needs_input_grad[9] else None
-        return gq, gk, gv, None, None, None, None, None, None, gs
+        return gq, gk, gv, None, None, None, None, None, None, gs, None
 
 
 #: Query rows per block of the chunked path (its transient scores are [B, H, rows, S]).
@@ -816,7 +885,8 @@ class _FusedAttention(SlimFunction):
     layer = "attention (CUDA fused)"
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, kind, cfg_q, cfg_kv, state, dead, sinks=None):
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, kind, cfg_q, cfg_kv, state, dead, sinks=None,
+                one_fill=None):
         # dead: the mask's fully masked rows [..., T, 1] where there are any (read by the caller with its other flags)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         rep = q.shape[1] // k.shape[1]
@@ -835,7 +905,8 @@ class _FusedAttention(SlimFunction):
             out.masked_fill_(dead, 0)
         ctx.args = (kind, is_causal, scale, dropout_p, q.dtype, shape, sizes if exact else None)
         kept = (out, lse, *aux) if exact else (None,) * 6
-        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask), dead, rng, sinks)
+        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), *kept, _saved_mask(mask, one_fill), dead, rng,
+             sinks)
         return out
 
     @staticmethod
@@ -857,7 +928,7 @@ class _FusedAttention(SlimFunction):
                                      is_causal, scale)
         gs = _sinks_grad(grad_out, out, lse, sinks, dead) if sinks is not None and ctx.needs_input_grad[12] else None
         return (gq, _sum_heads(gk, rep), _sum_heads(gv, rep), None, None, None, None, None, None, None, None, None,
-                gs)
+                gs, None)
 
 
 def scaled_dot_product_attention(
@@ -966,6 +1037,8 @@ def scaled_dot_product_attention(
             flags["dead"] = dead.any()
             if attn_mask.is_floating_point():  # rows masked with a finite fill only: the chunked path (SWAMPED_FILL)
                 flags["swamped"] = _swamped(attn_mask)
+                if not attn_mask.requires_grad and _kept_mask(attn_mask)[1] is None:  # (for _saved_mask)
+                    flags["one_fill"] = _one_fill(_own(attn_mask))[1]
     elif kind is not None:
         dead = _dead_rows(attn_mask)  # (compiling: no read; the rows are masked whether or not any is dead)
     if flags:
@@ -976,16 +1049,18 @@ def scaled_dot_product_attention(
         kind = None if read.get("not_finite") or read.get("swamped") else kind
         flash = flash and not read.get("not_finite") and not read.get("swamped")
         dead = dead if read.get("dead", True) else None
+    one_fill = read.get("one_fill") if flags else None
     if value is key and torch.compiler.is_compiling():
         # (DeepSeek V4's keys are its values: dynamo traces no autograd Function handed one tensor twice, a graph
         # break at every layer. A view of it is another tensor; eager keeps one pack of the two, compiled two.)
         value = key.view(key.shape)
     if kind is not None:
         return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, kind, cfg, cfg, state,
-                                     dead, sinks)
+                                     dead, sinks, one_fill)
     math_forward = _math_chosen(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if flash and not math_forward:
-        return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state, sinks)
+        return _FlashAttentionCPU.apply(query, key, value, attn_mask, is_causal, scale, cfg, cfg, state, sinks,
+                                        one_fill)
     # (with sinks PyTorch has no kernel of its own to match: the chunked path's rows, which add the sink)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state,
                                    math_forward and sinks is None, sinks)
