@@ -9,24 +9,13 @@ with the first row right-padded by 64, fp32, on the CPU. Writes ``benchmarks/res
 import copy
 
 import torch
-import transformers
 
 import slimact
+from experts import gpt_oss  # (benchmarks/experts.py: the same model)
 from slimact.bench import environment, write_results
 from slimact.policy import resolve
 
 SEQ = (1024, 2048)
-
-
-def gpt_oss() -> torch.nn.Module:
-    config = transformers.GptOssConfig(
-        vocab_size=50257, hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12,
-        num_key_value_heads=4, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
-        max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
-        pad_token_id=0, bos_token_id=0, eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.GptOssForCausalLM(config).train()
 
 
 def batch(seq: int) -> dict[str, torch.Tensor]:

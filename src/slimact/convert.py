@@ -25,6 +25,7 @@ from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
 from slimact.nn.batch_norm import batch_norm_class
+from slimact.nn.clamped_glu import GATE_ATTR, Gate, gate_form
 from slimact.nn.conv import conv_class
 from slimact.nn.dropout import dropout_class
 from slimact.nn.linear import conv1d_class, linear_class
@@ -328,8 +329,13 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     own = [(name, m) for name, m in model.named_modules() if name not in skipped and kind_of(m) == "attention"
            and not any(isinstance(sub, SlimModule) for sub in m.modules() if kind_of(sub) == "attention")
            and (filter_fn is None or filter_fn(m, name))]
-    routing = Routing(model, pol, head, excluded, own)
-    if routing.handlers:
+    # Experts modules whose clamped gated unit slimact computes (the silu kind's codes), unless left alone by name
+    as_written = [name for name, m in model.named_modules() if any(m is e for e in excluded)]
+    gates = [(m, form) for name, m in model.named_modules()
+             if pol.skip_reason("silu", name) is None and not any(_at_or_under(name, n) for n in as_written)
+             and (filter_fn is None or filter_fn(m, name)) and (form := gate_form(m)) is not None]
+    routing = Routing(model, pol, head, excluded, own, gates)
+    if routing.handlers or routing.gated:
         model.__dict__[_ROUTE_ATTR] = routing
     else:
         routing.remove()
@@ -594,6 +600,10 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                     "; an F.scaled_dot_product_attention call in its code (a diffusers processor's) is routed all "
                     "the same: summary(model, inputs) tells whether one runs and what it keeps" if sdpa_call else "")
             )
+        elif name not in skipped and isinstance(module.__dict__.get(GATE_ATTR), Gate):
+            skipped[name] = (f"no slimact replacement yet for {type(module).__name__} (experts): its forward runs as "
+                             "written, its clamped gated unit computed by slimact (kind 'silu', keeping its input "
+                             "alone), the grouped products in its code routed (kind 'linear')")
         elif name not in skipped and not any(True for _ in module.children()) and name:
             kind = kind_of(module)
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):

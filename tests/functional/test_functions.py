@@ -25,6 +25,7 @@ from slimact import functional as sf
 from slimact._metrics import sqnr_db
 from slimact.functional._saving import SlimFunction
 from slimact.functional.activation import FORMS, reference
+from slimact.functional.clamped_glu import GateForm, clamped_glu
 from slimact.functional.gather import gather
 from slimact.functional.grouped_mm import grouped_mm
 from slimact.functional.matmul import baddbmm, einsum
@@ -35,6 +36,7 @@ ROWS = QuantConfig(groups=8, clamp_groups=True)  # as the default policy builds 
 HEADS = QuantConfig(group_dim=1, groups=0)  # per head (attention tensors)
 CHANNELS = QuantConfig(group_dim=1)  # per channel group along dim 1 (convolution, batch norm)
 BATCHED = QuantConfig(group_dim=0, groups=0)  # per [B * H] index of a rank-3 attention operand
+GPT_OSS_GATE = GateForm(interleaved=True, limit=1.0, alpha=1.702, offset=1.0)  # (a limit the randn inputs cross)
 
 
 class Case(NamedTuple):
@@ -89,6 +91,8 @@ def _cases() -> list[Case]:
         Case("grouped-mm", lambda x, w: grouped_mm(x, w, _offsets(x), ROWS, torch._grouped_mm),
              lambda x, w: torch._grouped_mm(x, w, offs=_offsets(x)), (lambda n: (4 * n, 8), lambda n: (2, 8, 8)),
              False),
+        # (gpt-oss's clamped gated unit of its experts: [..., 2I] -> [..., I]; the form is PyTorch's ops)
+        Case("clamped-glu", lambda x: clamped_glu(x, GPT_OSS_GATE, ROWS), GPT_OSS_GATE, (lambda n: (n, 3, 8),), False),
         # (adaLN's modulation: a [B, T, C] factor by a [B, 1, C] one, the small one kept exact)
         Case("product-broadcast", lambda a, b: broadcast_product(a, b, ROWS), torch.mul,
              (lambda n: (n, 3, 8), lambda n: (n, 1, 8)), False),

@@ -88,6 +88,7 @@ from slimact._kinds import _FORM_KIND, kind_of
 from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, kept_or_view_of_kept, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
+from slimact.functional.clamped_glu import GateForm
 from slimact.functional.dropout import dropout, scale_of
 from slimact.functional.dropout import native_dropout as slim_native_dropout
 from slimact.functional.gather import gather
@@ -96,6 +97,7 @@ from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_term
 from slimact.functional.norm import _group_norm_applies, group_norm, norm, output_kept_as, rms_default_eps
 from slimact.functional.product import broadcast_big, broadcast_product, product
 from slimact.functional.softmax import softmax
+from slimact.nn.clamped_glu import GATE_ATTR, Gate
 from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
 from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, QuantConfig
@@ -389,10 +391,17 @@ class Routing:
 
     def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None,
                  excluded: list[nn.Module] = (),
-                 attention: Sequence[tuple[str, nn.Module]] = ()) -> None:
+                 attention: Sequence[tuple[str, nn.Module]] = (),
+                 gates: Sequence[tuple[nn.Module, GateForm]] = ()) -> None:
         """``attention``: ``(qualified name, module)`` of the attention modules whose own code computes attention
-        (their products and softmaxes are routed as far as the policy wants them, by name)."""
+        (their products and softmaxes are routed as far as the policy wants them, by name). ``gates``: experts
+        modules and the form of their clamped gated unit (:mod:`slimact.nn.clamped_glu`), which slimact computes
+        (their ``_apply_gate`` set to a :class:`~slimact.nn.clamped_glu.Gate` until :meth:`remove`)."""
         self.policy = policy
+        #: Experts modules whose ``_apply_gate`` this routing set.
+        self.gated = [module for module, _ in gates]
+        for module, form in gates:
+            module.__dict__[GATE_ATTR] = Gate(form, functools.partial(self._cfg, "silu"))
         self.excluded_depth = 0
         self.loss = (LossTracker(head, lazy=not policy.keep_logits) if head is not None and self._on("lmloss")
                      else None)
@@ -872,6 +881,9 @@ class Routing:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        for module in self.gated:
+            if isinstance(module.__dict__.get(GATE_ATTR), Gate):
+                del module.__dict__[GATE_ATTR]
         if self.loss is not None:
             self.loss.remove()
         if self._mode is not None:
