@@ -1055,10 +1055,19 @@ def _function_rows(rounds: int, device: str, lm_tokens: int) -> Iterator[dict[st
         norm,
         scaled_dot_product_attention,
     )
+    from slimact.functional.clamped_glu import GateForm, clamped_glu
+    from slimact.functional.grouped_mm import grouped_mm
     from slimact.policy import Policy
 
     pol = Policy()
     x = torch.randn(4, 256, 768, device=device, requires_grad=True)
+    # A mixture-of-experts layer of GPT-2 widths: 1024 tokens routed to 2 of 8 experts of 2048 (rows sorted by expert,
+    # 256 each), the up product, and gpt-oss's clamped gated unit on its [S, 2I] output.
+    routed = torch.randn(2048, 768, device=device, requires_grad=True)
+    experts = (torch.randn(8, 768, 2048, device=device) * 0.02).requires_grad_()
+    offs = torch.arange(256, 2049, 256, device=device, dtype=torch.int32)
+    gate_up = (torch.randn(2048, 4096, device=device) * 3).requires_grad_()
+    gate = GateForm(interleaved=True, limit=7.0, alpha=1.702, offset=1.0)
     w = torch.randn(3072, 768, device=device, requires_grad=True)
     ln_w = torch.ones(768, device=device, requires_grad=True)
     q, k, v = (torch.randn(4, 12, 256, 64, device=device, requires_grad=True) for _ in range(3))
@@ -1078,6 +1087,10 @@ def _function_rows(rounds: int, device: str, lm_tokens: int) -> Iterator[dict[st
                                                            cfg=pol.quant_config("attention", 4))),
         "lm head + loss": (lambda: F.cross_entropy(F.linear(h, head), target),
                            lambda: linear_cross_entropy(h, head, None, target)),
+        "grouped matmul (experts)": (lambda: torch._grouped_mm(routed, experts, offs=offs),
+                                     lambda: grouped_mm(routed, experts, offs, pol.quant_config("linear", 2))),
+        "clamped gated unit (experts)": (lambda: gate(gate_up),
+                                         lambda: clamped_glu(gate_up, gate, pol.quant_config("silu", 2))),
     }
     for name, (plain, slim) in cases.items():
         # A dense upstream gradient, as a model's next layer hands back (sum().backward() would give an expanded

@@ -603,7 +603,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         elif name not in skipped and isinstance(module.__dict__.get(GATE_ATTR), Gate):
             skipped[name] = (f"no slimact replacement yet for {type(module).__name__} (experts): its forward runs as "
                              "written, its clamped gated unit computed by slimact (kind 'silu', keeping its input "
-                             "alone), the grouped products in its code routed (kind 'linear')")
+                             "alone); torch._grouped_mm calls in its code (transformers' default experts "
+                             "implementation) are routed where the policy converts 'linear'")
         elif name not in skipped and not any(True for _ in module.children()) and name:
             kind = kind_of(module)
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):

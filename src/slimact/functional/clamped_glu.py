@@ -7,8 +7,8 @@ columns ``x[:, ::2]``, ``x[:, 1::2]``, or the two halves), with a limit ``L``, a
     y  = g' * sigmoid(a * g') * (u' + c)           (gpt-oss, its kin: a = 1.702, L = 7, c = 1)
     y  = silu(g') * u'                             (Hunyuan V4, GLM-5 Next, DeepSeek V4: c = 0, PyTorch's silu)
 
-The backward recomputes ``y`` from the kept ``x`` (PyTorch's own ops under autograd, one ``[S, I]`` pass at a time)
-and differentiates it: at the exact ``x`` that is plain's gradient, bit for bit.
+The backward is the unit's derivative in closed form, one compiled loop over ``x`` (:mod:`slimact.quant.inductor`),
+in fp32; it rounds otherwise than autograd's chain of ``[S, I]`` ops (to float rounding, lossless).
 
 What it keeps: ``x`` alone, with the policy's codes (1 byte per element at 8 bits, plus 8 bytes per scale group)
 and which elements the clamps cut (1 bit per element: a restored element within half a step of a limit could lie on
@@ -21,8 +21,8 @@ elements exactly.
 Error: the forward is the model's, exactly. The gradient is the gradient at ``x_hat``, ``|x - x_hat| <= step/2`` per
 element (``step = range / 255`` of its scale group), with the clamps' gradients at ``x``: the smooth factors move
 by their derivative times that (``sigmoid``, ``silu``: Lipschitz 1/4 and 1.1 per unit of ``a * g``); the tests
-assert SQNR >= 30 dB on the input gradient at 8 bits, with 6% of the elements clamped, and equality without
-compression.
+assert SQNR >= 30 dB on the input gradient at 8 bits, with 6% of the elements clamped, and equality to float
+rounding without compression.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimact.functional._saving import Mask, SlimFunction, load, save
-from slimact.quant import QuantConfig, pack
+from slimact.quant import QuantConfig, inductor, pack
 
 __all__ = ["GateForm", "clamped_glu"]
 
@@ -51,35 +51,56 @@ class GateForm:
 
     def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x``'s gate and up columns (views)."""
-        return (x[..., ::2], x[..., 1::2]) if self.interleaved else x.chunk(2, dim=-1)
+        return _split(x, self.interleaved)
 
-    def __call__(self, x: Tensor, clamped: Tensor | None = None) -> Tensor:
-        """The unit, with the ops and in the order the models write it (the same bits). ``clamped`` (bool, ``x``'s
-        shape): the elements the clamps cut, which pass no gradient whatever ``x`` holds; the others pass it."""
+    def __call__(self, x: Tensor) -> Tensor:
+        """The unit, with the ops and in the order the models write it (the same bits)."""
         gate, up = self.split(x)
-        if clamped is None:
-            gate = gate.clamp(min=None, max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-        else:
-            cut_gate, cut_up = self.split(clamped)
-            gate = _clamp_known(gate, cut_gate, None, self.limit)
-            up = _clamp_known(up, cut_up, -self.limit, self.limit)
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
         glu = F.silu(gate) if self.alpha is None else gate * torch.sigmoid(gate * self.alpha)
         return (up + self.offset) * glu if self.offset else glu * up
 
-    def clamped(self, x: Tensor) -> Tensor:
-        """Where the clamps cut ``x`` (bool, ``x``'s shape): a gate above the limit, an up beyond it either side
-        (PyTorch's clamp passes the gradient at the limit itself)."""
-        cut = x > self.limit
-        _, cut_up = self.split(cut)
-        cut_up |= self.split(x)[1] < -self.limit  # (in place, through the view)
-        return cut
+    def args(self) -> tuple[bool, float, float, float]:
+        """The form as plain values (a compiled loop's constants): interleaved, limit, slope (1 for silu), offset."""
+        return self.interleaved, self.limit, 1.0 if self.alpha is None else self.alpha, self.offset
 
 
-def _clamp_known(x: Tensor, cut: Tensor, lo: float | None, hi: float) -> Tensor:
-    """``x.clamp(lo, hi)``'s values, its gradient 0 where ``cut`` and 1 elsewhere (wherever ``x`` lies)."""
-    kept = x.clamp(min=lo, max=hi)
-    return torch.where(cut, kept.detach(), x + (kept - x).detach())
+def _split(x: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+    return (x[..., ::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+
+
+def _joined(gate: Tensor, up: Tensor, interleaved: bool) -> Tensor:
+    """Inverse of :func:`_split`: ``[..., 2I]`` from the gate and up columns."""
+    return torch.stack((gate, up), -1).flatten(-2) if interleaved else torch.cat((gate, up), -1)
+
+
+def _cut(x: Tensor, interleaved: bool, limit: float) -> Tensor:
+    """Where the clamps pass no gradient (bool, ``x``'s shape): a gate above the limit, an up beyond it either side,
+    and NaN (PyTorch's clamp passes the gradient where ``min <= x <= max``, the limits included)."""
+    gate, up = _split(x, interleaved)
+    return _joined(~(gate <= limit), ~((up >= -limit) & (up <= limit)), interleaved)
+
+
+def _gradient(x: Tensor, cut: Tensor | None, grad: Tensor, interleaved: bool, limit: float, alpha: float,
+              offset: float) -> Tensor:
+    """``d y / d x`` of the unit at ``x`` (``[..., 2I]``) for ``grad`` (``[..., I]``), with the clamps' gradients
+    where ``cut`` says (``None``: where ``x`` says), in fp32. With ``s = sigmoid(a g')``, ``glu = g' s``::
+
+        d g = grad * (u' + c) * (s + a g' s (1 - s))      (0 where the gate is cut)
+        d u = grad * glu                                  (0 where the up is cut)
+    """
+    if cut is None:
+        cut = _cut(x, interleaved, limit)
+    gate, up = (t.float() for t in _split(x, interleaved))
+    cut_gate, cut_up = _split(cut, interleaved)
+    grad = grad.float()
+    gate = gate.clamp(max=limit)
+    s = torch.sigmoid(gate * alpha)
+    d_gate = grad * (up.clamp(-limit, limit) + offset) * (s + alpha * gate * s * (1 - s))
+    d_up = grad * (gate * s)
+    zero = torch.zeros((), dtype=torch.float32, device=x.device)
+    return _joined(torch.where(cut_gate, zero, d_gate), torch.where(cut_up, zero, d_up), interleaved).to(x.dtype)
 
 
 class _ClampedGLU(SlimFunction):
@@ -88,19 +109,23 @@ class _ClampedGLU(SlimFunction):
     @staticmethod
     def forward(ctx, x, form, cfg):
         y = form(x)
-        # (compressed: which elements the clamps cut, as bits; a restored element near a limit may lie on its other
-        # side, where the clamp's gradient is the other one)
-        save(ctx, pack(x, cfg), None if cfg is None else Mask.of(form.clamped(x)))
+        cut = None
+        if cfg is not None:
+            # (compressed: which elements the clamps cut, as bits; a restored element near a limit may lie on its
+            # other side, where the clamp's gradient is the other one)
+            interleaved, limit = form.interleaved, form.limit
+            cut = Mask.of(inductor.fused_or_eager(_cut, ("clamped-glu-cut", x.dtype, interleaved, limit), x,
+                                                  interleaved, limit))
+        save(ctx, pack(x, cfg), cut)
         ctx.form = form
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_hat, clamped = load(ctx)
-        with torch.enable_grad():
-            x_hat = x_hat.detach().requires_grad_()
-            y = ctx.form(x_hat, clamped)
-        (grad_x,) = torch.autograd.grad(y, x_hat, grad_y)
+        x_hat, cut = load(ctx)
+        key = ("clamped-glu", x_hat.dtype, grad_y.dtype, cut is None, ctx.form.args())
+        # (one compiled loop where the tensors are large: about 20 eager passes over [S, I] otherwise)
+        grad_x = inductor.fused_or_eager(_gradient, key, x_hat, cut, grad_y.contiguous(), *ctx.form.args())
         return grad_x, None, None
 
 
