@@ -189,3 +189,21 @@ def test_models_with_a_clamped_gate_train_through_it_and_keep_less(model_type, c
     monkeypatch.setattr(importlib.import_module("slimact.convert"), "gate_form", lambda module: None)
     as_written = experts(slimact.convert(copy.deepcopy(plain), policy))
     assert experts(slim) < as_written
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_gate_and_shared_masks_under_gradient_checkpointing(reentrant):
+    # A checkpointed layer's recompute (in the backward, outside any forward) packs its masks per call and runs the
+    # gate again: the same saved shapes as its first forward, and plain's gradients.
+    from slimact.zoo import build_auto, tiny_config, tiny_inputs
+
+    config = tiny_config("gpt_oss")
+    config.num_hidden_layers, config.layer_types = 4, ["sliding_attention", "full_attention"] * 2
+    torch.manual_seed(0)
+    plain = build_auto("GptOssForCausalLM", config).train()
+    inputs = tiny_inputs(plain, "causal-lm", padded=True)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    slim.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    (loss0, g0), (loss1, g1) = loss_grads(plain, inputs), loss_grads(slim, inputs)
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_equal(g0, g1)
