@@ -8,7 +8,10 @@ tokens:
 * a gpt-oss of the same widths (4 experts of 2048 of which 2 per token, sliding windows of 128 every other layer;
   as ``benchmarks/attention_sinks.py``), with its clamped gated unit (``_apply_gate``) as written.
 
-Writes ``benchmarks/results/experts.csv`` and ``.md`` (docs/models.md, "Mixture-of-experts layers"). Run:
+Writes ``benchmarks/results/experts.csv`` and ``.md`` (docs/models.md, "Mixture-of-experts layers"); and
+``experts_speed.csv``: the two Functions' forward + backward against PyTorch's (``slimact bench --ops``'s rows, GPT-2
+widths), and a training step of the gpt-oss above with a 512-token vocabulary (its layers, not its head, dominate),
+2 x 256 tokens, converted and with its gate as written, each against plain's: ratios of interleaved rounds. Run:
 ``OMP_NUM_THREADS=2 python benchmarks/experts.py``.
 """
 
@@ -21,7 +24,7 @@ import torch
 import transformers
 
 import slimact
-from slimact.bench import environment, write_results
+from slimact.bench import _function_rows, _interleaved, _ratios, environment, write_results
 from slimact.nn.routing import Routing
 from slimact.profile import Report
 
@@ -88,6 +91,36 @@ def main() -> None:
                 })
                 print(rows[-1])
     write_results(rows, "experts")
+    write_results(speed(), "experts_speed")
+
+
+def speed(rounds: int = 11) -> list[dict]:
+    rows = list(_function_rows(rounds, "cpu", 1024, only=("grouped matmul (experts)", "clamped gated unit (experts)")))
+    config = gpt_oss().config
+    config.vocab_size = 512
+    torch.manual_seed(0)
+    plain = transformers.GptOssForCausalLM(config).train()
+    ids = torch.randint(1, 512, (2, 256), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    gate = MODELS[1][3]
+    with gate():
+        as_written = slimact.convert(copy.deepcopy(plain), "int8")
+    models = {"plain": plain, "converted": slimact.convert(copy.deepcopy(plain), "int8"),
+              "gate as written": as_written}
+
+    def step(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(**inputs).loss.backward()
+        return run
+
+    times = _interleaved({name: step(m) for name, m in models.items()}, rounds)
+    for name in ("converted", "gate as written"):
+        rows.append({"op": f"gpt-oss step (vocab 512, 2 x 256), int8, {name}", "vs": "plain",
+                     **_ratios(times[name], times["plain"]), "rounds": rounds, **environment("cpu")})
+    for row in rows:
+        print(row)
+    return rows
 
 
 if __name__ == "__main__":

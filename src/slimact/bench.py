@@ -1042,8 +1042,10 @@ def _ratios(times: list[float], base: list[float], name: str = "time_ratio") -> 
             f"{name}_max": round(max(ratios), 4)}
 
 
-def _function_rows(rounds: int, device: str, lm_tokens: int) -> Iterator[dict[str, Any]]:
-    """Each slimact Function's forward + backward against its PyTorch counterpart, at Transformer sizes."""
+def _function_rows(rounds: int, device: str, lm_tokens: int,
+                   only: Sequence[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Each slimact Function's forward + backward against its PyTorch counterpart, at Transformer sizes (``only``:
+    those cases, by name)."""
 
     import torch.nn.functional as F
 
@@ -1093,6 +1095,8 @@ def _function_rows(rounds: int, device: str, lm_tokens: int) -> Iterator[dict[st
                                          lambda: clamped_glu(gate_up, gate, pol.quant_config("silu", 2))),
     }
     for name, (plain, slim) in cases.items():
+        if only is not None and name not in only:
+            continue
         # A dense upstream gradient, as a model's next layer hands back (sum().backward() would give an expanded
         # one, which no real backward sees and which sends contiguity-checking fast paths elsewhere).
         grad = torch.randn_like(plain().detach())
