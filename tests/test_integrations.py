@@ -369,11 +369,16 @@ def test_a_converted_model_compiles_with_no_more_graph_breaks_or_warnings_than_p
 
 def test_attention_with_sinks_and_keys_that_are_the_values_compiles_with_no_graph_break():
     # DeepSeek V4's attention: sinks, and its keys are its values (attention_interface(self, q, kv, kv, ...)): dynamo
-    # traces no autograd Function handed one tensor twice, a graph break at every layer (24 in this tiny model).
+    # traces no autograd Function handed one tensor twice, a graph break at every layer (24 in the 3-layer tiny model).
     from slimact.zoo import build_auto, tiny_config, tiny_inputs
 
+    config = tiny_config("deepseek_v4")
+    # (two layers: each attention type, heavily compressed and compressed sparse, and each MLP type, once)
+    config.num_hidden_layers = 2
+    config.layer_types, config.mlp_layer_types = config.layer_types[:2], config.mlp_layer_types[:2]
+    assert len(set(config.layer_types)) == len(set(config.mlp_layer_types)) == 2
     torch.manual_seed(0)
-    model = build_auto("DeepseekV4ForCausalLM", tiny_config("deepseek_v4")).train()
+    model = build_auto("DeepseekV4ForCausalLM", config).train()
     inputs = tiny_inputs(model, "causal-lm")
     slim = slimact.convert(copy.deepcopy(model), "tempo")
     torch._dynamo.reset()
