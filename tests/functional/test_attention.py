@@ -1514,3 +1514,26 @@ def test_one_forward_keeps_one_copy_of_a_mask_and_a_changed_mask_anew():
     for a, e in zip(torch.autograd.grad(changed, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g),
                     strict=True):
         torch.testing.assert_close(a, e)
+
+
+def test_a_mask_alive_for_the_whole_run_is_kept_anew_each_forward_and_remembered_once():
+    # A mask buffer of the model's (a causal mask registered once) outlives every forward: each forward packs it
+    # afresh (it may have changed between steps without its version moving: a refilled numpy array), and what is
+    # remembered of it stays one entry, not one per step.
+    from slimact.quant import reference
+
+    base = _kept_mask_case("bool")
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.float32))
+    kept = []
+    for step in range(4):
+        reference.begin_stream(step)
+        try:
+            out = scaled_dot_product_attention(q, k, v, attn_mask=base[..., :24])
+            kept.append(next(x for x in _saved(out) if x.dtype == torch.uint8).data_ptr())
+        finally:
+            reference.end_stream()
+        del out
+    entries = [key for key in attention_mod._kept_masks if key[1] == base.untyped_storage().data_ptr()]
+    assert len(entries) == 1
+    del base
+    assert not [key for key in attention_mod._kept_masks if key in entries]  # (dropped with the mask)

@@ -79,6 +79,7 @@ is within its documented error (tests assert SQNR >= 30 dB).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -332,17 +333,25 @@ def _saved_mask(mask: Tensor | None, one_fill: bool | None = None) -> Mask | Ten
     if kept is None:
         kept = _mask_bits(mask, one_fill)
         if key is not None:
-            # (a view dies with its call: the entry lives with the tensor that owns the memory, which outlives the
-            # layers)
+            # The entry lives with the tensor that owns the memory (a view dies with its call; the owner outlives the
+            # layers), one per place: the next forward's replaces it (a mask buffer of the model's, alive for the
+            # whole run, would otherwise gather one entry per step).
             owner = mask if mask._base is None else mask._base
-            _kept_masks[key] = (weakref.ref(owner, lambda _ref, key=key: _kept_masks.pop(key, None)), mask._version,
-                                reference.current_stream(), kept)
+            ref = weakref.ref(owner, functools.partial(_forget_mask, key))
+            _kept_masks[key] = (ref, mask._version, reference.current_stream(), kept)
     return kept
 
 
-#: (forward stream's id, where the mask lies) -> (weak reference to the mask's owner, its version, the forward
-#: stream, what is kept of it): :func:`_saved_mask`.
+#: Where a mask lies (:func:`_kept_mask`) -> (weak reference to the mask's owner, its version, the forward stream,
+#: what is kept of it): :func:`_saved_mask`.
 _kept_masks: dict[tuple, tuple] = {}
+
+
+def _forget_mask(key: tuple, ref: weakref.ref) -> None:
+    """Drop the entry of ``key`` when its owner dies (not a later entry of the same place, made for another owner)."""
+    entry = _kept_masks.get(key)
+    if entry is not None and entry[0] is ref:
+        del _kept_masks[key]
 
 
 def _kept_mask(mask: Tensor) -> tuple[tuple | None, Mask | Tensor | None]:
@@ -351,8 +360,8 @@ def _kept_mask(mask: Tensor) -> tuple[tuple | None, Mask | Tensor | None]:
     stream = reference.current_stream()
     if stream is None or torch.compiler.is_compiling():
         return None, None
-    key = (id(stream), mask.device, mask.untyped_storage().data_ptr(), mask.storage_offset(), mask.shape,
-           mask.stride(), mask.dtype)
+    key = (mask.device, mask.untyped_storage().data_ptr(), mask.storage_offset(), mask.shape, mask.stride(),
+           mask.dtype)
     hit = _kept_masks.get(key)
     if hit is None or hit[0]() is None or hit[1] != mask._version or hit[2] is not stream:
         return key, None
