@@ -469,6 +469,8 @@ class Routing:
         self._probs = _Notes()
         # Outputs of routed ReLUs (non-negative: their square is squared ReLU).
         self._relus = _Notes()
+        # Outputs of routed grouped products (an experts layer's: weighed by the routing weights next)
+        self._grouped = _Notes()
         self._dropped = _Notes()
         for name, module in attention:
             kinds = frozenset(k for k in _ATTENTION_CALLS if self.policy.skip_reason(k, name) is None)
@@ -605,7 +607,9 @@ class Routing:
         cfg = self._cfg("linear", mat_a)
         if cfg is None:
             return None
-        return grouped_mm(mat_a, mat_b, offs, cfg, torch._grouped_mm if native else _transformers_grouped_mm())
+        y = grouped_mm(mat_a, mat_b, offs, cfg, torch._grouped_mm if native else _transformers_grouped_mm())
+        self._grouped.put(y, True)
+        return y
 
     def _dropout(self, x, p=0.5, training=True, inplace=False):
         if not training or inplace or not _wants_grad(x):
@@ -671,6 +675,9 @@ class Routing:
         not clear-cut (:func:`slimact.functional.product.broadcast_big`), outside the dtypes slimact packs, and for
         any other large factor (a gate times a linear layer's output, attention's ``probs * mask``, a
         squeeze-excitation's ``x * sigmoid(s)[..., None, None]``: nothing of slimact's keeps that factor already)."""
+        weighted = self._weighted_experts(x, y)
+        if weighted is not None:
+            return weighted
         if output_kept_as(x) is None and output_kept_as(y) is None:  # (first: most products are no norm's)
             return None
         big = broadcast_big(x, y)
@@ -694,6 +701,25 @@ class Routing:
         if at < 0 or b.shape[at] != a.shape[channel]:
             return None
         cfg = self._cfg(kept[0], a)
+        return None if cfg is None else broadcast_product(x, y, cfg)
+
+    def _weighted_experts(self, x: Tensor, y: Tensor) -> Tensor | None:
+        """``out * w[:, None]``: an experts layer's routed grouped product's output (``[S, N]``, unchanged since)
+        weighed by its routing weights (``[S, 1]``, needing a gradient), as transformers' experts implementations
+        weigh their down projection: ``out`` kept with the linear kind's codes, ``w`` exact
+        (:func:`slimact.functional.product.broadcast_product`), where plain keeps ``out`` in full precision (3 of the
+        10 KiB a routed token of a 768-wide Mixtral kept). The routing weights' gradient, ``sum(grad * out)`` per row,
+        then carries ``out``'s 8-bit error into the router's: tiny Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek V3's
+        router weights kept cosine >= 0.9999 to plain's gradients (the sweep's rows: docs/models.md). ``None``: any
+        other product."""
+        big = broadcast_big(x, y)
+        if big is None:
+            return None
+        a, b = (x, y) if big == 0 else (y, x)
+        if (a.dim() != 2 or tuple(b.shape) != (a.shape[0], 1) or a.dtype not in COMPRESSIBLE_DTYPES
+                or not _wants_grad(b) or self._grouped.get(a) is None):
+            return None
+        cfg = self._cfg("linear", a)
         return None if cfg is None else broadcast_product(x, y, cfg)
 
     def _gelu(self, x, approximate="none"):
