@@ -68,6 +68,11 @@ def experts_bytes(report: Report) -> int:
 
 
 def main() -> None:
+    write_results(memory(), "experts")
+    write_results(speed(), "experts_speed")
+
+
+def memory() -> list[dict]:
     rows = []
     for name, build, label, as_written in MODELS:
         plain = build()
@@ -90,8 +95,7 @@ def main() -> None:
                     **environment("cpu"),
                 })
                 print(rows[-1])
-    write_results(rows, "experts")
-    write_results(speed(), "experts_speed")
+    return rows
 
 
 def speed(rounds: int = 11) -> list[dict]:

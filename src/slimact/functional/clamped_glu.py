@@ -14,9 +14,8 @@ What it keeps: ``x`` alone, with the policy's codes (1 byte per element at 8 bit
 and which elements the clamps cut (1 bit per element: a restored element within half a step of a limit could lie on
 its other side, where the clamp passes the other gradient), or exactly under a lossless policy. PyTorch keeps, per
 routed token, ``x`` (both clamps save their input, a view of it), ``sigmoid``'s output, ``g'``, ``u' + c`` and the
-product ``g' * sigmoid`` (each ``[S, I]``), and the unit's output kept by the down projection: ``6I`` elements
-(``2I + 4I``; for the ``silu`` form ``g'``, ``u'`` and ``x``, ``4I``), against ``2.25 I`` bytes at 8 bits or ``2I``
-elements exactly.
+product ``g' * sigmoid`` (each ``[S, I]``): ``6I`` elements (``2I + 4I``; for the ``silu`` form ``x``, ``g'``,
+``silu(g')`` and ``u'``, ``5I``), against ``2.25 I`` bytes at 8 bits or ``2I`` elements exactly.
 
 Error: the forward is the model's, exactly. The gradient is the gradient at ``x_hat``, ``|x - x_hat| <= step/2`` per
 element (``step = range / 255`` of its scale group), with the clamps' gradients at ``x``: the smooth factors move
@@ -49,13 +48,9 @@ class GateForm:
     alpha: float | None
     offset: float
 
-    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``x``'s gate and up columns (views)."""
-        return _split(x, self.interleaved)
-
     def __call__(self, x: Tensor) -> Tensor:
         """The unit, with the ops and in the order the models write it (the same bits)."""
-        gate, up = self.split(x)
+        gate, up = _split(x, self.interleaved)
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = F.silu(gate) if self.alpha is None else gate * torch.sigmoid(gate * self.alpha)
