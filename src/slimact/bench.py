@@ -832,7 +832,8 @@ def _interleaved(fns: dict[str, Any], rounds: int, warmup: int = 2, device: str 
 def ops(*, mib: float = 64, rounds: int = 7, device: str = "cpu", lm_tokens: int = 1024,
         sizes: Sequence[float] = ()) -> Iterator[dict[str, Any]]:
     """Rows of per-op micro-benchmarks (see the module docstring): ratios measured interleaved; the LM head and
-    loss at ``lm_tokens`` tokens; the per-layout rows (:func:`bandwidth`) also at each of ``sizes`` MiB."""
+    loss at ``lm_tokens`` tokens, a mixture-of-experts layer's products at ``2 * lm_tokens`` routed ones; the
+    per-layout rows (:func:`bandwidth`) also at each of ``sizes`` MiB."""
 
     from slimact.quant import QuantConfig, RunningRange, backend_for, pack, unpack
 
@@ -1063,12 +1064,13 @@ def _function_rows(rounds: int, device: str, lm_tokens: int,
 
     pol = Policy()
     x = torch.randn(4, 256, 768, device=device, requires_grad=True)
-    # A mixture-of-experts layer of GPT-2 widths: 1024 tokens routed to 2 of 8 experts of 2048 (rows sorted by expert,
-    # 256 each), the up product, and gpt-oss's clamped gated unit on its [S, 2I] output.
-    routed = torch.randn(2048, 768, device=device, requires_grad=True)
+    # A mixture-of-experts layer of GPT-2 widths: lm_tokens tokens routed to 2 of 8 experts of 2048 (rows sorted by
+    # expert, as many each), the up product, and gpt-oss's clamped gated unit on its [S, 2I] output.
+    rows = 2 * lm_tokens
+    routed = torch.randn(rows, 768, device=device, requires_grad=True)
     experts = (torch.randn(8, 768, 2048, device=device) * 0.02).requires_grad_()
-    offs = torch.arange(256, 2049, 256, device=device, dtype=torch.int32)
-    gate_up = (torch.randn(2048, 4096, device=device) * 3).requires_grad_()
+    offs = (torch.arange(1, 9, device=device) * rows // 8).to(torch.int32)
+    gate_up = (torch.randn(rows, 4096, device=device) * 3).requires_grad_()
     gate = GateForm(interleaved=True, limit=7.0, alpha=1.702, offset=1.0)
     w = torch.randn(3072, 768, device=device, requires_grad=True)
     ln_w = torch.ones(768, device=device, requires_grad=True)
