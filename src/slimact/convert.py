@@ -330,7 +330,8 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
            and not any(isinstance(sub, SlimModule) for sub in m.modules() if kind_of(sub) == "attention")
            and (filter_fn is None or filter_fn(m, name))]
     # Experts modules whose clamped gated unit slimact computes (the silu kind's codes), unless left alone by name
-    as_written = [name for name, m in model.named_modules() if any(m is e for e in excluded)]
+    excluded_ids = {id(m) for m in excluded}
+    as_written = [name for name, m in model.named_modules() if id(m) in excluded_ids]
     gates = [(m, form) for name, m in model.named_modules()
              if pol.skip_reason("silu", name) is None and not any(_at_or_under(name, n) for n in as_written)
              and (filter_fn is None or filter_fn(m, name)) and (form := gate_form(m)) is not None]

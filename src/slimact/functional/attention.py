@@ -373,11 +373,14 @@ def _own(mask: Tensor) -> Tensor:
     return mask[tuple(slice(0, 1) if st == 0 else slice(None) for st in mask.stride())]
 
 
-def _one_fill(own: Tensor) -> tuple[Tensor, Tensor]:
-    """An additive mask's fill value (its minimum) and whether it holds 0 and that value alone (a 0-dim bool tensor,
-    not read)."""
-    fill = own.amin() if own.numel() else own.new_zeros(())
-    return fill, ((own == 0) | (own == fill)).all()
+def _fill(own: Tensor) -> Tensor:
+    """An additive mask's fill value: its minimum (0-dim)."""
+    return own.amin() if own.numel() else own.new_zeros(())
+
+
+def _one_fill(own: Tensor, fill: Tensor) -> Tensor:
+    """Whether an additive mask holds 0 and ``fill`` alone (a 0-dim bool tensor, not read)."""
+    return ((own == 0) | (own == fill)).all()
 
 
 def _mask_bits(mask: Tensor, one_fill: bool | None = None) -> Mask | Tensor:
@@ -395,8 +398,8 @@ def _mask_bits(mask: Tensor, one_fill: bool | None = None) -> Mask | Tensor:
         return Mask(pack_mask(own), own.shape, None, full)
     if torch.compiler.is_compiling():
         return mask
-    fill, flag = _one_fill(own)
-    if not (bool(flag) if one_fill is None else one_fill):
+    fill = _fill(own)
+    if not (bool(_one_fill(own, fill)) if one_fill is None else one_fill):
         return mask
     return Mask(pack_mask(own == fill), own.shape, fill, full)
 
@@ -552,7 +555,7 @@ class _ChunkedAttention(SlimFunction):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, cfg_q, cfg_kv, state, math_forward=False,
-                sinks=None):
+                sinks=None, one_fill=None):
         b, h, t, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
         add = _additive(mask, torch.float32)
@@ -602,7 +605,7 @@ class _ChunkedAttention(SlimFunction):
         if dead is not None:
             out = out.masked_fill(dead, 0)
         ctx.args = (is_causal, scale, dropout_p, v.dtype)
-        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), _saved_mask(mask), dead, rng, sinks)
+        save(ctx, *_pack_qkv(ctx, q, k, v, cfg_q, cfg_kv, state), _saved_mask(mask, one_fill), dead, rng, sinks)
         return out
 
     @staticmethod
@@ -680,7 +683,7 @@ class _ChunkedAttention(SlimFunction):
         gk, gv = (x.squeeze(2) if rep == 1 else x.sum(2) for x in (gk, gv))
         grad_sinks = gsink.reshape(h).to(sinks.dtype) if gsink is not None else None
         return (gq.reshape(b, h, t, d).to(q.dtype), gk.to(k.dtype), gv.to(v.dtype),
-                grad_mask, None, None, None, None, None, None, None, grad_sinks)
+                grad_mask, None, None, None, None, None, None, None, grad_sinks, None)
 
 
 def _scaled_queries(q: Tensor, scale: float) -> Tensor:
@@ -1047,7 +1050,8 @@ def scaled_dot_product_attention(
             if attn_mask.is_floating_point():  # rows masked with a finite fill only: the chunked path (SWAMPED_FILL)
                 flags["swamped"] = _swamped(attn_mask)
                 if not attn_mask.requires_grad and _kept_mask(attn_mask)[1] is None:  # (for _saved_mask)
-                    flags["one_fill"] = _one_fill(_own(attn_mask))[1]
+                    own = _own(attn_mask)
+                    flags["one_fill"] = _one_fill(own, _fill(own))
     elif kind is not None:
         dead = _dead_rows(attn_mask)  # (compiling: no read; the rows are masked whether or not any is dead)
     if flags:
@@ -1072,7 +1076,7 @@ def scaled_dot_product_attention(
                                         one_fill)
     # (with sinks PyTorch has no kernel of its own to match: the chunked path's rows, which add the sink)
     return _ChunkedAttention.apply(query, key, value, attn_mask, is_causal, scale, dropout_p, cfg, cfg, state,
-                                   math_forward and sinks is None, sinks)
+                                   math_forward and sinks is None, sinks, one_fill)
 
 
 def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,

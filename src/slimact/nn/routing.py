@@ -712,6 +712,8 @@ class Routing:
         then carries ``out``'s 8-bit error into the router's: tiny Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek V3's
         router weights kept cosine >= 0.9999 to plain's gradients (the sweep's rows: docs/models.md). ``None``: any
         other product."""
+        if self._grouped.get(x) is None and self._grouped.get(y) is None:  # (first: most products are no experts')
+            return None
         big = broadcast_big(x, y)
         if big is None:
             return None
