@@ -337,7 +337,7 @@ def _saved_mask(mask: Tensor | None, one_fill: bool | None = None) -> Mask | Ten
             # layers), one per place: the next forward's replaces it (a mask buffer of the model's, alive for the
             # whole run, would otherwise gather one entry per step).
             owner = mask if mask._base is None else mask._base
-            ref = weakref.ref(owner, functools.partial(_forget_mask, key))
+            ref = weakref.ref(owner, functools.partial(_forget_mask, _kept_masks, key))
             _kept_masks[key] = (ref, mask._version, reference.current_stream(), kept)
     return kept
 
@@ -347,11 +347,13 @@ def _saved_mask(mask: Tensor | None, one_fill: bool | None = None) -> Mask | Ten
 _kept_masks: dict[tuple, tuple] = {}
 
 
-def _forget_mask(key: tuple, ref: weakref.ref) -> None:
-    """Drop the entry of ``key`` when its owner dies (not a later entry of the same place, made for another owner)."""
-    entry = _kept_masks.get(key)
+def _forget_mask(masks: dict, key: tuple, ref: weakref.ref) -> None:
+    """Drop the entry of ``key`` from ``masks`` (:data:`_kept_masks`, bound by the callback: at interpreter exit an
+    owner can die after this module's globals are cleared) when its owner dies, not a later entry of the same
+    place, made for another owner."""
+    entry = masks.get(key)
     if entry is not None and entry[0] is ref:
-        del _kept_masks[key]
+        del masks[key]
 
 
 def _kept_mask(mask: Tensor) -> tuple[tuple | None, Mask | Tensor | None]:
