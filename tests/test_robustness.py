@@ -463,6 +463,7 @@ _CHANGES = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:slimact. .* changed since convert")  # (a changed child runs the block's code)
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
 @pytest.mark.parametrize("change", list(_CHANGES))
 def test_a_model_changed_after_convert_computes_what_the_changed_plain_model_does(change, policy):
@@ -493,6 +494,141 @@ def test_a_model_changed_after_convert_computes_what_the_changed_plain_model_doe
     (out0, g0), (out1, g1) = steps
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+class _Swish(nn.Module):
+    """``x * sigmoid(beta x)``: SiLU at ``beta == 1``, recognised as one by its probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beta = 1.0
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.beta * x)
+
+
+class _ClassSwish(nn.Module):
+    beta = 1.0  # (read from the class)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.beta * x)
+
+
+class _TensorSwish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.beta = torch.tensor(1.0)  # (a plain tensor attribute: neither parameter nor buffer)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.beta * x)
+
+
+class _FlagNorm(nn.Module):
+    """An RMSNorm, a LayerNorm where ``center`` is set."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.eps, self.center = 1e-6, False
+
+    def forward(self, x):
+        if self.center:
+            x = x - x.mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class _MupMLP(nn.Module):
+    """Meta's Llama feed-forward with a muP-style output multiplier (1 until a set-up sets it)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(width, 24, bias=False), nn.Linear(width, 24, bias=False)
+        self.w2 = nn.Linear(24, width, bias=False)
+        self.output_mult = 1.0
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x)) * self.output_mult
+
+
+class _ModelCodeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp, self.fc = _FlagNorm(8), _MupMLP(8), nn.Linear(8, 8)
+        self.act, self.class_act, self.tensor_act = _Swish(), _ClassSwish(), _TensorSwish()
+
+    def forward(self, x):
+        h = self.mlp(self.norm(x))
+        return self.tensor_act(self.class_act(self.act(self.fc(h)) * 2) * 2)
+
+
+#: A value a module written in model code reads in its forward, set after ``convert`` recognised the module with
+#: the old one: (the module, its converted kind, the change).
+_VALUE_CHANGES = {
+    "Swish beta": ("act", "silu", lambda m: setattr(m.act, "beta", 1.7)),
+    "class attribute": ("class_act", "silu", lambda m: setattr(type(m.class_act), "beta", 1.7)),
+    "tensor attribute written in place": ("tensor_act", "silu", lambda m: m.tensor_act.beta.fill_(1.7)),
+    "norm flag": ("norm", "rmsnorm", lambda m: setattr(m.norm, "center", True)),
+    "muP multiplier": ("mlp", "mlp", lambda m: setattr(m.mlp, "output_mult", 0.25)),
+}
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["after", "then converted again"])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("change", list(_VALUE_CHANGES))
+def test_a_value_model_code_reads_set_after_convert_is_the_one_computed(change, policy, again, monkeypatch):
+    # A module recognised by a probe of its own forward (a Swish at beta 1 is a SiLU; a gated MLP whose multiplier
+    # is 1) was computed as the form probed after the value changed: the gated MLP's forward dropped the multiplier
+    # (0.27 off), the Swish's gradient was the SiLU's (cosine 0.96), and converting again left both as they were.
+    # Now such a module runs its own code, with a warning, and a second convert recognises it afresh.
+    import warnings
+
+    from _harness import assert_gradients_close, assert_gradients_equal
+
+    monkeypatch.setattr(_ClassSwish, "beta", 1.0)  # (restored after the test: the change sets the class's)
+    name, kind, apply = _VALUE_CHANGES[change]
+    torch.manual_seed(0)
+    plain = _ModelCodeBlock().train()
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert slim.get_submodule(name)._slimact_kind == kind  # (recognised as the form, before the change)
+    apply(plain)
+    apply(slim) if change != "class attribute" else None
+    x = torch.randn(3, 5, 8) * 3
+    if again:
+        slimact.convert(slim, policy)
+        fresh = slimact.convert(copy.deepcopy(plain), policy)
+        assert slimact.summary(slim).converted == slimact.summary(fresh).converted
+    steps = []
+    for model in (plain, slim):
+        xi = x.clone().requires_grad_(True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = model(xi)
+        (out * torch.linspace(-1.0, 2.0, out.numel()).view(out.shape)).sum().backward()
+        steps.append((out.detach(), {"input": xi.grad, **{n: p.grad for n, p in model.named_parameters()}}))
+    warned = [str(w.message) for w in seen if "changed since convert" in str(w.message)]
+    assert len(warned) == (0 if again else 1), warned
+    (out0, g0), (out1, g1) = steps
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+def test_a_converted_module_copied_or_saved_keeps_its_recognition():
+    # What a probe ran with is held by reference (a function, a tensor attribute with its version), so a deep copy or
+    # a pickle of the model, whose objects are new ones, is recognised as the model was: no fallback, no warning.
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+    slim = slimact.convert(_ModelCodeBlock().train(), "int8")
+    slim.tensor_act.beta.add_(0)  # (its version moves before the copy: the copy's starts anew)
+    slimact.convert(slim, "int8")
+    buf = io.BytesIO()
+    torch.save(slim, buf)
+    for model in (copy.deepcopy(slim), torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(torch.randn(2, 8)).sum().backward()
+        assert all(m._slimact_as_probed() for m in model.modules() if isinstance(m, slimact.nn.SlimModule))
 
 
 class _InPlaceAfter(nn.Module):

@@ -55,8 +55,10 @@ __all__ = [
     "kind_of",
     "norm_eps",
     "norm_form",
+    "probed_state",
     "recognise",
     "uses_attention_interface",
+    "written_in_model_code",
 ]
 
 
@@ -1015,6 +1017,88 @@ _RULES: tuple[Callable[[nn.Module, type], Recognised | None], ...] = (
     _rule_activation,
     _rule_reported,
 )
+
+
+#: What every ``nn.Module`` holds in its ``__dict__`` (its tables and ``training``): no value a forward computes with.
+_MODULE_TABLES = frozenset(nn.Module().__dict__)
+#: Values a :func:`probed_state` compares by value; anything else by identity (:class:`_Same`).
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class _Same:
+    """An object a :func:`probed_state` compares by identity (a function, a config, a tensor with its version: one
+    written in place moves). Held, not its ``id``: a deep copy or a pickle of the module maps it to the copy's."""
+
+    __slots__ = ("obj", "version")
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+        self.version = (0 if obj.is_inference() else obj._version) if isinstance(obj, Tensor) else None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj and other.version == self.version
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self.obj).__name__} at {id(self.obj):#x}" + ("" if self.version is None else f" v{self.version}")
+
+    def __getstate__(self) -> tuple:
+        return self.obj, None  # (a copied tensor's version counter starts anew: taken again where it lands)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.__init__(state[0])
+
+
+def _value_key(value: object, depth: int = 0) -> object:
+    """What of ``value`` a :func:`probed_state` compares: a plain value itself, a short tuple, list or dict its
+    items', anything else its identity."""
+    if isinstance(value, _PLAIN_VALUES):
+        return value
+    if depth < 2 and isinstance(value, (tuple, list)) and len(value) <= 64:
+        return (type(value), tuple(_value_key(v, depth + 1) for v in value))
+    if depth < 2 and isinstance(value, dict) and len(value) <= 64:
+        return (dict, tuple((k, _value_key(v, depth + 1)) for k, v in value.items()))
+    return _Same(value)
+
+
+_class_names: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def _class_values(cls: type) -> tuple:
+    """The plain class attributes of ``cls`` and of its bases written in model code (not torch's, slimact's or
+    Python's own): a forward reads them as it reads its instance's (``beta = 1.0`` in a class body)."""
+    names = _class_names.get(cls)
+    if names is None:
+        names = _class_names[cls] = tuple(dict.fromkeys(
+            name for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))
+            for name, value in c.__dict__.items()
+            if not name.startswith("__") and isinstance(value, (*_PLAIN_VALUES, tuple))))
+    return tuple((name, _value_key(getattr(cls, name, None))) for name in names)
+
+
+def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> tuple:
+    """The values ``module``'s own forward may read besides its parameters and buffers (its attributes, its
+    class's plain attributes), and those of its children ``parts`` (the child itself, where a torch class's). A
+    module written in model code is recognised by a probe of its forward with these values (a Swish's ``beta``, a
+    muP multiplier of a gated MLP's output, a flag choosing its activation) and its replacement computes that form:
+    where one has changed since, the replacement would compute another function than the module's code does
+    (:meth:`slimact.nn._base.SlimModule._slimact_as_probed`)."""
+    own = module.__dict__
+    state = tuple((name, _value_key(value)) for name, value in own.items()
+                  if name not in _MODULE_TABLES and not name.startswith(("_slimact_", "__")))  # (convert's own)
+    state += _class_values(_cls(module))
+    for part in parts:  # (a torch class's own, nn.GELU's approximate, the replacement reads live)
+        child = own["_modules"].get(part)
+        state += ((part, _Same(child) if child is None or not written_in_model_code(_cls(child))
+                   else probed_state(child)),)
+    return state
+
+
+def written_in_model_code(cls: type) -> bool:
+    """Whether ``cls``'s forward is model code (recognised by a probe of it), not a ``torch.nn`` class's own."""
+    base = _torch_base(cls)
+    return base is None or cls.forward is not base.forward
 
 
 def recognise(module: nn.Module) -> Recognised:

@@ -20,7 +20,17 @@ import torch
 from torch import nn
 
 from slimact import attention
-from slimact._kinds import Recognised, forget, forward_names, kind_of, recognise, uses_attention_interface
+from slimact._kinds import (
+    Recognised,
+    _cls,
+    forget,
+    forward_names,
+    kind_of,
+    probed_state,
+    recognise,
+    uses_attention_interface,
+    written_in_model_code,
+)
 from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach, refuse_script
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
@@ -264,6 +274,7 @@ def convert(
             skipped[name] = "computed by its parent (a fused gated MLP or attention module)"
             continue
         if slim_cls is None:
+            detach(module)  # (converted by an earlier call, recognised no more: an attribute changed since)
             if unsupported is not None:
                 skipped[name] = unsupported
             continue
@@ -275,7 +286,9 @@ def convert(
             detach(module)
             skipped[name] = reason
             continue
-        attach(module, slim_cls, pol, kind, steps, **found.extra)
+        # (a module written in model code: what its forward reads besides its tensors, as its probe ran)
+        probed = (found.parts, probed_state(module, found.parts)) if written_in_model_code(_cls(module)) else None
+        attach(module, slim_cls, pol, kind, steps, probed=probed, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
     _route_calls(model, pol, skipped, filter_fn, numbered)
     _route_attention(model, pol, skipped, filter_fn, steps, numbered)

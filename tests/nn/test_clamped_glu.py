@@ -207,3 +207,25 @@ def test_a_gate_and_shared_masks_under_gradient_checkpointing(reentrant):
     (loss0, g0), (loss1, g1) = loss_grads(plain, inputs), loss_grads(slim, inputs)
     torch.testing.assert_close(loss1, loss0)
     assert_gradients_equal(g0, g1)
+
+
+def test_a_limit_set_after_convert_is_the_one_clamped_at():
+    # The gate's form was probed with the module's limit at convert time: one set after (a schedule, a config
+    # loaded into the module) was ignored, the forward clamping at the old limit. Now the gate runs as written,
+    # with a warning, and a second convert probes the new limit.
+    torch.manual_seed(0)
+    plain = _Moe()
+    x = torch.randn(4, 6, 8)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    for model in (plain, slim):
+        model.experts.limit = 3.0
+    with pytest.warns(UserWarning, match="changed since convert probed its _apply_gate"):
+        (l1, g1) = _step(slim, x)
+    (l0, g0) = _step(plain, x)
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+    slimact.convert(slim, "tempo")
+    assert slim.experts.__dict__[GATE_ATTR].form.limit == 3.0
+    (l2, g2) = _step(slim, x)
+    torch.testing.assert_close(l2, l0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g2)

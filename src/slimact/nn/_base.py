@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from slimact._kinds import probed_state
 from slimact.functional._saving import transformed
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
@@ -184,7 +186,29 @@ class SlimModule:
         RMSNorm, ``norm(x, gate)``: a module recognised by a probe then computes something else) or its input by
         keyword (``linear(input=x)``, ``norm(hidden_states=h)``: a name the module's own forward knows) runs the
         module's own code."""
-        return len(args) == 1 and not kwargs and self._slimact_active(args[0])
+        return len(args) == 1 and not kwargs and self._slimact_active(args[0]) and self._slimact_as_probed()
+
+    def _slimact_as_probed(self) -> bool:
+        """Whether a module written in model code still holds the values its forward was recognised with
+        (:func:`slimact._kinds.probed_state`, taken by ``convert``): one set since (a Swish's ``beta`` scheduled, a
+        muP multiplier of a gated MLP's output, a flag switching its activation) runs the module's own code, with
+        a warning, where the replacement would compute the form probed (the gated MLP dropped the multiplier from
+        its forward; the Swish differentiated the SiLU it was). Not checked under ``torch.compile``."""
+        probed = self.__dict__.get("_slimact_probed")
+        if probed is None or torch.compiler.is_compiling():
+            return True
+        parts, state = probed
+        now = probed_state(self, parts)  # type: ignore[arg-type]
+        if now == state:
+            return True
+        if not self.__dict__.get("_slimact_warned"):
+            self.__dict__["_slimact_warned"] = True
+            changed = sorted({n for n, v in set(_items(now)) ^ set(_items(state))})
+            warnings.warn(
+                f"slimact: {', '.join(changed)} of {self._slimact_orig_cls.__qualname__} changed since convert "
+                "recognised what its forward computes: it runs its own code from now on, keeping what PyTorch "
+                "keeps; slimact.convert(model) again recognises it afresh", stacklevel=3)
+        return False
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""
@@ -224,6 +248,12 @@ class SlimModule:
         slim = f"slimact: {self._slimact_kind}, policy {p.name!r}"
         base = super().extra_repr()  # type: ignore[misc]
         return f"{base}, {slim}" if base else slim
+
+
+def _items(state: tuple) -> Iterator[tuple[str, str]]:
+    """``(name, repr of its value)`` of a :func:`slimact._kinds.probed_state`, for a warning naming what changed."""
+    for name, value in state:
+        yield name, repr(value) if not isinstance(value, tuple) else repr(tuple(map(repr, value)))
 
 
 def _rebuild(mixin: type, cls: type[nn.Module], state: dict | None = None) -> nn.Module:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from slimact._kinds import probed_state
 from slimact.functional._saving import transformed
 from slimact.functional.clamped_glu import GateForm, clamped_glu
 from slimact.quant import QuantConfig
@@ -77,8 +79,24 @@ class Gate:
     def __init__(self, form: GateForm, cfg: Callable[[Tensor], QuantConfig | None]) -> None:
         self.form = form
         self.cfg = cfg
+        self.owner: nn.Module | None = None
+        self.state: tuple = ()
+
+    def watch(self, owner: nn.Module) -> None:
+        """Take the values ``owner``'s gate was probed with (:func:`slimact._kinds.probed_state`; its ``limit``
+        and ``alpha`` among them): where one changes, the class's ``_apply_gate`` runs instead (the form would
+        clamp at the old limit)."""
+        self.owner, self.state = owner, probed_state(owner)
 
     def __call__(self, x: Tensor) -> Tensor:
+        owner = self.owner
+        if owner is not None and not torch.compiler.is_compiling() and probed_state(owner) != self.state:
+            if not getattr(self, "warned", False):
+                self.warned = True
+                warnings.warn(f"slimact: an attribute of {type(owner).__qualname__} changed since convert probed its "
+                              "_apply_gate: it runs as written from now on; slimact.convert(model) again probes it "
+                              "afresh", stacklevel=2)
+            return getattr(type(owner), GATE_ATTR)(owner, x)
         if (not (torch.is_grad_enabled() and x.requires_grad) or x.dtype not in COMPRESSIBLE_DTYPES
                 or torch.compiler.is_compiling() or transformed()):
             return self.form(x)

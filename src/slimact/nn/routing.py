@@ -401,7 +401,8 @@ class Routing:
         #: Experts modules whose ``_apply_gate`` this routing set.
         self.gated = [module for module, _ in gates]
         for module, form in gates:
-            module.__dict__[GATE_ATTR] = Gate(form, functools.partial(self._cfg, "silu"))
+            gate = module.__dict__[GATE_ATTR] = Gate(form, functools.partial(self._cfg, "silu"))
+            gate.watch(module)
         self.excluded_depth = 0
         self.loss = (LossTracker(head, lazy=not policy.keep_logits) if head is not None and self._on("lmloss")
                      else None)
