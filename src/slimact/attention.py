@@ -5,7 +5,8 @@
 * by default it runs :func:`slimact.functional.scaled_dot_product_attention`, the fused path: ``q``, ``k``,
   ``v`` and the output kept 8-bit per head (exact under a lossless policy) plus the log-sum-exp, never a
   ``[T, S]`` tensor, grouped-query heads never repeated;
-* when the caller asks for the probabilities (``output_attentions=True``) it runs the eager path:
+* when the caller asks for the probabilities (``output_attentions=True``) of a model that had eager attention
+  (SDPA returns none, and so does slimact for a model that had it) it runs the eager path:
   ``q @ k^T`` and ``probs @ v`` through slimact's MatMul, the softmax through slimact's Softmax (the
   probabilities 8-bit per head, kept by the softmax and again by ``probs @ v``, which reads them through a
   grouped view the pack cache does not match), dropout as bits.
@@ -426,8 +427,13 @@ def attention_forward(
     policy: Policy | None = module.__dict__.get(POLICY_ATTR)
     if policy is not None:
         module.__dict__[SEEN_ATTR] = True
-        if not module.training or query.dtype not in COMPRESSIBLE_DTYPES or transformed():
-            policy = None  # eval mode (or float64, or a torch.func transform): PyTorch's own attention, nothing packed
+        if (not module.training or not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                                                      or value.requires_grad))
+                or query.dtype not in COMPRESSIBLE_DTYPES or transformed()):
+            # eval mode, no gradient to flow (no_grad: generate() on a model in train mode), float64, a torch.func
+            # transform: the attention the model had, as written, nothing packed (an eager model's logits were
+            # slimact's fused path's, 1.5e-7 off, under no_grad)
+            policy = None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     p = dropout if module.training else 0.0
     if given := [k for k in _KERNEL_ONLY if kwargs.get(k) is not None]:
@@ -438,14 +444,18 @@ def attention_forward(
         )
     if (documents := _documents(module, query, key, attention_mask, is_causal, kwargs)) is not None:
         attention_mask, is_causal = documents, False
+    # Probabilities asked for (output_attentions=True) are returned only where the model had eager attention: SDPA
+    # (and flash, flex) return none, as slimact's fused path then does (its eager path, taken for them, gave rows a
+    # mask leaves nothing to attend to NaN, where SDPA gives 0: a left-padded batch's loss and every gradient NaN).
+    wanted = _probabilities_wanted(kwargs) and _chosen(module) == "eager"
     given = [kwargs[k] for k in _SINKS if kwargs.get(k) is not None]
     sinks = given[0] if len(given) == 1 and _own_sinks(module, given[0], query) else None
     if (any(kwargs.get(k) is not None for k in _EAGER_ONLY) or _as_written_eager(module, policy, attention_mask)
-            or (given and (sinks is None or policy is None or _probabilities_wanted(kwargs)))):
+            or (given and (sinks is None or policy is None or wanted))):
         causal = bool(query.shape[2] > 1 and attention_mask is None
                       and (is_causal if is_causal is not None else getattr(module, "is_causal", True)))
         return _model_eager(module, query, key, value, attention_mask, scaling, p, causal, kwargs)
-    if policy is None and not _probabilities_wanted(kwargs):  # as a plain model with SDPA attention computes it
+    if policy is None and not wanted:  # as a plain model with SDPA attention computes it
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=p, scaling=scaling,
@@ -460,7 +470,7 @@ def attention_forward(
 
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
-    if _probabilities_wanted(kwargs):  # exact (lossless) in eval mode or for modules left alone
+    if wanted:  # exact (lossless) in eval mode or for modules left alone
         out, probs = _eager(module, query, key, value, attention_mask, scaling, p, policy or _EXACT, is_causal)
         return out.transpose(1, 2).contiguous(), probs
     state = None

@@ -159,6 +159,29 @@ def test_summary_reports_a_multihead_attention_whose_calls_ran_its_own_forward(n
         assert summary.modules["attn"] == "attention" and "attn" not in summary.uncovered
 
 
+class _SelfAttention(nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_multihead_attention_keeps_its_output_once_as_plain_does(batch_first):
+    # The converted module projected batch-major, so its attention's output was laid out [B, T, H, D] and the
+    # output projection's [T * B, E] input was a copy of it, both kept: 1.2x plain's bytes under "tempo" (plain
+    # projects time-major: the attention's output is the output projection's input, one tensor).
+    torch.manual_seed(0)
+    plain = _SelfAttention(batch_first).train()
+    x = torch.randn(2, 16, 32) if batch_first else torch.randn(16, 2, 32)
+    kept = {"plain": slimact.profile(plain, x).activation_bytes}
+    for policy in ("tempo", "int8"):
+        kept[policy] = slimact.profile(slimact.convert(copy.deepcopy(plain), policy), x).activation_bytes
+    assert kept["tempo"] <= kept["plain"] and kept["int8"] <= 0.5 * kept["plain"], kept
+
+
 @pytest.mark.parametrize("call", ["time-major-self-attention", "shared-keys-and-values"])
 def test_one_input_is_projected_once_as_plain_projects_it(call):
     # F.multi_head_attention_forward projects an input that is query, key and value at once (one product), and keys
@@ -223,16 +246,55 @@ def test_hf_models_int8_attention_routed(name):
     assert slimact.summary(model).converted["attention"] == 2
     _, approx = loss_grads(model, inputs)
     assert_gradients_close(exact, approx)
-    # The probabilities are still there when asked for, and right.
+    # Probabilities asked for: as the plain model's SDPA attention, none (the eager model's: below).
     model.eval()
     with torch.no_grad():
-        ours = model(**inputs, output_attentions=True).attentions
+        ours = model(**inputs, output_attentions=True)
         slimact.revert(model)
-        model.config._attn_implementation = "eager"
-        theirs = model(**inputs, output_attentions=True).attentions
-    assert len(ours) == len(theirs) == 2
-    for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a, b)
+        theirs = model(**inputs, output_attentions=True)
+    assert ours.attentions == theirs.attentions and torch.equal(ours.logits, theirs.logits)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_probabilities_asked_of_a_model_that_had_sdpa_are_none_as_plain_and_a_padded_row_stays_finite(name, policy):
+    # A model on SDPA returns no probabilities; the converted one ran its eager path for them, whose boolean mask
+    # became -inf scores: a query row with no key to attend to (left padding, a sequence all padding) was NaN, and so
+    # was the loss and every gradient after one step. Now it computes what plain SDPA does.
+    model, inputs = tiny_hf(name, heads=4, kv_heads=2 if name == "llama" else None)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0] = 0  # one sequence all padding
+    mask[1, :5] = 0  # one left-padded
+    padded = {**inputs, "attention_mask": mask}
+    model.train()
+    slim = slimact.convert(copy.deepcopy(model), policy)
+    steps = []
+    for m in (model, slim):
+        out = m(**padded, output_attentions=True)
+        out.loss.backward()
+        steps.append((out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (want, g0), (got, g1) = steps
+    assert got.attentions == want.attentions and torch.equal(got.logits, want.logits)
+    assert torch.isfinite(got.loss) and all(torch.isfinite(g).all() for g in g1.values())
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_model_that_had_eager_attention_in_train_mode_under_no_grad_computes_as_plain(name):
+    # No gradient flows (generate() on a model left in train mode, an evaluation under no_grad): the attention the
+    # model had, as written; the fused path's logits were 1.5e-7 off the eager model's.
+    model, inputs = tiny_hf(name, heads=4, kv_heads=2 if name == "llama" else None)
+    model.config._attn_implementation = "eager"
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    model.train()
+    slim = slimact.convert(copy.deepcopy(model), "int8")
+    with torch.no_grad():
+        torch.testing.assert_close(slim(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
 
 
 def test_eval_mode_has_no_dropout_and_matches_plain():
