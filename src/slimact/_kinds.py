@@ -33,6 +33,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -44,8 +45,10 @@ from slimact.quant.recompute import unseen_by_selective_checkpointing
 __all__ = [
     "GATED_MLP_PARTS",
     "GatedLayout",
+    "Probed",
     "Recognised",
     "activation_form",
+    "changed_since",
     "forget",
     "forward_names",
     "gated_layout",
@@ -1021,8 +1024,9 @@ _RULES: tuple[Callable[[nn.Module, type], Recognised | None], ...] = (
 
 #: What every ``nn.Module`` holds in its ``__dict__`` (its tables and ``training``): no value a forward computes with.
 _MODULE_TABLES = frozenset(nn.Module().__dict__)
-#: Values a :func:`probed_state` compares by value; anything else by identity (:class:`_Same`).
-_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+#: Types a :func:`probed_state` compares by value (exactly these: a subclass, an enum of ints, by identity); anything
+#: else by identity (:class:`_Same`).
+_PLAIN_VALUES = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size))
 
 
 class _Same:
@@ -1033,7 +1037,7 @@ class _Same:
 
     def __init__(self, obj: object) -> None:
         self.obj = obj
-        self.version = (0 if obj.is_inference() else obj._version) if isinstance(obj, Tensor) else None
+        self.version = (0 if obj.is_inference() else obj._version) if issubclass(type(obj), Tensor) else None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Same) and other.obj is self.obj and other.version == self.version
@@ -1052,12 +1056,14 @@ class _Same:
 
 def _value_key(value: object, depth: int = 0) -> object:
     """What of ``value`` a :func:`probed_state` compares: a plain value itself, a short tuple, list or dict its
-    items', anything else its identity."""
-    if isinstance(value, _PLAIN_VALUES):
+    items', anything else its identity. (By ``type``, not ``isinstance``: a failed ``isinstance`` reads the object's
+    ``__class__``, through a Hugging Face configuration's own ``__getattribute__``, 8 us each.)"""
+    cls = type(value)
+    if cls in _PLAIN_VALUES:
         return value
-    if depth < 2 and isinstance(value, (tuple, list)) and len(value) <= 64:
-        return (type(value), tuple(_value_key(v, depth + 1) for v in value))
-    if depth < 2 and isinstance(value, dict) and len(value) <= 64:
+    if depth < 2 and (cls is tuple or cls is list) and len(value) <= 64:
+        return (cls, tuple(_value_key(v, depth + 1) for v in value))
+    if depth < 2 and cls is dict and len(value) <= 64:
         return (dict, tuple((k, _value_key(v, depth + 1)) for k, v in value.items()))
     return _Same(value)
 
@@ -1073,26 +1079,61 @@ def _class_values(cls: type) -> tuple:
         names = _class_names[cls] = tuple(dict.fromkeys(
             name for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))
             for name, value in c.__dict__.items()
-            if not name.startswith("__") and isinstance(value, (*_PLAIN_VALUES, tuple))))
+            if not name.startswith("__") and (type(value) in _PLAIN_VALUES or type(value) is tuple)))
     return tuple((name, _value_key(getattr(cls, name, None))) for name in names)
 
 
-def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> tuple:
+class Probed(NamedTuple):
+    """What :func:`probed_state` took of a module."""
+
+    parts: tuple[str, ...]
+    #: The module's own attributes (its ``__dict__``'s, less ``nn.Module``'s tables and slimact's), in order.
+    names: tuple[str, ...]
+    #: ``len(module.__dict__)`` then: an attribute added since moves it.
+    length: int
+    #: The attributes' keys (:func:`_value_key`), then the class's ``(name, key)`` pairs, then the parts'.
+    values: tuple
+
+
+def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> Probed:
     """The values ``module``'s own forward may read besides its parameters and buffers (its attributes, its
     class's plain attributes), and those of its children ``parts`` (the child itself, where a torch class's). A
     module written in model code is recognised by a probe of its forward with these values (a Swish's ``beta``, a
     muP multiplier of a gated MLP's output, a flag choosing its activation) and its replacement computes that form:
-    where one has changed since, the replacement would compute another function than the module's code does
-    (:meth:`slimact.nn._base.SlimModule._slimact_as_probed`)."""
+    where one has changed since (:func:`changed_since`), the replacement would compute another function than the
+    module's code does."""
+    names = tuple(n for n in module.__dict__ if n not in _MODULE_TABLES and not n.startswith(("_slimact_", "__")))
+    parts = tuple(parts)
+    return Probed(parts, names, len(module.__dict__), _probed_values(module, names, parts))
+
+
+_GONE = object()  # (an attribute deleted since: never equal to what was taken)
+
+
+def _probed_values(module: nn.Module, names: tuple[str, ...], parts: tuple[str, ...]) -> tuple:
     own = module.__dict__
-    state = tuple((name, _value_key(value)) for name, value in own.items()
-                  if name not in _MODULE_TABLES and not name.startswith(("_slimact_", "__")))  # (convert's own)
-    state += _class_values(_cls(module))
+    values = tuple(_value_key(own.get(n, _GONE)) for n in names) + _class_values(_cls(module))
     for part in parts:  # (a torch class's own, nn.GELU's approximate, the replacement reads live)
         child = own["_modules"].get(part)
-        state += ((part, _Same(child) if child is None or not written_in_model_code(_cls(child))
-                   else probed_state(child)),)
-    return state
+        values += ((part, _Same(child) if child is None or not written_in_model_code(_cls(child))
+                    else probed_state(child)),)
+    return values
+
+
+def changed_since(module: nn.Module, probed: Probed) -> list[str] | None:
+    """``None`` where ``module`` holds the values of ``probed`` (a few microseconds: its named attributes alone are
+    read), else the names of those that changed (or came or went): ``[]`` where only attributes it does not take
+    came (slimact's own, set as the module runs: the caller takes the new count, :meth:`Probed._replace`)."""
+    if len(module.__dict__) == probed.length and _probed_values(module, probed.names, probed.parts) == probed.values:
+        return None
+    now = probed_state(module, probed.parts)
+
+    def named(p: Probed) -> dict[str, str]:
+        own = dict(zip(p.names, p.values, strict=False))
+        return {n: repr(v) for n, v in (*own.items(), *p.values[len(p.names):])}
+
+    before, after = named(probed), named(now)
+    return sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
 
 
 def written_in_model_code(cls: type) -> bool:

@@ -287,7 +287,7 @@ def convert(
             skipped[name] = reason
             continue
         # (a module written in model code: what its forward reads besides its tensors, as its probe ran)
-        probed = (found.parts, probed_state(module, found.parts)) if written_in_model_code(_cls(module)) else None
+        probed = probed_state(module, found.parts) if written_in_model_code(_cls(module)) else None
         attach(module, slim_cls, pol, kind, steps, probed=probed, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
     _route_calls(model, pol, skipped, filter_fn, numbered)

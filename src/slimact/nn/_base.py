@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimact._kinds import probed_state
+from slimact._kinds import changed_since
 from slimact.functional._saving import transformed
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
@@ -197,17 +197,17 @@ class SlimModule:
         probed = self.__dict__.get("_slimact_probed")
         if probed is None or torch.compiler.is_compiling():
             return True
-        parts, state = probed
-        now = probed_state(self, parts)  # type: ignore[arg-type]
-        if now == state:
+        changed = changed_since(self, probed)  # type: ignore[arg-type]
+        if not changed:
+            if changed is not None:  # (slimact's own attributes came: their count, not to look again)
+                self.__dict__["_slimact_probed"] = probed._replace(length=len(self.__dict__))
             return True
         if not self.__dict__.get("_slimact_warned"):
             self.__dict__["_slimact_warned"] = True
-            changed = sorted({n for n, v in set(_items(now)) ^ set(_items(state))})
             warnings.warn(
                 f"slimact: {', '.join(changed)} of {self._slimact_orig_cls.__qualname__} changed since convert "
-                "recognised what its forward computes: it runs its own code from now on, keeping what PyTorch "
-                "keeps; slimact.convert(model) again recognises it afresh", stacklevel=3)
+                "recognised what its forward computes: while it differs, the module runs its own code, keeping "
+                "what PyTorch keeps; slimact.convert(model) again recognises it afresh", stacklevel=3)
         return False
 
     def _slimact_begin(self) -> None:
@@ -248,12 +248,6 @@ class SlimModule:
         slim = f"slimact: {self._slimact_kind}, policy {p.name!r}"
         base = super().extra_repr()  # type: ignore[misc]
         return f"{base}, {slim}" if base else slim
-
-
-def _items(state: tuple) -> Iterator[tuple[str, str]]:
-    """``(name, repr of its value)`` of a :func:`slimact._kinds.probed_state`, for a warning naming what changed."""
-    for name, value in state:
-        yield name, repr(value) if not isinstance(value, tuple) else repr(tuple(map(repr, value)))
 
 
 def _rebuild(mixin: type, cls: type[nn.Module], state: dict | None = None) -> nn.Module:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from slimact._kinds import probed_state
+from slimact._kinds import Probed, changed_since, probed_state
 from slimact.functional._saving import transformed
 from slimact.functional.clamped_glu import GateForm, clamped_glu
 from slimact.quant import QuantConfig
@@ -80,7 +80,7 @@ class Gate:
         self.form = form
         self.cfg = cfg
         self.owner: nn.Module | None = None
-        self.state: tuple = ()
+        self.state: Probed | None = None
 
     def watch(self, owner: nn.Module) -> None:
         """Take the values ``owner``'s gate was probed with (:func:`slimact._kinds.probed_state`; its ``limit``
@@ -90,12 +90,15 @@ class Gate:
 
     def __call__(self, x: Tensor) -> Tensor:
         owner = self.owner
-        if owner is not None and not torch.compiler.is_compiling() and probed_state(owner) != self.state:
+        changed = None if owner is None or torch.compiler.is_compiling() else changed_since(owner, self.state)
+        if changed == []:  # (attributes it does not take came: their count, not to look again)
+            self.state = self.state._replace(length=len(owner.__dict__))
+        elif changed:
             if not getattr(self, "warned", False):
                 self.warned = True
                 warnings.warn(f"slimact: an attribute of {type(owner).__qualname__} changed since convert probed its "
-                              "_apply_gate: it runs as written from now on; slimact.convert(model) again probes it "
-                              "afresh", stacklevel=2)
+                              f"_apply_gate ({', '.join(changed)}): while it differs, the gate runs as written; "
+                              "slimact.convert(model) again probes it afresh", stacklevel=2)
             return getattr(type(owner), GATE_ATTR)(owner, x)
         if (not (torch.is_grad_enabled() and x.requires_grad) or x.dtype not in COMPRESSIBLE_DTYPES
                 or torch.compiler.is_compiling() or transformed()):
