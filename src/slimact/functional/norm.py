@@ -17,9 +17,13 @@ Guard (Tempo had none): ``xn`` cannot come back where ``w_c == 0``, and where ``
 output's own float rounding (``eps * |b_c| / |w_c|``) swamps it; for a lossless backward, so does the fp32
 rounding of ``x * rstd`` on a LayerNorm row whose mean is far beyond its spread (``eps32 * |mean| * rstd``: a
 constant row). A layer any of whose channels (or, lossless, rows) fails (exact: ``|b_c| <= 16 |w_c|``,
-``eps32 |mean| rstd <= 16 eps``; 8-bit: ``eps * |b_c| * 512 <= |w_c|``) keeps its input instead (8-bit under
-an 8-bit policy, Mesa's scheme) and the exact ``mean``/``rstd``; the gradients are then computed from it by
-the same formula. The forward is the replaced module's own code either way: identical output.
+``eps32 |mean| rstd <= 16 eps``; 8-bit: ``eps * |b_c| * 512 <= |w_c|``) keeps what it normalised instead: under a
+lossless policy its input itself (the tensor the layer before keeps) and the exact ``mean``/``rstd``; under an
+8-bit policy ``xn`` at 8 bits (1 byte per element, every row at unit spread) and ``rstd``. (Mesa keeps the input's
+codes: their channel groups share a scale over rows of any spread, and ``xn = (x - mean) * rstd`` rebuilt from
+them is off by ``step * rstd``, which swamps a row of small spread: 25% constant rows, as padding gives, put a
+bf16 LayerNorm's weight gradient at cosine 0.60.) The gradients are computed from ``xn`` by the same formula. The
+forward is the replaced module's own code either way: identical output.
 
 A LayerNorm ignores a shift of its input row, so its exact ``grad_x`` sums to zero over the row: a per-row
 constant added before it (MLP-Mixer's token-mixing output bias, added to every channel of its token, feeds only
@@ -343,9 +347,18 @@ class _NormFunction(SlimFunction):
             save(ctx, kept, None, rstd, weight, bias)
             if kept.meta.raw:
                 keep_output(y)
-        else:
-            kept = pack(x, cfg, _input_state(state))
+        elif exact:
+            kept = pack(x, cfg, _input_state(state))  # (x itself: what the layer before keeps too)
             save(ctx, kept, mean, rstd, weight, bias)
+        else:
+            # The normalised input xn, each row at unit spread, at 8 bits: x's codes share a channel group's scale
+            # over rows of any spread, and xn rebuilt from them was off by step * rstd, a row of small spread's
+            # swamped (a LayerNorm with 25% constant rows: weight gradient at cosine 0.60, input gradient 0.33).
+            rows = _rows(x.float(), groups)
+            xn = ((rows - mean) * rstd if centered else rows * rstd).reshape(x.shape).to(x.dtype)
+            kept = pack(xn, cfg, _input_state(state))
+            save(ctx, kept, None, rstd, weight, bias)
+        ctx.normalized = not ctx.from_output and not exact
         # xn restored from codes is re-centred in the backward (module docstring); one from the tensor itself is
         # exact to float rounding, centred as plain's
         ctx.recentre = centered and not kept.meta.raw
@@ -362,9 +375,10 @@ class _NormFunction(SlimFunction):
         kept, mean, rstd, weight, bias = load(ctx)
         need = ctx.needs_input_grad  # x, weight, bias, ...
         groups = ctx.groups
-        args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output, groups, ctx.recentre)
+        args = (kept, mean, rstd, weight, bias, grad_y, ctx.centered, ctx.offset, ctx.from_output, groups, ctx.recentre,
+                ctx.normalized)
         key = ("norm", ctx.centered, ctx.offset, ctx.from_output, mean is None, weight is None, bias is None,
-               kept.dtype, grad_y.dtype, groups > 0, ctx.recentre, ctx.eps if ctx.rescale else None)
+               kept.dtype, grad_y.dtype, groups > 0, ctx.recentre, ctx.normalized, ctx.eps if ctx.rescale else None)
         fn = _rescaled_backward(ctx.eps) if ctx.rescale else _backward
         grad_x, grad_w, grad_b = inductor.fused_or_eager(fn, key, *args)
         return (grad_x if need[0] else None, grad_w if weight is not None and need[1] else None,
@@ -412,7 +426,7 @@ def _rescaled_backward(eps: float) -> Callable[..., tuple[Tensor, Tensor | None,
 
 def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
               grad_y: Tensor, centered: bool, offset: float, from_output: bool, groups: int = 0,
-              recentre: bool = False, rescale_eps: float | None = None):
+              recentre: bool = False, normalized: bool = False, rescale_eps: float | None = None):
     """``(grad_x, grad_w, grad_b)`` from what the forward kept (the module docstring's formulas, in fp32, over the
     rows of :func:`_rows`); one compiled loop per row pass where the tensor is large
     (:func:`slimact.quant.inductor.fused`: about 12 eager passes otherwise). ``recentre``: ``kept`` was restored
@@ -427,6 +441,8 @@ def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | 
         xn = kept if bias is None else kept - _per_channel(bias.float(), groups)
         if w is not None:
             xn = xn / w
+    elif normalized:  # (the forward kept xn itself)
+        xn = kept
     else:
         xn = (kept - mean) * rstd if centered else kept * rstd
     acc = _accumulator(g, groups)
