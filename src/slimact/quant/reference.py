@@ -500,7 +500,8 @@ def draw_seed() -> int:
         stream[1] += 1
         key, n = stream
     else:
-        # Keyed by the generator's state, not torch.initial_seed(): seeding twice with the same seed restarts it.
+        # Keyed by the generator's state, not torch.initial_seed(): seeding with another seed, or drawing, restarts it
+        # (a reseed to the state the last pack saw cannot be told from none: docs/quant.md).
         key = _digest(torch.get_rng_state().numpy().tobytes(), 0)
         if streams.initial != key:
             streams.initial, streams.count = key, 0
