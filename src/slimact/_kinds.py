@@ -1115,8 +1115,11 @@ def _probed_values(module: nn.Module, names: tuple[str, ...], parts: tuple[str, 
     values = tuple(_value_key(own.get(n, _GONE)) for n in names) + _class_values(_cls(module))
     for part in parts:  # (a torch class's own, nn.GELU's approximate, the replacement reads live)
         child = own["_modules"].get(part)
-        values += ((part, _Same(child) if child is None or not written_in_model_code(_cls(child))
-                    else probed_state(child)),)
+        if child is None or not written_in_model_code(_cls(child)):
+            values += ((part, _Same(child)),)
+        else:  # (its names and values, not its count: slimact's own attributes on it come and go with convert)
+            taken = probed_state(child)
+            values += ((part, (taken.names, taken.values)),)
     return values
 
 
