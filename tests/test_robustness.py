@@ -612,6 +612,25 @@ def test_a_value_model_code_reads_set_after_convert_is_the_one_computed(change, 
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
 
 
+def test_attributes_the_code_does_not_read_set_after_convert_change_nothing():
+    # FSDP2's fully_shard sets _is_fsdp_managed_module and _fsdp_use_orig_params on every module it shards: taken
+    # for changed values, they sent every module written in model code back to its own code (GPT-2 under "int8" and
+    # FSDP2 kept 6.7x the converted bytes, its summary still saying "converted"). Only the names its code reads count.
+    from slimact.nn import SlimModule
+
+    torch.manual_seed(0)
+    model = slimact.convert(_ModelCodeBlock().train(), "int8")
+    x = torch.randn(3, 5, 8)
+    before = slimact.profile(model, x).activation_bytes
+    for m in model.modules():
+        m._is_fsdp_managed_module, m._fsdp_use_orig_params, m.tag = True, True, object()
+    assert all(m._slimact_as_probed() for m in model.modules() if isinstance(m, SlimModule))
+    assert slimact.profile(model, x).activation_bytes == before
+    model.act.beta = 2.0  # (one it reads: seen)
+    with pytest.warns(UserWarning, match="beta of _Swish changed since convert"):
+        assert not model.act._slimact_as_probed()
+
+
 def test_a_converted_module_copied_or_saved_keeps_its_recognition():
     # What a probe ran with is held by reference (a function, a tensor attribute with its version), so a deep copy or
     # a pickle of the model, whose objects are new ones, is recognised as the model was: no fallback, no warning.

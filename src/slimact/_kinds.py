@@ -1068,75 +1068,96 @@ def _value_key(value: object, depth: int = 0) -> object:
     return _Same(value)
 
 
-_class_names: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+def _code(value: object) -> Iterator[types.CodeType]:
+    """The code objects of a class attribute: a function's (unwrapped), a static or class method's, a property's."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        yield from (f.__code__ for f in (value.fget, value.fset) if isinstance(f, types.FunctionType))
+        return
+    if callable(value):
+        code = getattr(inspect.unwrap(value), "__code__", None)
+        if isinstance(code, types.CodeType):
+            yield code
 
 
-def _class_values(cls: type) -> tuple:
-    """The plain class attributes of ``cls`` and of its bases written in model code (not torch's, slimact's or
-    Python's own): a forward reads them as it reads its instance's (``beta = 1.0`` in a class body)."""
-    names = _class_names.get(cls)
-    if names is None:
-        names = _class_names[cls] = tuple(dict.fromkeys(
-            name for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))
-            for name, value in c.__dict__.items()
-            if not name.startswith("__") and (type(value) in _PLAIN_VALUES or type(value) is tuple)))
-    return tuple((name, _value_key(getattr(cls, name, None))) for name in names)
+def _names_in(code: types.CodeType) -> Iterator[str]:
+    """The names ``code`` reads by name (attributes, globals) and its string constants (``getattr(self, "x")``),
+    nested functions' and lambdas' included."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, types.CodeType):
+            yield from _names_in(const)
+
+
+_code_names: weakref.WeakKeyDictionary[type, tuple[tuple[str, ...], tuple[str, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _read_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(instance names, class names)``: the attributes the code of ``cls`` and of its bases written in model code
+    (not torch's, slimact's or Python's own) may read, those its code names (a function's attribute and global names,
+    its string constants, those of every method it defines); then, of them, the plain class attributes (``beta =
+    1.0`` in a class body). Read once per class."""
+    found = _code_names.get(cls)
+    if found is None:
+        own = [c for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))]
+        names = dict.fromkeys(n for c in own for v in c.__dict__.values() for code in _code(v) for n in _names_in(code)
+                              if n not in _MODULE_TABLES and not n.startswith(("_slimact_", "__")))
+        plain = tuple(n for n in names if any(n in c.__dict__ and (type(c.__dict__[n]) in _PLAIN_VALUES
+                                                                   or type(c.__dict__[n]) is tuple) for c in own))
+        found = _code_names[cls] = (tuple(names), plain)
+    return found
+
+
+#: An attribute the code names that the module does not hold (a global's name; an attribute set later).
+_GONE = "<slimact: not set>"
 
 
 class Probed(NamedTuple):
     """What :func:`probed_state` took of a module."""
 
     parts: tuple[str, ...]
-    #: The module's own attributes (its ``__dict__``'s, less ``nn.Module``'s tables and slimact's), in order.
-    names: tuple[str, ...]
-    #: ``len(module.__dict__)`` then: an attribute added since moves it.
-    length: int
-    #: The attributes' keys (:func:`_value_key`), then the class's ``(name, key)`` pairs, then the parts'.
+    #: The keys (:func:`_value_key`) of the attributes its code names (:func:`_read_names`), then of its class's plain
+    #: ones, then its parts'.
     values: tuple
 
 
 def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> Probed:
-    """The values ``module``'s own forward may read besides its parameters and buffers (its attributes, its
-    class's plain attributes), and those of its children ``parts`` (the child itself, where a torch class's). A
-    module written in model code is recognised by a probe of its forward with these values (a Swish's ``beta``, a
-    muP multiplier of a gated MLP's output, a flag choosing its activation) and its replacement computes that form:
-    where one has changed since (:func:`changed_since`), the replacement would compute another function than the
-    module's code does."""
-    names = tuple(n for n in module.__dict__ if n not in _MODULE_TABLES and not n.startswith(("_slimact_", "__")))
+    """The values ``module``'s own code may read besides its parameters and buffers (its attributes and its class's
+    plain attributes that the code names), and those of its children ``parts`` (the child itself, where a torch
+    class's). A module written in model code is recognised by a probe of its forward with these values (a Swish's
+    ``beta``, a muP multiplier of a gated MLP's output, a flag choosing its activation) and its replacement computes
+    that form: where one has changed since (:func:`changed_since`), the replacement would compute another function
+    than the module's code does. Attributes its code does not name (FSDP's ``_is_fsdp_managed_module``, set on every
+    module it shards) are not taken."""
     parts = tuple(parts)
-    return Probed(parts, names, len(module.__dict__), _probed_values(module, names, parts))
+    return Probed(parts, _probed_values(module, parts))
 
 
-_GONE = object()  # (an attribute deleted since: never equal to what was taken)
-
-
-def _probed_values(module: nn.Module, names: tuple[str, ...], parts: tuple[str, ...]) -> tuple:
+def _probed_values(module: nn.Module, parts: tuple[str, ...]) -> tuple:
+    cls = _cls(module)
+    names, plain = _read_names(cls)
     own = module.__dict__
-    values = tuple(_value_key(own.get(n, _GONE)) for n in names) + _class_values(_cls(module))
+    values = tuple(_value_key(own.get(n, _GONE)) for n in names)
+    values += tuple(_value_key(getattr(cls, n, _GONE)) for n in plain)
     for part in parts:  # (a torch class's own, nn.GELU's approximate, the replacement reads live)
         child = own["_modules"].get(part)
-        if child is None or not written_in_model_code(_cls(child)):
-            values += ((part, _Same(child)),)
-        else:  # (its names and values, not its count: slimact's own attributes on it come and go with convert)
-            taken = probed_state(child)
-            values += ((part, (taken.names, taken.values)),)
+        values += (_Same(child) if child is None or not written_in_model_code(_cls(child))
+                   else _probed_values(child, ()),)
     return values
 
 
 def changed_since(module: nn.Module, probed: Probed) -> list[str] | None:
-    """``None`` where ``module`` holds the values of ``probed`` (a few microseconds: its named attributes alone are
-    read), else the names of those that changed (or came or went): ``[]`` where only attributes it does not take
-    came (slimact's own, set as the module runs: the caller takes the new count, :meth:`Probed._replace`)."""
-    if len(module.__dict__) == probed.length and _probed_values(module, probed.names, probed.parts) == probed.values:
+    """``None`` where ``module`` holds the values of ``probed`` (a few microseconds), else the names of those that
+    changed (or came or went)."""
+    now = _probed_values(module, probed.parts)
+    if now == probed.values:
         return None
-    now = probed_state(module, probed.parts)
-
-    def named(p: Probed) -> dict[str, str]:
-        own = dict(zip(p.names, p.values, strict=False))
-        return {n: repr(v) for n, v in (*own.items(), *p.values[len(p.names):])}
-
-    before, after = named(probed), named(now)
-    return sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+    names, plain = _read_names(_cls(module))
+    labels = (*names, *(f"{type(module).__name__}.{n}" for n in plain), *probed.parts)
+    return [n for n, a, b in zip(labels, now, probed.values, strict=False) if a != b]
 
 
 def written_in_model_code(cls: type) -> bool:

@@ -198,9 +198,7 @@ class SlimModule:
         if probed is None or torch.compiler.is_compiling():
             return True
         changed = changed_since(self, probed)  # type: ignore[arg-type]
-        if not changed:
-            if changed is not None:  # (slimact's own attributes came: their count, not to look again)
-                self.__dict__["_slimact_probed"] = probed._replace(length=len(self.__dict__))
+        if changed is None:
             return True
         if not self.__dict__.get("_slimact_warned"):
             self.__dict__["_slimact_warned"] = True

@@ -91,9 +91,7 @@ class Gate:
     def __call__(self, x: Tensor) -> Tensor:
         owner = self.owner
         changed = None if owner is None or torch.compiler.is_compiling() else changed_since(owner, self.state)
-        if changed == []:  # (attributes it does not take came: their count, not to look again)
-            self.state = self.state._replace(length=len(owner.__dict__))
-        elif changed:
+        if changed is not None:
             if not getattr(self, "warned", False):
                 self.warned = True
                 warnings.warn(f"slimact: an attribute of {type(owner).__qualname__} changed since convert probed its "
