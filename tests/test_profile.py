@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -368,3 +370,43 @@ def test_a_converted_model_pickles_after_it_was_profiled():
     slimact.profile(model, inputs)
     again = pickle.loads(pickle.dumps(model))
     assert slimact.profile(again, inputs).kept_bytes == slimact.profile(model, inputs).kept_bytes
+
+
+@pytest.mark.parametrize("between", ["profile", "summary with inputs", "an eval forward"])
+@pytest.mark.parametrize("policy", ["mesa", "stochastic"])
+def test_what_runs_between_training_steps_leaves_the_training_as_it_was(between, policy):
+    # profile (and summary given inputs, which profiles) put the running estimates back as copies, which slimact took
+    # for buffers something else had replaced (restarted from the next tensor's range), and moved the step count that
+    # keys the stochastic-rounding seeds; an eval-mode forward moved it too. Each changed the steps that followed.
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 10))
+    pol = "mesa" if policy == "mesa" else slimact.Policy(name="sr", stochastic=True)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 32, generator=gen), torch.randint(0, 10, (32,), generator=gen)) for _ in range(5)]
+
+    def run(interrupt: bool) -> list[float]:
+        model = slimact.convert(copy.deepcopy(base), pol)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        other = torch.randn(32, 32, generator=torch.Generator().manual_seed(9))  # (no draw from the global RNG)
+        for k, (x, y) in enumerate(data):
+            if interrupt and k == 2:
+                if between == "profile":
+                    slimact.profile(model, other)
+                elif between == "summary with inputs":
+                    slimact.summary(model, other)
+                else:
+                    model.eval()
+                    with torch.no_grad():
+                        model(x)
+                    model.train()
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    assert run(True) == run(False)

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from slimact._kinds import kind_of
 from slimact.functional._saving import is_gradient, is_parameter_gradient, observer
+from slimact.quant.state import WRITTEN_ATTR
 
 __all__ = ["Live", "Report", "SavedTensor", "peak_bytes", "profile"]
 
@@ -297,13 +298,20 @@ class _ModuleStack:
 
 @contextlib.contextmanager
 def _restoring(model: nn.Module):
-    """Leave ``model`` as found: mode, grads, buffers, RNG state."""
+    """Leave ``model`` as found: mode, grads, buffers, RNG state, and slimact's state for the steps that follow (its
+    running estimates' values in the very tensors it recorded writing, and its step counts: the stochastic-rounding
+    seeds of a step are keyed by them). Before, the estimates came back as copies, which slimact took for buffers
+    something else had replaced (started afresh at the next step), and the step count moved on: a profile between
+    two steps changed the training that followed."""
     was_training = {m: m.training for m in model.modules()}
     grads = {p: p.grad for p in model.parameters()}
     for p in grads:
         p.grad = None  # the backward below must not accumulate into the caller's gradients
-    buffers = {(m, n): None if b is None else b.clone() for m in model.modules() for n, b in m._buffers.items()}
+    buffers = {(m, n): None if b is None else (b, b.clone()) for m in model.modules() for n, b in m._buffers.items()}
     buffer_names = {m: set(m._buffers) for m in model.modules()}
+    written = {m: dict(m.__dict__[WRITTEN_ATTR]) for m in model.modules() if WRITTEN_ATTR in m.__dict__}
+    counters = {id(c): (c, c.value) for m in model.modules()
+                if hasattr(c := m.__dict__.get("_slimact_steps"), "value")}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         try:
@@ -313,12 +321,25 @@ def _restoring(model: nn.Module):
                 m.training = mode
             for p, g in grads.items():
                 p.grad = g
-            for (m, n), b in buffers.items():
+            for (m, n), kept in buffers.items():
+                if kept is None:
+                    m._buffers[n] = None
+                    continue
+                b, values = kept
+                with torch.no_grad():
+                    b.copy_(values)  # (in place: the tensor itself, as recorded)
                 m._buffers[n] = b
             for m, names in buffer_names.items():  # buffers the step created (running estimates)
                 for n in set(m._buffers) - names:
                     del m._buffers[n]
                     m._non_persistent_buffers_set.discard(n)
+            for m in model.modules():
+                if m in written:
+                    m.__dict__[WRITTEN_ATTR] = written[m]
+                else:
+                    m.__dict__.pop(WRITTEN_ATTR, None)
+            for counter, value in counters.values():
+                counter.value = value
 
 
 class _Meter:

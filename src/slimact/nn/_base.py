@@ -64,7 +64,9 @@ class StepCounter:
         if torch.compiler.is_compiling():
             return
         frame = checkpoint_frame()
-        if frame is None or frame[1] is None:  # (a checkpointed model's recompute is the same step, not another)
+        # (a checkpointed model's recompute is the same step, not another; a pass in eval mode, which packs nothing,
+        # none: a validation loop between steps moved every later step's stochastic-rounding seeds)
+        if module.training and (frame is None or frame[1] is None):
             self.value += 1
         if not self.active:  # (a backward in another thread, or inside this forward, does not split the pass)
             self.backward = backward_key()
