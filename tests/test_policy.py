@@ -125,6 +125,9 @@ def test_mesa_text_file_enabling_only_gelu_and_layernorm_converts_only_those(tmp
         ("on gelu:\n  enable: True\n", r"p.txt:2: 'enable' before a 'by_index:' line"),
         ("by_index: all\n", r"p.txt:1: 'by_index' before any 'on <tag>:' line"),
         ("on gelu:\n  by_index: 2\n  enable: True\n", r"p.txt:2: enabling only some 'gelu' layers"),
+        ("# nothing but a comment\n\n", r"p.txt: no 'on <tag>:' section"),
+        ("on gelu:\n  by_index: all\n  enable: True\non gelu:\n  by_index: all\n  enable: False\n",
+         r"p.txt:4: a second 'on gelu:' section \(the first at line 1\)"),
     ],
 )
 def test_mesa_text_errors_name_file_and_line(tmp_path, text, match):

@@ -453,6 +453,7 @@ def _from_mesa_text(text: str, source: str) -> Policy:
     settings: dict[str, dict[str, Any]] = {}
     tag: str | None = None
     block: dict[str, Any] | None = None
+    sections: dict[str, int] = {}  # tag -> the line of its 'on <tag>:'
 
     def close_block() -> None:
         if block is None or tag is None:
@@ -493,7 +494,11 @@ def _from_mesa_text(text: str, source: str) -> Policy:
             close_block()
             if len(words) != 2 or words[1] not in _MESA_TAGS:
                 raise PolicyError(f"{source}:{no}: unknown Mesa layer tag {head!r}; known: {sorted(_MESA_TAGS)}")
+            if words[1] in sections:  # (the second would silently win over the first's settings)
+                raise PolicyError(f"{source}:{no}: a second 'on {words[1]}:' section (the first at line "
+                                  f"{sections[words[1]]}): give each tag one")
             tag, block = words[1], None
+            sections[tag] = no
             continue
         if tag is None:
             raise PolicyError(f"{source}:{no}: {head!r} before any 'on <tag>:' line")
@@ -523,6 +528,8 @@ def _from_mesa_text(text: str, source: str) -> Policy:
         except (ValueError, KeyError):
             raise PolicyError(f"{source}:{no}: bad value for {head!r}: {value!r}") from None
     close_block()
+    if not sections:
+        raise PolicyError(f"{source}: no 'on <tag>:' section: a Mesa policy that names no layer converts nothing")
     return _replace_checked(
         base, {"name": Path(source).stem, "kinds": kinds, "exclude_index": excluded, "per_kind": settings}, source
     )
