@@ -64,7 +64,21 @@ def main(out_path: str) -> None:
                 wrapped = fully_shard(model)
             losses = torch.stack(train(wrapped, local))
             dist.all_reduce(losses)
-            results[(policy, mode)] = {"losses": (losses / world).tolist(), "params": full_state(wrapped)}
+            # Modules sent back to their own code by the wrapper (fully_shard sets attributes on every module).
+            fell_back = [n for n, m in model.named_modules()
+                         if isinstance(m, slimact.nn.SlimModule) and not m._slimact_as_probed()]
+            results[(policy, mode)] = {"losses": (losses / world).tolist(), "params": full_state(wrapped),
+                                       "fell_back": fell_back}
+    # Sharded first, then converted: a clear error, not a crash inside a probe.
+    sharded = zoo.build("llama", tiny=True).train()
+    for layer in sharded.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    try:
+        slimact.convert(sharded)
+        results["convert after fully_shard"] = "converted"
+    except Exception as e:  # (what was raised is the result)
+        results["convert after fully_shard"] = f"{type(e).__name__}: {e}"
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()

@@ -49,6 +49,9 @@ def test_two_ranks_train_as_one_process(distributed_results, policy, mode):
     losses, initial, final = _single_process(policy)
     got = distributed_results[(policy, mode)]
     assert got["params"].keys() == final.keys()
+    # fully_shard sets _is_fsdp_managed_module on every module: no module went back to its own code for it (every
+    # gated MLP and norm had, keeping plain's bytes, before only the attributes a module's code reads counted)
+    assert got["fell_back"] == []
     if policy == "tempo":
         # The same arithmetic but for the order of the gradient sum across ranks.
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
@@ -62,3 +65,10 @@ def test_two_ranks_train_as_one_process(distributed_results, policy, mode):
             moved, expected = got["params"][n] - initial[n], final[n] - initial[n]
             if expected.norm() > 1e-6 * initial[n].norm():
                 assert cosine(moved, expected) >= 0.99, n
+
+
+def test_converting_a_model_sharded_first_is_a_clear_error(distributed_results):
+    # fully_shard first: the probes that recognise norms and gated MLPs mixed DTensor parameters with plain tensors
+    # ("aten.add_.Tensor got mixed torch.Tensor and DTensor"); the documented order is convert, then fully_shard.
+    got = distributed_results["convert after fully_shard"]
+    assert got.startswith("ValueError: the model's parameters are DTensors"), got

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -238,6 +239,14 @@ def convert(
             "activations of model-specific classes) by running them on a probe, which needs real weights. "
             "Materialise the model first (e.g. model.to_empty(device=...) and initialise or load its weights), "
             "then convert it."
+        )
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (no import: none exist)
+    if dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()):
+        # (FSDP2's fully_shard, or tensor parallelism, ran first: the probes that recognise layers by running them
+        # mixed the sharded parameters with plain tensors, "aten.add_.Tensor got mixed torch.Tensor and DTensor")
+        raise ValueError(
+            "the model's parameters are DTensors (fully_shard or tensor parallelism was applied first): convert the "
+            "model before sharding it, then fully_shard its blocks and the model (docs/integrations.md)"
         )
     if any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers())):
         # A lazy module (nn.LazyLinear, LazyConv2d, LazyBatchNorm2d) turns itself into its plain class at its first
