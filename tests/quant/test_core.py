@@ -1,12 +1,15 @@
 """pack/unpack on the reference backend: error bounds, unbiased stochastic rounding, edge cases."""
 
+import copy
 import dataclasses
 import math
 import weakref
 
 import pytest
 import torch
+from torch import nn
 
+import slimact
 from slimact._metrics import cosine, sqnr_db
 from slimact.quant import QuantConfig, RunningRange, pack, reference, unpack
 from slimact.quant.reference import _expand
@@ -733,3 +736,23 @@ def test_an_input_refilled_in_place_without_a_version_bump_is_packed_afresh_outs
         buf[:] = -3.0 * buf[::-1]
 
     _weight_gradients_follow(torch.from_numpy(buf), refill)
+
+
+@pytest.mark.parametrize("ends", [(-30000.0, 65504.0), (-65504.0, 30000.0), (-65504.0, 65504.0), (-1.0, 65500.0)])
+def test_half_precision_values_near_its_largest_are_restored_finite(ends):
+    # Zero alignment (lo = -z * step) can put the top code up to a step above the group's maximum: for fp16 data
+    # within a step of 65504 the restore was inf (lo -30000, step 375: the top code 65625), and an fp16 Linear fed
+    # such inputs had every weight gradient non-finite where plain's are finite. Such groups keep the plain range.
+    x = torch.linspace(*ends, 4099).half()
+    for bits in (8, 4):
+        x_hat = unpack(pack(x, QuantConfig(bits=bits, group_dim=None)))
+        assert torch.isfinite(x_hat).all()
+        qmax = 2**bits - 1
+        step = (ends[1] - ends[0]) / qmax * (qmax / 2) / (qmax / 2 - 1)  # (the aligned step's most)
+        assert ((x_hat.float() - x.float()).abs() <= step / 2 + 32).all()  # (+ fp16's own spacing there)
+    torch.manual_seed(0)
+    lin = nn.Linear(4099, 8).half()
+    slim = slimact.convert(copy.deepcopy(lin).train(), "int8")
+    for m in (lin, slim):
+        (m(x[None].clone().requires_grad_()).float() * 1e-4).sum().backward()
+    assert torch.isfinite(lin.weight.grad).all() and torch.isfinite(slim.weight.grad).all()

@@ -466,3 +466,15 @@ def test_a_stochastic_pack_captured_in_a_cuda_graph_draws_new_noise_on_every_rep
         replays.append((codes, codes4.clone()))
     for (a, a4), (b, b4) in itertools.pairwise(replays):
         assert not torch.equal(a, b) and not torch.equal(a4, b4)
+
+
+def test_half_precision_values_near_its_largest_pack_as_the_reference_does():
+    # The finishing kernel keeps the plain range where zero-aligned codes would restore fp16 data beyond 65504
+    # (reference._past_half), bit for bit with the reference; restored finite.
+    x = torch.stack([torch.linspace(-30000.0, 65504.0, 64), torch.linspace(-65504.0, 30000.0, 64),
+                     torch.linspace(-3.0, 5.0, 64)]).half().to(DEVICE)  # (the last aligned as before)
+    for cfg in (QuantConfig(group_dim=0, groups=0), QuantConfig(group_dim=0, groups=3, bits=4)):  # (a row a group)
+        ref, tri = pack(x, cfg, backend="reference", share=False), pack(x, cfg, backend="triton", share=False)
+        for a, b in zip(ref.tensors, tri.tensors, strict=True):
+            assert torch.equal(a, b)
+        assert torch.isfinite(unpack(tri)).all()

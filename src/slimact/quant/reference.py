@@ -359,7 +359,8 @@ def scale_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
     restored as 0, not as a fraction of a step that a large gradient would multiply. ``z`` and the step are
     chosen so that ``[lo, hi]`` stays inside the code range (no clamping): the step grows by at most
     ``(qmax / 2) / (qmax / 2 - 1)`` (0.8% at 8 bits, 15% at 4 bits). Two-bit codes keep the plain range,
-    where the same guarantee would cost up to 1.5x the step.
+    where the same guarantee would cost up to 1.5x the step, and so does a group within fp16's range whose aligned
+    codes would reach past it (:func:`_past_half`: fp16 data restored as inf).
     """
     lo64, hi64 = lo.double(), hi.double()
     rng = hi64 - lo64
@@ -372,7 +373,7 @@ def scale_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
             cand = torch.maximum(-lo64 / z, hi64 / (qmax - z))
             best = (z, cand) if best is None else (torch.where(cand < best[1], z, best[0]), best[1].minimum(cand))
         z, zero_step = best
-        straddles = (lo64 < 0) & (hi64 > 0)
+        straddles = (lo64 < 0) & (hi64 > 0) & ~_past_half(z, zero_step, lo64, hi64, qmax)
         step64 = torch.where(straddles, zero_step, step64)
     step = step64.float()
     # Rounded up, never down: a step a hair short of range / qmax would clamp the top of the range, by up to qmax
@@ -576,6 +577,18 @@ def quantize(
             part.add_(hash_uniform(part.numel(), seed, x.device, start=at))
     codes = v.clamp_(0, (1 << bits) - 1).to(torch.uint8)
     return codes if bits == 8 else pack_bits(codes.reshape(-1), bits)
+
+
+#: fp16's largest finite value.
+HALF_MAX = 65504.0
+
+
+def _past_half(z: Tensor, step: Tensor, lo: Tensor, hi: Tensor, qmax: int) -> Tensor:
+    """Where zero-aligned codes (``lo = -z * step``, fp64) would restore beyond fp16's largest finite value (the top
+    code up to a step above ``hi``, the bottom one below ``lo``) while the group itself lies within it: fp16 data
+    there was restored as inf (an fp16 Linear's weight gradient all non-finite). Those groups keep the plain
+    range, whose codes restore within it."""
+    return (((qmax - z) * step > HALF_MAX) & (hi <= HALF_MAX)) | ((z * step > HALF_MAX) & (-lo <= HALF_MAX))
 
 
 def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tensor:

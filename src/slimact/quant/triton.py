@@ -524,6 +524,10 @@ def _scale_params(t_lo, t_hi, QMAX: tl.constexpr):
         cand_hi = tl.maximum(-lo64 / z_hi, hi64 / (QMAX - z_hi))
         z = tl.where(cand_hi < cand_lo, z_hi, z_lo)
         zero_step = tl.minimum(cand_lo, cand_hi)
+        # reference._past_half: zero-aligned codes that fp16 data would restore beyond its largest finite value
+        past = (((QMAX - z) * zero_step > 65504.0) & (hi64 <= 65504.0)) | ((z * zero_step > 65504.0)
+                                                                          & (-lo64 <= 65504.0))
+        straddles = straddles & (past == 0)
         step64 = tl.where(straddles, zero_step, step64)
     step = step64.to(tl.float32)
     # rounded up, never down: nextafter(step, inf) on the bits (step >= 0 here; 0 -> the smallest subnormal)
