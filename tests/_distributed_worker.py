@@ -67,8 +67,10 @@ def main(out_path: str) -> None:
             # Modules sent back to their own code by the wrapper (fully_shard sets attributes on every module).
             fell_back = [n for n, m in model.named_modules()
                          if isinstance(m, slimact.nn.SlimModule) and not m._slimact_as_probed()]
+            # (every rank profiles: the step's collectives need them all; FSDP2's gradients are DTensors)
+            kept = slimact.profile(wrapped, local).activation_bytes
             results[(policy, mode)] = {"losses": (losses / world).tolist(), "params": full_state(wrapped),
-                                       "fell_back": fell_back}
+                                       "fell_back": fell_back, "kept": kept}
     # Sharded first, then converted: a clear error, not a crash inside a probe.
     sharded = zoo.build("llama", tiny=True).train()
     for layer in sharded.model.layers:

@@ -566,7 +566,9 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             if loss.requires_grad:  # nothing needs a gradient (frozen model, integer inputs): nothing was kept
                 with meter.backward() if meter else contextlib.nullcontext():
                     loss.backward()
-            grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+            # (a sharded parameter's gradient, a DTensor under FSDP2, has no storage of its own: its local shard's)
+            grads = {getattr(p.grad, "_local_tensor", p.grad).untyped_storage().data_ptr()
+                     for p in model.parameters() if p.grad is not None}
         if meter is not None:
             forward, backward, less = meter.marks(saved, grads)
             return Report(entries, meter.cuda_peak, forward, backward, less)
