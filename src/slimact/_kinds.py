@@ -48,6 +48,7 @@ __all__ = [
     "Probed",
     "Recognised",
     "activation_form",
+    "as_probed",
     "changed_since",
     "forget",
     "forward_names",
@@ -1158,6 +1159,21 @@ def changed_since(module: nn.Module, probed: Probed) -> list[str] | None:
     names, plain = _read_names(_cls(module))
     labels = (*names, *(f"{type(module).__name__}.{n}" for n in plain), *probed.parts)
     return [n for n, a, b in zip(labels, now, probed.values, strict=False) if a != b]
+
+
+def as_probed(module: nn.Module, probed: Probed, holder: dict, what: str, runs: str) -> bool:
+    """Whether ``module`` still holds the values of ``probed`` (:func:`changed_since`); where not, a warning (once per
+    ``holder``, the ``__dict__`` of what computes the probed form) naming what changed: ``what`` was recognised with
+    them, and ``runs`` as written while they differ."""
+    changed = changed_since(module, probed)
+    if changed is None:
+        return True
+    if not holder.get("_slimact_warned"):
+        holder["_slimact_warned"] = True
+        warnings.warn(f"slimact: {', '.join(changed)} of {_cls(module).__qualname__} changed since convert {what}: "
+                      f"while it differs, {runs} as written, keeping what PyTorch keeps; slimact.convert(model) again "
+                      "recognises it afresh", stacklevel=4)
+    return False
 
 
 def written_in_model_code(cls: type) -> bool:

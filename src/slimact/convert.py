@@ -82,8 +82,7 @@ def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None,
     found = recognise(module)
     if found.replace is None:
         return None, found.reason, found
-    cls = module.__dict__.get("_slimact_orig_cls") or type(module)
-    return _FACTORIES[found.replace](cls), None, found
+    return _FACTORIES[found.replace](_cls(module)), None, found
 
 
 def _leave_alone(pol: Policy, kind: str, name: str, module: nn.Module, filter_fn: FilterFn | None,

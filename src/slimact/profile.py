@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from slimact._kinds import kind_of
 from slimact.functional._saving import is_gradient, is_parameter_gradient, observer
+from slimact.nn._base import StepCounter
 from slimact.quant.state import WRITTEN_ATTR
 
 __all__ = ["Live", "Report", "SavedTensor", "peak_bytes", "profile"]
@@ -311,7 +312,7 @@ def _restoring(model: nn.Module):
     buffer_names = {m: set(m._buffers) for m in model.modules()}
     written = {m: dict(m.__dict__[WRITTEN_ATTR]) for m in model.modules() if WRITTEN_ATTR in m.__dict__}
     counters = {id(c): (c, c.value) for m in model.modules()
-                if hasattr(c := m.__dict__.get("_slimact_steps"), "value")}
+                if isinstance(c := m.__dict__.get("_slimact_steps"), StepCounter)}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         try:

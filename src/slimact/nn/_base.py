@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from slimact._kinds import changed_since
+from slimact._kinds import as_probed
 from slimact.functional._saving import transformed
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
@@ -197,18 +196,8 @@ class SlimModule:
         a warning, where the replacement would compute the form probed (the gated MLP dropped the multiplier from
         its forward; the Swish differentiated the SiLU it was). Not checked under ``torch.compile``."""
         probed = self.__dict__.get("_slimact_probed")
-        if probed is None or torch.compiler.is_compiling():
-            return True
-        changed = changed_since(self, probed)  # type: ignore[arg-type]
-        if changed is None:
-            return True
-        if not self.__dict__.get("_slimact_warned"):
-            self.__dict__["_slimact_warned"] = True
-            warnings.warn(
-                f"slimact: {', '.join(changed)} of {self._slimact_orig_cls.__qualname__} changed since convert "
-                "recognised what its forward computes: while it differs, the module runs its own code, keeping "
-                "what PyTorch keeps; slimact.convert(model) again recognises it afresh", stacklevel=3)
-        return False
+        return probed is None or torch.compiler.is_compiling() or as_probed(
+            self, probed, self.__dict__, "recognised what its forward computes", "the module runs its own code")  # type: ignore[arg-type]
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""

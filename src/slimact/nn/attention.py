@@ -79,9 +79,11 @@ class _MultiheadAttentionMixin(SlimModule):
         # the output projection's input is the attention's output, one tensor kept once (a view of another layout
         # was a copy, kept beside it: 1.2x plain's bytes under "tempo").
         time_major = not self.batch_first
-        (t, b, e), s, h = query.shape, key.shape[1 - time_major], self.num_heads
-        if not time_major:
-            t, b = b, t
+        if time_major:  # [T, B, E]
+            (t, b, e), s = query.shape, key.shape[0]
+        else:  # [B, T, E]
+            (b, t, e), s = query.shape, key.shape[1]
+        h = self.num_heads
         cfg = self._slimact_cfg(query)
         state = self._slimact_state  # running estimates per operand (scale="running"), else None
         if self_attention:  # one projection, one kept input

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from slimact._kinds import Probed, changed_since, probed_state
+from slimact._kinds import Probed, as_probed, probed_state
 from slimact.functional._saving import transformed
 from slimact.functional.clamped_glu import GateForm, clamped_glu
 from slimact.quant import QuantConfig
@@ -90,13 +89,8 @@ class Gate:
 
     def __call__(self, x: Tensor) -> Tensor:
         owner = self.owner
-        changed = None if owner is None or torch.compiler.is_compiling() else changed_since(owner, self.state)
-        if changed is not None:
-            if not getattr(self, "warned", False):
-                self.warned = True
-                warnings.warn(f"slimact: an attribute of {type(owner).__qualname__} changed since convert probed its "
-                              f"_apply_gate ({', '.join(changed)}): while it differs, the gate runs as written; "
-                              "slimact.convert(model) again probes it afresh", stacklevel=2)
+        if owner is not None and not torch.compiler.is_compiling() and not as_probed(
+                owner, self.state, self.__dict__, "probed its _apply_gate", "the gate runs"):
             return getattr(type(owner), GATE_ATTR)(owner, x)
         if (not (torch.is_grad_enabled() and x.requires_grad) or x.dtype not in COMPRESSIBLE_DTYPES
                 or torch.compiler.is_compiling() or transformed()):
