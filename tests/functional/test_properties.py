@@ -44,8 +44,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import slimact.functional as sf
 from slimact._metrics import cosine, sqnr_db
 from slimact.functional import lm_loss as lm_loss_module
+from slimact.functional import mlp as mlp_module
 from slimact.functional.activation import FLAT, INPLACE_ERROR_BOUNDS, MINIMUM, derivative, reference
-from slimact.quant import QuantConfig
+from slimact.quant import QuantConfig, pack
 
 LONG = os.environ.get("SLIMACT_HYPOTHESIS") == "long"
 # Profiles of their own (the compression core's file loads "ci"/"long" globally); each test is decorated.
@@ -286,6 +287,36 @@ def _restore_error(x: Tensor, cfg: QuantConfig | None) -> Tensor:
     arithmetic = 4 * EPS32 * torch.clamp(xd.abs().max() + step * cfg.qmax, min=TINY32)
     cast = fi.eps / 2 * torch.clamp(xd.abs() + step, min=fi.tiny)
     return step * (1.0 if cfg.stochastic else 0.5) + arithmetic + cast
+
+
+def _companded_error(g: Tensor, cfg: QuantConfig | None) -> Tensor:
+    """float64 bound on ``|g_hat - g|`` for a gated MLP's ``g`` kept as codes of ``c = K asinh(g / K)`` in fp32
+    (slimact.functional.mlp): ``c_hat`` within ``e`` of ``c`` (:func:`_restore_error`, plus the fp32 evaluation of
+    asinh) gives ``g_hat = K sinh(c_hat / K)`` within ``cosh((|c| + e) / K) e``; plus sinh's fp32 evaluation and
+    the cast to g's dtype. Both are evaluated by series below ``|g| / K = 1e-2`` (relative: a few fp32 ulps) and
+    by log/exp above (a few fp32 ulps of ``K`` absolute, where ``e - 1/e`` and ``log(a + sqrt(a^2 + 1))`` lose
+    the leading bits); ``|g| / K`` rounds on the subnormal grid. Zero where g is kept exactly (no config,
+    NaN/inf)."""
+    gd = g.detach().double()
+    if cfg is None or not bool(torch.isfinite(gd).all()) or g.numel() == 0:
+        return torch.zeros_like(gd)
+    k = mlp_module._K
+    c = torch.asinh(gd / k) * k
+    # (at the branch point the series is as close as log/exp: the threshold may round either way)
+    formula = 4 * EPS32 * (c.abs() + k * (gd.abs() >= k * 1e-2 * (1 - 1e-6))) + 4 * k * TINY32 * EPS32
+    e = _restore_error(c.float(), cfg) + formula
+    error = torch.cosh((c.abs() + e) / k) * e + formula * torch.cosh((c.abs() + e) / k)
+    fi = torch.finfo(g.dtype)
+    return error + (4 * EPS32 + fi.eps / 2) * (gd.abs() + error) + fi.tiny
+
+
+def _gate_error(g: Tensor, cfg: QuantConfig | None) -> Tensor:
+    """float64 bound on ``|g_hat - g|`` for a gated MLP's ``g``: kept as its own codes where its pack keeps outliers
+    apart (a heavy tail: :func:`_restore_error`), else as codes of ``K asinh(g / K)`` (:func:`_companded_error`)."""
+    if cfg is not None and cfg.outliers and cfg.scale == "dynamic" and g.numel() and bool(torch.isfinite(g).all()):
+        if len(pack(g.detach(), cfg, share=False).tensors) > 3:
+            return _restore_error(g, cfg)
+    return _companded_error(g, cfg)
 
 
 def _probability_error(y: Tensor, cfg: QuantConfig | None) -> Tensor:
@@ -794,7 +825,7 @@ def _gated_mlp(draw) -> Case:
         def bound(upstream: Tensor, _out: Tensor) -> Tensor:
             # With |g_hat - g| <= e_g, |u_hat - u| <= e_u: act(g_hat) within d1 e_g, act'(g_hat) within d2 e_g
             # (a subnormal operand may also be flushed to zero by PyTorch's fp16/bf16 kernels)
-            e_g, e_u = (_restore_error(t, cfg) + _flushed(d.dtype) for t in (g, u))
+            e_g, e_u = _gate_error(g, cfg) + _flushed(d.dtype), _restore_error(u, cfg) + _flushed(d.dtype)
             gd, ud = g.double(), u.double()
             gy = upstream.double()
             gh = (gy @ inputs["weight"].double()).abs()  # grad_h = grad_y W, exact

@@ -625,8 +625,8 @@ def unpack_map(packed: Packed | Sequence[Packed], fn: Callable[..., Any], *args:
     with the restore fused into ``fn``'s loop where it can be: one compiled loop reads the codes and ``args``
     and writes ``fn``'s result, and the restored tensor is never written to memory
     (:func:`slimact.quant.inductor.dequantize_map`: ``torch.compile``, so C++ loops on CPU and a Triton kernel
-    on CUDA). ``packed`` may be several packs of one shape, dtype and layout (a gated MLP's gate and up
-    projections): ``fn(*restored, *args)``, all restored in the one loop. ``fn`` must be a hashable,
+    on CUDA). ``packed`` may be several packs of one shape and layout (a gated MLP's gate and up projections,
+    each restored to its own dtype): ``fn(*restored, *args)``, all restored in the one loop. ``fn`` must be a hashable,
     module-level callable (one compiled loop per ``fn``, dtype and count of packs), returning a tensor or a tuple
     of tensors, and ``args`` tensors of the packed shape. Elsewhere (small, strided, sub-byte, raw, derived or
     outlier-carrying packs): ``fn(*restored, *args)``, or ``otherwise(*restored, *args)`` where given."""
@@ -634,14 +634,14 @@ def unpack_map(packed: Packed | Sequence[Packed], fn: Callable[..., Any], *args:
     meta = packs[0].meta
     fusable = all(
         not p.meta.raw and p.meta.derive is None and len(p.tensors) == 3  # (no outliers to put back)
-        and (p.meta.shape, p.meta.dtype, p.meta.bits, p.meta.layout) == (meta.shape, meta.dtype, meta.bits, meta.layout)
+        and (p.meta.shape, p.meta.bits, p.meta.layout) == (meta.shape, meta.bits, meta.layout)
         for p in packs
     )
     # Under torch.compile, fn(unpack(...)) with the reference's restore: inductor fuses both into the graph.
     if fusable and not torch.compiler.is_compiling() and backend_for(packs[0].tensors[0]) != "reference":
         from slimact.quant import inductor
 
-        out = inductor.dequantize_map([p.tensors for p in packs], meta, fn, args)
+        out = inductor.dequantize_map([p.tensors for p in packs], [p.meta.dtype for p in packs], meta, fn, args)
         if out is not None:
             return out
     return (otherwise or fn)(*(unpack(p) for p in packs), *args)

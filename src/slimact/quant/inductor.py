@@ -379,18 +379,18 @@ def dequantize(codes: Tensor, meta: PackMeta, lo: Tensor, step: Tensor) -> Tenso
     return reference.dequantize(codes, meta, lo, step)
 
 
-def _restore_map(fn: Callable, dtype: torch.dtype, packs: tuple[tuple[Tensor, Tensor, Tensor], ...],
+def _restore_map(fn: Callable, dtypes: tuple[torch.dtype, ...], packs: tuple[tuple[Tensor, Tensor, Tensor], ...],
                  args: tuple[Tensor, ...]) -> Any:
-    # fn(*(_restore(...) of each pack), *args) in one loop: the restored values live in registers only.
-    return fn(*(_restore(c3, lo, step, dtype) for c3, lo, step in packs), *args)
+    # fn(*(_restore(...) of each pack, to its dtype), *args) in one loop: the restored values live in registers only.
+    return fn(*(_restore(c3, lo, step, dtype) for (c3, lo, step), dtype in zip(packs, dtypes, strict=True)), *args)
 
 
-def dequantize_map(packs: Sequence[tuple[Tensor, Tensor, Tensor]], meta: PackMeta, fn: Callable,
-                   args: tuple[Tensor, ...]) -> Any:
-    """``fn(*(dequantize(codes, lo, step) for each pack), *args)`` as one compiled loop
+def dequantize_map(packs: Sequence[tuple[Tensor, Tensor, Tensor]], dtypes: Sequence[torch.dtype], meta: PackMeta,
+                   fn: Callable, args: tuple[Tensor, ...]) -> Any:
+    """``fn(*(dequantize(codes, lo, step) to dtype, for each pack and its dtype), *args)`` as one compiled loop
     (:func:`slimact.quant.unpack_map`), on CPU and on CUDA (where inductor writes a Triton kernel): 8-bit codes
-    of at least :data:`MIN_NUMEL` elements in whole contiguous runs, every pack of ``meta`` (shape, dtype,
-    layout), ``args`` contiguous and of that shape. ``fn`` returns a tensor or a tuple of them, of that shape.
+    of at least :data:`MIN_NUMEL` elements in whole contiguous runs, every pack of ``meta``'s shape and layout,
+    ``args`` contiguous and of that shape. ``fn`` returns a tensor or a tuple of them, of that shape.
     ``None`` where it does not apply."""
     runs = _runs(meta.shape, meta.layout) if meta.bits == 8 else None
     if (
@@ -401,8 +401,8 @@ def dequantize_map(packs: Sequence[tuple[Tensor, Tensor, Tensor]], meta: PackMet
         return None
     # (Detached here: _call detaches only its own arguments, and these sit in tuples.)
     views = tuple((c.view(runs), lo.detach().view(-1, 1), step.detach().view(-1, 1)) for c, lo, step in packs)
-    out = _call(_compiled(_restore_map, (fn, meta.dtype, len(packs))),
-                (fn, meta.dtype, views, tuple(a.detach().view(runs) for a in args)))
+    dtypes = tuple(dtypes)
+    out = _call(_compiled(_restore_map, (fn, dtypes)), (fn, dtypes, views, tuple(a.detach().view(runs) for a in args)))
     if out is None:
         return None
     return tuple(o.view(meta.shape) for o in out) if isinstance(out, (tuple, list)) else out.view(meta.shape)
