@@ -290,13 +290,13 @@ def _restore_error(x: Tensor, cfg: QuantConfig | None) -> Tensor:
 
 
 def _companded_error(g: Tensor, cfg: QuantConfig | None) -> Tensor:
-    """float64 bound on ``|g_hat - g|`` for a gated MLP's ``g`` kept as codes of ``c = K asinh(g / K)`` in fp32
-    (slimact.functional.mlp): ``c_hat`` within ``e`` of ``c`` (:func:`_restore_error`, plus the fp32 evaluation of
-    asinh) gives ``g_hat = K sinh(c_hat / K)`` within ``cosh((|c| + e) / K) e``; plus sinh's fp32 evaluation and
-    the cast to g's dtype. Both are evaluated by series below ``|g| / K = 1e-2`` (relative: a few fp32 ulps) and
-    by log/exp above (a few fp32 ulps of ``K`` absolute, where ``e - 1/e`` and ``log(a + sqrt(a^2 + 1))`` lose
-    the leading bits); ``|g| / K`` rounds on the subnormal grid. Zero where g is kept exactly (no config,
-    NaN/inf)."""
+    """float64 bound on ``|g_hat - g|`` for a gated MLP's ``g`` kept as codes of ``c = K asinh(g / K)`` (fp32, fp16
+    for a half-precision g; slimact.functional.mlp): ``c_hat`` within ``e`` of ``c`` (:func:`_restore_error`, plus
+    the fp32 evaluation of asinh and the rounding to c's dtype) gives ``g_hat = K sinh(c_hat / K)`` within
+    ``cosh((|c| + e) / K) e``; plus sinh's fp32 evaluation and the cast to g's dtype. Both are evaluated by series
+    below ``|g| / K = 1e-2`` (relative: a few fp32 ulps) and by log/exp above (a few fp32 ulps of ``K`` absolute,
+    where ``e - 1/e`` and ``log(a + sqrt(a^2 + 1))`` lose the leading bits); ``|g| / K`` rounds on the subnormal
+    grid. Zero where g is kept exactly (no config, NaN/inf)."""
     gd = g.detach().double()
     if cfg is None or not bool(torch.isfinite(gd).all()) or g.numel() == 0:
         return torch.zeros_like(gd)
@@ -304,7 +304,10 @@ def _companded_error(g: Tensor, cfg: QuantConfig | None) -> Tensor:
     c = torch.asinh(gd / k) * k
     # (at the branch point the series is as close as log/exp: the threshold may round either way)
     formula = 4 * EPS32 * (c.abs() + k * (gd.abs() >= k * 1e-2 * (1 - 1e-6))) + 4 * k * TINY32 * EPS32
-    e = _restore_error(c.float(), cfg) + formula
+    # c is fp32 for an fp32 g, else fp16: rounded to it once made (half an ulp), and its restore is cast to it
+    c_dtype = torch.float32 if g.dtype == torch.float32 else torch.float16
+    rounded = torch.finfo(c_dtype).eps / 2 * c.abs() + torch.finfo(c_dtype).tiny
+    e = _restore_error(c.to(c_dtype), cfg) + formula + rounded
     error = torch.cosh((c.abs() + e) / k) * e + formula * torch.cosh((c.abs() + e) / k)
     fi = torch.finfo(g.dtype)
     return error + (4 * EPS32 + fi.eps / 2) * (gd.abs() + error) + fi.tiny

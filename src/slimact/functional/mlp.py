@@ -20,9 +20,10 @@ within a few percent for ``|g| < K`` and logarithmic beyond it, so the restore e
 relative (a constant fraction of ``|g|``, as a float's) on the tails: on narrow data (``|g| < 4``) nothing
 changes, on those trained-like layers the gate weight's gradient is 35-41 dB (``tests/functional/test_mlp.py``).
 A standalone activation clips its kept input instead (its derivative is flat out there); the block also needs
-``act(g)`` itself there, which is not flat. ``c`` is computed (one compiled loop) and packed in fp32, a transient
-the pack frees. Where ``g`` has a heavy tail that its own pack keeps apart as outliers (exactly), that pack is
-kept instead (:func:`_pack_gate`): ``c`` would fold the tail into the range.
+``act(g)`` itself there, which is not flat. ``c`` (fp32; fp16 for a bf16/fp16 ``g``) is written where the
+forward's product was, after the down projection read it: no memory beyond the plain block's forward. Where
+``g`` has a heavy tail that its own pack keeps apart as outliers (exactly), that pack is kept instead
+(:func:`_pack_gate`): ``c`` would fold the tail into the range.
 
 Error: exact up to float rounding when ``g``, ``u`` are kept exact; at 8 bits ``u`` within half its step, ``g``
 within ``cosh((|c| + e) / K) e`` for ``c`` within ``e`` (half ``c``'s step: ``sqrt(1 + (g / K)^2)`` times it, to
@@ -50,9 +51,11 @@ class _GatedMLPFunction(SlimFunction):
 
     @staticmethod
     def forward(ctx, g, u, weight, bias, act, form, cfg, state_g, state_u):
-        y = F.linear(act(g) * u, weight, bias)
+        h = act(g) * u  # [..., I]: free once y is made (autograd records nothing here), so c may be written there
+        y = F.linear(h, weight, bias)
         ctx.act, ctx.form, ctx.has_bias = act, form, bias is not None
-        kept_g, ctx.companded = _pack_gate(g, cfg, state_g)
+        kept_g, ctx.companded = _pack_gate(g, cfg, state_g, h)
+        del h
         ctx.g_dtype = g.dtype
         save(ctx, kept_g, pack(u, cfg, state_u), weight)
         return y
@@ -85,18 +88,46 @@ _K = 4.0
 
 
 def _asinh_scaled(g: Tensor) -> Tensor:
-    # K asinh(g / K), [..., I] in fp32 (a bf16 c would round by a quarter of the 8-bit step: 6 dB off up_proj's
-    # gradient, measured), float64 kept (which the pack leaves uncompressed). By log and sqrt, which vectorise
-    # (torch.asinh is a scalar loop on CPU: 20x a pack's time): its series below 1e-2 (a tiny g keeps its
-    # relative precision), log(2a) where a^2 would overflow; within ~1e-5 relative of asinh, far below a code.
-    a = g.to(torch.promote_types(g.dtype, torch.float32)).abs() * (1.0 / _K)
+    # K asinh(g / K) in fp32, by log and sqrt, which vectorise (torch.asinh is a scalar loop on CPU: 20x a pack's
+    # time): its series below 1e-2 (a tiny g keeps its relative precision), log(2a) where a^2 would overflow;
+    # within ~1e-5 relative of asinh, far below a code.
+    a = g.float().abs() * (1.0 / _K)
     near_zero = a * (1 - a * a * (1.0 / 6))
     r = torch.where(a < 1e-2, near_zero, torch.log(torch.where(a > 1e18, 2 * a, a + torch.sqrt(a * a + 1))))
     return (r * _K).copysign(g)
 
 
-def _compand(g: Tensor) -> Tensor:
-    return inductor.fused_or_eager(_asinh_scaled, ("gated-mlp-compand", g.dtype), g)
+def _asinh_scaled_into(g: Tensor, out: Tensor) -> Tensor:
+    return out.copy_(_asinh_scaled(g))
+
+
+def _chunks(numel: int) -> range:
+    # Starts of the chunks g is companded or expanded in eagerly: a sixteenth of it (at least 8 Ki elements), so
+    # that the formula's fp32 temporaries (five alive at once) hold a third of g's size, not five times it.
+    step = max(1 << 13, -(-numel // 16))
+    return range(0, numel, step)
+
+
+def _compand(g: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """``c = K asinh(g / K)``, ``[..., I]``: fp32 for an fp32 ``g``, else fp16 (a bf16 ``c`` would round by a quarter
+    of the 8-bit step, 6 dB off up_proj's gradient; fp16 costs at most 1.7 dB there, measured). Written into
+    ``scratch`` where it fits (the forward's product ``h``, free by then: no allocation beyond the plain block's),
+    by one compiled loop where that pays, else a chunk at a time."""
+    dtype = torch.float32 if g.dtype == torch.float32 else torch.float16
+    if torch.compiler.is_compiling():  # (inductor fuses the formula itself: no temporaries, no chunks to trace)
+        return _asinh_scaled(g).to(dtype)
+    fits = (scratch is not None and scratch.shape == g.shape and scratch.is_contiguous()
+            and scratch.dtype.itemsize == dtype.itemsize and scratch.device == g.device)
+    out = scratch.view(dtype) if fits else torch.empty(g.shape, dtype=dtype, device=g.device)
+    g = g.contiguous()
+    if inductor.pays_off(g) and inductor.fused(_asinh_scaled_into, ("gated-mlp-compand", g.dtype, dtype), g,
+                                               out) is not None:
+        return out
+    flat_g, flat_out = g.view(-1), out.view(-1)
+    starts = _chunks(flat_g.numel())
+    for at in starts:
+        flat_out[at : at + starts.step] = _asinh_scaled(flat_g[at : at + starts.step])
+    return out
 
 
 def _expand(c: Tensor, dtype: torch.dtype) -> Tensor:
@@ -111,7 +142,23 @@ def _expand(c: Tensor, dtype: torch.dtype) -> Tensor:
     return (s * _K).clamp_(max=big).copysign(c).to(dtype)
 
 
-def _pack_gate(g: Tensor, cfg: QuantConfig | None, state: RunningRange | None) -> tuple[Packed, bool]:
+def _expand_restored(c: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`_expand` of a restored ``c`` (the restore's own tensor) outside a compiled loop: a chunk at a time,
+    written over ``c`` where ``g``'s dtype has its width (fp32 over fp32, bf16 over fp16), so that restoring ``g``
+    holds no more than restoring ``g``'s own codes would (one ``g``-sized tensor, and a chunk's fp32 temporaries)."""
+    if torch.compiler.is_compiling():
+        return _expand(c, dtype)
+    fits = c.is_contiguous() and c.dtype.itemsize == dtype.itemsize
+    out = c.view(dtype) if fits else torch.empty(c.shape, dtype=dtype, device=c.device)
+    flat_c, flat_out = c.reshape(-1), out.view(-1)
+    starts = _chunks(flat_c.numel())
+    for at in starts:
+        flat_out[at : at + starts.step] = _expand(flat_c[at : at + starts.step], dtype)
+    return out
+
+
+def _pack_gate(g: Tensor, cfg: QuantConfig | None, state: RunningRange | None,
+               scratch: Tensor | None = None) -> tuple[Packed, bool]:
     """g's pack, and whether it holds the codes of ``c`` (the module docstring) rather than of ``g``.
 
     A heavy tail (values beyond the outlier threshold of their group, ``QuantConfig.outliers``: a massive
@@ -119,15 +166,15 @@ def _pack_gate(g: Tensor, cfg: QuantConfig | None, state: RunningRange | None) -
     logarithmically, below that threshold, and would set the range of every other value (a 1e4 among normal
     values: a step of 0.27 near 0, against 0.024 beside the outliers kept apart). So where a pack of ``g`` can keep
     outliers apart (its own range: not a running estimate, not while dynamo traces) and does, that pack is kept,
-    else ``c``'s is made (the pack of ``g`` then costs one pass more). NaN/inf (and float64): ``g`` itself, exact
-    (not ``sinh(asinh(g))``, which rounds)."""
-    if cfg is None:
-        return pack(g, None), False
+    else ``c``'s is made (the pack of ``g`` then costs one pass more), into ``scratch`` where it fits. NaN/inf
+    (and float64): ``g`` itself, exact (not ``sinh(asinh(g))``, which rounds)."""
+    if cfg is None or g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return pack(g, cfg, state), False
     if cfg.outliers and cfg.scale == "dynamic" and not torch.compiler.is_compiling():
         plain = pack(g, cfg, state, share=False)
         if plain.raw or len(plain.tensors) > 3:  # (codes, lo, step, index, values): outliers kept apart
             return plain, False
-    companded = pack(_compand(g), cfg, state, share=False)
+    companded = pack(_compand(g, scratch), cfg, state, share=False)
     return (pack(g, None), False) if companded.raw else (companded, True)
 
 
@@ -138,7 +185,7 @@ def _expanded_backward_eager(act: Callable[[Tensor], Tensor], form: str, dtype: 
 
 def _expanded_backward(act: Callable[[Tensor], Tensor], form: str, dtype: torch.dtype, c: Tensor, u: Tensor,
                        grad_h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _elementwise_backward(act, form, _expand(c, dtype), u, grad_h)
+    return _elementwise_backward(act, form, _expand_restored(c, dtype), u, grad_h)
 
 
 def _elementwise_backward_eager(act: Callable[[Tensor], Tensor], form: str, g: Tensor, u: Tensor,
