@@ -116,8 +116,10 @@ def _compand(g: Tensor, scratch: Tensor | None = None) -> Tensor:
     dtype = torch.float32 if g.dtype == torch.float32 else torch.float16
     if torch.compiler.is_compiling():  # (inductor fuses the formula itself: no temporaries, no chunks to trace)
         return _asinh_scaled(g).to(dtype)
-    fits = (scratch is not None and scratch.shape == g.shape and scratch.is_contiguous()
-            and scratch.dtype.itemsize == dtype.itemsize and scratch.device == g.device)
+    # scratch is the caller's own unless a dispatch mode saw the op that made it: selective activation checkpointing
+    # keeps such outputs for its recompute (writing there raised "Tensor cached ... has been mutated").
+    fits = (scratch is not None and torch._C._len_torch_dispatch_stack() == 0 and scratch.shape == g.shape
+            and scratch.is_contiguous() and scratch.dtype.itemsize == dtype.itemsize and scratch.device == g.device)
     out = scratch.view(dtype) if fits else torch.empty(g.shape, dtype=dtype, device=g.device)
     g = g.contiguous()
     if inductor.pays_off(g) and inductor.fused(_asinh_scaled_into, ("gated-mlp-compand", g.dtype, dtype), g,
@@ -144,11 +146,12 @@ def _expand(c: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _expand_restored(c: Tensor, dtype: torch.dtype) -> Tensor:
     """:func:`_expand` of a restored ``c`` (the restore's own tensor) outside a compiled loop: a chunk at a time,
-    written over ``c`` where ``g``'s dtype has its width (fp32 over fp32, bf16 over fp16), so that restoring ``g``
-    holds no more than restoring ``g``'s own codes would (one ``g``-sized tensor, and a chunk's fp32 temporaries)."""
+    written over ``c`` where ``g``'s dtype has its width (fp32 over fp32, bf16 over fp16) and no dispatch mode may
+    hold it (as :func:`_compand`'s scratch), so that restoring ``g`` holds no more than restoring ``g``'s own codes
+    would (one ``g``-sized tensor, and a chunk's fp32 temporaries)."""
     if torch.compiler.is_compiling():
         return _expand(c, dtype)
-    fits = c.is_contiguous() and c.dtype.itemsize == dtype.itemsize
+    fits = torch._C._len_torch_dispatch_stack() == 0 and c.is_contiguous() and c.dtype.itemsize == dtype.itemsize
     out = c.view(dtype) if fits else torch.empty(c.shape, dtype=dtype, device=c.device)
     flat_c, flat_out = c.reshape(-1), out.view(-1)
     starts = _chunks(flat_c.numel())
