@@ -291,7 +291,7 @@ def _restore_error(x: Tensor, cfg: QuantConfig | None) -> Tensor:
 
 def _companded_error(g: Tensor, cfg: QuantConfig | None) -> Tensor:
     """float64 bound on ``|g_hat - g|`` for a gated MLP's ``g`` kept as codes of ``c = K asinh(g / K)`` (fp32, fp16
-    for a half-precision g; slimact.functional.mlp): ``c_hat`` within ``e`` of ``c`` (:func:`_restore_error`, plus
+    for an fp16 g; slimact.functional.mlp): ``c_hat`` within ``e`` of ``c`` (:func:`_restore_error`, plus
     the fp32 evaluation of asinh and the rounding to c's dtype) gives ``g_hat = K sinh(c_hat / K)`` within
     ``cosh((|c| + e) / K) e``; plus sinh's fp32 evaluation and the cast to g's dtype. Both are evaluated by series
     below ``|g| / K = 1e-2`` (relative: a few fp32 ulps) and by log/exp above (a few fp32 ulps of ``K`` absolute,
@@ -304,8 +304,8 @@ def _companded_error(g: Tensor, cfg: QuantConfig | None) -> Tensor:
     c = torch.asinh(gd / k) * k
     # (at the branch point the series is as close as log/exp: the threshold may round either way)
     formula = 4 * EPS32 * (c.abs() + k * (gd.abs() >= k * 1e-2 * (1 - 1e-6))) + 4 * k * TINY32 * EPS32
-    # c is fp32 for an fp32 g, else fp16: rounded to it once made (half an ulp), and its restore is cast to it
-    c_dtype = torch.float32 if g.dtype == torch.float32 else torch.float16
+    # c is fp16 for an fp16 g, else fp32: rounded to it once made (half an ulp), and its restore is cast to it
+    c_dtype = torch.float16 if g.dtype == torch.float16 else torch.float32
     rounded = torch.finfo(c_dtype).eps / 2 * c.abs() + torch.finfo(c_dtype).tiny
     e = _restore_error(c.to(c_dtype), cfg) + formula + rounded
     error = torch.cosh((c.abs() + e) / k) * e + formula * torch.cosh((c.abs() + e) / k)

@@ -402,12 +402,7 @@ def dequantize_map(packs: Sequence[tuple[Tensor, Tensor, Tensor]], dtypes: Seque
     # (Detached here: _call detaches only its own arguments, and these sit in tuples.)
     views = tuple((c.view(runs), lo.detach().view(-1, 1), step.detach().view(-1, 1)) for c, lo, step in packs)
     dtypes = tuple(dtypes)
-    with warnings.catch_warnings():
-        # (inductor's C++ code generation notes a loop reading fp16 and bf16, a gated MLP's restored gate and up
-        # projections, once as it compiles it; the loop is correct, its values in fp32)
-        warnings.filterwarnings("ignore", "bf16 and fp16 are mixed in the scheduler node", UserWarning)
-        out = _call(_compiled(_restore_map, (fn, dtypes)),
-                    (fn, dtypes, views, tuple(a.detach().view(runs) for a in args)))
+    out = _call(_compiled(_restore_map, (fn, dtypes)), (fn, dtypes, views, tuple(a.detach().view(runs) for a in args)))
     if out is None:
         return None
     return tuple(o.view(meta.shape) for o in out) if isinstance(out, (tuple, list)) else out.view(meta.shape)
