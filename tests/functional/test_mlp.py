@@ -93,28 +93,34 @@ def test_a_wide_trained_like_gate_keeps_every_gradient_floor(act, policy, floor_
         assert db >= floor_db, f"{name}: {db:.1f} dB"
 
 
-def test_a_gate_with_a_heavy_tail_keeps_it_apart_not_in_the_range():
-    # 1% of g at 1e4 (massive activations): g's own pack keeps them apart, exactly, and its step is set by the
-    # normal values. In asinh codes they lie within the outlier threshold (34 against ~1): kept so, the range
-    # spans them and grad_g fell to 26.4 dB (the property tests found it); g's own pack is kept: 40.5 dB.
+def _gradient_sqnr(g, u, w, up) -> dict[str, float]:
+    """SQNR (dB) of ``gated_mlp``'s gradients to g, u and the down weight at 8 bits (8 channel groups, in the
+    inputs' dtype) against float64 arithmetic on the same values."""
     import torch.nn.functional as F
 
     import slimact.functional as sf
     from slimact.quant import QuantConfig
 
+    grads = []
+    for cfg, dtype in ((None, torch.float64), (QuantConfig(groups=8), g.dtype)):
+        leaves = [t.to(dtype).requires_grad_() for t in (g, u, w)]
+        sf.gated_mlp(*leaves, None, "silu", cfg, act=F.silu).backward(up.to(dtype))
+        grads.append([t.grad for t in leaves])
+    return {name: sqnr_db(exact.float(), approx.float()) for name, exact, approx in zip(("g", "u", "weight"), *grads,
+                                                                                        strict=True)}
+
+
+def test_a_gate_with_a_heavy_tail_keeps_it_apart_not_in_the_range():
+    # 1% of g at 1e4 (massive activations): g's own pack keeps them apart, exactly, and its step is set by the
+    # normal values. In asinh codes they lie within the outlier threshold (34 against ~1): kept so, the range
+    # spans them and grad_g fell to 26.4 dB (the property tests found it); g's own pack is kept: 40.5 dB.
     gen = torch.Generator().manual_seed(0)
     g, u = torch.randn(256, 96, generator=gen), torch.randn(256, 96, generator=gen)
     heavy = torch.randperm(g.numel(), generator=gen)[: g.numel() // 100]
     g.view(-1)[heavy] = 1e4 * torch.randn(heavy.numel(), generator=gen).sign()
     w, up = torch.randn(32, 96, generator=gen) / 10, torch.randn(256, 32, generator=gen)
-    grads = []
-    for cfg in (None, QuantConfig(groups=8)):
-        dtype = torch.float64 if cfg is None else torch.float32
-        leaves = [t.to(dtype).requires_grad_() for t in (g, u, w)]
-        sf.gated_mlp(*leaves, None, "silu", cfg, act=F.silu).backward(up.to(dtype))
-        grads.append([t.grad for t in leaves])
-    for name, exact, approx in zip(("g", "u", "weight"), *grads, strict=True):
-        assert sqnr_db(exact.float(), approx) >= 36.0, name
+    for name, db in _gradient_sqnr(g, u, w, up).items():
+        assert db >= 36.0, name
 
 
 @pytest.mark.parametrize("scale", [1e-7, 1e-30])
@@ -122,23 +128,12 @@ def test_a_bf16_gate_of_tiny_values_keeps_the_up_and_down_gradients(scale):
     # A bf16 g below fp16's range (gates of 1e-7, 1e-30): its asinh codes' values, c ~ g there, were kept in fp16,
     # which rounded them to 0: act(g) * u restored as ~0, and up_proj's and down_proj's gradients were 10.4 dB, and
     # at 1e-30 exactly 0 (found by review). c is fp32 for a bf16 g.
-    import torch.nn.functional as F
-
-    import slimact.functional as sf
-    from slimact.quant import QuantConfig
-
     gen = torch.Generator().manual_seed(0)
     g = (torch.randn(64, 48, generator=gen) * scale).bfloat16()
     u, w = torch.randn(64, 48, generator=gen).bfloat16(), (torch.randn(16, 48, generator=gen) / 8).bfloat16()
     up = torch.randn(64, 16, generator=gen).bfloat16()
-    grads = []
-    for cfg in (None, QuantConfig(groups=8)):
-        dtype = torch.float64 if cfg is None else torch.bfloat16
-        leaves = [t.to(dtype).requires_grad_() for t in (g, u, w)]
-        sf.gated_mlp(*leaves, None, "silu", cfg, act=F.silu).backward(up.to(dtype))
-        grads.append([t.grad for t in leaves])
-    for name, exact, approx in zip(("g", "u", "weight"), *grads, strict=True):
-        assert sqnr_db(exact.float(), approx.float()) >= 30.0, name
+    for name, db in _gradient_sqnr(g, u, w, up).items():
+        assert db >= 30.0, name
 
 
 _NEAR_MAX = [(torch.float16, [1.0, -0.05, 0.3, -0.02, 0.5, 0.7, -0.01, 0.9]),  # zero-aligned codes: lo moved
