@@ -56,7 +56,7 @@ class _GatedMLPFunction(SlimFunction):
         h = act(g) * u  # [..., I]: free once y is made (autograd records nothing here), so c may be written there
         y = F.linear(h, weight, bias)
         ctx.act, ctx.form, ctx.has_bias = act, form, bias is not None
-        scratch = h if _holds_c(h, g) else None
+        scratch = h if _may_write_over(h, g, _c_dtype(g)) else None
         del h  # (freed here where c cannot use it)
         kept_g, ctx.companded = _pack_gate(g, cfg, state_g, scratch)
         del scratch
@@ -105,48 +105,49 @@ def _asinh_scaled_into(g: Tensor, out: Tensor) -> Tensor:
     return out.copy_(_asinh_scaled(g))
 
 
-def _chunks(numel: int) -> range:
-    # Starts of the chunks g is companded or expanded in eagerly: a sixteenth of it (at least 8 Ki elements), so
-    # that the formula's fp32 temporaries (five alive at once) hold a third of g's size, not five times it.
-    step = max(1 << 13, -(-numel // 16))
-    return range(0, numel, step)
-
-
 def _c_dtype(g: Tensor) -> torch.dtype:
     return torch.float16 if g.dtype == torch.float16 else torch.float32
 
 
-def _holds_c(scratch: Tensor, g: Tensor) -> bool:
-    # Whether c may be written over scratch: its shape and width, and the caller's own, which it is unless a dispatch
-    # mode saw the op that made it (selective activation checkpointing keeps such outputs for its recompute: writing
-    # there raised "Tensor cached ... has been mutated"). While dynamo traces, no: inductor plans the buffers.
+def _may_write_over(t: Tensor, like: Tensor, dtype: torch.dtype) -> bool:
+    """Whether a result of ``like``'s shape in ``dtype`` may be written over ``t``: its shape, width and device, and the
+    caller's own, which it is unless a dispatch mode saw the op that made it (selective activation checkpointing keeps
+    such outputs for its recompute: writing there raised "Tensor cached ... has been mutated"). While dynamo traces,
+    no: inductor plans the buffers."""
     if torch.compiler.is_compiling():
         return False
-    return (torch._C._len_torch_dispatch_stack() == 0 and scratch.shape == g.shape and scratch.is_contiguous()
-            and scratch.dtype.itemsize == _c_dtype(g).itemsize and scratch.device == g.device)
+    return (torch._C._len_torch_dispatch_stack() == 0 and t.shape == like.shape and t.is_contiguous()
+            and t.dtype.itemsize == dtype.itemsize and t.device == like.device)
+
+
+def _chunked(fn: Callable[[Tensor], Tensor], src: Tensor, out: Tensor) -> Tensor:
+    """``out[:] = fn(src)`` eagerly, a sixteenth of ``src`` at a time (at least 8 Ki elements), so that the formula's
+    fp32 temporaries (five alive at once) hold a third of its size, not five times it; ``out`` may be ``src``'s
+    storage (each chunk is read before it is written)."""
+    flat_src, flat_out = src.reshape(-1), out.view(-1)
+    step = max(1 << 13, -(-flat_src.numel() // 16))
+    for at in range(0, flat_src.numel(), step):
+        flat_out[at : at + step] = fn(flat_src[at : at + step])
+    return out
 
 
 def _compand(g: Tensor, scratch: Tensor | None = None) -> Tensor:
     """``c = K asinh(g / K)``, ``[..., I]``: fp16 for an fp16 ``g`` (``|c| <= |g|``, ``c ~ g`` near 0: fp16 holds it as
     it held ``g``), else fp32: a bf16 ``c`` would round by a quarter of the 8-bit step (6 dB off up_proj's gradient),
     an fp16 one of a bf16 ``g`` loses what lies below fp16's range (gates scaled by 1e-7: up_proj's gradient 37.5 ->
-    10.4 dB; 1e-9: all 0; found by review). Written into ``scratch`` where it fits (the forward's product ``h``, free
-    by then: no allocation beyond the plain block's; for a bf16 ``g`` it does not, and ``c`` is a transient of
-    twice ``g``'s bytes), by one compiled loop where that pays, else a chunk at a time."""
+    10.4 dB; 1e-9: all 0; found by review). Written over ``scratch``, where given (the forward's product ``h``, free
+    by then, where :func:`_may_write_over` allows: no allocation beyond the plain block's; for a bf16 ``g`` it is too
+    narrow, and ``c`` is a transient of twice ``g``'s bytes), by one compiled loop where that pays, else a chunk at a
+    time."""
     dtype = _c_dtype(g)
     if torch.compiler.is_compiling():  # (inductor fuses the formula itself: no temporaries, no chunks to trace)
         return _asinh_scaled(g).to(dtype)
-    fits = scratch is not None and _holds_c(scratch, g)
-    out = scratch.view(dtype) if fits else torch.empty(g.shape, dtype=dtype, device=g.device)
+    out = scratch.view(dtype) if scratch is not None else torch.empty(g.shape, dtype=dtype, device=g.device)
     g = g.contiguous()
     if inductor.pays_off(g) and inductor.fused(_asinh_scaled_into, ("gated-mlp-compand", g.dtype, dtype), g,
                                                out) is not None:
         return out
-    flat_g, flat_out = g.view(-1), out.view(-1)
-    starts = _chunks(flat_g.numel())
-    for at in starts:
-        flat_out[at : at + starts.step] = _asinh_scaled(flat_g[at : at + starts.step])
-    return out
+    return _chunked(_asinh_scaled, g, out)
 
 
 def _expand(c: Tensor, dtype: torch.dtype) -> Tensor:
@@ -163,18 +164,12 @@ def _expand(c: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _expand_restored(c: Tensor, dtype: torch.dtype) -> Tensor:
     """:func:`_expand` of a restored ``c`` (the restore's own tensor) outside a compiled loop: a chunk at a time,
-    written over ``c`` where ``g``'s dtype has its width (fp32 over fp32, bf16 over fp16) and no dispatch mode may
-    hold it (as :func:`_compand`'s scratch), so that restoring ``g`` holds no more than restoring ``g``'s own codes
-    would (one ``g``-sized tensor, and a chunk's fp32 temporaries)."""
+    written over ``c`` where it may be (fp32 over fp32, bf16 over fp16), so that restoring ``g`` holds no more than
+    restoring ``g``'s own codes would (one ``g``-sized tensor, and a chunk's fp32 temporaries)."""
     if torch.compiler.is_compiling():
         return _expand(c, dtype)
-    fits = torch._C._len_torch_dispatch_stack() == 0 and c.is_contiguous() and c.dtype.itemsize == dtype.itemsize
-    out = c.view(dtype) if fits else torch.empty(c.shape, dtype=dtype, device=c.device)
-    flat_c, flat_out = c.reshape(-1), out.view(-1)
-    starts = _chunks(flat_c.numel())
-    for at in starts:
-        flat_out[at : at + starts.step] = _expand(flat_c[at : at + starts.step], dtype)
-    return out
+    out = c.view(dtype) if _may_write_over(c, c, dtype) else torch.empty(c.shape, dtype=dtype, device=c.device)
+    return _chunked(functools.partial(_expand, dtype=dtype), c, out)
 
 
 def _pack_gate(g: Tensor, cfg: QuantConfig | None, state: RunningRange | None,
@@ -186,7 +181,7 @@ def _pack_gate(g: Tensor, cfg: QuantConfig | None, state: RunningRange | None,
     logarithmically, below that threshold, and would set the range of every other value (a 1e4 among normal
     values: a step of 0.27 near 0, against 0.024 beside the outliers kept apart). So where a pack of ``g`` can keep
     outliers apart (its own range: not a running estimate, not while dynamo traces) and does, that pack is kept,
-    else ``c``'s is made (the pack of ``g`` then costs one pass more), into ``scratch`` where it fits. NaN/inf
+    else ``c``'s is made (the pack of ``g`` then costs one pass more), over ``scratch`` where given. NaN/inf
     (and float64): ``g`` itself, exact (not ``sinh(asinh(g))``, which rounds)."""
     if cfg is None or g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return pack(g, cfg, state), False
