@@ -65,6 +65,46 @@ def test_torch_checkpoint_on_a_converted_model(reentrant):
     assert both == ckpt_bytes < slim_bytes < plain_bytes, (both, ckpt_bytes, slim_bytes, plain_bytes)
 
 
+@pytest.mark.parametrize("arch, policy", [("llama", "tempo"), ("gpt2", "int8")])
+def test_users_own_checkpoint_with_use_cache_trains_as_without(arch, policy):
+    """A user's own non-reentrant ``torch.utils.checkpoint`` around each decoder layer, the model called in training
+    with ``use_cache=True``: the recompute's cache hands attention the forward's keys and its own (twice as many);
+    causal attention without a mask reads only the first ``T`` (transformers' SDPA cuts them so, and trains). slimact
+    kept all of them, and the checkpoint refused the recompute (``CheckpointError``: saved keys of another shape).
+    Now: the very gradients of the converted model without the checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *args, **kwargs):
+            return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+
+    def grads(wrap):
+        torch.manual_seed(0)
+        if arch == "llama":
+            model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                                                 attn_implementation="sdpa"))
+        else:
+            model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                               attn_implementation="sdpa"))
+        slimact.convert(model.train(), policy)
+        layers = model.model.layers if arch == "llama" else model.transformer.h
+        if wrap:
+            for i, layer in enumerate(layers):
+                layers[i] = Checkpointed(layer)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        model(ids, labels=ids, use_cache=True).loss.backward()
+        return {n.replace(".layer.", "."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    torch.testing.assert_close(grads(True), grads(False))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_hugging_face_gradient_checkpointing_on_a_converted_model(name):
     model = zoo.build(name, tiny=True).train()
@@ -305,6 +345,51 @@ def test_torch_compile_of_a_converted_model(name):
     grads = {k.removeprefix("_orig_mod."): v for k, v in grads.items()}
     torch.testing.assert_close(loss1, loss0, rtol=1e-4, atol=1e-5)
     assert_gradients_close(eager, grads, min_cosine=0.999)
+    torch._dynamo.reset()
+
+
+class _GeluNewMLP(nn.Module):
+    def __init__(self, width: int):
+        from transformers.activations import NewGELUActivation
+
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(width, 2 * width), nn.Linear(width, 2 * width)
+        self.down_proj, self.act_fn = nn.Linear(2 * width, width), NewGELUActivation()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _GeluNewBlock(nn.Module):
+    """A pre-norm block whose activations read a module-level float (transformers' gelu_new reads ``math.pi``): in a
+    plain MLP (the activation kind) and in a gated one (the mlp kind), after a LayerNorm and an RMSNorm."""
+
+    def __init__(self, width: int = 16):
+        from transformers.activations import NewGELUActivation
+
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.RMSNorm(width)
+        self.fc, self.proj, self.act = nn.Linear(width, 4 * width), nn.Linear(4 * width, width), NewGELUActivation()
+        self.mlp = _GeluNewMLP(width)
+
+    def forward(self, x):
+        x = x + self.proj(self.act(self.fc(self.norm1(x))))
+        return x + self.mlp(self.norm2(x))
+
+
+def test_torch_compile_with_dynamic_shapes():
+    # Under dynamic=True dynamo makes module-level floats inputs of the graph, and one read first inside two
+    # autograd.Functions failed to trace ("lift_tracked_freevar_to_input should not be called on root
+    # SubgraphTracer"): slimact's own constants, then model code's that the Functions run (GPT-2 and T5 v1.1 did).
+    # (backend="eager": the failure was dynamo's; inductor's build of these graphs takes minutes.)
+    torch.manual_seed(0)
+    model = slimact.convert(nn.Sequential(_GeluNewBlock(), _GeluNewBlock()))
+    assert set(slimact.summary(model).converted) == {"gelu", "mlp", "layernorm", "rmsnorm", "linear"}
+    compiled = torch.compile(model, dynamic=True, backend="eager")
+    for tokens in (9, 14):
+        x = torch.randn(2, tokens, 16)
+        eager, grads = _step(model, x), _step(compiled, x)
+        assert_gradients_close(eager, {k.removeprefix("_orig_mod."): v for k, v in grads.items()}, min_cosine=0.999)
     torch._dynamo.reset()
 
 

@@ -372,7 +372,7 @@ def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.
         rms = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         var, mean = torch.var_mean(xf, -1, unbiased=False, keepdim=True)
         centered = (xf - mean) * torch.rsqrt(var + eps)
-        candidates = [(centered, True, 0.0), (rms, False, 0.0), (rms, False, 1.0)]
+        candidates = [(centered, True, 0), (rms, False, 0), (rms, False, 1)]  # (integers: see nn.norm's offset)
         match = next(({"centered": c, "offset": o, "eps": eps} for xn, c, o in candidates
                       if torch.allclose(y, xn * (w + o) + b, rtol=tol, atol=tol / 10)), None)
         if match is None or (found is not None and match != found):
@@ -897,7 +897,7 @@ def _rule_norm(module, cls):
     if typed and _own_forward(cls) is None:
         if len(module.normalized_shape) != 1:
             return Recognised(kind, reason="normalised over more than the last dim: not supported yet")
-        return Recognised(kind, "norm", {"centered": isinstance(module, nn.LayerNorm), "offset": 0.0,
+        return Recognised(kind, "norm", {"centered": isinstance(module, nn.LayerNorm), "offset": 0,
                                          "eps": module.eps})
     named = "Norm" in cls.__name__
     if not (typed or named) or next(module.children(), None) is not None:

@@ -411,6 +411,27 @@ def _documents(module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | Non
     return mask[..., : key.shape[-2]].masked_fill(~allowed, torch.finfo(mask.dtype).min)
 
 
+def _seen_keys(query: Tensor, key: Tensor, value: Tensor,
+               position_bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``key``, ``value`` (and ``position_bias``) of causal attention without a mask, more keys than queries, cut to
+    the keys a query can see, as transformers' SDPA integration cuts them: such attention is top-left aligned (SDPA's
+    ``is_causal``), query ``i`` reads keys ``0..i``, so no query reads a key past the ``T``-th, and the output and every
+    gradient are the same, exactly (those keys' gradient is 0); what is kept, and its dropout draws, are the plain
+    model's.
+
+    A call gets such keys where a user's own non-reentrant ``torch.utils.checkpoint`` around a decoder layer run with
+    ``use_cache=True`` (mask ``None``: no prefix, no padding) recomputes the layer: the cache the forward filled hands
+    the recompute the forward's keys and its own, twice as many. Kept whole, the keys slimact saved differed in shape
+    from the forward's, which the checkpoint refused (``CheckpointError``) where the plain model trained; cut, the
+    recompute keeps the forward's very keys, and the gradients are those without the checkpoint. (And an empty
+    ``StaticCache``'s prefill, whose keys are the cache's length.)"""
+    t = query.shape[2]
+    if position_bias is not None:
+        position_bias = position_bias[..., :t]
+    seen = key[:, :, :t]
+    return seen, seen if value is key else value[:, :, :t], position_bias  # (keys that are the values: one pack)
+
+
 def attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -465,6 +486,8 @@ def attention_forward(
     # As transformers' SDPA integration: causal only when no mask stands for it and there is more than one query.
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    if is_causal and key.shape[2] > query.shape[2] and not wanted:  # (probabilities keep the keys' width)
+        key, value, position_bias = _seen_keys(query, key, value, position_bias)
     if position_bias is not None:  # T5's learned relative bias: one additive mask, as transformers' SDPA builds it
         from transformers.integrations.sdpa_attention import create_position_bias_mask
 

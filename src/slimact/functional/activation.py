@@ -81,8 +81,6 @@ __all__ = ["FORMS", "INPLACE_ERROR_BOUNDS", "MINIMUM", "activation", "derivative
 
 FORMS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "relu2")
 
-_C = math.sqrt(2.0 / math.pi)
-_K = 0.044715
 
 #: Where each smooth form has its minimum (y' = 0), to float64 precision.
 MINIMUM = {"gelu": -0.7517915246935644, "gelu_tanh": -0.7524614220710162, "quick_gelu": -0.7511542554412889,
@@ -97,11 +95,19 @@ INPLACE_ERROR_BOUNDS = {
 # Beyond +-FLAT[form] the derivative is constant (0 on the left, 1 on the right) to within 1e-6, so the 8-bit
 # path clips x's range to [-L, L]: an outlier then cannot stretch the scale and blur every other value (with 1%
 # of the inputs at 1e4 the gradient's SQNR fell to -3 dB without the clip).
-FLAT = {"gelu": 6.0, "gelu_tanh": 6.0, "quick_gelu": 11.0, "silu": 18.0}
+FLAT = {"gelu": 6, "gelu_tanh": 6, "quick_gelu": 11, "silu": 18}
 # Left ends of the inverse tables: beyond them y' < 1e-20 and y is 0 in fp32 or close to it.
 _LEFT_END = {"gelu": -10.0, "gelu_tanh": -10.0, "quick_gelu": -60.0, "silu": -104.0}
 _RIGHT_END = 12.0  # beyond: x - y < 1e-4, and x = y is the start of Newton
 _TABLE_SIZE = 2048
+
+
+def _tanh_argument(x: Tensor) -> Tensor:
+    # sqrt(2 / pi) (x + 0.044715 x^3). The constants here and in `derivative` (sqrt(2 / pi), sqrt(2 pi), 3 * 0.044715)
+    # are literals, as FLAT's are integers: under torch.compile(dynamic=True) dynamo makes a module-level float an
+    # input of the graph, and one read inside two autograd.Functions' forwards fails to trace (its
+    # lift_tracked_freevar_to_input assertion).
+    return 0.7978845608028654 * (x + 0.044715 * x.pow(3))
 
 
 def reference(form: str, x: Tensor) -> Tensor:
@@ -109,7 +115,7 @@ def reference(form: str, x: Tensor) -> Tensor:
     if form == "gelu":
         return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
     if form == "gelu_tanh":
-        return 0.5 * x * (1.0 + torch.tanh(_C * (x + _K * x.pow(3))))
+        return 0.5 * x * (1.0 + torch.tanh(_tanh_argument(x)))
     if form == "quick_gelu":
         return x * torch.sigmoid(1.702 * x)
     if form == "silu":
@@ -128,10 +134,10 @@ for _form in ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu2"):
 def derivative(form: str, x: Tensor) -> Tensor:
     """``y'(x)`` of ``form``, in ``x``'s dtype (call with fp32)."""
     if form == "gelu":
-        return 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))) + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        return 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))) + x * torch.exp(-0.5 * x * x) / 2.5066282746310002
     if form == "gelu_tanh":
-        t = torch.tanh(_C * (x + _K * x.pow(3)))
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3.0 * _K * x * x)
+        t = torch.tanh(_tanh_argument(x))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
     if form in ("quick_gelu", "silu"):
         # (silu: x itself, not 1.0 * x, which a compiled loop took for another value and ran sigmoid twice on)
         ax = 1.702 * x if form == "quick_gelu" else x
@@ -157,7 +163,7 @@ def _stable(form: str, x: Tensor) -> Tensor:
     if form == "gelu":
         return x * 0.5 * torch.special.erfc(-x / math.sqrt(2.0))
     if form == "gelu_tanh":
-        return x * torch.sigmoid(2.0 * _C * (x + _K * x.pow(3)))
+        return x * torch.sigmoid(2.0 * _tanh_argument(x))
     return reference(form, x)
 
 
@@ -273,6 +279,19 @@ def _loop_shape(*tensors: Tensor) -> bool:
     t = tensors[0]
     return inductor.pays_off(t) and all(u.shape == t.shape and u.is_contiguous() and u.device == t.device
                                         for u in tensors)
+
+
+def read_in_root(fn: Callable[[Tensor], Tensor], x: Tensor) -> None:
+    """Under torch.compile, call the elementwise ``fn`` once on one element like ``x`` where the graph is traced,
+    before an autograd.Function's forward calls it (its result is unused: the compiler drops it).
+
+    Under ``dynamic=True`` dynamo makes each module-level float that model code reads (transformers' ``gelu_new``
+    reads ``math.pi``) an input of the graph, and one first read inside two autograd.Functions' forwards fails to
+    trace (``lift_tracked_freevar_to_input should not be called on root SubgraphTracer``: GPT-2 and T5 crashed);
+    read here first, it is the root graph's input, which each Function's graph takes as plain model code's would.
+    """
+    if torch.compiler.is_compiling():
+        fn(x.new_zeros(1))
 
 
 def _apply(ctx, fn: Callable[[Tensor], Tensor], x: Tensor, inplace: bool, kept: Tensor | None = None) -> Tensor:
@@ -421,6 +440,7 @@ def activation(
         # output in model code, `h += x`, and hands the backward the output after it, with no version check: the
         # input gradient 2.4 off after a GELU, silently; copy_on_write does not run there.)
         return fn(x)
+    read_in_root(fn, x)
     if cfg is None and form == "relu2":
         return _SquaredReLUFunction.apply(x, fn, inplace)
     if cfg is None and form != "relu":

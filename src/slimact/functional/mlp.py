@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimact.functional._saving import SlimFunction, load, save
-from slimact.functional.activation import derivative, reference
+from slimact.functional.activation import derivative, read_in_root, reference
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, unpack_map
 
 __all__ = ["gated_mlp"]
@@ -87,8 +87,10 @@ class _GatedMLPFunction(SlimFunction):
         return grad_g if need_g else None, grad_u if need_u else None, grad_w, grad_b, None, None, None, None, None
 
 
-#: ``c = K asinh(g / K)``: codes of c are uniform in g for ``|g| < K``, relative beyond (the module docstring).
-_K = 4.0
+#: ``c = K asinh(g / K)``: codes of c are uniform in g for ``|g| < K``, relative beyond (the module docstring). An
+#: integer: a module-level float is an input of the graph under torch.compile(dynamic=True), which fails to trace
+#: where two autograd.Functions read it.
+_K = 4
 
 
 def _asinh_scaled(g: Tensor) -> Tensor:
@@ -268,4 +270,5 @@ def gated_mlp(
 
     if not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad or weight.requires_grad):
         return F.linear(act(g) * u, weight, bias)
+    read_in_root(act, g)
     return _GatedMLPFunction.apply(g, u, weight, bias, act, form, cfg, state_g, state_u)

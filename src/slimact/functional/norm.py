@@ -407,10 +407,13 @@ def _length_may_drift(cfg: QuantConfig) -> bool:
     return cfg.scale == "running" or cfg.clip is not None
 
 
-#: The smallest exact mean square of ``xn``, ``1 - eps * rstd^2``, the backward rescales a restored ``xn`` to: fp32's
-#: ``rstd`` (rounded, and an approximate reciprocal square root on GPUs: a few 2^-24 relative) gives that difference to
-#: about 2^-22 absolute, so to 2^-12 relative here; below it (rows of variance under ``eps / 1024``) it is noise.
-_RESCALE_FLOOR = 2.0**-10
+#: The inverse of ``2**-10``, the smallest exact mean square of ``xn``, ``1 - eps * rstd^2``, the backward rescales a
+#: restored ``xn`` to: fp32's ``rstd`` (rounded, and an approximate reciprocal square root on GPUs: a few 2^-24
+#: relative) gives that difference to about 2^-22 absolute, so to 2^-12 relative here; below it (rows of variance
+#: under ``eps / 1024``) it is noise. An integer (``target * 2**10 >= 1`` is exactly ``target >= 2**-10``): a
+#: module-level float is an input of the graph under torch.compile(dynamic=True), which fails to trace where two
+#: autograd.Functions read it.
+_RESCALE_FLOOR_INVERSE = 2**10
 
 
 @cache(maxsize=64)
@@ -458,7 +461,7 @@ def _backward(kept: Tensor, mean: Tensor | None, rstd: Tensor, weight: Tensor | 
         # gradient): the restored xn is kept as it is there.
         square = (xn * xn).mean(dims, keepdim=True, dtype=acc).float()
         target = 1 - rescale_eps * rstd * rstd
-        factor = torch.where((square > 0) & (target >= _RESCALE_FLOOR), (target / square).sqrt(), 1.0)
+        factor = torch.where((square > 0) & (target * _RESCALE_FLOOR_INVERSE >= 1), (target / square).sqrt(), 1.0)
         xn, dot = xn * factor, dot * factor
     inner = gw - xn * dot
     if centered:

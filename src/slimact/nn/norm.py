@@ -29,7 +29,7 @@ def _runs_forward_of(cls: type, mixin: type, base: type[nn.Module]) -> bool:
 
 class _NormMixin(SlimModule):
     _slimact_centered: bool
-    _slimact_offset: float
+    _slimact_offset: int  # 0, or 1 where the weight is stored as w - 1 (Gemma)
     _slimact_eps: float | None
     #: The attribute holding the norm's weight (``scale`` in torchtune's norms), as recognised.
     _slimact_weight_name: str = "weight"

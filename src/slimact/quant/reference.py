@@ -579,8 +579,9 @@ def quantize(
     return codes if bits == 8 else pack_bits(codes.reshape(-1), bits)
 
 
-#: fp16's largest finite value.
-HALF_MAX = 65504.0
+#: fp16's largest finite value (an integer: a module-level float is an input of the graph under
+#: torch.compile(dynamic=True), which fails to trace where two autograd.Functions read it).
+HALF_MAX = 65504
 
 
 def _past_half(z: Tensor, step: Tensor, lo: Tensor, hi: Tensor, qmax: int) -> Tensor:
