@@ -57,6 +57,7 @@ __all__ = [
     "gated_mlp_intact",
     "is_hf_conv1d",
     "kind_of",
+    "named_norm",
     "norm_eps",
     "norm_form",
     "probed_state",
@@ -891,6 +892,12 @@ def _rule_hf_conv1d(module, cls):
     return Recognised("linear", None if reason else "conv1d", reason=reason)
 
 
+def named_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm by its class's name: ``Norm`` in it, and no submodules (a model's own norm class,
+    a gated one; not a block or wrapper named after the norm it holds, vit-pytorch's ``PreNorm(dim, fn)``)."""
+    return "Norm" in _cls(module).__name__ and next(module.children(), None) is None
+
+
 def _rule_norm(module, cls):
     typed = isinstance(module, (nn.LayerNorm, nn.RMSNorm))
     kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
@@ -899,8 +906,7 @@ def _rule_norm(module, cls):
             return Recognised(kind, reason="normalised over more than the last dim: not supported yet")
         return Recognised(kind, "norm", {"centered": isinstance(module, nn.LayerNorm), "offset": 0,
                                          "eps": module.eps})
-    named = "Norm" in cls.__name__
-    if not (typed or named) or next(module.children(), None) is not None:
+    if not (typed or named_norm(module)) or next(module.children(), None) is not None:
         return None
     weight, eps = getattr(module, "weight", None), norm_eps(module)
     weight_name = "weight"

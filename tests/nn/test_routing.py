@@ -864,6 +864,91 @@ def test_calls_in_a_checkpointed_function_route_alike_in_the_forward_and_the_rec
             assert sqnr_db(g0[n], g1[n]) >= 30, n
 
 
+class _GatedDropoutMLP(nn.Module):
+    """A gated MLP with a dropout on its product (so not fused): ``act(gate) * up`` is a product routed in its code."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gate, self.up = nn.Linear(width, 2 * width), nn.Linear(width, 2 * width)
+        self.down, self.act, self.drop = nn.Linear(2 * width, width), nn.GELU(), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.down(self.drop(self.act(self.gate(x)) * self.up(x)))
+
+
+class _Core(nn.Module):
+    """An attention's core as a module of its own (x-transformers' ``Attend``): its products and softmax are routed as
+    the calls of the attention module that calls it."""
+
+    def forward(self, q, k, v):
+        return F.softmax(q @ k.transpose(-1, -2) * 8**-0.5, -1) @ v
+
+
+class _SelfAttention(nn.Module):  # ("Attention" in its name: the calls in its code, its core's too, are routed)
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.qkv, self.out, self.core, self.checkpointed = nn.Linear(16, 48), nn.Linear(16, 16), _Core(), checkpointed
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)  # [B, H, T, D] each
+        y = (torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False) if self.checkpointed
+             else self.core(q, k, v))
+        return self.out(y.transpose(1, 2).reshape(2, 5, 16))
+
+
+class _Excluded(nn.Module):
+    """A block the user leaves alone (filter_fn) that checkpoints a gated MLP of its own: the calls in the MLP's code
+    run as written, as everywhere below a module left alone."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.mlp, self.norm, self.checkpointed = _GatedDropoutMLP(16), nn.LayerNorm(16), checkpointed
+
+    def forward(self, x):
+        f = torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=False) if self.checkpointed else self.mlp(x)
+        return self.norm(x + f)
+
+
+class PreNorm(nn.Module):  # (vit-pytorch's and lucidrains' wrapper: "Norm" in its name, a block, not a norm)
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.norm, self.fn, self.checkpointed = nn.LayerNorm(16), _GatedDropoutMLP(16), checkpointed
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + (torch.utils.checkpoint.checkpoint(self.fn, h, use_reentrant=False) if self.checkpointed
+                    else self.fn(h))
+
+
+_CALLERS = {"excluded block": _Excluded, "attention": _SelfAttention, "PreNorm": PreNorm}
+
+
+@pytest.mark.parametrize("caller", list(_CALLERS))
+def test_a_checkpointed_module_recomputes_its_calls_as_where_the_forward_called_it(caller):
+    # How a call routes depends on where its module was called from: below a module the user left alone (as
+    # written), in an attention module's code (routed). A non-reentrant checkpoint's recompute calls the module
+    # alone, and routed what the forward had run as written or the reverse: CheckpointError where PyTorch trains.
+    # And a block named after the norm it holds (PreNorm) counted as a norm, in whose code products run as written:
+    # its checkpointed MLP's product was routed in the recompute only. Checkpointed or not, the same gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _CALLERS[caller](checkpointed=False), nn.Linear(16, 16)).train()
+    plain = copy.deepcopy(model)
+    slim = slimact.convert(model, "int8", filter_fn=lambda module, name: not isinstance(module, _Excluded))
+    x = torch.randn(2, 5, 16)
+    y0, g0 = _grads(slim, x)
+    slim[1].checkpointed = True
+    y1, g1 = _grads(slim, x)
+    assert torch.equal(y0, y1)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=0, atol=0, msg=n)
+    if caller == "PreNorm":  # it keeps what the same block under another name keeps (its product's fp32 factors)
+        plain[1].__class__ = type("Block", (PreNorm,), {})
+        renamed = slimact.convert(plain, "int8")
+        slim[1].checkpointed = False
+        kept = [slimact.profile(m, x.requires_grad_(True)).activation_bytes for m in (slim, renamed)]
+        assert kept[0] == kept[1]
+
+
 #: Calls of an attention written in model code: (positional form, the same call with PyTorch's keyword names).
 _BY_KEYWORD = {
     "torch.matmul(q, other=kt)": (torch.matmul, lambda q, kt: torch.matmul(q, other=kt)),

@@ -84,7 +84,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from slimact._kinds import _FORM_KIND, kind_of
+from slimact._kinds import _FORM_KIND, kind_of, named_norm
 from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, kept_or_view_of_kept, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
@@ -122,7 +122,8 @@ def _top_saved_hook() -> object:
 
 
 #: The kinds of norm modules, in whose own code a product runs as written (``Routing._product``; also a module whose
-#: class is named a norm: a gated or grouped norm, ``MambaRMSNormGated``, is no form slimact knows).
+#: class is named a norm and holds no submodules, ``_kinds.named_norm``: a gated or grouped norm,
+#: ``MambaRMSNormGated``, is no form slimact knows).
 _NORM_KINDS = frozenset({"layernorm", "rmsnorm", "groupnorm", "batchnorm"})
 
 
@@ -378,6 +379,7 @@ class Routing:
         # the module it was registered on is gone (its always-called hook table: "cannot create weak reference to
         # 'NoneType' object", from a deepcopy of the other model).
         state["handles"] = [h for h in self.handles if h.hooks_dict_ref() is not None]
+        state["_contexts"] = None  # (about this model's module calls, by weak reference: not a copy's)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -387,6 +389,7 @@ class Routing:
         # (an op of a namespace not registered in this process, its library not imported: no call can reach it)
         state["handlers"] = {_op_named(func) if isinstance(func, str) else func: fn for func, fn in handlers.items()
                              if not isinstance(func, str) or _op_named(func) is not None}
+        state["_contexts"] = weakref.WeakKeyDictionary()
         self.__dict__.update(state)
 
     def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None,
@@ -447,13 +450,17 @@ class Routing:
         self._count_depth("excluded_depth", excluded if self.handlers else ())
         #: How deep the forward is in norm modules' own code, where products run as written (see _product).
         self.norm_depth = 0
-        self._count_depth("norm_depth", [m for m in model.modules() if kind_of(m) in _NORM_KINDS
-                                         or "Norm" in type(m).__name__] if Tensor.mul in self.handlers else ())
+        self._count_depth("norm_depth", [m for m in model.modules() if kind_of(m) in _NORM_KINDS or named_norm(m)]
+                          if Tensor.mul in self.handlers else ())
         self._layer: nn.Module | None = None
         # The innermost saved-tensors pack hook where the innermost module call began (see _enter_layer), and the
         # (module, outer scope) of the module calls that opened one.
         self._scope: object = None
         self._scopes: list[tuple[nn.Module, object]] = []
+        # Per module called in a scope of its own (a checkpointed one), where the forward called it from (see
+        # _enter_layer); and, while a recompute runs such a call, the context it replaced.
+        self._contexts: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+        self._outer: tuple | None = None
         self.handles += self._enter_in_layers(model)
 
     def _watch(self, attention: Sequence[tuple[str, nn.Module]]) -> None:
@@ -841,7 +848,9 @@ class Routing:
         handles = []
         for module in model.modules():
             if module is not model:
-                handles += [module.register_forward_pre_hook(self._enter_layer),
+                # (before the module's own depth and attention hooks, so that _enter_layer sees where it is called
+                # from, not what it is; and after theirs on the way out)
+                handles += [module.register_forward_pre_hook(self._enter_layer, prepend=True),
                             module.register_forward_hook(self._exit_layer, always_call=True)]
         return handles
 
@@ -855,18 +864,37 @@ class Routing:
     # innermost saved-tensors hook is not the one in place when the innermost module call began (the scope), the
     # mode runs calls as written; a module called there opens a new scope, as its recompute enters the mode anew.
 
+    #
+    # How a call routes depends on where its module was called from, too: in a module the user left alone (calls as
+    # written), in a norm's own code (products as written), in a watched attention module's code (its products and
+    # softmaxes routed). A recompute calls the checkpointed module alone, outside those callers; a module called in
+    # a scope of its own notes its callers' context in the forward, and its recompute runs in that context (a gated
+    # MLP with a dropout, checkpointed in a block the user excluded, routed its product in the recompute only:
+    # CheckpointError where PyTorch trains). A module checkpointed from two contexts recomputes in the last one's.
+
+    def _context(self) -> tuple:
+        return self.excluded_depth, self.norm_depth, tuple(self._inside)
+
+    def _set_context(self, context: tuple) -> None:
+        self.excluded_depth, self.norm_depth, inside = context
+        self._inside[:] = inside
+
     def _enter_layer(self, module, args):
         if not self.handlers or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         if self._mode is None:
             self._mode, self._layer = _Mode(self), module
             self._scope = _top_saved_hook()
+            if (context := self._contexts.get(module)) is not None:
+                self._outer = self._context()
+                self._set_context(context)
             self._mode.__enter__()
         else:
             top = _top_saved_hook()
             if top is not self._scope:
                 self._scopes.append((module, self._scope))
                 self._scope = top
+                self._contexts[module] = self._context()
 
     def _exit_layer(self, module, args, output):
         if self._scopes and self._scopes[-1][0] is module:
@@ -875,6 +903,9 @@ class Routing:
             self._mode.__exit__(None, None, None)
             self._mode, self._layer, self._scope = None, None, None
             self._scopes.clear()
+            if self._outer is not None:
+                self._set_context(self._outer)
+                self._outer = None
 
     def in_scope(self) -> bool:
         """Whether a call now is made in code whose recompute (if it is checkpointed) routes it alike."""
