@@ -182,6 +182,31 @@ def test_a_multihead_attention_keeps_its_output_once_as_plain_does(batch_first):
     assert kept["tempo"] <= kept["plain"] and kept["int8"] <= 0.5 * kept["plain"], kept
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_batch_first_input_is_projected_through_its_time_major_view_as_plain_projects_it(policy, frozen):
+    # F.multi_head_attention_forward projects a batch-first input through its [T, B, E] view; the converted module
+    # projected the [B, T, E] tensor itself, which ATen rounds otherwise where the weight is frozen (BitFit: outputs
+    # 1 ulp off plain's, under no_grad too) or at a width of 512: the forward was not plain's. The view's pack is the
+    # tensor's own (one pack with the LayerNorm before it, as in a norm-first layer).
+    torch.manual_seed(0)
+    plain = nn.MultiheadAttention(512, 8, batch_first=True).train()
+    if frozen:  # (the biases train)
+        plain.in_proj_weight.requires_grad_(False)
+        plain.out_proj.weight.requires_grad_(False)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    x = torch.randn(2, 32, 512)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(slim(x, x, x, need_weights=False)[0], plain(x, x, x, need_weights=False)[0])
+    kept = []
+    for batch_first in (True, False):  # (a time-major input is projected as it is)
+        layer = slimact.convert(nn.TransformerEncoderLayer(32, 4, 64, batch_first=batch_first, norm_first=True),
+                                policy).train()
+        kept.append(slimact.profile(layer, torch.randn(2, 16, 32).requires_grad_(True)).activation_bytes)
+    assert kept[0] == kept[1]
+
+
 @pytest.mark.parametrize("call", ["time-major-self-attention", "shared-keys-and-values"])
 def test_one_input_is_projected_once_as_plain_projects_it(call):
     # F.multi_head_attention_forward projects an input that is query, key and value at once (one product), and keys

@@ -32,6 +32,15 @@ from slimact.quant import QuantConfig, RunningRange, pack
 __all__ = ["linear"]
 
 
+def _memory_order(x: Tensor) -> tuple[int, ...] | None:
+    """The order of ``x``'s leading dims in memory where ``x`` is a permuted view of a contiguous tensor with its last
+    dim last (``x.permute(order)`` is that tensor); ``None`` where ``x`` is contiguous or no such order exists."""
+    if x.is_contiguous() or x.dim() < 3:
+        return None
+    order = (*sorted(range(x.dim() - 1), key=lambda i: -x.stride(i)), x.dim() - 1)
+    return order if x.permute(order).is_contiguous() else None
+
+
 class _LinearFunction(SlimFunction):
     layer = "Linear"
 
@@ -39,7 +48,12 @@ class _LinearFunction(SlimFunction):
     def forward(ctx, x, weight, bias, cfg, state, transposed):
         y = F.linear(x, weight.t() if transposed else weight, bias)
         need_x_grad, need_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        save(ctx, pack(x, cfg, state) if need_w_grad else None, weight if need_x_grad else None)
+        # A permuted view (nn.MultiheadAttention projects a batch-first input through its [T, B, E] view) is packed
+        # as laid out, the tensor it views: one pack with the layer that keeps that tensor (a LayerNorm's output).
+        # The channel groups are along the last dim either way.
+        ctx.order = _memory_order(x) if need_w_grad else None
+        kept = x if ctx.order is None else x.permute(ctx.order)
+        save(ctx, pack(kept, cfg, state) if need_w_grad else None, weight if need_x_grad else None)
         ctx.transposed = transposed
         ctx.has_bias = bias is not None
         # The dtype the product ran in (autocast's: bf16 for an fp32 x, such as a LayerNorm's output): the
@@ -51,6 +65,8 @@ class _LinearFunction(SlimFunction):
     @staticmethod
     def backward(ctx, grad_y):
         x_hat, weight = load(ctx)
+        if ctx.order is not None:  # the view the forward was given
+            x_hat = x_hat.permute([ctx.order.index(i) for i in range(x_hat.dim())])
         grad_x = grad_w = grad_b = None
         out_features = grad_y.shape[-1]
         rows = grad_y.shape[:-1].numel()  # (not -1 in the reshapes: ambiguous for 0 in or out features)

@@ -74,16 +74,13 @@ class _MultiheadAttentionMixin(SlimModule):
         # does this path. (Read after them, a time-major self-attention projected its input three times: the same
         # output, but in bf16 an input gradient summed from three products, 1 ulp off plain's, 6e-3 relative.)
         self_attention, shared_kv = query is key and key is value, key is value
-        # Projected in the layout the inputs come in (a batch-first input is often kept by the layer before: its
-        # kept copy serves the projection too), and the attention's output, laid out as its q, read through a view:
-        # the output projection's input is the attention's output, one tensor kept once (a view of another layout
-        # was a copy, kept beside it: 1.2x plain's bytes under "tempo").
-        time_major = not self.batch_first
-        if time_major:  # [T, B, E]
-            (t, b, e), s = query.shape, key.shape[0]
-        else:  # [B, T, E]
-            (b, t, e), s = query.shape, key.shape[1]
-        h = self.num_heads
+        # Projected time-major as F.multi_head_attention_forward projects them: a batch-first input through its
+        # transposed view (no copy: a kept input serves the projection as it is). The same layout, the same ATen
+        # path: F.linear of a [B, T, E] input and of its [T, B, E] view round alike while the weight needs a
+        # gradient, not once it is frozen (BitFit's frozen weights: outputs 1 ulp off plain's, in no_grad too).
+        if self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        (t, b, e), s, h = query.shape, key.shape[0], self.num_heads  # [T, B, E], S keys
         cfg = self._slimact_cfg(query)
         state = self._slimact_state  # running estimates per operand (scale="running"), else None
         if self_attention:  # one projection, one kept input
@@ -98,8 +95,7 @@ class _MultiheadAttentionMixin(SlimModule):
                                                       else (None, None, None))
             q, k, v = (linear(x, w_i, b_i, cfg, state(f"x{i}"))
                        for i, (x, w_i, b_i) in enumerate(zip((query, key, value), w, bias, strict=True)))
-        order = (1, 2, 0, 3) if time_major else (0, 2, 1, 3)
-        q, k, v = (x.reshape(*x.shape[:2], h, e // h).permute(order) for x in (q, k, v))  # [B, H, T|S, D]
+        q, k, v = (x.reshape(*x.shape[:2], h, e // h).permute(1, 2, 0, 3) for x in (q, k, v))  # [B, H, T|S, D]
         # As F.multi_head_attention_forward: without a key padding mask (and weights, never asked for here) the
         # is_causal hint stands for attn_mask, which is not read (a mask that is not causal, a wrong hint, gave
         # another output than plain's: 0.96 apart); with one, the masks are merged and the hint is dropped.
@@ -117,13 +113,12 @@ class _MultiheadAttentionMixin(SlimModule):
             cfg=self._slimact_policy.quant_config("attention", 4),
             state=None if state() is None else {n: state(n) for n in ("q", "k", "v", "o")},
         )
-        out = out.permute((2, 0, 1, 3) if time_major else order).flatten(0, 1).flatten(1)  # [T * B | B * T, E]
+        out = out.permute(2, 0, 1, 3).flatten(0, 1).flatten(1)  # [T * B, E]
         out = linear(out, self.out_proj.weight, self.out_proj.bias, self._slimact_cfg(out), state("out"))
-        if time_major:
-            return out.view(t, b, e), None
-        # Laid out time-major, as nn.MultiheadAttention lays its output out: a later dropout draws its mask in memory
-        # order, so the same layout gives the plain module's masks (a copy no backward keeps).
-        return out.view(b, t, e).transpose(0, 1).contiguous().transpose(0, 1), None
+        # Laid out time-major, as nn.MultiheadAttention lays its output out (a later dropout draws its mask in memory
+        # order: the same layout gives the plain module's masks).
+        out = out.view(t, b, e)
+        return (out.transpose(0, 1) if self.batch_first else out), None
 
 
 def mha_class(cls: type[nn.Module]) -> type[nn.Module]:
