@@ -19,7 +19,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 --dist worksteal -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

@@ -240,6 +240,7 @@ def test_gpu_script_is_valid_bash_its_commands_parse_and_its_timeouts_fit_8_minu
     assert sum(limits.values()) <= 480, limits
 
 
+@pytest.mark.slow
 def test_gpu_script_dry_run_starts_every_step_and_packs_one_tarball(tmp_path):
     # On a machine with no CUDA device the script runs in dry mode: every step starts (the kernel probe for real,
     # on CPU under Triton's interpreter), and what comes back is one tarball and a summary.

@@ -15,6 +15,7 @@ def _ratio(text, kind):
     return float(m.group(1))
 
 
+@pytest.mark.slow
 def test_profile_gpt2_linear_inputs_at_most_0_3x(capsys):
     # The foundation issue's bar, on exactly its command: gpt2 (124M), batch 2 x 256 tokens.
     assert main(["profile", "--model", "gpt2", "--batch", "2", "--seq", "256"]) == 0
@@ -24,6 +25,7 @@ def test_profile_gpt2_linear_inputs_at_most_0_3x(capsys):
     assert _ratio(out, "total") < 1.0
 
 
+@pytest.mark.slow
 def test_python_m_slimact_profile_bert_by_module():
     proc = subprocess.run(
         [sys.executable, "-m", "slimact", "profile", "--model", "bert-base", "--layers", "1", "--batch", "1",

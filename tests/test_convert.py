@@ -368,7 +368,7 @@ def test_a_converted_module_whose_state_refers_to_itself_survives_deepcopy_and_s
     buf.seek(0)
     copies = [copy.deepcopy(model), torch.load(buf, weights_only=False)]
     for other in copies:
-        hook = next(iter(other[1]._forward_pre_hooks.values()))
+        (hook,) = (h for h in other[1]._forward_pre_hooks.values() if getattr(h, "__name__", None) == "_count")
         assert hook.__self__ is other[1]  # the copy's hook is bound to the copy
     torch.manual_seed(0)
     out0, g0 = _step(model, x)
@@ -385,6 +385,7 @@ def test_a_converted_module_whose_state_refers_to_itself_survives_deepcopy_and_s
     torch.testing.assert_close(rebuilt(h), model[1](h), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_converted_hf_model_loads_in_a_fresh_process(tmp_path):
     pytest.importorskip("transformers")
     import subprocess

@@ -9,6 +9,7 @@ pytest.importorskip("matplotlib")
 from slimact.demo import run_demo
 
 
+@pytest.mark.slow
 def test_quick_demo(tmp_path):
     results = {(r.task, r.policy): r for r in run_demo(tmp_path, quick=True)}
     for name in ("demo.png", "demo.md", "demo.csv"):

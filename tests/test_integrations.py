@@ -329,6 +329,7 @@ def test_fp16_autocast_with_grad_scaler(name):
     assert coded >= 0.5 * report.activation_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_torch_compile_of_a_converted_model(name):
     import torch._inductor.config as inductor
@@ -377,6 +378,7 @@ class _GeluNewBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+@pytest.mark.slow
 def test_torch_compile_with_dynamic_shapes():
     # Under dynamic=True dynamo makes module-level floats inputs of the graph, and one read first inside two
     # autograd.Functions failed to trace ("lift_tracked_freevar_to_input should not be called on root
@@ -407,6 +409,7 @@ class _SharedBlock(nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_a_compiled_model_calling_a_block_at_several_depths_compiles_once_under_running_estimates():
     # A compiled pack uses no running estimate (each tensor's own range serves), yet each traced call of the shared
     # block took the next call site and registered that site's estimate buffers: both, read while tracing, were
@@ -434,6 +437,7 @@ def _graph_breaks(model, inputs) -> tuple[int, list[str]]:
     return breaks, [str(w.message).splitlines()[0] for w in seen]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "policy"), [("gpt2", "int8"), ("gpt2", "tempo"),
                                               ("llama", "int8"), ("llama", "mesa")])
 def test_a_converted_model_compiles_with_no_more_graph_breaks_or_warnings_than_plain(name, policy):
@@ -453,6 +457,7 @@ def test_a_converted_model_compiles_with_no_more_graph_breaks_or_warnings_than_p
     assert [w for w in warned if w not in plain_warnings] == []
 
 
+@pytest.mark.slow
 def test_attention_with_sinks_and_keys_that_are_the_values_compiles_with_no_graph_break():
     # DeepSeek V4's attention: sinks, and its keys are its values (attention_interface(self, q, kv, kv, ...)): dynamo
     # traces no autograd Function handed one tensor twice, a graph break at every layer (24 in the 3-layer tiny model).
