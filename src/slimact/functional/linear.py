@@ -27,18 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimact.functional._saving import SlimFunction, load, save
-from slimact.quant import QuantConfig, RunningRange, pack
+from slimact.quant import QuantConfig, RunningRange, pack, reference
 
 __all__ = ["linear"]
 
 
-def _memory_order(x: Tensor) -> tuple[int, ...] | None:
-    """The order of ``x``'s leading dims in memory where ``x`` is a permuted view of a contiguous tensor with its last
-    dim last (``x.permute(order)`` is that tensor); ``None`` where ``x`` is contiguous or no such order exists."""
-    if x.is_contiguous() or x.dim() < 3:
-        return None
-    order = (*sorted(range(x.dim() - 1), key=lambda i: -x.stride(i)), x.dim() - 1)
-    return order if x.permute(order).is_contiguous() else None
+def _viewed(x: Tensor) -> tuple[list[int], list[int]] | None:
+    """Where ``x`` is a permuted view of contiguous memory with its last dim last, the permutations to that memory's
+    layout and back (:func:`slimact.quant.reference.memory_permutation`); else ``None``."""
+    found = reference.memory_permutation(x)
+    return found if found is not None and found[0][-1] == x.dim() - 1 else None
 
 
 class _LinearFunction(SlimFunction):
@@ -51,8 +49,8 @@ class _LinearFunction(SlimFunction):
         # A permuted view (nn.MultiheadAttention projects a batch-first input through its [T, B, E] view) is packed
         # as laid out, the tensor it views: one pack with the layer that keeps that tensor (a LayerNorm's output).
         # The channel groups are along the last dim either way.
-        ctx.order = _memory_order(x) if need_w_grad else None
-        kept = x if ctx.order is None else x.permute(ctx.order)
+        viewed = _viewed(x) if need_w_grad else None
+        kept, ctx.back = (x, None) if viewed is None else (x.permute(viewed[0]), viewed[1])
         save(ctx, pack(kept, cfg, state) if need_w_grad else None, weight if need_x_grad else None)
         ctx.transposed = transposed
         ctx.has_bias = bias is not None
@@ -65,8 +63,8 @@ class _LinearFunction(SlimFunction):
     @staticmethod
     def backward(ctx, grad_y):
         x_hat, weight = load(ctx)
-        if ctx.order is not None:  # the view the forward was given
-            x_hat = x_hat.permute([ctx.order.index(i) for i in range(x_hat.dim())])
+        if ctx.back is not None:  # the view the forward was given
+            x_hat = x_hat.permute(ctx.back)
         grad_x = grad_w = grad_b = None
         out_features = grad_y.shape[-1]
         rows = grad_y.shape[:-1].numel()  # (not -1 in the reshapes: ambiguous for 0 in or out features)

@@ -76,8 +76,8 @@ class _MultiheadAttentionMixin(SlimModule):
         self_attention, shared_kv = query is key and key is value, key is value
         # Projected time-major as F.multi_head_attention_forward projects them: a batch-first input through its
         # transposed view (no copy: a kept input serves the projection as it is). The same layout, the same ATen
-        # path: F.linear of a [B, T, E] input and of its [T, B, E] view round alike while the weight needs a
-        # gradient, not once it is frozen (BitFit's frozen weights: outputs 1 ulp off plain's, in no_grad too).
+        # path: F.linear of a [B, T, E] input and of its [T, B, E] view round apart where the weight is frozen
+        # (BitFit) and at some widths (512) even where it trains: outputs 1 ulp off plain's, in no_grad too.
         if self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         (t, b, e), s, h = query.shape, key.shape[0], self.num_heads  # [T, B, E], S keys

@@ -89,6 +89,7 @@ __all__ = [
     "hash_uniform",
     "in_order",
     "memory_order",
+    "memory_permutation",
     "outlier_threshold",
     "quantize",
     "range_decisions",
@@ -301,20 +302,30 @@ def memory_order(x: Tensor, layout: GroupLayout) -> tuple[Tensor, GroupLayout, l
     ``D`` elements, ``H`` groups, ``B * T`` of them, read as they lie (no contiguous copy of ``x``). For 8-bit
     codes (one per element), whose order :func:`in_order` then restores; sub-byte codes are packed along the
     flat index of the caller's order."""
-    if x.is_contiguous():
+    found = memory_permutation(x)
+    if found is None:
         return x, layout, None
-    perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    perm, back = found
     permuted = x.permute(perm)
-    if not permuted.is_contiguous():
-        return x, layout, None
     if layout.dim is not None:
         at = perm.index(layout.dim)
         inner = 1
         for s in permuted.shape[at + 1 :]:
             inner *= s
         layout = layout._replace(dim=at, inner=inner)
-    back = sorted(range(x.dim()), key=perm.__getitem__)  # the inverse permutation
     return permuted, layout, back
+
+
+def memory_permutation(x: Tensor) -> tuple[list[int], list[int]] | None:
+    """Where ``x`` is a permuted view of contiguous memory and not contiguous itself: the permutation of its dims
+    that lays them out as in memory (``x.permute(perm)`` is contiguous) and the one that takes them back; else
+    ``None``."""
+    if x.is_contiguous():
+        return None
+    perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    if not x.permute(perm).is_contiguous():
+        return None
+    return perm, sorted(range(x.dim()), key=perm.__getitem__)
 
 
 
