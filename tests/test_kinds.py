@@ -319,6 +319,90 @@ def test_weightless_hand_written_norm_is_recognised(policy):
         assert_gradients_close(g0, g1)
 
 
+class _HandNorm(nn.Module):
+    """A norm written by hand with an ``eps`` attribute: in fp32 (``upcast``, Llama's) or in its input's dtype, a
+    LayerNorm (``centered``) or an RMSNorm; ``form`` says where its forward puts an epsilon: ``"eps"`` its attribute's
+    under the root, ``"x10"``/``"d10"`` a literal ten times / a tenth of it there, ``"rms"`` the attribute added to
+    the rms, ``"clamp"`` the rms clamped at it (lucidrains'). Weight (and bias) of both signs, as trained."""
+
+    def __init__(self, dim, eps, centered=False, upcast=True, form="eps"):
+        super().__init__()
+        self.eps, self.centered, self.upcast, self.form = eps, centered, upcast, form
+        self.weight = nn.Parameter(torch.linspace(-1.5, 2.0, dim))
+        self.bias = nn.Parameter(torch.linspace(0.5, -0.3, dim)) if centered else None
+
+    def forward(self, x):
+        h = x.float() if self.upcast else x
+        if self.centered:
+            h = h - h.mean(-1, keepdim=True)
+        ms = h.pow(2).mean(-1, keepdim=True)
+        if self.form == "rms":
+            h = h / (ms.sqrt() + self.eps)
+        elif self.form == "clamp":
+            h = h / ms.sqrt().clamp(min=self.eps)
+        else:
+            h = h * torch.rsqrt(ms + self.eps * {"eps": 1, "x10": 10, "d10": 0.1}[self.form])
+        y = self.weight * h.to(x.dtype)
+        return y + self.bias if self.centered else y
+
+
+def _small_input_grads(model, dtype):
+    """Output and gradients of ``model`` (a Linear, then the norm) on inputs whose norm rows have a mean square near
+    a typical epsilon (std 3e-3: the Linear has no bias)."""
+    torch.manual_seed(1)
+    x = (torch.randn(4, 8, 64) * 3e-3).to(dtype).requires_grad_(True)
+    out = model(x)
+    (out.float() * torch.linspace(-1, 1, 64)).sum().backward()
+    return out.detach(), {"input": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("centered", [False, True], ids=["rms", "layernorm"])
+@pytest.mark.parametrize("form", ["x10", "d10", "rms", "clamp"])
+def test_a_norm_whose_forward_uses_another_epsilon_than_its_attribute_is_left_alone(form, centered, dtype):
+    # The norm probe ran on rows of variance 9, where eps is 1e-7 of what is under the root: a forward with a literal
+    # epsilon other than its attribute, or one adding it to the rms or clamping with it, computed the form there and
+    # was converted, and "tempo"'s backward (computed with the attribute's eps) was off on small inputs, silently:
+    # here, rows of mean square near eps, every case's gradients 0.45-1.8 off normwise (a differential fuzzer found a
+    # Linear's weight gradient 9e-4 off at rows of std 1e-2, 1e-5 literal and 1e-6 as eps). The probe now also runs
+    # at rows of variance eps / 2.
+    eps = 1e-5
+    norm = _HandNorm(64, eps, centered, form=form)
+    assert norm_form(norm) is None
+    assert "not with its epsilon (1e-05)" in recognise(norm).reason
+    plain = nn.Sequential(nn.Linear(64, 64, bias=False), norm).to(dtype)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert not isinstance(slim[1], SlimModule)
+    assert "not with its epsilon" in str(slimact.summary(slim))
+    out0, g0 = _small_input_grads(plain, dtype)
+    out1, g1 = _small_input_grads(slim, dtype)
+    assert torch.equal(out0, out1)
+    assert_gradients_equal(g0, g1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("upcast", [True, False], ids=["upcast", "own-dtype"])
+@pytest.mark.parametrize("centered", [False, True], ids=["rms", "layernorm"])
+def test_a_hand_written_norm_with_its_epsilon_is_converted_and_exact_on_small_inputs(centered, upcast, dtype):
+    # What the epsilon probe must not refuse: the attribute's eps, computed in fp32 or in the input's own dtype,
+    # at widths 64 and 768, every epsilon from 1e-12 to 1e-3 (in fp16 its squares stay normal: the probe's rows are no
+    # smaller there). A bf16/fp16 LayerNorm computing in its own dtype at width 768 was refused before, by the
+    # probe's tolerance: its terms' rounding (xn * w against the bias) measured against their cancelled sum.
+    for width in (64, 768):
+        for eps in (1e-12, 1e-8, 1e-6, 1e-5, 1e-3):
+            norm = _HandNorm(width, eps, centered, upcast).to(dtype)
+            assert norm_form(norm) == {"centered": centered, "offset": 0, "eps": eps}, (width, eps)
+    # "tempo" on rows of mean square near eps: the exact gradients (to float rounding, as PyTorch's own
+    # computation in this dtype has them: fp32 here, where the backward computes with the attribute's eps).
+    plain = nn.Sequential(nn.Linear(64, 64, bias=False), _HandNorm(64, 1e-5, centered, upcast))
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    assert isinstance(slim[1], SlimModule)
+    out0, g0 = _small_input_grads(plain, torch.float32)
+    out1, g1 = _small_input_grads(slim, torch.float32)
+    assert torch.equal(out0, out1)
+    assert_gradients_equal(g0, g1)
+
+
 class _InputScaledRMSNorm(torch.nn.Module):
     """MuseSpark's: scale first, then normalise, ``norm(x * (1 + w))``, with ``w`` initialised to zeros."""
 

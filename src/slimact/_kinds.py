@@ -304,9 +304,10 @@ def norm_eps(module: nn.Module) -> float | None:
     return eps if isinstance(eps, float) else None
 
 
-def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
-    """The norm's form if its own forward computes a last-dim LayerNorm or RMSNorm (Gemma's ``1 + w``) of
-    ``[2, 3, C]`` and ``[2, 2, 2, C]`` probes (a forward that permutes 4-d inputs fails the second).
+def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> tuple[dict, str | None] | None:
+    """``(form, None)`` if the module's own forward computes a last-dim LayerNorm or RMSNorm (Gemma's ``1 + w``)
+    of ``[2, 3, C]`` and ``[2, 2, 2, C]`` probes (a forward that permutes 4-d inputs fails the second), with its
+    gradients; ``(form, why not)`` where it does, but not where its ``eps`` shows (:func:`_eps_probe`).
 
     The probe runs with the module's weight (and bias) set, for its duration, to random non-uniform values, and
     restored: a weight at its initial value (all ones, or all zeros under ``1 + w``) scales every channel alike,
@@ -315,7 +316,31 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> dict | None:
     """
     with _shifted_params(module, weight) as gen:
         form = _probe_norm_as_is(module, weight, eps, gen)
-        return form if form is not None and _has_norm_gradients(module, weight, form, gen) else None
+        if form is None:
+            return None
+        at_eps = _probe_norm_as_is(module, weight, eps, gen, form, shapes=((2, 3),)) is not None
+        if not _has_norm_gradients(module, weight, form, gen):
+            return None
+        if not at_eps:
+            return form, (f"{_cls(module).__name__} computes a last-dim norm on a probe, but not with its epsilon "
+                    f"({eps:g}) at inputs of mean square near it: its forward uses another epsilon, or adds it "
+                    "elsewhere (to the rms, as a clamp), and slimact's backward, which computes with the attribute's, "
+                    "would be off on small inputs")
+        return form, None
+
+
+def _eps_probe(shape: tuple[int, ...], eps: float, dtype: torch.dtype, device: torch.device,
+               gen: torch.Generator) -> Tensor:
+    """A probe on which a norm's ``eps`` shows: rows of variance ``eps / 2`` (about half of what is under the root
+    is ``eps``), where the big probes' (variance 9) leave it 1e-7 of the result. A forward that uses another
+    epsilon than its attribute, or adds it to the rms or clamps with it, computes the form on those and other
+    values here, and slimact's backward, computed with the attribute's epsilon, was off on small inputs ("tempo": a
+    weight gradient 9e-4 off at an input of std 1e-2, with 1e-5 in the forward and 1e-6 as ``eps``). In fp16 the
+    rows are no smaller than its squares stay normal at (variance 1.2e-4; smaller, a forward computing in fp16 is
+    off by its subnormals' rounding, not by its epsilon), where an epsilon off by more than about 40% of 1e-5 (or
+    a factor 10 of 1e-6) still shows."""
+    var = max(eps / 2, 2 * torch.finfo(dtype).tiny, 1e-12)
+    return ((torch.randn(*shape, generator=gen) + 1 / 3) * var ** 0.5).to(device=device, dtype=dtype)
 
 
 def _own_weight_and_bias(module: nn.Module, weight: Tensor | None) -> list[nn.Parameter]:
@@ -350,15 +375,21 @@ def _shifted_params(module: nn.Module, weight: Tensor | None) -> Iterator[torch.
                 p.copy_(value)
 
 
-def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.Generator) -> dict | None:
+def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.Generator, found: dict | None = None,
+                      shapes: tuple[tuple[int, ...], ...] = ((2, 3), (2, 2, 2))) -> dict | None:
+    """The form the module's forward computes on probes of ``shapes`` (each ``[*shape, C]``), if one form for all.
+    With ``found`` (a form), whether it computes that one at the scale where ``eps`` shows (:func:`_eps_probe`)."""
     cls, dtype = _cls(module), weight.dtype
     tol = _tolerance(dtype)
     w = weight.detach().float()
     bias = getattr(module, "bias", None)
     b = bias.detach().float() if isinstance(bias, Tensor) else 0.0
-    found = None
-    for shape in ((2, 3), (2, 2, 2)):
-        x = (torch.randn(*shape, weight.numel(), generator=gen) * 3 + 1).to(device=weight.device, dtype=dtype)
+    small = found is not None
+    for shape in shapes:
+        if small:
+            x = _eps_probe((*shape, weight.numel()), eps, dtype, weight.device, gen)
+        else:
+            x = (torch.randn(*shape, weight.numel(), generator=gen) * 3 + 1).to(device=weight.device, dtype=dtype)
         try:
             # (warnings the probe itself provokes are not the user's: nn.InstanceNorm1d without affine warned
             # "input's size at dim=1 does not match num_features" at every convert)
@@ -375,11 +406,17 @@ def _probe_norm_as_is(module: nn.Module, weight: Tensor, eps: float, gen: torch.
         centered = (xf - mean) * torch.rsqrt(var + eps)
         candidates = [(centered, True, 0), (rms, False, 0), (rms, False, 1)]  # (integers: see nn.norm's offset)
         match = next(({"centered": c, "offset": o, "eps": eps} for xn, c, o in candidates
-                      if torch.allclose(y, xn * (w + o) + b, rtol=tol, atol=tol / 10)), None)
+                      if _sum_close(y, xn * (w + o), b, tol)), None)
         if match is None or (found is not None and match != found):
             return None
         found = match
     return found
+
+
+def _sum_close(y: Tensor, a: Tensor, b: Tensor | float, tol: float) -> bool:
+    """Whether ``y`` is ``a + b`` to ``tol`` of its terms' sizes: a forward computing in bf16/fp16 rounds the terms,
+    and where they cancel (a norm's ``xn * w`` against its bias) that rounding is not a fraction of the sum."""
+    return bool(((y - (a + b)).abs() <= tol * (a.abs() + abs(b)) + tol / 10).all())
 
 
 def _has_norm_gradients(module: nn.Module, weight: Tensor, form: dict, gen: torch.Generator) -> bool:
@@ -915,16 +952,19 @@ def _rule_norm(module, cls):
         # Its one parameter under another name (torchtune's RMSNorm and GemmaRMSNorm: `scale`): the probe says
         # whether it is the norm's weight, and the replacement reads it by that name.
         ((weight_name, weight),) = own.items()
-    form = None
+    probed = None
     if isinstance(weight, nn.Parameter) and weight.dim() == 1 and eps is not None:
-        form = _probe_norm(module, weight, eps)
-        if form is not None and weight_name != "weight":
-            form = {**form, "weight_name": weight_name}
+        probed = _probe_norm(module, weight, eps)
     elif weight is None and eps is not None and next(module.parameters(), None) is None:
         # A weightless norm written by hand (x * rsqrt(mean(x^2) + eps)): probed at a width of its own choosing.
-        form = _probe_norm(module, torch.ones(48), eps)
+        probed = _probe_norm(module, torch.ones(48), eps)
+    form, refused = probed or (None, None)
     if form is not None:
         kind = "layernorm" if form["centered"] else "rmsnorm"
+        if refused is not None:
+            return Recognised(kind, reason=refused)
+        if weight_name != "weight":
+            form = {**form, "weight_name": weight_name}
         beyond = _state_beyond(module, (t for t in (weight, getattr(module, "bias", None)) if isinstance(t, Tensor)))
         if beyond:
             return Recognised(kind, reason=(
