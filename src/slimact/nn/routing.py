@@ -97,6 +97,7 @@ from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_term
 from slimact.functional.norm import _group_norm_applies, group_norm, norm, output_kept_as, rms_default_eps
 from slimact.functional.product import broadcast_big, broadcast_product, product
 from slimact.functional.softmax import softmax
+from slimact.nn._base import StepCounter
 from slimact.nn.clamped_glu import GATE_ATTR, Gate
 from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
 from slimact.policy import Policy
@@ -366,6 +367,36 @@ def _transformers_grouped_mm() -> object | None:
     if "transformers.integrations.moe" not in sys.modules:
         return None
     return _op_named("torch.ops.transformers.grouped_mm_fallback")
+
+
+# nn.TransformerEncoderLayer's eval forward runs one fused kernel (torch._transformer_encoder_layer_fwd) where it
+# can, and refuses it where any module of the layer has a forward hook: slimact's (the routing context on each
+# module, the step counter on a root) made a converted layer run its module-by-module path in eval, not bit for bit
+# plain's output where a mask is given (up to 7e-7 apart; 6e-6 over a differential fuzzer's layers) and slower
+# (benchmarks/results/encoder_eval.md). Those hooks do nothing there: the fused path runs none of the layer's modules,
+# and it is taken only in eval mode with no gradient to any of its tensors, where converted modules compute what
+# plain ones do. So, for each call of a layer in eval, the one ``self.modules()`` its forward makes (for that check;
+# told by its caller's code) gives the modules' hooks without slimact's: a hook of the user's still refuses the fused
+# path, as on the plain layer; any other caller gets the modules themselves. (Two threads calling one layer at once:
+# one of them may take the module-by-module path, the same values as before.)
+
+_LAYER_FORWARD = nn.TransformerEncoderLayer.forward.__code__
+_CHECK_ATTR = "modules"  # (an instance attribute, for the call: shadows nn.Module.modules)
+
+
+def _slimact_hook(hook: object) -> bool:
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    return isinstance(getattr(fn, "__self__", fn), (Routing, StepCounter))
+
+
+class _Unhooked:
+    """What the fast-path check reads of a module: its forward hooks and pre-hooks, slimact's left out."""
+
+    __slots__ = ("_forward_hooks", "_forward_pre_hooks")
+
+    def __init__(self, module: nn.Module) -> None:
+        self._forward_hooks = [h for h in module._forward_hooks.values() if not _slimact_hook(h)]
+        self._forward_pre_hooks = [h for h in module._forward_pre_hooks.values() if not _slimact_hook(h)]
 
 
 class Routing:
@@ -852,6 +883,9 @@ class Routing:
                 # from, not what it is; and after theirs on the way out)
                 handles += [module.register_forward_pre_hook(self._enter_layer, prepend=True),
                             module.register_forward_hook(self._exit_layer, always_call=True)]
+            if isinstance(module, nn.TransformerEncoderLayer):
+                handles += [module.register_forward_pre_hook(self._unhook_fast_path_check),
+                            module.register_forward_hook(self._end_fast_path_check, always_call=True)]
         return handles
 
     # Activation checkpointing of code that is not a module's call: transformers' GradientCheckpointingLayer
@@ -906,6 +940,22 @@ class Routing:
             if self._outer is not None:
                 self._set_context(self._outer)
                 self._outer = None
+
+    def _unhook_fast_path_check(self, layer: nn.Module, args: tuple) -> None:
+        """Pre-hook of an ``nn.TransformerEncoderLayer``: its forward's fast-path check, in eval mode, sees the
+        layer's modules without slimact's hooks (see :class:`_Unhooked`)."""
+        if layer.training or torch.compiler.is_compiling():
+            return  # (the check refuses a training layer before it lists modules; dynamo sees the hooks, as before)
+
+        def modules() -> list:
+            layer.__dict__.pop(_CHECK_ATTR, None)  # (one call)
+            found = list(nn.Module.modules(layer))
+            return [_Unhooked(m) for m in found] if sys._getframe(1).f_code is _LAYER_FORWARD else found
+
+        layer.__dict__[_CHECK_ATTR] = modules
+
+    def _end_fast_path_check(self, layer: nn.Module, args: tuple, output: object) -> None:
+        layer.__dict__.pop(_CHECK_ATTR, None)  # (a forward that made no check: a subclass's own)
 
     def in_scope(self) -> bool:
         """Whether a call now is made in code whose recompute (if it is checkpointed) routes it alike."""
