@@ -318,14 +318,16 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> tuple[dict, st
         form = _probe_norm_as_is(module, weight, eps, gen)
         if form is None:
             return None
+        # (with the forward probe's weights: the gradient check sets others, of both signs)
         at_eps = _probe_norm_as_is(module, weight, eps, gen, form, shapes=((2, 3),)) is not None
         if not _has_norm_gradients(module, weight, form, gen):
             return None
         if not at_eps:
-            return form, (f"{_cls(module).__name__} computes a last-dim norm on a probe, but not with its epsilon "
-                    f"({eps:g}) at inputs of mean square near it: its forward uses another epsilon, or adds it "
-                    "elsewhere (to the rms, as a clamp), and slimact's backward, which computes with the attribute's, "
-                    "would be off on small inputs")
+            return form, (
+                f"{_cls(module).__name__} computes a last-dim norm on a probe, but not with its epsilon ({eps:g}) at "
+                "inputs of mean square near it: its forward uses another epsilon, or adds it elsewhere (to the rms, "
+                "as a clamp), and slimact's backward, which computes with the attribute's, would be off on small "
+                "inputs")
         return form, None
 
 
@@ -337,8 +339,9 @@ def _eps_probe(shape: tuple[int, ...], eps: float, dtype: torch.dtype, device: t
     values here, and slimact's backward, computed with the attribute's epsilon, was off on small inputs ("tempo": a
     weight gradient 9e-4 off at an input of std 1e-2, with 1e-5 in the forward and 1e-6 as ``eps``). In fp16 the
     rows are no smaller than its squares stay normal at (variance 1.2e-4; smaller, a forward computing in fp16 is
-    off by its subnormals' rounding, not by its epsilon), where an epsilon off by more than about 40% of 1e-5 (or
-    a factor 10 of 1e-6) still shows."""
+    off by its subnormals' rounding, not by its epsilon): there an epsilon of 1e-5 off by half, or one of 1e-6 off
+    by a factor 10, still shows; one of 1e-6 off by half, or any about 1e-8, does not (below fp16's rounding on
+    rows of that size)."""
     var = max(eps / 2, 2 * torch.finfo(dtype).tiny, 1e-12)
     return ((torch.randn(*shape, generator=gen) + 1 / 3) * var ** 0.5).to(device=device, dtype=dtype)
 
