@@ -357,7 +357,9 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
              if pol.skip_reason("silu", name) is None and not any(_at_or_under(name, n) for n in as_written)
              and (filter_fn is None or filter_fn(m, name)) and (form := gate_form(m)) is not None]
     routing = Routing(model, pol, head, excluded, own, gates)
-    if routing.handlers or routing.gated:
+    # (with no call to route, still for an encoder layer converted on its own: its fused eval path is refused for
+    # the step counter's hooks on it otherwise)
+    if routing.handlers or routing.gated or routing.encoders:
         model.__dict__[_ROUTE_ATTR] = routing
     else:
         routing.remove()

@@ -144,6 +144,65 @@ def test_a_converted_encoder_layer_takes_pytorchs_fused_eval_kernel_where_plain_
     assert slimact.profile(slim, inputs).activation_bytes == slimact.profile(fresh, inputs).activation_bytes
 
 
+class _TwiceLayer(nn.TransformerEncoderLayer):
+    """A layer whose forward reads ``next(self.modules())`` first and runs PyTorch's twice."""
+
+    def forward(self, src, *args, **kwargs):
+        assert next(self.modules()) is self
+        return super().forward(super().forward(src, *args, **kwargs), *args, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_frozen_eval_encoder_in_a_training_model_computes_as_plains(policy, monkeypatch):
+    # A model in training with a frozen encoder in eval mode (its padded positions zeroed by PyTorch's nested path):
+    # slimact's mode, entered for the training forward, made PyTorch refuse the encoder's nested and fused paths
+    # (has_torch_function), so the converted encoder's padded positions were not zeroed (up to 1.2 apart; a loss
+    # over them, gradients off by 12), silently. The mode now steps aside there. Also: a layer subclass reading its
+    # own modules() and running PyTorch's forward twice, and two threads on one layer, take the fused path each time.
+    fused = []
+    kernel = torch._transformer_encoder_layer_fwd
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a: fused.append(1) or kernel(*a))
+    torch.manual_seed(0)
+    layer = _TwiceLayer(32, 4, 64, dropout=0.1, batch_first=True)
+    model = _Encoder(nn.TransformerEncoder(layer, 2, enable_nested_tensor=True))
+    slim = slimact.convert(copy.deepcopy(model), policy)
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:], pad[2, 3:] = True, True
+    for m in (model, slim):
+        m.train()
+        m.encoder.eval().requires_grad_(False)
+    fused.clear()
+    out0, g0 = _grads(model, lambda m: m(x, src_key_padding_mask=pad))
+    plain_calls = len(fused)
+    out1, g1 = _grads(slim, lambda m: m(x, src_key_padding_mask=pad))
+    assert plain_calls == 4 and len(fused) == 2 * plain_calls
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys() == {"head.weight", "head.bias"}
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+    # Two threads calling one converted layer in eval: every call fused, every output plain's.
+    import threading
+
+    slim_layer, plain_layer = slim.encoder.layers[0], model.encoder.layers[0]
+    with torch.no_grad():
+        want = plain_layer(x, src_key_padding_mask=pad)
+    fused.clear()
+    outs = []
+
+    def run():
+        with torch.no_grad():
+            outs.extend(slim_layer(x, src_key_padding_mask=pad) for _ in range(20))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(fused) == 80 and len(outs) == 40
+    assert all(torch.equal(out, want) for out in outs)
+    assert "modules" not in slim_layer.__dict__
+
+
 def test_uncovered_calls_run_the_module_as_written():
     mha = nn.MultiheadAttention(16, 2, batch_first=True)
     slim = slimact.convert(copy.deepcopy(mha))

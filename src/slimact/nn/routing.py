@@ -74,17 +74,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from slimact._kinds import _FORM_KIND, kind_of, named_norm
+from slimact._kinds import _FORM_KIND, _foreign, kind_of, named_norm
 from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, kept_or_view_of_kept, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
@@ -97,7 +98,6 @@ from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_term
 from slimact.functional.norm import _group_norm_applies, group_norm, norm, output_kept_as, rms_default_eps
 from slimact.functional.product import broadcast_big, broadcast_product, product
 from slimact.functional.softmax import softmax
-from slimact.nn._base import StepCounter
 from slimact.nn.clamped_glu import GATE_ATTR, Gate
 from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
 from slimact.policy import Policy
@@ -369,24 +369,23 @@ def _transformers_grouped_mm() -> object | None:
     return _op_named("torch.ops.transformers.grouped_mm_fallback")
 
 
-# nn.TransformerEncoderLayer's eval forward runs one fused kernel (torch._transformer_encoder_layer_fwd) where it
-# can, and refuses it where any module of the layer has a forward hook: slimact's (the routing context on each
-# module, the step counter on a root) made a converted layer run its module-by-module path in eval, not bit for bit
-# plain's output where a mask is given (up to 7e-7 apart; 6e-6 over a differential fuzzer's layers) and slower
-# (benchmarks/results/encoder_eval.md). Those hooks do nothing there: the fused path runs none of the layer's modules,
-# and it is taken only in eval mode with no gradient to any of its tensors, where converted modules compute what
-# plain ones do. So, for each call of a layer in eval, the one ``self.modules()`` its forward makes (for that check;
-# told by its caller's code) gives the modules' hooks without slimact's: a hook of the user's still refuses the fused
-# path, as on the plain layer; any other caller gets the modules themselves. (Two threads calling one layer at once:
-# one of them may take the module-by-module path, the same values as before.)
+# nn.TransformerEncoderLayer's eval forward runs one fused kernel (torch._transformer_encoder_layer_fwd), and
+# nn.TransformerEncoder's hands its layers nested tensors for a padding mask (padded positions' outputs zero), only
+# where nothing needs a gradient and no TorchFunctionMode is on, and the layer's kernel only where none of its modules
+# has a forward hook. slimact's routing hooks every module (the routing context), and the mode it enters for a training
+# forward was on in an eval-mode encoder inside a training model: a converted layer ran module by module, its output not
+# bit for bit plain's where a mask is given (up to 7e-7 apart), slower (benchmarks/results/encoder_eval.md), and under a
+# training model the encoder's padded positions not zeroed (up to 1.2 apart; a loss over them, a gradient off by 12).
+# Neither the hooks nor the mode do anything there: the fused paths run none of the layer's modules, and no gradient
+# flows. So, for a call of such a block in eval mode where no gradient can flow (none of its parameters, nor its input,
+# needs one: PyTorch's own condition, or stricter), the mode steps aside, and the layer's ``self.modules()`` called from
+# nn.TransformerEncoderLayer.forward (its fast-path check: told by the caller's code) gives the modules' hooks without
+# slimact's; a hook of the user's still refuses the fused path, as on the plain layer. Any other caller of the layer's
+# ``modules()`` meanwhile gets the modules themselves.
 
-_LAYER_FORWARD = nn.TransformerEncoderLayer.forward.__code__
-_CHECK_ATTR = "modules"  # (an instance attribute, for the call: shadows nn.Module.modules)
-
-
-def _slimact_hook(hook: object) -> bool:
-    fn = hook.func if isinstance(hook, functools.partial) else hook
-    return isinstance(getattr(fn, "__self__", fn), (Routing, StepCounter))
+_LAYER_FORWARD = inspect.unwrap(nn.TransformerEncoderLayer.forward).__code__
+_CHECK_ATTR = "modules"  # (an instance attribute during such a call: shadows nn.Module.modules)
+_CHECK_LOCK = threading.Lock()
 
 
 class _Unhooked:
@@ -395,8 +394,53 @@ class _Unhooked:
     __slots__ = ("_forward_hooks", "_forward_pre_hooks")
 
     def __init__(self, module: nn.Module) -> None:
-        self._forward_hooks = [h for h in module._forward_hooks.values() if not _slimact_hook(h)]
-        self._forward_pre_hooks = [h for h in module._forward_pre_hooks.values() if not _slimact_hook(h)]
+        self._forward_hooks = [h for h in module._forward_hooks.values() if _foreign(h)]
+        self._forward_pre_hooks = [h for h in module._forward_pre_hooks.values() if _foreign(h)]
+
+
+class _FastPathCheck:
+    """A layer's ``modules`` while calls of it that can take the fused path run (counted: threads, a forward that
+    calls the layer's own twice)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer, self.calls = layer, 0
+
+    def __reduce__(self):  # (a copy made during a call is in no call: its next call's end removes it)
+        return _FastPathCheck, (self.layer,)
+
+    def __call__(self) -> Iterator:
+        if sys._getframe(1).f_code is _LAYER_FORWARD:
+            return iter([_Unhooked(m) for m in nn.Module.modules(self.layer)])
+        return nn.Module.modules(self.layer)
+
+    @staticmethod
+    def enter(layer: nn.Module) -> None:
+        with _CHECK_LOCK:
+            check = layer.__dict__.get(_CHECK_ATTR)
+            if not isinstance(check, _FastPathCheck) or check.layer is not layer:
+                check = layer.__dict__[_CHECK_ATTR] = _FastPathCheck(layer)
+            check.calls += 1
+
+    @staticmethod
+    def exit(layer: nn.Module) -> None:
+        with _CHECK_LOCK:
+            check = layer.__dict__.get(_CHECK_ATTR)
+            if isinstance(check, _FastPathCheck):
+                check.calls -= 1
+                if check.calls <= 0:
+                    del layer.__dict__[_CHECK_ATTR]
+
+
+def _fused_possible(block: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of ``block`` (an encoder layer or encoder) can take PyTorch's fused eval path: in eval mode (an
+    encoder's first layer's), with no gradient to flow through its parameters or input."""
+    first = block.layers[0] if isinstance(block, nn.TransformerEncoder) and len(block.layers) else block
+    if first.training or torch.compiler.is_compiling():
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    src = args[0] if args else kwargs.get("src")
+    return not (isinstance(src, Tensor) and src.requires_grad) and not any(p.requires_grad for p in block.parameters())
 
 
 class Routing:
@@ -411,6 +455,7 @@ class Routing:
         # 'NoneType' object", from a deepcopy of the other model).
         state["handles"] = [h for h in self.handles if h.hooks_dict_ref() is not None]
         state["_contexts"] = None  # (about this model's module calls, by weak reference: not a copy's)
+        state["_eval_blocks"] = []  # (calls under way: not a copy's)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -492,6 +537,10 @@ class Routing:
         # _enter_layer); and, while a recompute runs such a call, the context it replaced.
         self._contexts: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
         self._outer: tuple | None = None
+        #: nn.TransformerEncoder(Layer)s, whose fused eval paths slimact's mode and hooks step aside for.
+        self.encoders: list[nn.Module] = []
+        # Encoder blocks whose eval call runs now, innermost last, and whether each stepped the mode aside.
+        self._eval_blocks: list[tuple[nn.Module, bool]] = []
         self.handles += self._enter_in_layers(model)
 
     def _watch(self, attention: Sequence[tuple[str, nn.Module]]) -> None:
@@ -883,9 +932,10 @@ class Routing:
                 # from, not what it is; and after theirs on the way out)
                 handles += [module.register_forward_pre_hook(self._enter_layer, prepend=True),
                             module.register_forward_hook(self._exit_layer, always_call=True)]
-            if isinstance(module, nn.TransformerEncoderLayer):
-                handles += [module.register_forward_pre_hook(self._unhook_fast_path_check),
-                            module.register_forward_hook(self._end_fast_path_check, always_call=True)]
+            if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerEncoder)):
+                self.encoders.append(module)
+                handles += [module.register_forward_pre_hook(self._enter_eval_block, with_kwargs=True),
+                            module.register_forward_hook(self._exit_eval_block, always_call=True)]
         return handles
 
     # Activation checkpointing of code that is not a module's call: transformers' GradientCheckpointingLayer
@@ -941,21 +991,27 @@ class Routing:
                 self._set_context(self._outer)
                 self._outer = None
 
-    def _unhook_fast_path_check(self, layer: nn.Module, args: tuple) -> None:
-        """Pre-hook of an ``nn.TransformerEncoderLayer``: its forward's fast-path check, in eval mode, sees the
-        layer's modules without slimact's hooks (see :class:`_Unhooked`)."""
-        if layer.training or torch.compiler.is_compiling():
-            return  # (the check refuses a training layer before it lists modules; dynamo sees the hooks, as before)
+    def _enter_eval_block(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Pre-hook of an ``nn.TransformerEncoderLayer``/``nn.TransformerEncoder``: where PyTorch's fused eval path
+        can run, slimact's mode and hooks step aside for it (see :class:`_FastPathCheck`)."""
+        if not _fused_possible(block, args, kwargs):
+            return
+        # (the mode leaves the stack only from its top: under a mode of the user's, the fused path is refused anyway)
+        paused = self._mode is not None and torch.overrides._get_current_function_mode() is self._mode
+        if paused:
+            self._mode.__exit__(None, None, None)
+        self._eval_blocks.append((block, paused))
+        if isinstance(block, nn.TransformerEncoderLayer):
+            _FastPathCheck.enter(block)
 
-        def modules() -> list:
-            layer.__dict__.pop(_CHECK_ATTR, None)  # (one call)
-            found = list(nn.Module.modules(layer))
-            return [_Unhooked(m) for m in found] if sys._getframe(1).f_code is _LAYER_FORWARD else found
-
-        layer.__dict__[_CHECK_ATTR] = modules
-
-    def _end_fast_path_check(self, layer: nn.Module, args: tuple, output: object) -> None:
-        layer.__dict__.pop(_CHECK_ATTR, None)  # (a forward that made no check: a subclass's own)
+    def _exit_eval_block(self, block: nn.Module, args: tuple, output: object) -> None:
+        if not self._eval_blocks or self._eval_blocks[-1][0] is not block:
+            return
+        _, paused = self._eval_blocks.pop()
+        if isinstance(block, nn.TransformerEncoderLayer):
+            _FastPathCheck.exit(block)
+        if paused and self._mode is not None:
+            self._mode.__enter__()
 
     def in_scope(self) -> bool:
         """Whether a call now is made in code whose recompute (if it is checkpointed) routes it alike."""
@@ -991,6 +1047,9 @@ class Routing:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        for module in self.encoders:  # (one copied during a call keeps its check until its next call's end)
+            if isinstance(module.__dict__.get(_CHECK_ATTR), _FastPathCheck):
+                del module.__dict__[_CHECK_ATTR]
         for module in self.gated:
             if isinstance(module.__dict__.get(GATE_ATTR), Gate):
                 del module.__dict__[GATE_ATTR]
