@@ -93,7 +93,10 @@ def linear(
     """``F.linear`` whose saved input is compressed with ``cfg``.
 
     Falls back to ``F.linear`` (PyTorch's own saving) where compression has nothing to do: gradients off
-    (``no_grad``/``inference_mode``), or neither ``x`` nor ``weight`` requiring grad.
+    (``no_grad``/``inference_mode``), or a frozen weight: its layer keeps nothing but the weight, as PyTorch's does,
+    and ``F.linear`` reaches a weight of a tensor subclass as its class implements it (torchao's quantised weights
+    implement ``F.linear``, not the ``matmul`` this backward would call: a NotImplementedError where PyTorch
+    trained, LoRA over an int8 weight-only base).
 
     Args:
         x: ``[..., in]``.
@@ -102,6 +105,6 @@ def linear(
         cfg: how the input is compressed.
         state: running-estimate buffers when ``cfg.scale == "running"``.
     """
-    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+    if not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight.t() if transposed else weight, bias)
     return _LinearFunction.apply(x, weight, bias, cfg, state, transposed)
