@@ -172,3 +172,36 @@ def backward_nodes(y: torch.Tensor) -> list:
         seen.append(node)
         todo += [n for n, _ in node.next_functions]
     return seen
+
+
+class LinearOnlyWeight(torch.Tensor):
+    """A frozen weight that takes part in ``F.linear`` only, as torchao's quantised weights do (its ``Int8Tensor``
+    implements ``F.linear`` at the torch-function level, and no ``aten.mm`` with it as the second operand): int8 codes
+    and a scale per output row, restored inside ``F.linear``; any op on it other than ``detach`` raises."""
+
+    @staticmethod
+    def __new__(cls, codes, scale):
+        out = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=scale.dtype, device=codes.device)
+        out.codes, out.scale = codes, scale
+        return out
+
+    def __init__(self, codes, scale):
+        super().__init__()
+
+    @classmethod
+    def of(cls, weight):
+        scale = weight.detach().abs().amax(1, keepdim=True) / 127
+        return cls((weight.detach() / scale).round().to(torch.int8), scale)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            x, w, *rest = args
+            return func(x, w.codes.to(w.scale.dtype) * w.scale, *rest, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0].codes, args[0].scale)
+        raise NotImplementedError(f"{cls.__name__} has no {func}")

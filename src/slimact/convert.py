@@ -40,6 +40,7 @@ from slimact.nn.clamped_glu import GATE_ATTR, Gate, gate_form
 from slimact.nn.conv import conv_class
 from slimact.nn.dropout import dropout_class
 from slimact.nn.linear import conv1d_class, linear_class
+from slimact.nn.lm_loss import foreign_weight
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
@@ -337,6 +338,10 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)", 0)) is not None:
         skipped["(loss)"] = reason
         head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
+    if head is not None and (foreign := foreign_weight(head.weight)) is not None:
+        skipped["(loss)"] = (f"its head {head_name}'s weight is a {foreign} (a tensor subclass, a quantised weight): "
+                             "the fused loss would compute with it as a plain tensor: computed as written")
+        head = None
     if head is not None and _excluded(pol, head_name, head, filter_fn):
         # The routed loss computes the head's product itself (in chunks, from its input and weight): a head the user
         # left alone by name or filter_fn (a hook on it, a head of their own) is not computed by slimact either.

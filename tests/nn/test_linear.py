@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 import slimact
-from _harness import assert_gradients_close, assert_gradients_equal
+from _harness import LinearOnlyWeight, assert_gradients_close, assert_gradients_equal
 from slimact._metrics import sqnr_db
 
 
@@ -96,39 +96,6 @@ def test_a_call_sets_no_attribute_through_module_setattr(monkeypatch):
     assert sites == [0, 1, 2, 0, 1, 2]
 
 
-class _LinearOnlyWeight(torch.Tensor):
-    """A frozen weight that takes part in ``F.linear`` only, as torchao's quantised weights do (its ``Int8Tensor``
-    implements ``F.linear`` at the torch-function level, and no ``aten.mm`` with it as the second operand): int8 codes
-    and a scale per output row, restored inside ``F.linear``; any op on it other than ``detach`` raises."""
-
-    @staticmethod
-    def __new__(cls, codes, scale):
-        out = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=scale.dtype, device=codes.device)
-        out.codes, out.scale = codes, scale
-        return out
-
-    def __init__(self, codes, scale):
-        super().__init__()
-
-    @classmethod
-    def of(cls, weight):
-        scale = weight.detach().abs().amax(1, keepdim=True) / 127
-        return cls((weight.detach() / scale).round().to(torch.int8), scale)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.linear:
-            x, w, *rest = args
-            return func(x, w.codes.to(w.scale.dtype) * w.scale, *rest, **(kwargs or {}))
-        return super().__torch_function__(func, types, args, kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
-            return cls(args[0].codes, args[0].scale)
-        raise NotImplementedError(f"_LinearOnlyWeight has no {func}")
-
-
 @pytest.mark.parametrize("policy", ["int8", "tempo"])
 def test_a_frozen_weight_runs_pytorchs_linear_so_a_quantised_base_trains(policy):
     # A frozen weight keeps nothing of its layer's input, in PyTorch and in slimact: the converted layer now runs
@@ -139,7 +106,7 @@ def test_a_frozen_weight_runs_pytorchs_linear_so_a_quantised_base_trains(policy)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.LayerNorm(32))
         for i in (0, 2):  # (as quantize_ leaves them: a frozen parameter of the weight's class)
-            model[i].weight = nn.Parameter(_LinearOnlyWeight.of(model[i].weight), requires_grad=False)
+            model[i].weight = nn.Parameter(LinearOnlyWeight.of(model[i].weight), requires_grad=False)
         return model
 
     plain, slim = build(), slimact.convert(build(), policy)

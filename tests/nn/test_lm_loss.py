@@ -738,3 +738,31 @@ def test_a_loss_on_lazy_logits_in_a_checkpoint_of_its_own_is_plains(loss):
 
     torch.manual_seed(0)
     _tempo_as_plain(_TinyLM(), loss_of)
+
+
+@pytest.mark.parametrize("when", ["before convert", "after convert"])
+def test_a_head_with_a_quantised_weight_computes_its_loss_as_written(when):
+    # torchao's quantize_ quantises every Linear by default, the LM head too: its weight (a tensor subclass that
+    # implements F.linear, not mm) met the fused loss's chunked products, NotImplementedError ("Int8Tensor dispatch:
+    # ... aten.mm") where PyTorch trained (a Llama under LoRA over a torchao int8 base). Such a head's loss is
+    # computed as written: left out at convert, with the reason; and where the weight is quantised after convert.
+    from _harness import LinearOnlyWeight, tiny_hf
+
+    def quantise(model):
+        model.lm_head.weight = torch.nn.Parameter(LinearOnlyWeight.of(model.lm_head.weight), requires_grad=False)
+
+    base, inputs = tiny_hf("llama")
+    plain, slim = copy.deepcopy(base), copy.deepcopy(base)
+    quantise(plain)
+    if when == "before convert":
+        quantise(slim)
+        slimact.convert(slim, "int8")
+        assert "weight is a LinearOnlyWeight (a tensor subclass" in slimact.summary(slim).skipped["(loss)"]
+    else:
+        slimact.convert(slim, "int8")
+        assert "(loss)" not in slimact.summary(slim).skipped
+        quantise(slim)
+    loss0, g0 = loss_grads(plain, inputs)
+    loss1, g1 = loss_grads(slim, inputs)
+    torch.testing.assert_close(loss1, loss0)  # (the forward is plain's)
+    assert_gradients_close(g0, g1)

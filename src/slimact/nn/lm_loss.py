@@ -43,6 +43,7 @@ import contextlib
 import functools
 import inspect
 import numbers
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -476,7 +477,7 @@ class LossTracker:
         # (Under no_grad, as a head called in a `with torch.no_grad()` block of the forward is, its logits carry no
         # gradient: computed, so that no loss on them is fused with gradients the plain loss does not have.)
         if (not self._in_head or not torch.is_grad_enabled() or weight is not self.head.weight
-                or not isinstance(x, Tensor) or x.dim() < 1
+                or foreign_weight(weight) is not None or not isinstance(x, Tensor) or x.dim() < 1
                 or x.dtype not in COMPRESSIBLE_DTYPES or (weight.dtype != x.dtype and not _autocasting(x))):
             return None
         device = x.device.type
@@ -559,6 +560,7 @@ class LossTracker:
             or reduction not in ("mean", "sum") or logits.dim() != 2 or target.dim() != 1
             or target.dtype != torch.int64 or logits.shape[-1] != head.weight.shape[0]
             or logits.dtype not in COMPRESSIBLE_DTYPES  # (float64 logits: the chunks would compute in fp32)
+            or foreign_weight(head.weight) is not None  # (quantised after convert)
         ):
             return None
         if h.numel() // h.shape[-1] != logits.shape[0]:
@@ -594,13 +596,23 @@ class LossTracker:
         self._sources.clear()
 
 
+def foreign_weight(weight: Tensor) -> str | None:
+    """The class of a head weight the fused loss cannot compute with, or ``None``: a tensor subclass other than
+    DTensor (torchao's quantised weights implement ``F.linear``, not the ``mm`` of the loss's chunks: "Int8Tensor
+    dispatch: ... aten.mm" where PyTorch trained)."""
+    if type(weight) in (Tensor, nn.Parameter):
+        return None
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (no import: none exist)
+    return None if dtensor is not None and isinstance(weight, dtensor) else type(weight).__name__
+
+
 def _fingerprint(t: Tensor | None) -> Tensor | None:
     """The sum, wrapping in the integer type of ``t``'s width (int32 where the rows allow it), of ``t``'s bit patterns:
     it moves with a write to any element of ``t``, those made through ``.data`` too, which leave its version as it
     was. One pass over the head's weight per forward, with no temporary of its size (a fraction ``1 / tokens`` of
     the product the lazy logits skip), compared only when the logits are computed."""
     if t is None or type(t) not in (Tensor, nn.Parameter) or t.dim() == 0 or t.element_size() not in (1, 2, 4, 8):
-        return None  # (a tensor subclass, DTensor's, a quantised weight's: not fingerprinted)
+        return None  # (a tensor subclass, DTensor: not fingerprinted)
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     with torch.no_grad():
         t = t.detach()
