@@ -203,6 +203,40 @@ def test_a_frozen_eval_encoder_in_a_training_model_computes_as_plains(policy, mo
     assert "modules" not in slim_layer.__dict__
 
 
+class _Attend(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha, self.head = nn.MultiheadAttention(32, 4, batch_first=True), nn.Linear(32, 8)
+
+    def forward(self, x, **masks):
+        return self.head(self.mha(x, x, x, need_weights=False, **masks)[0])
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_frozen_eval_attention_in_a_training_model_takes_pytorchs_fused_path(policy, monkeypatch):
+    # nn.MultiheadAttention's eval fast path (torch._native_multi_head_attention) is refused under a TorchFunctionMode:
+    # a frozen eval-mode attention inside a training model ran PyTorch's Python path, 5e-8-9e-8 from plain's output.
+    fused = []
+    kernel = torch._native_multi_head_attention
+    monkeypatch.setattr(torch, "_native_multi_head_attention", lambda *a, **k: fused.append(1) or kernel(*a, **k))
+    torch.manual_seed(0)
+    model = _Attend()
+    slim = slimact.convert(copy.deepcopy(model), policy)
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:] = True
+    for m in (model, slim):
+        m.train()
+        m.mha.eval().requires_grad_(False)
+    for masks in ({}, {"key_padding_mask": pad}):
+        fused.clear()
+        out0, g0 = _grads(model, lambda m, masks=masks: m(x, **masks))
+        out1, g1 = _grads(slim, lambda m, masks=masks: m(x, **masks))
+        assert len(fused) == 2
+        torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+        (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
 def test_uncovered_calls_run_the_module_as_written():
     mha = nn.MultiheadAttention(16, 2, batch_first=True)
     slim = slimact.convert(copy.deepcopy(mha))

@@ -369,19 +369,20 @@ def _transformers_grouped_mm() -> object | None:
     return _op_named("torch.ops.transformers.grouped_mm_fallback")
 
 
-# nn.TransformerEncoderLayer's eval forward runs one fused kernel (torch._transformer_encoder_layer_fwd), and
-# nn.TransformerEncoder's hands its layers nested tensors for a padding mask (padded positions' outputs zero), only
-# where nothing needs a gradient and no TorchFunctionMode is on, and the layer's kernel only where none of its modules
-# has a forward hook. slimact's routing hooks every module (the routing context), and the mode it enters for a training
-# forward was on in an eval-mode encoder inside a training model: a converted layer ran module by module, its output not
-# bit for bit plain's where a mask is given (up to 7e-7 apart), slower (benchmarks/results/encoder_eval.md), and under a
-# training model the encoder's padded positions not zeroed (up to 1.2 apart; a loss over them, a gradient off by 12).
-# Neither the hooks nor the mode do anything there: the fused paths run none of the layer's modules, and no gradient
-# flows. So, for a call of such a block in eval mode where no gradient can flow (none of its parameters, nor its input,
-# needs one: PyTorch's own condition, or stricter), the mode steps aside, and the layer's ``self.modules()`` called from
-# nn.TransformerEncoderLayer.forward (its fast-path check: told by the caller's code) gives the modules' hooks without
-# slimact's; a hook of the user's still refuses the fused path, as on the plain layer. Any other caller of the layer's
-# ``modules()`` meanwhile gets the modules themselves.
+# nn.TransformerEncoderLayer's eval forward runs one fused kernel (torch._transformer_encoder_layer_fwd) (and
+# nn.MultiheadAttention's torch._native_multi_head_attention), and nn.TransformerEncoder's hands its layers nested
+# tensors for a padding mask (padded positions' outputs zero), only where nothing needs a gradient and no
+# TorchFunctionMode is on, and the layer's kernel only where none of its modules has a forward hook. slimact's routing
+# hooks every module (the routing context), and the mode it enters for a training forward was on in an eval-mode encoder
+# inside a training model: a converted layer (or MultiheadAttention) ran module by module (PyTorch's Python path), its
+# output not bit for bit plain's (a layer's up to 7e-7 apart where a mask is given; an attention's 9e-8), slower
+# (benchmarks/results/encoder_eval.md), and under a training model the encoder's padded positions not zeroed (up to 1.2
+# apart; a loss over them, a gradient off by 12). Neither the hooks nor the mode do anything there: the fused paths run
+# none of the layer's modules, and no gradient flows. So, for a call of such a block in eval mode where no gradient can
+# flow (none of its parameters, nor its input, needs one: PyTorch's own condition, or stricter), the mode steps aside,
+# and the layer's ``self.modules()`` called from nn.TransformerEncoderLayer.forward (its fast-path check: told by the
+# caller's code) gives the modules' hooks without slimact's; a hook of the user's still refuses the fused path, as on
+# the plain layer. Any other caller of the layer's ``modules()`` meanwhile gets the modules themselves.
 
 _LAYER_FORWARD = inspect.unwrap(nn.TransformerEncoderLayer.forward).__code__
 _CHECK_ATTR = "modules"  # (an instance attribute during such a call: shadows nn.Module.modules)
@@ -431,16 +432,20 @@ class _FastPathCheck:
                     del layer.__dict__[_CHECK_ATTR]
 
 
+#: The modules whose eval forward has a fused path of PyTorch's that slimact's mode (and hooks) would refuse.
+_FUSED_IN_EVAL = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
+
+
 def _fused_possible(block: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether a call of ``block`` (an encoder layer or encoder) can take PyTorch's fused eval path: in eval mode (an
-    encoder's first layer's), with no gradient to flow through its parameters or input."""
+    """Whether a call of ``block`` (:data:`_FUSED_IN_EVAL`) can take PyTorch's fused eval path: in eval mode (an
+    encoder's first layer's), with no gradient to flow through its parameters or tensor arguments."""
     first = block.layers[0] if isinstance(block, nn.TransformerEncoder) and len(block.layers) else block
     if first.training or torch.compiler.is_compiling():
         return False
     if not torch.is_grad_enabled():
         return True
-    src = args[0] if args else kwargs.get("src")
-    return not (isinstance(src, Tensor) and src.requires_grad) and not any(p.requires_grad for p in block.parameters())
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+    return not any(t.requires_grad for t in tensors) and not any(p.requires_grad for p in block.parameters())
 
 
 class Routing:
@@ -537,7 +542,7 @@ class Routing:
         # _enter_layer); and, while a recompute runs such a call, the context it replaced.
         self._contexts: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
         self._outer: tuple | None = None
-        #: nn.TransformerEncoder(Layer)s, whose fused eval paths slimact's mode and hooks step aside for.
+        #: Modules whose fused eval paths slimact's mode and hooks step aside for (:data:`_FUSED_IN_EVAL`).
         self.encoders: list[nn.Module] = []
         # Encoder blocks whose eval call runs now, innermost last, and whether each stepped the mode aside.
         self._eval_blocks: list[tuple[nn.Module, bool]] = []
@@ -932,7 +937,7 @@ class Routing:
                 # from, not what it is; and after theirs on the way out)
                 handles += [module.register_forward_pre_hook(self._enter_layer, prepend=True),
                             module.register_forward_hook(self._exit_layer, always_call=True)]
-            if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerEncoder)):
+            if isinstance(module, _FUSED_IN_EVAL):
                 self.encoders.append(module)
                 handles += [module.register_forward_pre_hook(self._enter_eval_block, with_kwargs=True),
                             module.register_forward_hook(self._exit_eval_block, always_call=True)]
@@ -992,8 +997,8 @@ class Routing:
                 self._outer = None
 
     def _enter_eval_block(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Pre-hook of an ``nn.TransformerEncoderLayer``/``nn.TransformerEncoder``: where PyTorch's fused eval path
-        can run, slimact's mode and hooks step aside for it (see :class:`_FastPathCheck`)."""
+        """Pre-hook of an ``nn.TransformerEncoderLayer``/``TransformerEncoder``/``MultiheadAttention``: where
+        PyTorch's fused eval path can run, slimact's mode and hooks step aside for it (see :class:`_FastPathCheck`)."""
         if not _fused_possible(block, args, kwargs):
             return
         # (the mode leaves the stack only from its top: under a mode of the user's, the fused path is refused anyway)
