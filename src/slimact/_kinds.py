@@ -28,6 +28,7 @@ import functools
 import inspect
 import itertools
 import re
+import sys
 import types
 import warnings
 import weakref
@@ -50,6 +51,7 @@ __all__ = [
     "activation_form",
     "as_probed",
     "changed_since",
+    "foreign_weight",
     "forget",
     "forward_names",
     "gated_layout",
@@ -830,12 +832,16 @@ def gated_mlp_form(module: nn.Module) -> str | None:
 def gated_mlp_intact(module: nn.Module, form: str) -> bool:
     """Whether a gated MLP converted with activation ``form`` still has the parts it was recognised with: a plain
     ``nn.Linear`` down projection and, where it has an activation module, one of that form, not in place, neither
-    with hooks. Model code (an adapter library, a user's hook) can change them after ``convert``; the fused block,
-    which uses the down projection's weight without calling it, would then silently compute something else."""
+    with hooks; projections whose weights are plain tensors (:func:`foreign_weight`). Model code (an adapter
+    library, a user's hook) can change them after ``convert``; the fused block, which uses the down projection's
+    weight without calling it, would then silently compute something else."""
     from slimact.nn._base import SlimModule
 
     layout = gated_layout(module)
-    *_, down, act = layout.parts(module)
+    *projections, down, act = layout.parts(module)
+    # (a weight quantised after convert: the block runs as written, through the projections' own F.linear)
+    if any(isinstance(p, nn.Linear) and foreign_weight(p.weight) for p in (*projections, down)):
+        return False
     if layout.act is not None and (act is None or getattr(act, "inplace", False) or _runs_hooks(act) or (
             type(act) is not module.__dict__.get("_slimact_act_type") if torch.compiler.is_compiling()
             else activation_form(act) != form)):
@@ -852,8 +858,24 @@ def _state_beyond(module: nn.Module, allowed: Iterable[Tensor]) -> list[str]:
             if id(t) not in ids and not n.rpartition(".")[2].startswith("_slimact_")]
 
 
+def foreign_weight(weight: Tensor) -> str | None:
+    """The class of a weight slimact's own products cannot compute with, or ``None``: a tensor subclass other than
+    DTensor (torchao's quantised weights implement ``F.linear``, not the ``mm`` of a fused block or of the LM loss's
+    chunks: "Int8Tensor dispatch: ... aten.mm" where PyTorch trained)."""
+    if type(weight) in (Tensor, nn.Parameter):
+        return None
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (no import: none exist)
+    return None if dtensor is not None and isinstance(weight, dtensor) else type(weight).__name__
+
+
+
 def _rule_gated_mlp(module, cls):
     named = _named_layout(module)
+    if named is not None and (foreign := next(filter(None, (
+            foreign_weight(part.weight) for part in named.parts(module) if isinstance(part, nn.Linear))), None)):
+        return Recognised("mlp", reason=(
+            f"{cls.__name__}'s projections hold {foreign} weights (a tensor subclass, a quantised weight): slimact's "
+            "fused block would compute with them as plain tensors; its parts are converted on their own"))
     found = _probe_gated_mlp(module, [named] if named is not None else _shaped_layouts(module))
     if not found:
         return None

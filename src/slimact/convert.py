@@ -24,6 +24,7 @@ from slimact import attention
 from slimact._kinds import (
     Recognised,
     _cls,
+    foreign_weight,
     forget,
     forward_names,
     kind_of,
@@ -40,7 +41,6 @@ from slimact.nn.clamped_glu import GATE_ATTR, Gate, gate_form
 from slimact.nn.conv import conv_class
 from slimact.nn.dropout import dropout_class
 from slimact.nn.linear import conv1d_class, linear_class
-from slimact.nn.lm_loss import foreign_weight
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class

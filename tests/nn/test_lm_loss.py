@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import _nano
 import slimact
-from _harness import assert_gradients_close, assert_gradients_equal, loss_grads
+from _harness import LinearOnlyWeight, assert_gradients_close, assert_gradients_equal, loss_grads, tiny_hf
 from slimact import zoo
 from slimact.nn.lm_loss import LazyLogits
 
@@ -746,8 +746,6 @@ def test_a_head_with_a_quantised_weight_computes_its_loss_as_written(when):
     # implements F.linear, not mm) met the fused loss's chunked products, NotImplementedError ("Int8Tensor dispatch:
     # ... aten.mm") where PyTorch trained (a Llama under LoRA over a torchao int8 base). Such a head's loss is
     # computed as written: left out at convert, with the reason; and where the weight is quantised after convert.
-    from _harness import LinearOnlyWeight, tiny_hf
-
     def quantise(model):
         model.lm_head.weight = torch.nn.Parameter(LinearOnlyWeight.of(model.lm_head.weight), requires_grad=False)
 

@@ -43,7 +43,6 @@ import contextlib
 import functools
 import inspect
 import numbers
-import sys
 import weakref
 from collections.abc import Callable
 
@@ -53,7 +52,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from slimact._kinds import _runs_hooks
+from slimact._kinds import _runs_hooks, foreign_weight
 from slimact.functional._saving import SlimFunction
 from slimact.functional.lm_loss import linear_cross_entropy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
@@ -594,16 +593,6 @@ class LossTracker:
             handle.remove()
         self.head.__dict__.pop("_slimact_deferred", None)
         self._sources.clear()
-
-
-def foreign_weight(weight: Tensor) -> str | None:
-    """The class of a head weight the fused loss cannot compute with, or ``None``: a tensor subclass other than
-    DTensor (torchao's quantised weights implement ``F.linear``, not the ``mm`` of the loss's chunks: "Int8Tensor
-    dispatch: ... aten.mm" where PyTorch trained)."""
-    if type(weight) in (Tensor, nn.Parameter):
-        return None
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (no import: none exist)
-    return None if dtensor is not None and isinstance(weight, dtensor) else type(weight).__name__
 
 
 def _fingerprint(t: Tensor | None) -> Tensor | None:
