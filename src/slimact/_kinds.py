@@ -28,7 +28,6 @@ import functools
 import inspect
 import itertools
 import re
-import sys
 import types
 import warnings
 import weakref
@@ -40,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
-from slimact.functional._saving import observer
+from slimact.functional._saving import foreign_weight, observer
 from slimact.quant.recompute import unseen_by_selective_checkpointing
 
 __all__ = [
@@ -51,7 +50,6 @@ __all__ = [
     "activation_form",
     "as_probed",
     "changed_since",
-    "foreign_weight",
     "forget",
     "forward_names",
     "gated_layout",
@@ -856,17 +854,6 @@ def _state_beyond(module: nn.Module, allowed: Iterable[Tensor]) -> list[str]:
     ids = {id(t) for t in allowed}
     return [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
             if id(t) not in ids and not n.rpartition(".")[2].startswith("_slimact_")]
-
-
-def foreign_weight(weight: Tensor) -> str | None:
-    """The class of a weight slimact's own products cannot compute with, or ``None``: a tensor subclass other than
-    DTensor (torchao's quantised weights implement ``F.linear``, not the ``mm`` of a fused block or of the LM loss's
-    chunks: "Int8Tensor dispatch: ... aten.mm" where PyTorch trained)."""
-    if type(weight) in (Tensor, nn.Parameter):
-        return None
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (no import: none exist)
-    return None if dtensor is not None and isinstance(weight, dtensor) else type(weight).__name__
-
 
 
 def _rule_gated_mlp(module, cls):

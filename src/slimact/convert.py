@@ -24,7 +24,6 @@ from slimact import attention
 from slimact._kinds import (
     Recognised,
     _cls,
-    foreign_weight,
     forget,
     forward_names,
     kind_of,
@@ -33,6 +32,7 @@ from slimact._kinds import (
     uses_attention_interface,
     written_in_model_code,
 )
+from slimact.functional._saving import foreign_weight
 from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach, refuse_script
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class

@@ -180,27 +180,66 @@ def test_a_frozen_eval_encoder_in_a_training_model_computes_as_plains(policy, mo
     torch.testing.assert_close(out1, out0, rtol=0, atol=0)
     assert g0.keys() == g1.keys() == {"head.weight", "head.bias"}
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
-    # Two threads calling one converted layer in eval: every call fused, every output plain's.
+    # Two threads calling one converted encoder in eval: every call fused, every output plain's, nothing left over
+    # (the calls under way are kept per thread: one shared stack had leaked an entry per interleaved call).
     import threading
 
-    slim_layer, plain_layer = slim.encoder.layers[0], model.encoder.layers[0]
     with torch.no_grad():
-        want = plain_layer(x, src_key_padding_mask=pad)
+        want = model.encoder(x, src_key_padding_mask=pad)
     fused.clear()
     outs = []
 
     def run():
         with torch.no_grad():
-            outs.extend(slim_layer(x, src_key_padding_mask=pad) for _ in range(20))
+            outs.extend(slim.encoder(x, src_key_padding_mask=pad) for _ in range(10))
 
     threads = [threading.Thread(target=run) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(fused) == 80 and len(outs) == 40
+    assert len(fused) == 80 and len(outs) == 20
     assert all(torch.equal(out, want) for out in outs)
-    assert "modules" not in slim_layer.__dict__
+    assert not slim.__dict__["_slimact_root_routing"]._eval_blocks
+    assert all("modules" not in layer.__dict__ for layer in slim.encoder.layers)
+
+
+class _Distilled(nn.Module):
+    def __init__(self, student):
+        super().__init__()
+        self.student = student
+
+    def forward(self, x, pad):
+        self.seen = self.__dict__["teacher"](x, src_key_padding_mask=pad)
+        return (self.student(x) - self.seen).square().mean()
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_an_encoder_stepping_aside_at_the_root_or_under_another_models_forward_computes_as_plains(policy):
+    # The mode steps aside for the innermost slimact mode, an outer model's too (a converted teacher held outside
+    # the student's module tree, called in its training forward: its padded positions were 3.7 from plain's), and an
+    # encoder that is the converted model itself, in training with its layers frozen in eval, ended its forward with
+    # "trying to pop from empty mode stack".
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    teacher = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:], pad[2, 3:] = True, True
+    with torch.no_grad():
+        want = teacher(x, src_key_padding_mask=pad)
+    student = slimact.convert(_Distilled(nn.Linear(32, 32)), policy).train()
+    # (a frozen teacher, held outside the student's module tree)
+    student.__dict__["teacher"] = slimact.convert(copy.deepcopy(teacher), policy).eval().requires_grad_(False)
+    student(x, pad).backward()
+    torch.testing.assert_close(student.seen, want, rtol=0, atol=0)
+    # The encoder as the converted model, in training, its layers frozen in eval.
+    root = slimact.convert(copy.deepcopy(teacher), policy).train()
+    root.layers.eval().requires_grad_(False)
+    out = root(x, src_key_padding_mask=pad)
+    assert torch._C._len_torch_function_stack() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(out, teacher(x, src_key_padding_mask=pad), rtol=0, atol=0)
 
 
 class _Attend(nn.Module):

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -97,11 +99,11 @@ def test_a_call_sets_no_attribute_through_module_setattr(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["int8", "tempo"])
-def test_a_frozen_weight_runs_pytorchs_linear_so_a_quantised_base_trains(policy):
-    # A frozen weight keeps nothing of its layer's input, in PyTorch and in slimact: the converted layer now runs
-    # F.linear there. slimact's Function had run even so, and its backward's grad_y @ W called an op torchao's
-    # quantised weights do not implement: LoRA over an int8 weight-only base (torchao's quantize_, then PEFT) raised
-    # NotImplementedError ("Int8Tensor dispatch: ... aten.mm") where PyTorch trained.
+def test_a_quantised_frozen_weight_runs_pytorchs_linear_so_the_base_trains(policy):
+    # A weight of a tensor subclass (torchao's quantised weights) now runs F.linear, as its class implements it:
+    # slimact's Function's backward, grad_y @ W, called an op such weights do not implement: LoRA over an int8
+    # weight-only base (torchao's quantize_, then PEFT) raised NotImplementedError ("Int8Tensor dispatch: ... aten.mm")
+    # where PyTorch trained.
     def build():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.LayerNorm(32))
@@ -124,3 +126,21 @@ def test_a_frozen_weight_runs_pytorchs_linear_so_a_quantised_base_trains(policy)
     assert g0.keys() == g1.keys() == {"input", "0.bias", "2.bias", "3.weight", "3.bias"}
     # (the Linears compute as PyTorch's; the GELU and LayerNorm are slimact's, lossless or 8-bit)
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+def test_a_frozen_fp32_weight_under_autocast_keeps_no_low_precision_copy():
+    # Under bf16 autocast, F.linear keeps autocast's bf16 cast of a frozen fp32 weight (autocast caches casts of
+    # leaves that need a gradient only); slimact's Function keeps the weight itself and casts it in the backward. A
+    # frozen Linear whose input needs a gradient (BitFit, a LoRA base) therefore stays slimact's: running F.linear
+    # there (as e0942cf did for every frozen weight) kept 2.6 MB more here, the frozen weights' bf16 size.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64))
+    for layer in (plain[2], plain[4]):
+        layer.weight.requires_grad_(False)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    x = torch.randn(4, 32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = {name: slimact.profile(m, x, loss_fn=lambda o: o.float().square().mean()).by_kind["linear"]
+                for name, m in (("plain", plain), ("slim", slim))}
+    frozen_bf16 = sum(layer.weight.numel() * 2 for layer in (plain[2], plain[4]))
+    assert kept["slim"] < frozen_bf16 <= kept["plain"]

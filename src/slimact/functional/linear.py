@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from slimact.functional._saving import SlimFunction, load, save
+from slimact.functional._saving import SlimFunction, foreign_weight, load, save
 from slimact.quant import QuantConfig, RunningRange, pack, reference
 
 __all__ = ["linear"]
@@ -93,10 +93,11 @@ def linear(
     """``F.linear`` whose saved input is compressed with ``cfg``.
 
     Falls back to ``F.linear`` (PyTorch's own saving) where compression has nothing to do: gradients off
-    (``no_grad``/``inference_mode``), or a frozen weight: its layer keeps nothing but the weight, as PyTorch's does,
-    and ``F.linear`` reaches a weight of a tensor subclass as its class implements it (torchao's quantised weights
-    implement ``F.linear``, not the ``matmul`` this backward would call: a NotImplementedError where PyTorch
-    trained, LoRA over an int8 weight-only base).
+    (``no_grad``/``inference_mode``), or neither ``x`` nor ``weight`` requiring grad; and where the weight is a
+    tensor subclass (:func:`~slimact.functional._saving.foreign_weight`), which ``F.linear`` reaches as its class
+    implements it (torchao's quantised weights implement ``F.linear``, not the ``matmul`` this backward would call: a
+    NotImplementedError where PyTorch trained, LoRA over an int8 weight-only base). (Not for every frozen weight:
+    under autocast, ``F.linear`` keeps the weight's low-precision cast, where this Function keeps the weight itself.)
 
     Args:
         x: ``[..., in]``.
@@ -105,6 +106,7 @@ def linear(
         cfg: how the input is compressed.
         state: running-estimate buffers when ``cfg.scale == "running"``.
     """
-    if not torch.is_grad_enabled() or not weight.requires_grad:
+    if (not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)
+            or foreign_weight(weight) is not None):
         return F.linear(x, weight.t() if transposed else weight, bias)
     return _LinearFunction.apply(x, weight, bias, cfg, state, transposed)

@@ -52,8 +52,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from slimact._kinds import _runs_hooks, foreign_weight
-from slimact.functional._saving import SlimFunction
+from slimact._kinds import _runs_hooks
+from slimact.functional._saving import SlimFunction, foreign_weight
 from slimact.functional.lm_loss import linear_cross_entropy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
 

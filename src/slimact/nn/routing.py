@@ -460,7 +460,7 @@ class Routing:
         # 'NoneType' object", from a deepcopy of the other model).
         state["handles"] = [h for h in self.handles if h.hooks_dict_ref() is not None]
         state["_contexts"] = None  # (about this model's module calls, by weak reference: not a copy's)
-        state["_eval_blocks"] = []  # (calls under way: not a copy's)
+        state["_eval_blocks"] = {}  # (calls under way: not a copy's)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -544,8 +544,8 @@ class Routing:
         self._outer: tuple | None = None
         #: Modules whose fused eval paths slimact's mode and hooks step aside for (:data:`_FUSED_IN_EVAL`).
         self.encoders: list[nn.Module] = []
-        # Encoder blocks whose eval call runs now, innermost last, and whether each stepped the mode aside.
-        self._eval_blocks: list[tuple[nn.Module, bool]] = []
+        # Per thread, the blocks whose eval call runs now, innermost last, and the mode each stepped aside, if any.
+        self._eval_blocks: dict[int, list[tuple[nn.Module, _Mode | None]]] = {}
         self.handles += self._enter_in_layers(model)
 
     def _watch(self, attention: Sequence[tuple[str, nn.Module]]) -> None:
@@ -1001,22 +1001,30 @@ class Routing:
         PyTorch's fused eval path can run, slimact's mode and hooks step aside for it (see :class:`_FastPathCheck`)."""
         if not _fused_possible(block, args, kwargs):
             return
-        # (the mode leaves the stack only from its top: under a mode of the user's, the fused path is refused anyway)
-        paused = self._mode is not None and torch.overrides._get_current_function_mode() is self._mode
-        if paused:
-            self._mode.__exit__(None, None, None)
-        self._eval_blocks.append((block, paused))
+        # The slimact mode on top of the stack, this model's or an outer converted model's (a teacher held outside
+        # the module tree, called in a student's forward); a mode leaves the stack only from its top: under a mode
+        # of the user's, the fused path is refused anyway.
+        top = torch.overrides._get_current_function_mode()
+        paused = top if isinstance(top, _Mode) else None
+        if paused is not None:
+            paused.__exit__(None, None, None)
+        # (per thread: threads calling one model in eval each have their own calls under way)
+        self._eval_blocks.setdefault(threading.get_ident(), []).append((block, paused))
         if isinstance(block, nn.TransformerEncoderLayer):
             _FastPathCheck.enter(block)
 
     def _exit_eval_block(self, block: nn.Module, args: tuple, output: object) -> None:
-        if not self._eval_blocks or self._eval_blocks[-1][0] is not block:
+        thread = threading.get_ident()
+        calls = self._eval_blocks.get(thread)
+        if not calls or calls[-1][0] is not block:
             return
-        _, paused = self._eval_blocks.pop()
+        _, paused = calls.pop()
+        if not calls:
+            del self._eval_blocks[thread]
         if isinstance(block, nn.TransformerEncoderLayer):
             _FastPathCheck.exit(block)
-        if paused and self._mode is not None:
-            self._mode.__enter__()
+        if paused is not None and paused.routing._mode is paused:  # (still its model's forward's)
+            paused.__enter__()
 
     def in_scope(self) -> bool:
         """Whether a call now is made in code whose recompute (if it is checkpointed) routes it alike."""
@@ -1040,7 +1048,10 @@ class Routing:
         if running and running[-1] is self and not torch.compiler.is_compiling():
             running.pop()
         if self._mode is not None:
-            self._mode.__exit__(None, None, None)
+            # (off the stack where a root that is itself an encoder block in eval stepped it aside: its own forward
+            # hook, which would put it back, runs after this one)
+            if torch.overrides._get_current_function_mode() is self._mode:
+                self._mode.__exit__(None, None, None)
             self._mode, self._layer = None, None
         # (the scope is a saved-tensors hook of the caller's, slimact.profile's local one say: held past the forward,
         # it stopped the model from pickling, "Can't pickle local object '_step.<locals>.pack_hook'", until the next)
