@@ -205,3 +205,18 @@ class LinearOnlyWeight(torch.Tensor):
         if func is torch.ops.aten.detach.default:
             return cls(args[0].codes, args[0].scale)
         raise NotImplementedError(f"{cls.__name__} has no {func}")
+
+
+def quantised_llama(quantise, when: str, policy: str = "int8"):
+    """A tiny Llama, plain and converted, with ``quantise(model)`` (weights made :class:`LinearOnlyWeight`) applied
+    to both, ``"before convert"`` or ``"after convert"``: ``(converted, (loss, grads) plain, (loss, grads) converted)``
+    of one training step."""
+    base, inputs = tiny_hf("llama")
+    plain, slim = copy.deepcopy(base), copy.deepcopy(base)
+    quantise(plain)
+    if when == "before convert":
+        quantise(slim)
+    slimact.convert(slim, policy)
+    if when == "after convert":
+        quantise(slim)
+    return slim, loss_grads(plain, inputs), loss_grads(slim, inputs)

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import _nano
 import slimact
-from _harness import LinearOnlyWeight, assert_gradients_close, assert_gradients_equal, loss_grads, tiny_hf
+from _harness import LinearOnlyWeight, assert_gradients_close, assert_gradients_equal, loss_grads, quantised_llama
 from slimact import zoo
 from slimact.nn.lm_loss import LazyLogits
 
@@ -749,18 +749,11 @@ def test_a_head_with_a_quantised_weight_computes_its_loss_as_written(when):
     def quantise(model):
         model.lm_head.weight = torch.nn.Parameter(LinearOnlyWeight.of(model.lm_head.weight), requires_grad=False)
 
-    base, inputs = tiny_hf("llama")
-    plain, slim = copy.deepcopy(base), copy.deepcopy(base)
-    quantise(plain)
+    slim, (loss0, g0), (loss1, g1) = quantised_llama(quantise, when)
+    skipped = slimact.summary(slim).skipped
     if when == "before convert":
-        quantise(slim)
-        slimact.convert(slim, "int8")
-        assert "weight is a LinearOnlyWeight (a tensor subclass" in slimact.summary(slim).skipped["(loss)"]
+        assert "weight is a LinearOnlyWeight (a tensor subclass" in skipped["(loss)"]
     else:
-        slimact.convert(slim, "int8")
-        assert "(loss)" not in slimact.summary(slim).skipped
-        quantise(slim)
-    loss0, g0 = loss_grads(plain, inputs)
-    loss1, g1 = loss_grads(slim, inputs)
+        assert "(loss)" not in skipped
     torch.testing.assert_close(loss1, loss0)  # (the forward is plain's)
     assert_gradients_close(g0, g1)

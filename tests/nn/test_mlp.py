@@ -15,7 +15,7 @@ from torch import nn
 
 import _nano
 import slimact
-from _harness import LinearOnlyWeight, assert_gradients_close, assert_gradients_equal, loss_grads, tiny_hf
+from _harness import LinearOnlyWeight, assert_gradients_close, assert_gradients_equal, quantised_llama
 from slimact._kinds import gated_mlp_form, recognise
 from slimact.nn import SlimModule
 
@@ -524,18 +524,10 @@ def test_a_gated_mlp_with_quantised_projections_runs_as_written(when):
                 proj = getattr(layer.mlp, name)
                 proj.weight = nn.Parameter(LinearOnlyWeight.of(proj.weight), requires_grad=False)
 
-    base, inputs = tiny_hf("llama")
-    plain, slim = copy.deepcopy(base), copy.deepcopy(base)
-    quantise(plain)
+    slim, (loss0, g0), (loss1, g1) = quantised_llama(quantise, when)
     if when == "before convert":
-        quantise(slim)
-        slimact.convert(slim, "int8")
         assert "projections hold LinearOnlyWeight weights" in slimact.summary(slim).skipped["model.layers.0.mlp"]
     else:
-        slimact.convert(slim, "int8")
         assert slimact.summary(slim).converted["mlp"] == 2
-        quantise(slim)
-    loss0, g0 = loss_grads(plain, inputs)
-    loss1, g1 = loss_grads(slim, inputs)
     torch.testing.assert_close(loss1, loss0)
     assert_gradients_close(g0, g1)
