@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from slimact._kinds import (
     uses_attention_interface,
     written_in_model_code,
 )
-from slimact.functional._saving import foreign_weight
+from slimact.functional._saving import foreign_weight, is_dtensor
 from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach, refuse_script
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
@@ -240,8 +239,7 @@ def convert(
             "Materialise the model first (e.g. model.to_empty(device=...) and initialise or load its weights), "
             "then convert it."
         )
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (no import: none exist)
-    if dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         # (FSDP2's fully_shard, or tensor parallelism, ran first: the probes that recognise layers by running them
         # mixed the sharded parameters with plain tensors, "aten.add_.Tensor got mixed torch.Tensor and DTensor")
         raise ValueError(

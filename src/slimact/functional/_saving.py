@@ -32,9 +32,8 @@ from slimact.quant.core import forget_shared_packs
 from slimact.quant.state import note_backward
 
 __all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks",
-           "foreign_weight",
-           "is_gradient", "is_parameter_gradient", "keep_output", "kept_or_view_of_kept", "load", "observer", "save",
-           "transformed"]
+           "foreign_weight", "is_dtensor", "is_gradient", "is_parameter_gradient", "keep_output",
+           "kept_or_view_of_kept", "load", "observer", "save", "transformed"]
 
 
 class Mask(NamedTuple):
@@ -457,14 +456,20 @@ def load(ctx: Any, restore: bool = True) -> list[Any]:
     return out
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it: where it is not imported,
+    none exist)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 def foreign_weight(weight: Tensor) -> str | None:
     """The class of a weight slimact's own products cannot compute with, or ``None``: a tensor subclass other than
     DTensor (torchao's quantised weights implement ``F.linear``, not the ``mm`` of a fused block or of the LM loss's
     chunks: "Int8Tensor dispatch: ... aten.mm" where PyTorch trained)."""
-    if type(weight) in (Tensor, torch.nn.Parameter):
+    if type(weight) in (Tensor, torch.nn.Parameter) or is_dtensor(weight):
         return None
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (no import: none exist)
-    return None if dtensor is not None and isinstance(weight, dtensor) else type(weight).__name__
+    return type(weight).__name__
 
 
 def transformed() -> bool:
