@@ -77,6 +77,20 @@ def test_an_encoder_decoder_transformer_trains_and_infers_as_plain_with_every_ma
             torch.testing.assert_close(slim(src, tgt, **masks), model(src, tgt, **masks), rtol=0, atol=0, msg=name)
 
 
+def _calls(monkeypatch, kernel: str) -> list:
+    """The calls of ``torch.<kernel>`` (PyTorch's fused eval kernels), counted from now on: one entry per call."""
+    calls, run = [], getattr(torch, kernel)
+    monkeypatch.setattr(torch, kernel, lambda *args, **kwargs: calls.append(1) or run(*args, **kwargs))
+    return calls
+
+
+def _padding() -> torch.Tensor:
+    """A key padding mask for 3 rows of 7 tokens: the first padded from 5, the third from 3."""
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:], pad[2, 3:] = True, True
+    return pad
+
+
 class _Encoder(nn.Module):
     def __init__(self, encoder):
         super().__init__()
@@ -96,9 +110,7 @@ def test_a_converted_encoder_layer_takes_pytorchs_fused_eval_kernel_where_plain_
     # path in eval, slower, and with a mask not bit for bit plain's output (up to 7e-7 apart). Now the check
     # does not see slimact's hooks (the fused path runs none of the layer's modules): the same kernel calls as plain,
     # the same output; a hook of the user's still refuses it on both; training afterwards routes as before.
-    fused = []
-    kernel = torch._transformer_encoder_layer_fwd
-    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a: fused.append(1) or kernel(*a))
+    fused = _calls(monkeypatch, "_transformer_encoder_layer_fwd")
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True, norm_first=norm_first)
     with warnings.catch_warnings():  # (norm_first: "enable_nested_tensor is True, but ...": nested as it can)
@@ -106,8 +118,7 @@ def test_a_converted_encoder_layer_takes_pytorchs_fused_eval_kernel_where_plain_
         model = _Encoder(nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested))
     slim = slimact.convert(copy.deepcopy(model), policy)
     x = torch.randn(3, 7, 32)
-    pad = torch.zeros(3, 7, dtype=torch.bool)
-    pad[0, 5:], pad[2, 3:] = True, True
+    pad = _padding()
     calls = {"no mask": {}, "padding": {"src_key_padding_mask": pad},
              "causal": {"mask": nn.Transformer.generate_square_subsequent_mask(7), "is_causal": True}}
     fresh = copy.deepcopy(slim)  # (to train without an eval call before)
@@ -159,16 +170,13 @@ def test_a_frozen_eval_encoder_in_a_training_model_computes_as_plains(policy, mo
     # (has_torch_function), so the converted encoder's padded positions were not zeroed (up to 1.2 apart; a loss
     # over them, gradients off by 12), silently. The mode now steps aside there. Also: a layer subclass reading its
     # own modules() and running PyTorch's forward twice, and two threads on one layer, take the fused path each time.
-    fused = []
-    kernel = torch._transformer_encoder_layer_fwd
-    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a: fused.append(1) or kernel(*a))
+    fused = _calls(monkeypatch, "_transformer_encoder_layer_fwd")
     torch.manual_seed(0)
     layer = _TwiceLayer(32, 4, 64, dropout=0.1, batch_first=True)
     model = _Encoder(nn.TransformerEncoder(layer, 2, enable_nested_tensor=True))
     slim = slimact.convert(copy.deepcopy(model), policy)
     x = torch.randn(3, 7, 32)
-    pad = torch.zeros(3, 7, dtype=torch.bool)
-    pad[0, 5:], pad[2, 3:] = True, True
+    pad = _padding()
     for m in (model, slim):
         m.train()
         m.encoder.eval().requires_grad_(False)
@@ -224,8 +232,7 @@ def test_an_encoder_stepping_aside_at_the_root_or_under_another_models_forward_c
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
     teacher = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
     x = torch.randn(3, 7, 32)
-    pad = torch.zeros(3, 7, dtype=torch.bool)
-    pad[0, 5:], pad[2, 3:] = True, True
+    pad = _padding()
     with torch.no_grad():
         want = teacher(x, src_key_padding_mask=pad)
     student = slimact.convert(_Distilled(nn.Linear(32, 32)), policy).train()
@@ -255,15 +262,12 @@ class _Attend(nn.Module):
 def test_a_frozen_eval_attention_in_a_training_model_takes_pytorchs_fused_path(policy, monkeypatch):
     # nn.MultiheadAttention's eval fast path (torch._native_multi_head_attention) is refused under a TorchFunctionMode:
     # a frozen eval-mode attention inside a training model ran PyTorch's Python path, 5e-8-9e-8 from plain's output.
-    fused = []
-    kernel = torch._native_multi_head_attention
-    monkeypatch.setattr(torch, "_native_multi_head_attention", lambda *a, **k: fused.append(1) or kernel(*a, **k))
+    fused = _calls(monkeypatch, "_native_multi_head_attention")
     torch.manual_seed(0)
     model = _Attend()
     slim = slimact.convert(copy.deepcopy(model), policy)
     x = torch.randn(3, 7, 32)
-    pad = torch.zeros(3, 7, dtype=torch.bool)
-    pad[0, 5:] = True
+    pad = _padding()
     for m in (model, slim):
         m.train()
         m.mha.eval().requires_grad_(False)
