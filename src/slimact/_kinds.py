@@ -858,12 +858,15 @@ def _state_beyond(module: nn.Module, allowed: Iterable[Tensor]) -> list[str]:
 
 def _rule_gated_mlp(module, cls):
     named = _named_layout(module)
-    if named is not None and (foreign := next(filter(None, (
-            foreign_weight(part.weight) for part in named.parts(module) if isinstance(part, nn.Linear))), None)):
+    layouts = [named] if named is not None else _shaped_layouts(module)
+    # (the probe cannot run the fused block's products on such weights: it would find nothing and say nothing)
+    if foreign := next(filter(None, (foreign_weight(part.weight) for layout in layouts for part in layout.parts(module)
+                                     if isinstance(part, nn.Linear))), None):
         return Recognised("mlp", reason=(
-            f"{cls.__name__}'s projections hold {foreign} weights (a tensor subclass, a quantised weight): slimact's "
-            "fused block would compute with them as plain tensors; its parts are converted on their own"))
-    found = _probe_gated_mlp(module, [named] if named is not None else _shaped_layouts(module))
+            f"{cls.__name__}'s projections hold {foreign} weights (a tensor subclass, a quantised weight) where it "
+            f"{'has' if named is not None else 'has the shapes of'} a gated MLP's: slimact's fused block would "
+            "compute with them as plain tensors; its parts are converted on their own"))
+    found = _probe_gated_mlp(module, layouts)
     if not found:
         return None
     if len(found) > 1:
