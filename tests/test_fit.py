@@ -81,3 +81,17 @@ def test_auto_picks_tempo_when_it_suffices_and_int8_only_when_needed():
 def test_policy_written_by_fit_reads_back(tmp_path):
     path = slimact.PRESETS["int8"].to_file(tmp_path / "p.toml")
     assert slimact.Policy.from_file(path).replace(name="int8") == slimact.PRESETS["int8"]
+
+
+def test_unmeasured_the_answer_is_the_lines_last_batch_within_room():
+    # Without measuring (confirm=False, or a budget beyond this machine's free memory) the answer was at least one
+    # past the largest probe: 4 where the probes' line (and the step itself) put batch 4 over the room.
+    from slimact.fit import _largest_batch
+
+    def peak_at(batch):  # 100 bytes per sample on 100 of its own
+        return 100 + 100 * batch
+
+    points = [(1, peak_at(1)), (3, peak_at(3))]
+    for room, expected in [(450, 3), (499, 3), (500, 4), (1234, 11)]:
+        assert _largest_batch(peak_at, room, points, 0, confirm=False) == (expected, None)
+        assert _largest_batch(peak_at, room, points, 0, confirm=True) == (expected, peak_at(expected))

@@ -137,9 +137,12 @@ def _largest_batch(peak_at: Callable[[int], int], room: int, points: list[tuple[
         if hi is None:
             (ba, pa), (bb, pb) = sorted(measured.items())[-2:]
             slope = max((pb - pa) / (bb - ba), min_slope, 1)
-            guess = max(bb + 1, math.floor(bb + (room - pb) / slope))
-            if confirm:  # at most 4x the largest batch measured: an overshoot costs a step 4x the answer's at most
-                guess = min(guess, 4 * bb)
+            line = math.floor(bb + (room - pb) / slope)  # the line's last batch within room (bb itself fits)
+            if not confirm:
+                return max(bb, line), None
+            # Measured, the search goes on past bb (to a batch that does not fit), at most 4x the largest batch
+            # measured: an overshoot costs a step 4x the answer's at most.
+            guess = min(max(bb + 1, line), 4 * bb)
         elif hi - lo <= 1:
             break
         else:
@@ -150,7 +153,7 @@ def _largest_batch(peak_at: Callable[[int], int], room: int, points: list[tuple[
                 guess = (lo + hi) // 2
             guess = min(max(guess, lo + 1), hi - 1)
         if not confirm:
-            return (guess if hi is None else lo), None
+            return lo, None
         if i == steps:
             break
         measured[guess] = _measure(peak_at, guess)
