@@ -644,6 +644,50 @@ def test_a_gradient_off_by_a_scale_fails_the_lossy_floor(monkeypatch, factor):
     assert report.failures and all(p.name.endswith("proj.weight") and p.cosine > 0.99 for p in report.failures)
 
 
+class _LayerScaled(torch.nn.Module):
+    """Two residual MLP blocks, the second behind a layer scale of 1e-6 (ConvNeXt, CaiT, DeiT-III at
+    initialisation): its gradients are 1e-6 of the first's, and genuine (plain's as exact as any other)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+            for _ in range(2))
+        self.scale, self.head = torch.nn.Parameter(torch.full((d,), 1e-6)), torch.nn.Linear(d, 10)
+
+    def forward(self, x):
+        x = x + self.blocks[0](x)
+        return self.head(x + self.scale * self.blocks[1](x))
+
+
+@pytest.mark.parametrize("edit", ["flipped", "zeroed"])
+@pytest.mark.parametrize("policy", ["int8", "tempo"])
+def test_a_small_but_genuine_gradient_is_held_to_the_floor_not_judged_by_size(monkeypatch, policy, edit):
+    # Gradients below the noise level of the typical one were judged by size alone (a cancellation's remainder is
+    # noise): the layer-scaled block's Linear weight gradients (int8) or its norm's (tempo) flipped or zeroed PASSED,
+    # though Adam steps each parameter as far whatever its gradient's size. Now the float64 run tells a remainder
+    # (plain off float64 too: judged by size, as before) from a small genuine gradient (held to the floor).
+    from slimact.functional.linear import _LinearFunction
+    from slimact.functional.norm import _NormFunction
+
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))
+    assert slimact.check(_LayerScaled(), x, policy).passed
+    function = _LinearFunction if policy == "int8" else _NormFunction
+    backward = function.backward
+
+    def edited_backward(ctx, grad, *rest):
+        out = list(backward(ctx, grad, *rest))
+        if grad.abs().max() < 1e-3:  # the layer-scaled block's (the other block's output gradients are ~1e-1)
+            out[1] = -out[1] if edit == "flipped" else torch.zeros_like(out[1])  # the weight's
+        return tuple(out)
+
+    monkeypatch.setattr(function, "backward", staticmethod(edited_backward))
+    report = slimact.check(_LayerScaled(), x, policy)
+    assert not report.passed and report.failures, str(report)
+    assert all(p.name.startswith("blocks.1.") and p.reference == "float64" for p in report.failures), str(report)
+
+
 class _SmallBranch(torch.nn.Module):
     """A bfloat16 model, ``big(x) + 0.02 * small(...)``, whose small branch runs a LayerNorm kept in float32."""
 
