@@ -43,7 +43,7 @@ from slimact.nn.linear import conv1d_class, linear_class
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
-from slimact.nn.routing import FUNCTIONAL_NAME, Routing
+from slimact.nn.routing import FUNCTIONAL_NAME, Routing, routings_around
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, matches, resolve
 
@@ -262,7 +262,8 @@ def convert(
     steps = model.__dict__.get(_HOOK_ATTR, (None, None))[1] or StepCounter()
     skipped: dict[str, str] = {}
     fused: set[str] = set()  # modules a converted parent computes itself
-    scale_free = _scale_free_chains(model) if pol.quantize else {}
+    # (8-bit for any kind: a lossless policy turning it on for one kind in per_kind needs the guard as much)
+    scale_free = _scale_free_chains(model) if any(pol.settings(k).quantize for k in pol.kinds) else {}
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
     with as_written(model):
         # ... and as on the plain model: a part converted by an earlier policy would hide a gated MLP from its probe.
@@ -491,11 +492,15 @@ def revert(model: nn.Module) -> nn.Module:
     """Restore every converted module of ``model`` to its original class, in place; returns ``model``.
 
     A submodule converted on its own (``convert(model.encoder)``) is reverted too, with the routing of the calls in
-    its code: the model is plain again."""
+    its code: the model is plain again. A block of a model converted as a whole (``revert(model.encoder)`` after
+    ``convert(model)``) is plain from then on, the calls in its code too (they ran through the model's routing,
+    compressed); the rest of the model stays converted."""
     for module in model.modules():
         detach(module)
         _unroot(module)
     _untag_attention(model)
+    for routing in routings_around(model):
+        routing.leave_as_written(model)
     return model
 
 
