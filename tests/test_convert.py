@@ -556,6 +556,31 @@ def test_a_submodule_converted_on_its_own_follows_the_whole_model_afterwards(the
         assert_gradients_equal(want[1], got[1])
 
 
+def test_a_block_reverted_in_a_model_converted_as_a_whole_keeps_what_plain_keeps():
+    # revert(model.transformer.h[0]) after convert(model) gave the block back its classes, but the model's routing
+    # still compressed the calls in its code (F.layer_norm, F.dropout, attention): 8-bit tensors where the reverted
+    # block was to be plain (found by a helper's review). Its calls now run as written; the other blocks stay converted,
+    # and a later convert of the model converts it again.
+    from slimact import zoo
+
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, 2, 16)
+    plain = slimact.profile(copy.deepcopy(model), inputs)
+    slimact.convert(model, "int8")
+    slimact.revert(model.transformer.h[0])
+
+    def block(report, prefix):
+        return sorted((e.module, str(e.dtype), e.shape, e.nbytes) for e in report.entries
+                      if e.module.startswith(prefix))
+
+    report = slimact.profile(model, inputs)
+    assert block(report, "transformer.h.0.") == block(plain, "transformer.h.0.")
+    assert {e.dtype for e in report.entries if e.module.startswith("transformer.h.1.")} >= {torch.uint8}
+    slimact.convert(model, "int8")
+    assert {e.dtype for e in slimact.profile(model, inputs).entries if e.module.startswith("transformer.h.0.")} >= {
+        torch.uint8}
+
+
 class _ByKeyword(nn.Module):
     """Every converted kind called with its input by keyword, by the name its own forward gives it."""
 

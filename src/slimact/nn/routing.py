@@ -116,6 +116,13 @@ _GROUP_NORM_ARGS = ("num_groups", "weight", "bias", "eps")
 _GROUP_NORM_EPS = 1e-5
 
 
+def routings_around(module: nn.Module) -> list[Routing]:
+    """The routings of the converted models ``module`` is a submodule of (found through the hooks each put on it)."""
+    hooks = module._forward_pre_hooks.values()
+    return list({id(r): r for hook in hooks if isinstance(r := getattr(hook, "__self__", None), Routing)
+                 and getattr(hook, "__func__", None) is Routing._enter_layer}.values())
+
+
 def _top_saved_hook() -> object:
     """The innermost saved-tensors pack hook in place now (``torch.autograd.graph.saved_tensors_hooks``), or None."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
@@ -856,6 +863,13 @@ class Routing:
     # hooks would be a side effect for dynamo to replay, and around a module applying a slimact Function (Llama's
     # gated MLP, whose act_fn is excluded) it broke the trace ("an intermediate tensor ... created inside a
     # higher-order op subgraph aliases an input or output").
+
+    def leave_as_written(self, module: nn.Module) -> None:
+        """Run the calls in ``module``'s code (and its children's) as written from now on: ``revert(module)`` of a
+        block of the model this routing converted as a whole."""
+        if not any(m is module for m in self.excluded):
+            self.excluded = (*self.excluded, module)
+            self._count_depth("excluded_depth", [module] if self.handlers else ())
 
     def _count_depth(self, attr: str, modules: Sequence[nn.Module]) -> None:
         """Count in ``attr`` how deep the forward is in ``modules``' calls (a pre-hook and a forward hook each)."""
