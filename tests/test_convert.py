@@ -581,6 +581,34 @@ def test_a_block_reverted_in_a_model_converted_as_a_whole_keeps_what_plain_keeps
         torch.uint8}
 
 
+def test_a_convert_that_raises_midway_leaves_the_model_plain():
+    # A filter_fn raising on the fourth module left the modules before it converted, compressing, with no routing,
+    # no attention setting, and summary saying "not converted" (found by a helper's review).
+    from slimact import zoo
+
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, 2, 16)
+    plain = slimact.profile(copy.deepcopy(model), inputs)
+    seen = []
+
+    def fails(module, name):
+        seen.append(name)
+        if len(seen) == 4:
+            raise KeyError("the user's filter")
+        return True
+
+    for converted_before in (False, True):
+        if converted_before:
+            slimact.convert(model, "int8")
+        seen.clear()
+        with pytest.raises(KeyError, match="the user's filter"):
+            slimact.convert(model, "int8", filter_fn=fails)
+        assert not any(isinstance(m, SlimModule) for m in model.modules())
+        report = slimact.profile(model, inputs)
+        assert report.activation_bytes == plain.activation_bytes
+        assert torch.uint8 not in {e.dtype for e in report.entries}
+
+
 class _ByKeyword(nn.Module):
     """Every converted kind called with its input by keyword, by the name its own forward gives it."""
 

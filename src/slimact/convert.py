@@ -229,7 +229,8 @@ def convert(
             left alone (asked of each module on its own, as torchao's is; a policy ``exclude`` pattern naming a
             block covers the modules inside it).
 
-    Idempotent: converting again (with the same or another policy) re-applies the policy to every module.
+    Idempotent: converting again (with the same or another policy) re-applies the policy to every module. Where it
+    raises midway (a ``filter_fn``'s error), the model is left plain (:func:`revert`), not half converted.
     """
     pol = resolve(policy)
     if any(p.is_meta for p in model.parameters()):
@@ -255,6 +256,17 @@ def convert(
             "modules (nn.LazyLinear, nn.LazyConv2d, ...) take their shapes and become their plain classes, then "
             "convert it."
         )
+    try:
+        return _convert(model, pol, filter_fn)
+    except BaseException:
+        # (a filter_fn or a probe raising midway left some modules converted, no routing, no attention
+        # setting, and summary saying "not converted": the model is left plain instead)
+        revert(model)
+        raise
+
+
+def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Module:
+    """:func:`convert` of a model it has checked."""
     for sub in itertools.islice(model.modules(), 1, None):
         # A submodule converted on its own before: its modules are converted again below, with this policy, and the
         # routing it installed (its policy's, for the calls in its code) would outrank this conversion's.
