@@ -609,6 +609,23 @@ def test_a_convert_that_raises_midway_leaves_the_model_plain():
         assert torch.uint8 not in {e.dtype for e in report.entries}
 
 
+def test_a_filter_is_asked_of_each_module_as_the_plain_model_has_it_on_a_second_convert():
+    # On a second convert, filter_fn was handed slimact's classes: a filter on the class (type(m) is nn.LayerNorm)
+    # let every converted LayerNorm through, and they stayed converted (found by a helper's review).
+    from slimact import zoo
+
+    def no_layer_norm(module, name):
+        return type(module) is not nn.LayerNorm
+
+    model = zoo.build("gpt2", tiny=True)
+    slimact.convert(model, "int8")
+    assert slimact.summary(model).converted["layernorm"] > 0
+    slimact.convert(model, "int8", filter_fn=no_layer_norm)
+    assert "layernorm" not in slimact.summary(model).converted
+    assert not any(isinstance(m, nn.LayerNorm) and isinstance(m, SlimModule) for m in model.modules())
+    assert slimact.summary(model).converted["linear"] > 0
+
+
 class _ByKeyword(nn.Module):
     """Every converted kind called with its input by keyword, by the name its own forward gives it."""
 

@@ -267,6 +267,15 @@ def convert(
 
 def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Module:
     """:func:`convert` of a model it has checked."""
+    if filter_fn is not None:  # asked of each module as the plain model has it, converted by an earlier call or not
+        # (a filter on the class, ``type(m) is nn.LayerNorm``, or on its module path, saw slimact's classes on a second
+        # convert and let them all through)
+        user_filter = filter_fn
+
+        def filter_fn(module: nn.Module, name: str) -> bool:
+            with as_written(module):
+                return user_filter(module, name)
+
     for sub in itertools.islice(model.modules(), 1, None):
         # A submodule converted on its own before: its modules are converted again below, with this policy, and the
         # routing it installed (its policy's, for the calls in its code) would outrank this conversion's.
