@@ -729,6 +729,19 @@ def test_an_exclude_index_naming_no_module_of_the_model_is_warned_of():
     assert list(slimact.summary(converted).skipped) == ["2"]
 
 
+def test_an_include_or_exclude_pattern_matching_no_module_is_warned_of():
+    # A typo in a pattern ("0" for "1", "h.00") protected nothing (exclude) or converted nothing (include), silently.
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match=r"exclude pattern\(s\) \['3'\] match no module .*left alone"):
+        slimact.convert(copy.deepcopy(model), slimact.Policy(exclude=("3", "2")))
+    with pytest.warns(UserWarning, match=r"include pattern\(s\) \['linear\*'\] match no module .*converted"):
+        slimact.convert(copy.deepcopy(model), slimact.Policy(include=("linear*", "0")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converted = slimact.convert(copy.deepcopy(model), slimact.Policy(exclude=("2", "(loss)"), include=("*",)))
+    assert list(slimact.summary(converted).skipped) == ["2"]
+
+
 def test_a_pattern_naming_a_block_covers_every_module_inside_it():
     # exclude=("transformer.h.0",) left alone the block's own code but converted its norms, projections, GELU and
     # attention: with the whole model excluded, tiny GPT-2's gradients were 8-bit approximations.
