@@ -688,6 +688,32 @@ def test_a_small_but_genuine_gradient_is_held_to_the_floor_not_judged_by_size(mo
     assert all(p.name.startswith("blocks.1.") and p.reference == "float64" for p in report.failures), str(report)
 
 
+@pytest.mark.parametrize("policy", ["int8", "mesa"])  # (under "tempo" the whole is off float rounding already)
+def test_an_error_in_a_fused_projections_part_fails_though_the_whole_keeps_its_cosine(monkeypatch, policy):
+    # GPT-2's c_attn computes q, k and v in one Conv1D: at initialisation the query part holds 0.03% of its weight
+    # gradient, so with every query gradient's sign flipped the whole was at cosine 0.999 and check PASSED (found by a
+    # helper's review with deliberately broken Functions). Halves and thirds of a weight along its output dim are
+    # now judged too.
+    from slimact.functional.attention import _ChunkedAttention, _FlashAttentionCPU
+
+    model, inputs = _tiny("gpt2")
+    assert slimact.check(model, inputs, policy).passed
+    for function in (_FlashAttentionCPU, _ChunkedAttention):  # (without dropout; with it)
+
+        def flipped_backward(ctx, *grads, backward=function.backward):
+            grad_q, *rest = backward(ctx, *grads)
+            return (-grad_q, *rest)
+
+        monkeypatch.setattr(function, "backward", staticmethod(flipped_backward))
+    report = slimact.check(model, inputs, policy)
+    assert not report.passed, str(report)
+    failed = {p.name: p for p in report.failures}
+    assert "transformer.h.0.attn.c_attn.weight" in failed, str(report)
+    assert failed["transformer.h.0.attn.c_attn.weight"].cosine > 0.99
+    assert "in its first " in failed["transformer.h.0.attn.c_attn.weight"].reason  # (half or third: q is in both)
+    assert "along dim 1" in failed["transformer.h.0.attn.c_attn.weight"].reason
+
+
 class _SmallBranch(torch.nn.Module):
     """A bfloat16 model, ``big(x) + 0.02 * small(...)``, whose small branch runs a LayerNorm kept in float32."""
 

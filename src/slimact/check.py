@@ -89,10 +89,11 @@ The floors:
   ``report.reference`` (and the report's ``reference:`` line) says what the gradients were judged against, and each
   parameter's ``reference`` which it was.
 
-What a verdict cannot see (measured by deliberately broken conversions): a parameter is judged as a whole, so an
-error confined to a part of it holding little of its gradient passes: a fused projection's query part (GPT-2's
-``c_attn`` at initialisation, where it holds 0.03% of the gradient: its sign flipped, ``"int8"`` passed at cosine
-0.999; tiny Llama's own ``q_proj`` fails it), or a few tokens' share of a weight gradient. Under a lossy policy a
+What a verdict cannot see (measured by deliberately broken conversions): a parameter is judged as a whole, and a
+weight also by its halves and thirds along its output dim (:func:`_output_dims`: a fused projection's parts; GPT-2's
+``c_attn`` at initialisation, whose query part holds 0.03% of its gradient: with that part's sign flipped
+``"int8"`` passed at cosine 0.999), so an error confined to a part of it holding little of its gradient passes where
+the part is none of those (a few tokens' share, one head). Under a lossy policy a
 gradient within :data:`MAX_NORM_RATIO` of plain's norm passes (a weight gradient 1.1x plain's), and under autocast a
 lossless one within the autocast dtype's rounding (bfloat16: 3%). The forward is held to float rounding relative to
 the largest output (outputs 1e-4 off pass). Eval mode is not run. A step drawing randomness ``check`` cannot replay
@@ -129,6 +130,9 @@ MIN_COSINE = 0.99
 #: Under a lossy policy, the noise level relative to the typical gradient norm: a gradient at most this large
 #: is negligible, and a negligible gradient may differ by at most this much (a quarter of an 8-bit step, 1/255).
 NOISE = 1e-3
+#: A half or third of a weight along its output dim (a fused projection's part) holding at most this share of its
+#: squared gradient norm is judged on its own too: the whole's cosine hardly sees it (:func:`_floor`).
+PART_SHARE = 0.1
 #: Under a lossy policy, how far ``||g|| / ||g_plain||`` may be from 1: the relative error noise at the cosine floor
 #: has (``sqrt(2 * (1 - MIN_COSINE))``, 0.141), so that a scale error is held to the bound noise is.
 MAX_NORM_RATIO = math.sqrt(2 * (1 - MIN_COSINE))
@@ -762,27 +766,58 @@ def _tolerance(dtype: torch.dtype, compute: torch.dtype | None) -> float:
     return rounding_tolerance(_narrower(dtype, compute) if compute is not None else dtype)
 
 
-def _floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float) -> str:
+def _floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: int | None = None) -> str:
     """Why ``approx`` misses the policy's floor against ``exact`` (``""`` where it meets it): float rounding
-    (``tol``, relative) under a lossless policy; the cosine and the norm ratio under a lossy one."""
+    (``tol``, relative) under a lossless policy; the cosine and the norm ratio under a lossy one. With ``dim`` (a
+    weight's output dim, :func:`_output_dims`), its halves and thirds along it too: a fused projection's parts (the
+    query part of GPT-2's ``c_attn`` holds 0.03% of its gradient at initialisation, which no error there moves the
+    whole's cosine from)."""
     norm = exact.detach().double().norm().item()
     diff = (approx.detach().double() - exact.detach().double()).norm().item()
     if lossless:
         relative = diff / norm if norm else math.inf
-        return "" if diff <= tol * norm else f"relative diff {relative:.3g} > {tol:.3g} (float rounding)"
-    cos = cosine(exact, approx)
-    if not cos >= MIN_COSINE:  # (NaN too)
-        return f"cosine {cos:.4f} < {MIN_COSINE}"
-    size = approx.detach().double().norm().item()
-    if not norm:
-        return "" if not size else f"|g| {size:.3g} where plain's is 0"
-    ratio = size / norm
-    return "" if abs(ratio - 1) <= MAX_NORM_RATIO else \
-        f"|g| {ratio:.4g}x plain's (more than {MAX_NORM_RATIO:.3g} off: a scale)"
+        why = "" if diff <= tol * norm else f"relative diff {relative:.3g} > {tol:.3g} (float rounding)"
+    elif not (cos := cosine(exact, approx)) >= MIN_COSINE:  # (NaN too)
+        why = f"cosine {cos:.4f} < {MIN_COSINE}"
+    elif not norm:
+        size = approx.detach().double().norm().item()
+        why = "" if not size else f"|g| {size:.3g} where plain's is 0"
+    else:
+        ratio = approx.detach().double().norm().item() / norm
+        why = "" if abs(ratio - 1) <= MAX_NORM_RATIO else \
+            f"|g| {ratio:.4g}x plain's (more than {MAX_NORM_RATIO:.3g} off: a scale)"
+    if why or dim is None:
+        return why
+    for k, part in ((2, "half"), (3, "third")):
+        if exact.shape[dim] % k == 0 and exact.shape[dim] > k:
+            pairs = zip(exact.chunk(k, dim), approx.chunk(k, dim), strict=True)
+            for i, (e, a) in enumerate(pairs):
+                # Only a part the whole's cosine cannot see: one holding PART_SHARE of its gradient or less (the
+                # whole's floor lets a part of share s be at cosine 1 - 0.01 / s; a larger one is judged with it).
+                share = e.detach().double().norm().item() ** 2 / norm**2 if norm else 0.0
+                if share <= PART_SHARE and (why := _floor(e, a, lossless, tol)):
+                    return f"{why} in its {('first', 'second', 'third')[i]} {part} along dim {dim} ({share:.2g} of it)"
+    return ""
+
+
+def _output_dims(model: nn.Module) -> dict[str, int]:
+    """The dim of a weight's output units, by parameter name, where fused projections concatenate their parts
+    along it (q, k and v; gate and up): an ``nn.Linear``'s and ``nn.MultiheadAttention``'s ``in_proj_weight``'s 0,
+    transformers' ``Conv1D``'s 1 (its weight is ``[in, out]``)."""
+    dims = {}
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.ndim != 2:
+                continue
+            if (isinstance(module, nn.Linear) and name == "weight") or name == "in_proj_weight":
+                dims[f"{prefix}.{name}" if prefix else name] = 0
+            elif type(module).__name__ == "Conv1D" and name == "weight":
+                dims[f"{prefix}.{name}" if prefix else name] = 1
+    return dims
 
 
 def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: bool,
-           compute: torch.dtype | None = None) -> ParamCheck:
+           compute: torch.dtype | None = None, dim: int | None = None) -> ParamCheck:
     norm = exact.detach().double().norm().item()
     diff = (approx.detach().double() - exact.detach().double()).norm().item()
     cos, db = cosine(exact, approx), sqnr_db(exact, approx)
@@ -796,13 +831,14 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
         ok = diff <= bound
         reason = "" if ok else f"|diff| {diff:.3g} > {bound:.3g} (of the typical gradient {typical:.3g})"
     else:
-        reason = _floor(exact, approx, lossless, tol)
+        reason = _floor(exact, approx, lossless, tol, dim)
         ok = not reason
     return ParamCheck(name, cos if not math.isnan(cos) else 0.0, db, norm, diff, negligible, ok, reason)
 
 
 def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical: float,
-             lossless: bool, guard: float = math.inf, compute: torch.dtype | None = None) -> ParamCheck:
+             lossless: bool, guard: float = math.inf, compute: torch.dtype | None = None,
+             dim: int | None = None) -> ParamCheck:
     """``p`` (which missed its floor against plain, or passed by size only) judged again against the float64
     gradient ``wide``, both plain's and the converted one (see the module docstring): it passes when the converted
     gradient meets the floor against float64, or, where plain's own gradient misses it too, when it is no farther
@@ -819,10 +855,10 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
     tol = _tolerance(exact.dtype, compute)
     bound = (tol if lossless else NOISE) * typical
     marked = dataclasses.replace(p, reference="float64", plain_off=own, off=off)
-    if not _floor(wide, approx, lossless, tol):  # the converted gradient is within the floor of the truth
+    if not _floor(wide, approx, lossless, tol, dim):  # the converted gradient is within the floor of the truth
         return dataclasses.replace(marked, passed=True, negligible=False, reason="")
-    if not _floor(wide, exact, lossless, tol):  # plain's is: a genuine gradient, whatever its size
-        why = p.reason or _floor(exact, approx, lossless, tol)
+    if not _floor(wide, exact, lossless, tol, dim):  # plain's is: a genuine gradient, whatever its size
+        why = p.reason or _floor(exact, approx, lossless, tol, dim)
         return dataclasses.replace(marked, passed=False, negligible=False, reason=(
             f"{why} (and against float64: |g - g_float64| {off:.3g}, plain's {own:.3g})"))
     limit = max(bound, 2 * own, own + tol * norm if lossless else 0.0)
@@ -913,7 +949,7 @@ def check(
     # made the median NaN, every bound NaN, and a zero gradient's judgement divided by zero.)
     norms = [n for g in grads0.values() if g is not None and math.isfinite(n := g.detach().double().norm().item())]
     typical = float(torch.tensor(norms, dtype=torch.float64).median()) if norms else 0.0
-    params, missing, judged = [], [], {}
+    params, missing, judged, dims = [], [], {}, _output_dims(plain)
     for name, exact in grads0.items():
         if exact is None and all(grads1.get(name) is None for *_, grads1, _ in steps):
             continue  # a parameter the loss does not reach, in both runs
@@ -922,8 +958,8 @@ def check(
             missing.append(name)
             continue
         # The worse step: a failure first, then the lower cosine (negligible ones: the larger difference).
-        options = [(dataclasses.replace(_judge(name, ref.grads[name], grads1[name], typical, lossless, compute),
-                                        step=label),
+        options = [(dataclasses.replace(_judge(name, ref.grads[name], grads1[name], typical, lossless, compute,
+                                               dims.get(name)), step=label),
                     (grads1[name], ref)) for label, _, _, grads1, ref in steps]
         p, judged[name] = min(options, key=lambda o: (o[0].passed, o[0].cosine if not o[0].negligible else 2.0,
                                                       -o[0].diff))
@@ -935,7 +971,7 @@ def check(
     # any other (a block behind a layer scale of 1e-6: a sign flip there passed by size). The float64 run tells.
     small = {p.name for p in params if p.negligible and p.passed and _floor(
         judged[p.name][1].grads[p.name], judged[p.name][0], lossless,
-        _tolerance(judged[p.name][1].grads[p.name].dtype, compute))}
+        _tolerance(judged[p.name][1].grads[p.name].dtype, compute), dims.get(p.name))}
     if any(not p.passed for p in params) or small:
         wides: dict[int, dict[str, Tensor | None] | str] = {}
         for ref in {id(r): r for _, (_, r) in judged.items()}.values():
@@ -959,7 +995,8 @@ def check(
             wide = wides[id(ref)]
             if (p.passed and p.name not in small) or not isinstance(wide, dict) or wide.get(p.name) is None:
                 return p
-            again = _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless, guard, compute)
+            again = _rejudge(p, ref.grads[p.name], approx, wide[p.name], typical, lossless, guard, compute,
+                             dims.get(p.name))
             return p if p.passed and not again.judged else again  # (no reference for it: judged by size, as it was)
 
         params = [rejudged(p) for p in params]
