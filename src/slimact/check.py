@@ -122,7 +122,7 @@ from slimact.convert import Summary, convert, revert, summary
 from slimact.policy import Policy, resolve
 from slimact.profile import _call, _default_loss
 
-__all__ = ["MAX_NORM_RATIO", "MIN_COSINE", "NOISE", "CheckReport", "ParamCheck", "check", "is_lossless",
+__all__ = ["MAX_NORM_RATIO", "MIN_COSINE", "NOISE", "PART_SHARE", "CheckReport", "ParamCheck", "check", "is_lossless",
            "rounding_tolerance"]
 
 #: Cosine floor of every non-negligible gradient under a lossy policy.
