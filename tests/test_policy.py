@@ -50,6 +50,22 @@ def test_from_toml_and_json(tmp_path):
     assert slimact.policy.resolve(str(js)).channel_groups == 2
 
 
+def test_a_mesa_text_file_enabling_matmul_and_softmax_compresses_fused_attention(tmp_path):
+    # Mesa's attention is its MatMul and Softmax modules; a file enabling both left a Hugging Face model's attention
+    # (kind "attention") exact: BERT kept 98,304 bytes there where the "mesa" preset keeps 22,592.
+    pytest.importorskip("transformers")
+    from _harness import tiny_hf
+
+    f = tmp_path / "policy.txt"
+    f.write_text("".join(f"on {tag}:\n    by_index: all\n    enable: True\n    level: 16\n"
+                         for tag in ("fc", "layernorm", "matmul", "softmax")), encoding="utf-8")
+    policy = Policy.from_file(f)
+    assert "attention" in policy.kinds and policy.settings("attention").bits == 4
+    plain, inputs = tiny_hf("bert")
+    kept = slimact.profile(slimact.convert(plain, f), inputs).by_kind
+    assert 0 < kept["attention"] < slimact.profile(slimact.revert(plain), inputs).by_kind["attention"] / 4
+
+
 @pytest.mark.parametrize(
     "text,match",
     [

@@ -445,7 +445,8 @@ def _from_mesa_text(text: str, source: str) -> Policy:
     ``exclude_index`` entries; ``level`` (256, 16, 4) sets the tag's ``bits`` and ``ema_decay`` its decay
     (``per_kind``), from an ``all`` block (in a disabling block they are moot; in an enabling block of indices,
     per-layer settings, refused). Unlisted tags stay off, as in Mesa. Mesa's running estimates and stochastic
-    rounding are the base.
+    rounding are the base. ``matmul`` and ``softmax`` both enabled also enable kind ``attention`` (slimact's fused
+    attention, which computes both), with ``matmul``'s settings.
     """
     base = PRESETS["mesa"]
     kinds: list[str] = []
@@ -530,6 +531,13 @@ def _from_mesa_text(text: str, source: str) -> Policy:
     close_block()
     if not sections:
         raise PolicyError(f"{source}: no 'on <tag>:' section: a Mesa policy that names no layer converts nothing")
+    if "matmul" in kinds and "softmax" in kinds and "attention" not in kinds:
+        # Mesa's attention is its MatMul and Softmax modules; slimact's fused attention (transformers'
+        # AttentionInterface, nn.MultiheadAttention, F.scaled_dot_product_attention) is kind "attention", which a
+        # file enabling both meant too (a BERT kept its attention exact: 98,304 bytes where "mesa" keeps 22,592).
+        kinds.append("attention")
+        if "matmul" in settings:
+            settings["attention"] = dict(settings["matmul"])
     return _replace_checked(
         base, {"name": Path(source).stem, "kinds": kinds, "exclude_index": excluded, "per_kind": settings}, source
     )
