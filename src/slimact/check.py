@@ -766,37 +766,47 @@ def _tolerance(dtype: torch.dtype, compute: torch.dtype | None) -> float:
     return rounding_tolerance(_narrower(dtype, compute) if compute is not None else dtype)
 
 
-def _floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: int | None = None) -> str:
+def _floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float) -> str:
     """Why ``approx`` misses the policy's floor against ``exact`` (``""`` where it meets it): float rounding
-    (``tol``, relative) under a lossless policy; the cosine and the norm ratio under a lossy one. With ``dim`` (a
-    weight's output dim, :func:`_output_dims`), its halves and thirds along it too: a fused projection's parts (the
-    query part of GPT-2's ``c_attn`` holds 0.03% of its gradient at initialisation, which no error there moves the
-    whole's cosine from)."""
+    (``tol``, relative) under a lossless policy; the cosine and the norm ratio under a lossy one."""
     norm = exact.detach().double().norm().item()
     diff = (approx.detach().double() - exact.detach().double()).norm().item()
     if lossless:
         relative = diff / norm if norm else math.inf
-        why = "" if diff <= tol * norm else f"relative diff {relative:.3g} > {tol:.3g} (float rounding)"
-    elif not (cos := cosine(exact, approx)) >= MIN_COSINE:  # (NaN too)
-        why = f"cosine {cos:.4f} < {MIN_COSINE}"
-    elif not norm:
-        size = approx.detach().double().norm().item()
-        why = "" if not size else f"|g| {size:.3g} where plain's is 0"
-    else:
-        ratio = approx.detach().double().norm().item() / norm
-        why = "" if abs(ratio - 1) <= MAX_NORM_RATIO else \
-            f"|g| {ratio:.4g}x plain's (more than {MAX_NORM_RATIO:.3g} off: a scale)"
-    if why or dim is None:
-        return why
+        return "" if diff <= tol * norm else f"relative diff {relative:.3g} > {tol:.3g} (float rounding)"
+    if not (cos := cosine(exact, approx)) >= MIN_COSINE:  # (NaN too)
+        return f"cosine {cos:.4f} < {MIN_COSINE}"
+    size = approx.detach().double().norm().item()
+    if not norm:
+        return "" if not size else f"|g| {size:.3g} where plain's is 0"
+    ratio = size / norm
+    return "" if abs(ratio - 1) <= MAX_NORM_RATIO else \
+        f"|g| {ratio:.4g}x plain's (more than {MAX_NORM_RATIO:.3g} off: a scale)"
+
+
+def _part_floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: int | None,
+                plain: Tensor | None = None) -> str:
+    """Why a part of ``approx`` misses the floor against ``exact``'s (``""`` where none does): the halves and thirds
+    along a weight's output dim ``dim`` (:func:`_output_dims`: a fused projection's parts; the query part of GPT-2's
+    ``c_attn`` holds 0.03% of its gradient at initialisation, which no error there moves the whole's cosine from),
+    those holding at most :data:`PART_SHARE` of ``exact``'s squared norm (the whole's floor lets a part of share
+    ``s`` sit at cosine ``1 - 0.01 / s``: a larger one is judged with the whole). With ``plain`` (``exact`` being the
+    float64 gradient), only the parts where plain's own meets the floor: one where it does not is a cancellation's
+    remainder (a FiLM layer's shift half before a BatchNorm), noise in both runs."""
+    norm2 = exact.detach().double().norm().item() ** 2
+    if dim is None or not norm2:
+        return ""
+    size = exact.shape[dim]
     for k, part in ((2, "half"), (3, "third")):
-        if exact.shape[dim] % k == 0 and exact.shape[dim] > k:
-            pairs = zip(exact.chunk(k, dim), approx.chunk(k, dim), strict=True)
-            for i, (e, a) in enumerate(pairs):
-                # Only a part the whole's cosine cannot see: one holding PART_SHARE of its gradient or less (the
-                # whole's floor lets a part of share s be at cosine 1 - 0.01 / s; a larger one is judged with it).
-                share = e.detach().double().norm().item() ** 2 / norm**2 if norm else 0.0
-                if share <= PART_SHARE and (why := _floor(e, a, lossless, tol)):
-                    return f"{why} in its {('first', 'second', 'third')[i]} {part} along dim {dim} ({share:.2g} of it)"
+        if size % k or size <= k:
+            continue
+        tensors = (exact, approx) if plain is None else (exact, approx, plain)
+        for i, (e, a, *own) in enumerate(zip(*(t.chunk(k, dim) for t in tensors), strict=True)):
+            share = e.detach().double().norm().item() ** 2 / norm2
+            if share > PART_SHARE or (own and _floor(e, own[0], lossless, tol)):
+                continue
+            if why := _floor(e, a, lossless, tol):
+                return f"{why} in its {('first', 'second', 'third')[i]} {part} along dim {dim} ({share:.2g} of it)"
     return ""
 
 
@@ -831,7 +841,7 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
         ok = diff <= bound
         reason = "" if ok else f"|diff| {diff:.3g} > {bound:.3g} (of the typical gradient {typical:.3g})"
     else:
-        reason = _floor(exact, approx, lossless, tol, dim)
+        reason = _floor(exact, approx, lossless, tol) or _part_floor(exact, approx, lossless, tol, dim)
         ok = not reason
     return ParamCheck(name, cos if not math.isnan(cos) else 0.0, db, norm, diff, negligible, ok, reason)
 
@@ -855,10 +865,13 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
     tol = _tolerance(exact.dtype, compute)
     bound = (tol if lossless else NOISE) * typical
     marked = dataclasses.replace(p, reference="float64", plain_off=own, off=off)
-    if not _floor(wide, approx, lossless, tol, dim):  # the converted gradient is within the floor of the truth
+    if part := _part_floor(wide, approx, lossless, tol, dim, plain=exact):  # a genuine part the converted one misses
+        return dataclasses.replace(marked, passed=False, negligible=False, reason=(
+            f"{part} (against float64; |g - g_float64| {off:.3g}, plain's {own:.3g})"))
+    if not _floor(wide, approx, lossless, tol):  # the converted gradient is within the floor of the truth
         return dataclasses.replace(marked, passed=True, negligible=False, reason="")
-    if not _floor(wide, exact, lossless, tol, dim):  # plain's is: a genuine gradient, whatever its size
-        why = p.reason or _floor(exact, approx, lossless, tol, dim)
+    if not _floor(wide, exact, lossless, tol):  # plain's is: a genuine gradient, whatever its size
+        why = _floor(exact, approx, lossless, tol) or p.reason
         return dataclasses.replace(marked, passed=False, negligible=False, reason=(
             f"{why} (and against float64: |g - g_float64| {off:.3g}, plain's {own:.3g})"))
     limit = max(bound, 2 * own, own + tol * norm if lossless else 0.0)
@@ -969,9 +982,12 @@ def check(
     # Passed by size alone, not within the floor against plain: rounding noise (a cancellation), or a gradient small
     # beside the typical one but genuine, which an optimizer scaling each parameter's step (Adam) follows as far as
     # any other (a block behind a layer scale of 1e-6: a sign flip there passed by size). The float64 run tells.
-    small = {p.name for p in params if p.negligible and p.passed and _floor(
-        judged[p.name][1].grads[p.name], judged[p.name][0], lossless,
-        _tolerance(judged[p.name][1].grads[p.name].dtype, compute), dims.get(p.name))}
+    def short_of_floor(p: ParamCheck) -> str:
+        approx, ref = judged[p.name]
+        exact, tol = ref.grads[p.name], _tolerance(ref.grads[p.name].dtype, compute)
+        return _floor(exact, approx, lossless, tol) or _part_floor(exact, approx, lossless, tol, dims.get(p.name))
+
+    small = {p.name for p in params if p.negligible and p.passed and short_of_floor(p)}
     if any(not p.passed for p in params) or small:
         wides: dict[int, dict[str, Tensor | None] | str] = {}
         for ref in {id(r): r for _, (_, r) in judged.items()}.values():

@@ -257,6 +257,14 @@ def convert(
             "modules (nn.LazyLinear, nn.LazyConv2d, ...) take their shapes and become their plain classes, then "
             "convert it."
         )
+    # (a typo in a pattern protects nothing, or, in include, converts nothing: said, as for exclude_index; before
+    # anything changes, so that a warning turned into an error leaves the model as it was)
+    names = [name for name, _ in model.named_modules() if name] + ["(loss)", FUNCTIONAL_NAME]
+    for field_name, effect in (("include", "converted"), ("exclude", "left alone")):
+        idle = [p for p in getattr(pol, field_name) if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if idle:
+            warnings.warn(f"slimact.convert: policy {field_name} pattern(s) {idle} match no module of this model "
+                          f"(qualified names such as {names[:3]}): nothing is {effect} for them", stacklevel=2)
     try:
         return _convert(model, pol, filter_fn)
     except BaseException:
@@ -297,13 +305,6 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
         warnings.warn(f"slimact.convert: exclude_index {unmatched} name no module of this model (it has "
                       f"{dict(Counter(v.rpartition(':')[0] for v in numbered.values()))}, counted from 0): "
                       "nothing is left alone for them", stacklevel=3)
-    # (a typo in a pattern protects nothing, or, in include, converts nothing: said, as for exclude_index)
-    names = [name for name, _ in model.named_modules() if name] + ["(loss)"]
-    for field_name, effect in (("include", "converted"), ("exclude", "left alone")):
-        idle = [p for p in getattr(pol, field_name) if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-        if idle:
-            warnings.warn(f"slimact.convert: policy {field_name} pattern(s) {idle} match no module of this model "
-                          f"(qualified names such as {names[:3]}): nothing is {effect} for them", stacklevel=3)
     for name, module in model.named_modules():
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:
