@@ -44,11 +44,12 @@ fresh pack.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -125,6 +126,8 @@ class _SharedPacks:
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple] = {}
+        #: Called with ``(x, packed)`` at each :meth:`put` (:func:`slimact.profile`'s count, :func:`watching`).
+        self.watchers: list[Callable[[Tensor, Packed], None]] = []
 
     @staticmethod
     def _key(x: Tensor) -> tuple:
@@ -180,6 +183,12 @@ class _SharedPacks:
         # owe the seed stream where they reuse it (owes_seed)
         region = (weakref.ref(frame[0]), set()) if frame is not None and frame[1] is None else None
         entries[key] = (source, x._version, packed, reference.current_stream(), region)
+        for watch in self.watchers:
+            watch(x, packed)
+
+    def holds(self) -> set[int]:
+        """The ``id`` of every pack an entry holds alive now (its source tensor alive)."""
+        return {id(entry[2]) for entry in self._entries.values() if entry[0]() is not None}
 
     def forget_storage(self, x: Tensor) -> None:
         """Drop the packs of every tensor on the storage of ``x`` (``x`` itself, its views)."""
@@ -189,6 +198,19 @@ class _SharedPacks:
 
 
 _shared = _SharedPacks()
+
+
+@contextlib.contextmanager
+def watching_shared_packs(watch: Callable[[Tensor, Packed], None]) -> Iterator[Callable[[], set[int]]]:
+    """Call ``watch(x, packed)`` for each pack made for sharing in the block; yields a function giving the ``id`` of
+    the packs the cache holds alive (:meth:`_SharedPacks.holds`). A pack made in a non-reentrant checkpoint's first
+    forward is held for the recompute while its source lives (the region's input): bytes no saved-tensor hook
+    sees, which :func:`slimact.profile` counts through this."""
+    _shared.watchers.append(watch)
+    try:
+        yield _shared.holds
+    finally:
+        _shared.watchers.remove(watch)
 
 
 def forget_shared_packs(x: Tensor) -> None:
