@@ -776,7 +776,8 @@ def _coverage(
     roots = tuple(f"{name}." for name in converted if name and name != "(loss)")
 
     def covered(name: str) -> bool:
-        return name in converted or (name + ".").startswith(roots)
+        # ("" is the root in the summary's names, "(model)" in profile's: a converted root covers everything)
+        return "" in converted or name in converted or (name + ".").startswith(roots)
 
     uncovered = {name: min(n, after.get(name, 0)) for name, n in before.items() if not covered(name)}
     uncovered = {name: n for name, n in uncovered.items() if n}
