@@ -43,9 +43,24 @@ def test_profile_leaves_a_first_steps_one_time_allocations_out_of_the_peak(capsy
     assert _ratio(capsys.readouterr().out, "step peak") < 1.5
 
 
-def test_unknown_model_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown model"):
-        main(["profile", "--model", "gpt5", "--layers", "1"])
+@pytest.mark.parametrize("argv", [
+    ["profile", "--model", "gpt5", "--layers", "1"],
+    ["check", "--model", "gpt2", "--tiny", "--policy", "int7"],
+    ["check", "--model", "gpt2", "--tiny", "--policy", "no/such/policy.toml"],
+    ["check", "--model", "gpt2", "--tiny", "--batch", "-2"],
+    ["check", "--model", "gpt2", "--tiny", "--micro-batch", "0"],
+    ["profile", "--model", "gpt2", "--tiny", "--seq", "0"],
+    ["fit", "--model", "gpt2", "--budget", "lots"],
+], ids=["unknown-model", "unknown-preset", "missing-policy-file", "negative-batch", "zero-micro-batch", "zero-seq",
+        "budget"])
+def test_a_bad_value_is_one_line_and_status_2_not_checks_failure(argv, capsys):
+    # A typo was a traceback and exit status 1, check's "failed": a script could not tell them apart; a zero
+    # micro-batch or layer count ran (found by a helper's review of the CLI).
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
 
 
 def test_profile_local_model_directory_under_bf16_autocast(tmp_path, capsys):

@@ -12,14 +12,42 @@ __all__ = ["main"]
 _DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
 
+class _UsageError(ValueError):
+    """A command-line value the command cannot use: one line on stderr and exit status 2 (1 is ``check``'s "failed")."""
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an int of at least 1 (a batch, a sequence length, a layer count...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+def _budget(text: str) -> int:
+    """An argparse type: a memory size (``8GiB``, ``512MiB``, ``2GB``, bytes)."""
+    from slimact.fit import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _model(args: argparse.Namespace):
     """The zoo model ``args.model``, or the Hugging Face model in the local directory ``args.model``."""
     import os
 
-    from slimact.zoo import build, load
+    from slimact.zoo import MODELS, build, load
 
     if os.path.isdir(args.model):
         return load(args.model, attn=args.attn).to(args.device)
+    if args.model not in MODELS:
+        raise _UsageError(f"unknown model {args.model!r}: a zoo model ({', '.join(MODELS)}) or a local model "
+                          "directory")
     return build(args.model, layers=args.layers, attn=args.attn, tiny=getattr(args, "tiny", False)).to(args.device)
 
 
@@ -247,10 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="bytes kept for backward and the step's peak, plain vs converted")
     p.add_argument("--model", default="gpt2", help=model_help)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=_positive, default=4)
+    p.add_argument("--seq", type=_positive, default=512)
     p.add_argument("--policy", default="int8", help="preset name or policy file")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--layers", type=_positive, default=None, help="override the number of layers")
     p.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
     p.add_argument("--tiny", action="store_true", help="the zoo's test size (width 64, 2 layers) instead of GPT-2's")
     p.add_argument("--dtype", default="fp32", choices=list(_DTYPES), help="bf16 and fp16 run under autocast")
@@ -262,20 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
                                      "against the policy's floors (exit 1 when one misses)")
     c.add_argument("--model", default="gpt2", help=model_help)
     c.add_argument("--policy", default="int8", help="preset name or policy file")
-    c.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    c.add_argument("--layers", type=_positive, default=None, help="override the number of layers")
     c.add_argument("--tiny", action="store_true", help="the zoo's test size (width 64, 2 layers) instead of GPT-2's")
-    c.add_argument("--batch", type=int, default=2)
-    c.add_argument("--seq", type=int, default=64)
+    c.add_argument("--batch", type=_positive, default=2)
+    c.add_argument("--seq", type=_positive, default=64)
     c.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
     c.add_argument("--device", default="cpu")
-    c.add_argument("--micro-batch", type=int, default=None,
+    c.add_argument("--micro-batch", type=_positive, default=None,
                    help="rows per call of a gradient accumulation loop (default: the whole batch in one call)")
     c.set_defaults(func=_check)
 
     d = sub.add_parser("demo", help="train small models plainly and converted on real data; compare loss and memory")
     d.add_argument("--quick", action="store_true",
                    help="a one-minute version (40 steps per text run, 200 per digits run)")
-    d.add_argument("--steps", type=int, default=300,
+    d.add_argument("--steps", type=_positive, default=300,
                    help="training steps per text run (the digits task runs 400; --quick overrides both)")
     d.add_argument("--out", default="slimact-out", help="folder for demo.png, demo.md, demo.csv")
     d.add_argument("--seed", type=int, default=0)
@@ -285,12 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="the largest batch that fits a memory budget, plain and under each policy")
     f.add_argument("--model", default="gpt2", help=model_help)
     f.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
-    f.add_argument("--budget", required=True, help="memory budget, e.g. 8GiB")
-    f.add_argument("--seq", type=int, default=512)
+    f.add_argument("--budget", required=True, type=_budget, help="memory budget, e.g. 8GiB")
+    f.add_argument("--seq", type=_positive, default=512)
     f.add_argument("--policy", default="auto", help="auto (least lossy that reaches --batch), or a policy name")
-    f.add_argument("--batch", type=int, default=None, help="the batch size wanted (for --policy auto)")
+    f.add_argument("--batch", type=_positive, default=None, help="the batch size wanted (for --policy auto)")
     f.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
-    f.add_argument("--layers", type=int, default=None)
+    f.add_argument("--layers", type=_positive, default=None)
     f.add_argument("--device", default="cpu")
     f.add_argument("--out", default="slimact-policy.toml", help="where the chosen policy is written")
     f.set_defaults(func=_fit)
@@ -327,18 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--timeout", type=float, default=120.0, help="--zoo --all: seconds per architecture")
     b.add_argument("--resume", action="store_true", help="--zoo --all: keep the rows already in its CSV")
     b.add_argument("--docs", default="docs/models.md", help="--zoo --all: the document its table goes into")
-    b.add_argument("--layers", type=int, default=None,
+    b.add_argument("--layers", type=_positive, default=None,
                    help="--speed, --throughput, --memory: layers of each model (default: the model's own, 12 for "
                         "gpt2 and llama; the Python API's bench.speed and bench.throughput default to 4)")
-    b.add_argument("--vocab", type=int, default=None,
+    b.add_argument("--vocab", type=_positive, default=None,
                    help="--speed: the models' vocabulary size (default: their real one; a small one times the "
                         "blocks alone)")
     b.add_argument("--ops-table", action="store_true",
                    help="with --speed: one GPT-2 block's forward and backward op by op (torch.profiler), plain and "
                         "under each of --policies (default int8 tempo); writes speed_ops")
-    b.add_argument("--budget", default=None, help="--throughput: the memory budget, e.g. 24GiB")
-    b.add_argument("--max-batch", type=int, default=None, help="--throughput: the largest batch to time")
-    b.add_argument("--rounds", type=int, default=7,
+    b.add_argument("--budget", default=None, type=_budget, help="--throughput: the memory budget, e.g. 24GiB")
+    b.add_argument("--max-batch", type=_positive, default=None, help="--throughput: the largest batch to time")
+    b.add_argument("--rounds", type=_positive, default=7,
                    help="--speed/--throughput/--ops: interleaved rounds (median reported)")
     b.add_argument("--models", nargs="+", default=None,
                    help="default: bert-base gpt2 llama vit-b16 (--memory), gpt2 llama (--speed), gpt2 "
@@ -349,9 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--memory, --throughput: policies; --speed: setups (default tempo int8 checkpoint "
                         "checkpoint+int8)")
     b.add_argument("--extra", nargs="*", default=["vit-b16:bf16:mesa"], help="model:dtype:policy triples")
-    b.add_argument("--batch", type=int, default=None,
+    b.add_argument("--batch", type=_positive, default=None,
                    help="default 4 (--memory, --speed, --ops-table), 2 (--zoo)")
-    b.add_argument("--seq", type=int, default=None,
+    b.add_argument("--seq", type=_positive, default=None,
                    help="default 512 (--memory), 256 (--speed, --ops-table, --throughput), 128 (--zoo)")
     b.add_argument("--mib", nargs="+", type=float, default=[64.0],
                    help="--ops: tensor sizes in MiB (fp32; whole 4 KiB rows): the first for the op table, each for "
@@ -365,8 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from slimact.policy import PolicyError
+
+    try:
+        return args.func(args)
+    except (_UsageError, PolicyError) as e:  # (a typo, not a failed check: argparse's status)
+        parser.exit(2, f"slimact {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":
