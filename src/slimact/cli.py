@@ -146,10 +146,17 @@ def _fit(args: argparse.Namespace) -> int:
                  optimizer=args.optimizer, batch=args.batch)
     print(f"{args.model}, {args.seq} tokens per sample, optimizer {args.optimizer}")
     print(report.table())
-    chosen = report.chosen or (args.policy if args.policy != "auto" else None)
-    if chosen and chosen != "plain":
+    rows = {row.policy: row for row in report.rows}
+    if report.static >= report.budget:
+        print(f"the budget ({args.budget / 2**20:.1f} MiB) holds not even the weights and the optimizer's state "
+              f"({report.static / 2**20:.1f} MiB): no batch fits")
+    # With --batch, the policy that reaches it (none: nothing written, status 1); else the one asked for, if it fits
+    chosen = report.chosen if args.batch is not None else (args.policy if args.policy != "auto" else None)
+    if chosen and chosen != "plain" and rows[chosen].max_batch >= 1:
         path = resolve(chosen).to_file(args.out)
         print(f"wrote {path}: slimact.convert(model, {str(path)!r})")
+    elif args.batch is not None:
+        print(f"no policy reaches batch {args.batch}: nothing written")
     return 0 if args.batch is None or report.chosen else 1
 
 

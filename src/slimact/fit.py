@@ -181,7 +181,8 @@ def fit(
         budget: bytes, or a size such as ``"8GiB"``.
         policies: ``"plain"`` and policy names to evaluate.
         optimizer: ``"adamw"``/``"adam"`` (two fp32 states per parameter), ``"sgd"`` (momentum), ``"none"``.
-        batch: the batch wanted; sets :attr:`FitReport.chosen` to the first of :data:`AUTO_ORDER` reaching it.
+        batch: the batch wanted; sets :attr:`FitReport.chosen` to the first of ``policies`` other than ``"plain"``
+            reaching it (least lossy first with the default, :data:`AUTO_ORDER`).
         probes: two batch sizes for the fit and one to check it.
         confirm: measure steps until the largest batch that fits is found (a few, at most 10 per policy), where
             the device has free memory for the budget; off (or where it has not), the affine model's answer,
@@ -223,6 +224,6 @@ def fit(
             slimact.revert(model)
     finally:
         slimact.revert(model)
-    if batch is not None:
-        report.chosen = next((r.policy for r in report.rows if r.policy in AUTO_ORDER and r.max_batch >= batch), None)
+    if batch is not None:  # (the policies asked for, in their order: "mesa" or a policy file too)
+        report.chosen = next((r.policy for r in report.rows if r.policy != "plain" and r.max_batch >= batch), None)
     return report
