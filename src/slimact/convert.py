@@ -557,7 +557,8 @@ class Summary:
         lines.append(f"converted {total} module(s)")
         lines += [f"  {kind:<12} {n:>5}" for kind, n in sorted(self.converted.items())]
         if self.functional:
-            lines.append(f"routed in model code ({FUNCTIONAL_NAME}): {', '.join(self.functional)}")
+            # (the kinds the policy routes wherever model code calls them, not calls seen)
+            lines.append(f"routed in model code {FUNCTIONAL_NAME}, where called: {', '.join(self.functional)}")
         if self.coverage is not None:
             lines.append(f"coverage: {self.coverage:.1%} of the plain model's activation bytes handled by slimact")
             for name, n in sorted(self.uncovered.items(), key=lambda kv: -kv[1])[:5]:
