@@ -437,3 +437,34 @@ def test_a_pack_held_for_a_checkpoints_recompute_is_counted():
     assert [(e.dtype, e.shape) for e in held if e.dtype == torch.uint8] == [(torch.uint8, (1024, 64))]
     assert reports[False].activation_bytes == reports[True].activation_bytes + sum(e.nbytes for e in held)
     assert not any(e.module.startswith("block") for e in reports[True].entries)  # (a reentrant one holds nothing)
+
+
+class _CallsAnotherThread(nn.Module):
+    """A converted Linear whose forward runs another converted model in another thread (a data loader's augmentation
+    model, a server's worker) and waits for it."""
+
+    def __init__(self, other: nn.Module) -> None:
+        super().__init__()
+        self.fc, self.other, self.outputs = nn.Linear(64, 64), [other], []  # (other: not a submodule)
+
+    def forward(self, x):
+        import threading
+
+        def work():  # (its output, and so its packs, alive past this forward: a batch being prepared)
+            self.outputs.append(self.other[0](torch.randn(512, 64, requires_grad=True)))
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        return self.fc(x)
+
+
+def test_packs_another_thread_makes_meanwhile_are_not_counted():
+    # The shared-pack cache's watchers were the process's: profile charged another thread's 8-bit codes (262,144
+    # bytes) to its own model's modules (found by a review).
+    torch.manual_seed(0)
+    other = slimact.convert(nn.Sequential(nn.Linear(64, 512), nn.Linear(512, 64)), "int8")
+    model = slimact.convert(_CallsAnotherThread(other), "int8")
+    x = torch.randn(8, 64)
+    alone = slimact.profile(slimact.convert(nn.Sequential(copy.deepcopy(model.fc)), "int8"), x).activation_bytes
+    assert slimact.profile(model, x).activation_bytes == alone

@@ -141,12 +141,15 @@ def _fit(args: argparse.Namespace) -> int:
 
     transformers.logging.set_verbosity_error()
     model = _model(args)
-    policies = ("plain", *AUTO_ORDER) if args.policy == "auto" else ("plain", args.policy)
+    policies = ("plain", *AUTO_ORDER) if args.policy == "auto" else ("plain",) + (
+        (args.policy,) if args.policy != "plain" else ())
     report = fit(model, lambda b: example_inputs(model, b, args.seq), args.budget, policies=policies,
                  optimizer=args.optimizer, batch=args.batch)
     print(f"{args.model}, {args.seq} tokens per sample, optimizer {args.optimizer}")
     print(report.table())
     rows = {row.policy: row for row in report.rows}
+    if args.policy == "plain":  # (plain PyTorch measured alone: nothing to write)
+        return 0 if args.batch is None or rows["plain"].max_batch >= args.batch else 1
     if report.static >= report.budget:
         print(f"the budget ({args.budget / 2**20:.1f} MiB) holds not even the weights and the optimizer's state "
               f"({report.static / 2**20:.1f} MiB): no batch fits")

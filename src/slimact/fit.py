@@ -87,7 +87,9 @@ class FitReport:
             lines.append(f"{r.policy:<8}{r.kept_per_sample / 2**20:>11.1f} MiB{r.per_sample / 2**20:>11.1f} MiB"
                          f"{r.max_batch:>11}{there:>16}{note:>14}")
         if self.requested_batch is not None:
-            verdict = f"policy {self.chosen!r}" if self.chosen else "no policy fits; reduce the batch or the sequence"
+            plain_fits = all(r.policy == "plain" and r.max_batch >= self.requested_batch for r in self.rows)
+            verdict = (f"policy {self.chosen!r}" if self.chosen else "plain PyTorch fits it" if plain_fits and self.rows
+                       else "no policy fits; reduce the batch or the sequence")
             lines.append(f"batch {self.requested_batch}: {verdict}")
         return "\n".join(lines)
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -540,8 +541,11 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     # Packs made for sharing (module docstring): (entry, the pack's id, weak references to its tensors; held
     # weakly, so that the count keeps nothing alive the step would have freed).
     shared: list[tuple[SavedTensor, int, list[weakref.ref]]] = []
+    profiling = threading.get_ident()
 
     def shared_pack(x: Tensor, packed: Any) -> None:
+        if threading.get_ident() != profiling:  # (another thread's model: its packs are not this step's)
+            return
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
         shared.append((SavedTensor(name, kind, (), x.dtype, 0), id(packed), [weakref.ref(t) for t in packed.tensors]))

@@ -756,3 +756,16 @@ def test_half_precision_values_near_its_largest_are_restored_finite(ends):
     for m in (lin, slim):
         (m(x[None].clone().requires_grad_()).float() * 1e-4).sum().backward()
     assert torch.isfinite(lin.weight.grad).all() and torch.isfinite(slim.weight.grad).all()
+
+
+def test_a_tensor_kept_uncompressed_for_its_inf_dies_with_its_step():
+    # A tensor holding an inf is kept as it is (a raw pack, the tensor itself); the shared-pack cache held that pack,
+    # so the entry's weak reference to the tensor never died: its full size leaked per step (found by a review).
+    model = slimact.convert(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), "int8")
+    x = torch.randn(256, 64)
+    x[3, 5] = math.inf
+    h = model[0](x.requires_grad_())
+    gone = weakref.ref(h)
+    model[1](h).sum().backward()
+    del h
+    assert gone() is None

@@ -183,7 +183,7 @@ class _SharedPacks:
         # owe the seed stream where they reuse it (owes_seed)
         region = (weakref.ref(frame[0]), set()) if frame is not None and frame[1] is None else None
         entries[key] = (source, x._version, packed, reference.current_stream(), region)
-        for watch in self.watchers:
+        for watch in tuple(self.watchers):
             watch(x, packed)
 
     def holds(self) -> set[int]:
@@ -334,8 +334,10 @@ def _pack_many(
             packed = job.finish()
         for i in (job.index, *job.aliases):
             out[i] = packed
-        if share and not packed.meta.clipped:
-            _shared.put(job.x, packed, seeded=job.cfg.stochastic and not packed.meta.raw)
+        # (a raw pack is the tensor itself: shared, it saves nothing, and the entry holding it kept its source alive,
+        # so the entry never died: a tensor with an inf leaked its full size per step)
+        if share and not packed.meta.clipped and not packed.meta.raw:
+            _shared.put(job.x, packed, seeded=job.cfg.stochastic)
     for _ in owed:
         reference.draw_seed()
     return out  # type: ignore[return-value]
