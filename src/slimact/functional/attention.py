@@ -96,6 +96,7 @@ from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_er
 from slimact.functional.dropout import cpu_scale, scale_of
 from slimact.functional.softmax import normalized, pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many, pack_mask, reference
+from slimact.quant.core import forget_shared_packs
 
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
@@ -115,6 +116,8 @@ def _pack_qkv(ctx, q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, c
     vb = kb if v is k else (v, cfg_kv)  # (the same view: packed once)
     packs = pack_many([(*qb, st.get("q")), (*kb, st.get("k")), (*vb, st.get("v"))])
     if any(p.meta.raw for p in packs) and not all(p.meta.raw for p in packs):
+        for t in (q, k, v):  # (the codes just made are discarded: the shared-pack cache is not to hold them)
+            forget_shared_packs(t)
         return pack_many([(t, None, None) for t in (q, k, v)])
     return packs
 
