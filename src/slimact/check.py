@@ -796,11 +796,10 @@ def _part_floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: 
     norm2 = exact.detach().double().norm().item() ** 2
     if dim is None or not norm2:
         return ""
-    size = exact.shape[dim]
+    size, tensors = exact.shape[dim], (exact, approx) if plain is None else (exact, approx, plain)
     for k, part in ((2, "half"), (3, "third")):
         if size % k or size <= k:
             continue
-        tensors = (exact, approx) if plain is None else (exact, approx, plain)
         for i, (e, a, *own) in enumerate(zip(*(t.chunk(k, dim) for t in tensors), strict=True)):
             share = e.detach().double().norm().item() ** 2 / norm2
             if share > PART_SHARE or (own and _floor(e, own[0], lossless, tol)):
@@ -808,6 +807,12 @@ def _part_floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: 
             if why := _floor(e, a, lossless, tol):
                 return f"{why} in its {('first', 'second', 'third')[i]} {part} along dim {dim} ({share:.2g} of it)"
     return ""
+
+
+def _misses(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: int | None) -> str:
+    """Why ``approx`` misses the floor against ``exact``, as a whole or in a part (:func:`_floor`,
+    :func:`_part_floor`); ``""`` where it meets it."""
+    return _floor(exact, approx, lossless, tol) or _part_floor(exact, approx, lossless, tol, dim)
 
 
 def _output_dims(model: nn.Module) -> dict[str, int]:
@@ -841,7 +846,7 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
         ok = diff <= bound
         reason = "" if ok else f"|diff| {diff:.3g} > {bound:.3g} (of the typical gradient {typical:.3g})"
     else:
-        reason = _floor(exact, approx, lossless, tol) or _part_floor(exact, approx, lossless, tol, dim)
+        reason = _misses(exact, approx, lossless, tol, dim)
         ok = not reason
     return ParamCheck(name, cos if not math.isnan(cos) else 0.0, db, norm, diff, negligible, ok, reason)
 
@@ -982,12 +987,9 @@ def check(
     # Passed by size alone, not within the floor against plain: rounding noise (a cancellation), or a gradient small
     # beside the typical one but genuine, which an optimizer scaling each parameter's step (Adam) follows as far as
     # any other (a block behind a layer scale of 1e-6: a sign flip there passed by size). The float64 run tells.
-    def short_of_floor(p: ParamCheck) -> str:
-        approx, ref = judged[p.name]
-        exact, tol = ref.grads[p.name], _tolerance(ref.grads[p.name].dtype, compute)
-        return _floor(exact, approx, lossless, tol) or _part_floor(exact, approx, lossless, tol, dims.get(p.name))
-
-    small = {p.name for p in params if p.negligible and p.passed and short_of_floor(p)}
+    small = {p.name for p in params if p.negligible and p.passed and _misses(
+        (exact := judged[p.name][1].grads[p.name]), judged[p.name][0], lossless, _tolerance(exact.dtype, compute),
+        dims.get(p.name))}
     if any(not p.passed for p in params) or small:
         wides: dict[int, dict[str, Tensor | None] | str] = {}
         for ref in {id(r): r for _, (_, r) in judged.items()}.values():

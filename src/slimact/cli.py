@@ -141,8 +141,8 @@ def _fit(args: argparse.Namespace) -> int:
 
     transformers.logging.set_verbosity_error()
     model = _model(args)
-    policies = ("plain", *AUTO_ORDER) if args.policy == "auto" else ("plain",) + (
-        (args.policy,) if args.policy != "plain" else ())
+    # (plain once, also where it is the policy asked for)
+    policies = tuple(dict.fromkeys(("plain", *AUTO_ORDER) if args.policy == "auto" else ("plain", args.policy)))
     report = fit(model, lambda b: example_inputs(model, b, args.seq), args.budget, policies=policies,
                  optimizer=args.optimizer, batch=args.batch)
     print(f"{args.model}, {args.seq} tokens per sample, optimizer {args.optimizer}")

@@ -147,6 +147,8 @@ def _largest_batch(peak_at: Callable[[int], int], room: int, points: list[tuple[
             guess = min(max(bb + 1, line), 4 * bb)
         elif hi - lo <= 1:
             break
+        elif not confirm:
+            return lo, None
         else:
             p_lo = measured.get(lo, 0.0)
             guess = lo + math.floor((room - p_lo) * (hi - lo) / (measured[hi] - p_lo)) if measured[hi] < math.inf \
@@ -154,8 +156,6 @@ def _largest_batch(peak_at: Callable[[int], int], room: int, points: list[tuple[
             if i % 2:  # every other step a bisection: the line alone can creep towards one end
                 guess = (lo + hi) // 2
             guess = min(max(guess, lo + 1), hi - 1)
-        if not confirm:
-            return lo, None
         if i == steps:
             break
         measured[guess] = _measure(peak_at, guess)

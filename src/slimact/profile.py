@@ -42,7 +42,6 @@ see them).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import threading
 import weakref
@@ -538,9 +537,9 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         saved_here.append((entry, weakref.ref(t), what if t.device == device else None))
         return t
 
-    # Packs made for sharing (module docstring): (entry, the pack's id, weak references to its tensors; held
+    # Packs made for sharing (module docstring): (module, kind, the pack's id, weak references to its tensors; held
     # weakly, so that the count keeps nothing alive the step would have freed).
-    shared: list[tuple[SavedTensor, int, list[weakref.ref]]] = []
+    shared: list[tuple[str, str, int, list[weakref.ref]]] = []
     profiling = threading.get_ident()
 
     def shared_pack(x: Tensor, packed: Any) -> None:
@@ -548,7 +547,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             return
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
-        shared.append((SavedTensor(name, kind, (), x.dtype, 0), id(packed), [weakref.ref(t) for t in packed.tensors]))
+        shared.append((name, kind, id(packed), [weakref.ref(t) for t in packed.tensors]))
 
     use_cuda = torch.cuda.is_available() and device.type == "cuda"
     hooks = (torch.autograd.graph.saved_tensors_hooks(observer(pack_hook), lambda t: t) if keep
@@ -595,14 +594,14 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         return Report(entries, torch.cuda.max_memory_allocated() - base if use_cuda else None)
 
 
-def _held_packs(shared: list[tuple[SavedTensor, int, list[weakref.ref]]], held: set[int], counted: set,
+def _held_packs(shared: list[tuple[str, str, int, list[weakref.ref]]], held: set[int], counted: set,
                 device: torch.device) -> list:
     """``(storage key, entry, what)`` of the storages of the packs slimact's shared-pack cache still holds after the
     forward that no saved tensor has: a non-reentrant checkpoint's region input packed by its first layer, held for
     the recompute (a checkpointed ``Sequential`` starting with a Linear: its input's codes, 64 KiB of 398 KiB held,
     had gone uncounted)."""
     out = []
-    for template, packed, tensors in shared:
+    for name, kind, packed, tensors in shared:
         if packed not in held:
             continue
         for ref in tensors:
@@ -611,8 +610,7 @@ def _held_packs(shared: list[tuple[SavedTensor, int, list[weakref.ref]]], held: 
             if key is None or key in counted:
                 continue
             counted.add(key)
-            entry = dataclasses.replace(template, shape=tuple(t.shape), dtype=t.dtype,
-                                        nbytes=t.untyped_storage().nbytes())
+            entry = SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
             out.append((key, entry, 0 if t.device == device else None))
     return out
 

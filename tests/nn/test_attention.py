@@ -91,6 +91,16 @@ def _padding() -> torch.Tensor:
     return pad
 
 
+def _frozen_eval_part_in_training(model: nn.Module, part: str, policy: str):
+    """``model`` and a converted copy in training mode, with ``model.<part>`` frozen in eval mode in both; the copy,
+    a ``[3, 7, 32]`` input and its padding mask (:func:`_padding`)."""
+    slim = slimact.convert(copy.deepcopy(model), policy)
+    for m in (model, slim):
+        m.train()
+        getattr(m, part).eval().requires_grad_(False)
+    return slim, torch.randn(3, 7, 32), _padding()
+
+
 class _Encoder(nn.Module):
     def __init__(self, encoder):
         super().__init__()
@@ -174,12 +184,7 @@ def test_a_frozen_eval_encoder_in_a_training_model_computes_as_plains(policy, mo
     torch.manual_seed(0)
     layer = _TwiceLayer(32, 4, 64, dropout=0.1, batch_first=True)
     model = _Encoder(nn.TransformerEncoder(layer, 2, enable_nested_tensor=True))
-    slim = slimact.convert(copy.deepcopy(model), policy)
-    x = torch.randn(3, 7, 32)
-    pad = _padding()
-    for m in (model, slim):
-        m.train()
-        m.encoder.eval().requires_grad_(False)
+    slim, x, pad = _frozen_eval_part_in_training(model, "encoder", policy)
     fused.clear()
     out0, g0 = _grads(model, lambda m: m(x, src_key_padding_mask=pad))
     plain_calls = len(fused)
@@ -265,12 +270,7 @@ def test_a_frozen_eval_attention_in_a_training_model_takes_pytorchs_fused_path(p
     fused = _calls(monkeypatch, "_native_multi_head_attention")
     torch.manual_seed(0)
     model = _Attend()
-    slim = slimact.convert(copy.deepcopy(model), policy)
-    x = torch.randn(3, 7, 32)
-    pad = _padding()
-    for m in (model, slim):
-        m.train()
-        m.mha.eval().requires_grad_(False)
+    slim, x, pad = _frozen_eval_part_in_training(model, "mha", policy)
     for masks in ({}, {"key_padding_mask": pad}):
         fused.clear()
         out0, g0 = _grads(model, lambda m, masks=masks: m(x, **masks))

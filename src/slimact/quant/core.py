@@ -126,7 +126,7 @@ class _SharedPacks:
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple] = {}
-        #: Called with ``(x, packed)`` at each :meth:`put` (:func:`slimact.profile`'s count, :func:`watching`).
+        #: Called with ``(x, packed)`` at each :meth:`put` (:func:`watching_shared_packs`: slimact.profile's count).
         self.watchers: list[Callable[[Tensor, Packed], None]] = []
 
     @staticmethod
