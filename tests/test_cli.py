@@ -43,6 +43,13 @@ def test_profile_leaves_a_first_steps_one_time_allocations_out_of_the_peak(capsy
     assert _ratio(capsys.readouterr().out, "step peak") < 1.5
 
 
+def test_fit_takes_the_tiny_model(capsys, tmp_path):
+    # profile and check had --tiny, fit did not: the smallest zoo model it could size was a 1-layer GPT-2.
+    assert main(["fit", "--model", "gpt2", "--tiny", "--budget", "8MiB", "--seq", "16", "--policy", "plain"]) == 0
+    out = capsys.readouterr().out
+    assert "weights and optimizer state 1.3 MiB" in out  # the zoo's test size (GPT-2: 474 MiB)
+
+
 @pytest.mark.parametrize("argv", [
     ["profile", "--model", "gpt5", "--layers", "1"],
     ["check", "--model", "gpt2", "--tiny", "--policy", "int7"],

@@ -104,3 +104,15 @@ def test_a_policy_asked_for_is_chosen_where_it_reaches_the_batch():
     report = fit(model, make, "100TiB", policies=("plain", "mesa"), batch=2)
     assert report.chosen == "mesa"
     assert fit(model, make, "100TiB", policies=("plain",), batch=2).chosen is None  # (plain is not a policy to write)
+
+
+def test_the_table_prints_sizes_below_a_gib_in_mib():
+    # A 24 MiB budget read "budget 0.02 GiB; weights and optimizer state 0.00 GiB".
+    from slimact.fit import FitReport, FitRow
+
+    report = FitReport(budget=24 * 2**20, static=1_363_148, rows=[
+        FitRow("int8", fixed=2**20, per_sample=2**19, affine_error=0.0, max_batch=40, measured_peak=21 * 2**20)])
+    table = report.table()
+    assert "budget 24.0 MiB; weights and optimizer state 1.3 MiB" in table
+    assert "22.3 MiB" in table  # measured there: weights, optimizer state and the step's peak
+    assert "budget 8.00 GiB" in FitReport(budget=8 * 2**30, static=0).table()

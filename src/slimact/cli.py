@@ -329,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--batch", type=_positive, default=None, help="the batch size wanted (for --policy auto)")
     f.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
     f.add_argument("--layers", type=_positive, default=None)
+    f.add_argument("--tiny", action="store_true", help="the zoo's test size (width 64, 2 layers) instead of GPT-2's")
     f.add_argument("--device", default="cpu")
     f.add_argument("--out", default="slimact-policy.toml", help="where the chosen policy is written")
     f.set_defaults(func=_fit)
