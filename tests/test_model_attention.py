@@ -107,6 +107,39 @@ def test_int8_keeps_no_fp32_scores_and_at_most_0_4x(name):
     assert after.activation_bytes <= 0.4 * before.activation_bytes, after.activation_bytes / before.activation_bytes
 
 
+@pytest.mark.parametrize("cls_name", ["ClassAttn", "TalkingHeadAttn", "MHSA"])
+def test_attention_in_model_code_whose_class_says_attn_is_routed(cls_name):
+    # timm names its attention so in CaiT (ClassAttn, TalkingHeadAttn), ConViT (MHSA), Twins, BoTNet and HaloNet:
+    # only "...Attention" was recognised, so under "int8" these kept their [T, T] scores in fp32 (4.0x the bytes of
+    # the routed attention) and summary gave no reason.
+    from slimact._kinds import kind_of
+
+    renamed = type(cls_name, (SelfAttention,), {"forward": SelfAttention.forward})
+    plain, inputs = _HandWritten(), _inputs()
+    for block in plain.blocks:
+        block.attn.__class__ = renamed
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    after = slimact.profile(slim, inputs)
+    assert not _scores(after), _scores(after)
+    assert [e.shape for e in after.entries if e.dtype == torch.uint8 and e.shape[-2:] == (T, T)] == [(2, 4, T, T)] * 2
+    assert {n for n, k in slimact.summary(slim).modules.items() if k == "attention"} == {"blocks.0.attn",
+                                                                                         "blocks.1.attn"}
+    _, loss0, g0 = _step(plain.train(), inputs)
+    _, loss1, g1 = _step(slim.train(), inputs)
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_close(g0, g1, 0.99)
+
+    class ChannelAttn(nn.Module):  # CBAM's: a gate, no scores (as ResNeSt's SplitAttn: a softmax, no product)
+        def forward(self, x):
+            return x * x.mean(1, keepdim=True).sigmoid()
+
+    class Pool(nn.Module):  # a softmax and a product, the name silent: not taken for attention (whole models are so)
+        def forward(self, x, w):
+            return (x.softmax(-1) @ w).sum()
+
+    assert kind_of(ChannelAttn()) != "attention" and kind_of(Pool()) != "attention"
+
+
 def _step(model: nn.Module, inputs: dict):
     """``(logits, loss, {name: grad})`` of one training step, with the dropout masks of seed 1."""
     torch.manual_seed(1)

@@ -24,6 +24,7 @@ Two rules keep the recognition honest:
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import itertools
@@ -1052,12 +1053,40 @@ _REPORTED: tuple[tuple[type[nn.Module], str], ...] = (
 )
 
 
+#: Class names that say attention without the word (timm's ``ClassAttn``/``TalkingHeadAttn`` in CaiT,
+#: ``LocallyGroupedAttn`` in Twins, ``BottleneckAttn``, ConViT's ``MHSA``, a VQ-VAE's ``AttnBlock``); so do CBAM's
+#: ``ChannelAttn`` and ResNeSt's ``SplitAttn``, which compute no scores: hence :func:`_computes_scores` too.
+_ATTN_NAME = re.compile(r"Attn(?![a-z])|MHSA|MHA(?![a-z])")
+#: Calls that multiply two tensors (with ``@``, the forms an attention's scores and output are written in).
+_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
+
+
+@functools.cache
+def _computes_scores(cls: type) -> bool:
+    """Whether ``cls``'s forward itself computes a softmax and a product of tensors (``@`` or a call in
+    :data:`_PRODUCTS`): attention written in model code. Asked only of a class whose name says attention: on its
+    own it would take whole models for attention (transformers' ``XLNetForQuestionAnswering`` weighs its hidden
+    states by a softmax), and every product under them would be routed."""
+    forward = next((c.__dict__["forward"] for c in cls.__mro__ if "forward" in c.__dict__), None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    names: set[str] = set()
+    product = False
+    stack = [code] if code is not None else []
+    while stack:  # the forward's code and the functions and comprehensions defined in it
+        code = stack.pop()
+        names.update(code.co_names)
+        product = product or any(op.opname == "BINARY_OP" and op.argrepr in ("@", "@=")
+                                 for op in dis.get_instructions(code))
+        stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return "softmax" in names and (product or bool(names & _PRODUCTS))
+
+
 def _rule_reported(module, cls):
     kind = next((k for base, k in _REPORTED if isinstance(module, base)), None)
     if kind is not None:
         return Recognised(kind)
     name = cls.__name__
-    if "Attention" in name:
+    if "Attention" in name or (_ATTN_NAME.search(name) and _computes_scores(cls)):
         return Recognised("attention")
     if name.endswith("LayerNorm"):
         return Recognised("layernorm")
