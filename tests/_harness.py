@@ -25,6 +25,15 @@ def _step(module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int):
     return out.detach(), grads
 
 
+def estimates(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The running estimates ``model`` holds now, ``{"<module>.<prefix>_lo" | "..._range": tensor}`` (the live
+    tensors, not copies; :func:`slimact.state_dict` gives copies)."""
+    from slimact.quant.state import ESTIMATES_ATTR
+
+    return {f"{name}.{n}" if name else n: t for name, m in model.named_modules()
+            for n, t in m.__dict__.get(ESTIMATES_ATTR, {}).items()}
+
+
 def converted_copy(plain: nn.Module, policy="int8") -> nn.Module:
     slim = slimact.convert(copy.deepcopy(plain), policy)
     assert any(isinstance(m, SlimModule) for m in slim.modules()), "nothing was converted"

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, checkpoint_sequ
 from torch.utils.checkpoint import create_selective_checkpoint_contexts as selective
 
 import slimact
-from _harness import assert_gradients_close, assert_gradients_equal, tiny_hf
+from _harness import assert_gradients_close, assert_gradients_equal, estimates, tiny_hf
 
 POLICIES = ["tempo", "int8", "mesa"]
 _X = torch.randn(4, 6, 32, generator=torch.Generator().manual_seed(0))
@@ -158,8 +158,8 @@ def test_a_checkpointed_recompute_packs_what_the_forward_packed(how, policy):
     for _ in range(2):  # (the second step packs with the estimate the first one left)
         want = _step(slim)
         _assert_identical(policy, want, _step(checkpointed, whole=how == "whole model"))
-    assert dict(slim.named_buffers()).keys() == dict(checkpointed.named_buffers()).keys()
-    for (name, b0), b1 in zip(slim.named_buffers(), checkpointed.buffers(), strict=True):
+    assert estimates(slim).keys() == estimates(checkpointed).keys()
+    for (name, b0), b1 in zip(estimates(slim).items(), estimates(checkpointed).values(), strict=True):
         assert torch.equal(b0, b1), name
     plain.checkpointing = checkpointed.checkpointing
     _assert_like_plain(policy, _step(plain, whole=how == "whole model"), want)
@@ -247,9 +247,9 @@ def test_selective_checkpointing_of_hugging_face_blocks(name, kept, policy):
 
     for _ in range(2):
         _assert_identical(policy, step(slim), step(checkpointed))
-    buffers = {n.replace("._checkpoint_wrapped_module", ""): b for n, b in checkpointed.named_buffers()}
-    assert buffers.keys() == dict(slim.named_buffers()).keys()
-    assert all(torch.equal(b, buffers[n]) for n, b in slim.named_buffers())
+    buffers = {n.replace("._checkpoint_wrapped_module", ""): b for n, b in estimates(checkpointed).items()}
+    assert buffers.keys() == estimates(slim).keys()
+    assert all(torch.equal(b, buffers[n]) for n, b in estimates(slim).items())
 
 
 # Module hooks
@@ -601,8 +601,9 @@ def test_a_shared_block_checkpointed_at_each_depth_and_accumulation_backward_in_
         first.backward()
         got.append({n: p.grad.clone() for n, p in model.named_parameters()})
     _assert_identical(policy, *got)
-    assert dict(slim.named_buffers()).keys() == dict(checkpointed.named_buffers()).keys()
-    assert all(torch.equal(a, b) for a, b in zip(slim.buffers(), checkpointed.buffers(), strict=True))
+    assert estimates(slim).keys() == estimates(checkpointed).keys()
+    assert all(torch.equal(a, b) for a, b in zip(estimates(slim).values(), estimates(checkpointed).values(),
+                                                 strict=True))
 
 
 def test_a_reentrant_checkpoint_takes_the_call_sites_of_the_model_without_checkpointing():
@@ -620,8 +621,8 @@ def test_a_reentrant_checkpoint_takes_the_call_sites_of_the_model_without_checkp
     for _ in range(2):
         _step(slim)
         _step(reentrant)
-    want, got = dict(slim.named_buffers()), dict(reentrant.named_buffers())
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    want, got = estimates(slim), estimates(reentrant)
+    assert want and got.keys() == want.keys(), sorted(set(got) ^ set(want))
     def mirrored(name):  # (the head is called once, outside the loop)
         if not name.startswith("block."):
             return name
@@ -634,7 +635,7 @@ def test_a_reentrant_checkpoint_takes_the_call_sites_of_the_model_without_checkp
     # (A no_grad forward in training mode moves no estimate and takes no site.)
     with torch.no_grad():
         slim(_X)
-    assert all(torch.equal(b, want[n]) for n, b in slim.named_buffers())
+    assert all(torch.equal(b, want[n]) for n, b in estimates(slim).items())
 
 
 def _reentrant_forward(model: _SharedBlockLoop, depth: int, x, checkpointed: bool = True):

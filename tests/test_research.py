@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slimact
-from _harness import assert_gradients_close, assert_gradients_equal
+from _harness import assert_gradients_close, assert_gradients_equal, estimates
 from _research import RWKV, Mamba, MLPMixer, MoEBlock, Perceiver, TinyLM, XBlock
 from slimact import zoo
 
@@ -423,10 +423,10 @@ def test_an_ema_teacher_and_its_student_both_converted(policy):
         for a, b in zip([*s0.parameters(), *t0.parameters()], [*s1.parameters(), *t1.parameters()], strict=True):
             assert (b - a).norm() <= tol * a.norm().clamp_min(1.0)
         # The teacher's forward under no_grad leaves its state (Mesa's running estimates) as it was.
-        state = [b.clone() for b in t1.buffers()]
+        state = [b.clone() for b in (*t1.buffers(), *estimates(t1).values())]
         with torch.no_grad():
             t1(DATA)
-        assert all(torch.equal(a, b) for a, b in zip(state, t1.buffers(), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(state, (*t1.buffers(), *estimates(t1).values()), strict=True))
 
 
 def test_summary_does_not_count_a_loss_computed_outside_the_model_as_slimacts():

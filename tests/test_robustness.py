@@ -8,7 +8,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import slimact
+from _harness import estimates
 from slimact.quant import RunningRange, pack, unpack
+from slimact.quant.state import ESTIMATES_ATTR
 
 
 def test_meta_device_model_is_a_clear_error():
@@ -101,10 +103,10 @@ def test_300_steps_stay_finite_and_running_estimates_track_a_shift():
         assert torch.isfinite(loss), step
         assert all(torch.isfinite(p.grad).all() for p in model.parameters()), step
         if step == 150:  # the estimate is stale now: values beyond it must saturate at its ends, never wrap
-            scratch = nn.Module()
+            scratch = nn.Module()  # (holding a copy of fc's estimate)
+            lo, rng = (estimates(fc)[f"_slimact_x_{n}"].clone() for n in ("lo", "range"))
+            scratch.__dict__[ESTIMATES_ATTR] = {"_x_lo": lo, "_x_range": rng}
             state = RunningRange(scratch, "_x")
-            lo, rng = fc._slimact_x_lo.clone(), fc._slimact_x_range.clone()
-            scratch._buffers["_x_lo"], scratch._buffers["_x_range"] = lo, rng
             cfg = fc._slimact_policy.quant_config("linear", 2)
             restored = unpack(pack(inp, cfg, state, training=False, share=False))
             hi_e = (lo + rng)[torch.arange(16) * lo.numel() // 16]  # per channel
@@ -114,11 +116,11 @@ def test_300_steps_stay_finite_and_running_estimates_track_a_shift():
             assert above.any()
             assert ((restored - hi_e).abs() <= step_e)[above].all()  # saturated at the top, not wrapped
             assert (restored >= lo_e - step_e).all() and (restored <= hi_e + step_e).all()
-    groups = fc._slimact_x_range.numel()
+    groups = estimates(fc)["_slimact_x_range"].numel()
     shifted = (x * 100).view(32, groups, -1)  # [rows, group, channels in it]
     expected = shifted.amax((0, 2)) - shifted.amin((0, 2))
     # 150 steps after the shift the EMA (decay 0.9) has converged to the new ranges.
-    torch.testing.assert_close(fc._slimact_x_range, expected, rtol=1e-3, atol=0)
+    torch.testing.assert_close(estimates(fc)["_slimact_x_range"], expected, rtol=1e-3, atol=0)
 
 
 class _TinyTokenViT(nn.Module):
@@ -196,7 +198,7 @@ def test_inference_packs_nothing_and_updates_no_estimate(how, monkeypatch):
     inputs = zoo.example_inputs(model, 2, 16)
     slim = slimact.convert(zoo.build("gpt2", tiny=True), "mesa")  # running estimates: state that could move
     slim.train()(**inputs)  # estimates exist
-    before = {n: b.clone() for n, b in slim.named_buffers() if "slimact" in n}
+    before = {n: b.clone() for n, b in estimates(slim).items()}
     assert before
     calls = _counting_packs(monkeypatch)
     model.train(how != "eval")
@@ -212,9 +214,9 @@ def test_inference_packs_nothing_and_updates_no_estimate(how, monkeypatch):
         out1 = slim(**inputs).logits
     assert torch.equal(out0, out1)
     assert calls == []
-    for n, b in slim.named_buffers():
-        if n in before:
-            assert torch.equal(b, before[n]), n
+    assert estimates(slim).keys() == before.keys()
+    for n, b in estimates(slim).items():
+        assert torch.equal(b, before[n]), n
     if how == "no_input_grad_frozen":  # nothing needs a gradient: nothing kept, as in plain PyTorch
         assert slimact.profile(slim, inputs, loss_fn=lambda out: out.logits.sum()).activation_bytes == 0
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import slimact
+from _harness import estimates
 
 
 def _plain(seed: int = 0) -> nn.Module:
@@ -44,11 +45,6 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, batches, before_step=No
     return losses
 
 
-def _estimates(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {f"{n}.{b}": t for n, m in model.named_modules() for b, t in m._buffers.items()
-            if b.startswith("_slimact_") and t is not None}
-
-
 def _assert_resume_is_exact(build, batches) -> dict[str, torch.Tensor]:
     """Steps ``batches[half:]`` of a run resumed from a checkpoint taken half-way give exactly the losses of
     the uninterrupted run; returns the estimates saved."""
@@ -64,7 +60,7 @@ def _assert_resume_is_exact(build, batches) -> dict[str, torch.Tensor]:
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "slimact": slimact.state_dict(model),
                 "rng": torch.get_rng_state()}, buffer)
-    saved = _estimates(model)
+    saved = estimates(model)
     del model, opt
 
     buffer.seek(0)
@@ -74,7 +70,7 @@ def _assert_resume_is_exact(build, batches) -> dict[str, torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.load_state_dict(checkpoint["opt"])
     slimact.load_state_dict(model, checkpoint["slimact"])  # before the first forward: the buffers are created
-    loaded = _estimates(model)
+    loaded = estimates(model)
     assert loaded.keys() == saved.keys()
     for key, t in saved.items():
         torch.testing.assert_close(loaded[key], t, rtol=0, atol=0)
@@ -132,12 +128,12 @@ def test_state_dict_round_trip_strictness_and_device():
     fresh = slimact.state_dict(slimact.convert(_plain(), "mesa"))
     assert fresh["estimates"] == {}
     dropped = slimact.load_state_dict(other, fresh)
-    assert sorted(dropped.missing_keys) == sorted(state["estimates"]) and not _estimates(other)
+    assert sorted(dropped.missing_keys) == sorted(state["estimates"]) and not estimates(other)
     # Loaded tensors go to the module's device (on the CPU, a model moved to the "meta" device shows it).
     on_meta = slimact.convert(_plain(), "mesa").to("meta")
     slimact.load_state_dict(on_meta, state)
-    assert {t.device.type for t in _estimates(on_meta).values()} == {"meta"}
-    assert _estimates(on_meta).keys() == state["estimates"].keys()
+    assert {t.device.type for t in estimates(on_meta).values()} == {"meta"}
+    assert estimates(on_meta).keys() == state["estimates"].keys()
     # A state whose tensors hold no values is refused.
     meta = {**state, "estimates": {k: torch.empty_like(t, device="meta") for k, t in state["estimates"].items()}}
     with pytest.raises(ValueError, match="meta"):
@@ -154,7 +150,7 @@ def test_loaded_state_goes_to_the_modules_device():
     _steps(model, torch.optim.SGD(model.parameters(), lr=1e-2), _batches(2, 1))
     other = slimact.convert(_plain(), "mesa").cuda()
     slimact.load_state_dict(other, slimact.state_dict(model))
-    assert all(t.is_cuda for t in _estimates(other).values())
+    assert all(t.is_cuda for t in estimates(other).values())
     other(torch.randn(2, 8, 16, device="cuda")).sum().backward()
 
 

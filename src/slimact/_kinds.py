@@ -237,7 +237,7 @@ def _looks_like_activation(module: nn.Module) -> bool:
     cls = _cls(module)
     if next(module.children(), None) is not None or next(module.parameters(), None) is not None:
         return False
-    if next(module.buffers(), None) is not None and not any(n.startswith("_slimact_") for n in module._buffers):
+    if next(module.buffers(), None) is not None:
         return False
     return (
         cls.__module__.startswith(("torch.nn.modules.activation", "transformers.activations"))

@@ -56,7 +56,7 @@ from slimact._kinds import kind_of
 from slimact.functional._saving import is_gradient, is_parameter_gradient, observer
 from slimact.nn._base import StepCounter
 from slimact.quant.core import watching_shared_packs
-from slimact.quant.state import WRITTEN_ATTR
+from slimact.quant.state import ESTIMATES_ATTR
 
 __all__ = ["Live", "Report", "SavedTensor", "peak_bytes", "profile"]
 
@@ -304,17 +304,17 @@ class _ModuleStack:
 @contextlib.contextmanager
 def _restoring(model: nn.Module):
     """Leave ``model`` as found: mode, grads, buffers, RNG state, and slimact's state for the steps that follow (its
-    running estimates' values in the very tensors it recorded writing, and its step counts: the stochastic-rounding
-    seeds of a step are keyed by them). Before, the estimates came back as copies, which slimact took for buffers
-    something else had replaced (started afresh at the next step), and the step count moved on: a profile between
-    two steps changed the training that followed."""
+    running estimates' values in the very tensors it holds, which a captured CUDA graph updates in place, and its
+    step counts: the stochastic-rounding seeds of a step are keyed by them). Before, the step count moved on: a
+    profile between two steps changed the training that followed."""
     was_training = {m: m.training for m in model.modules()}
     grads = {p: p.grad for p in model.parameters()}
     for p in grads:
         p.grad = None  # the backward below must not accumulate into the caller's gradients
     buffers = {(m, n): None if b is None else (b, b.clone()) for m in model.modules() for n, b in m._buffers.items()}
     buffer_names = {m: set(m._buffers) for m in model.modules()}
-    written = {m: dict(m.__dict__[WRITTEN_ATTR]) for m in model.modules() if WRITTEN_ATTR in m.__dict__}
+    estimates = {m: {n: (t, t.clone()) for n, t in m.__dict__[ESTIMATES_ATTR].items()}
+                 for m in model.modules() if ESTIMATES_ATTR in m.__dict__}
     counters = {id(c): (c, c.value) for m in model.modules()
                 if isinstance(c := m.__dict__.get("_slimact_steps"), StepCounter)}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
@@ -334,15 +334,18 @@ def _restoring(model: nn.Module):
                 with torch.no_grad():
                     b.copy_(values)  # (in place: the tensor itself, as recorded)
                 m._buffers[n] = b
-            for m, names in buffer_names.items():  # buffers the step created (running estimates)
+            for m, names in buffer_names.items():  # buffers the step created (a module's own lazy ones)
                 for n in set(m._buffers) - names:
                     del m._buffers[n]
                     m._non_persistent_buffers_set.discard(n)
-            for m in model.modules():
-                if m in written:
-                    m.__dict__[WRITTEN_ATTR] = written[m]
-                else:
-                    m.__dict__.pop(WRITTEN_ATTR, None)
+            for m in model.modules():  # running estimates: the values in the very tensors, none the step created
+                if m not in estimates:
+                    m.__dict__.pop(ESTIMATES_ATTR, None)
+                    continue
+                with torch.no_grad():
+                    for t, values in estimates[m].values():
+                        t.copy_(values)
+                m.__dict__[ESTIMATES_ATTR] = {n: t for n, (t, _) in estimates[m].items()}
             for counter, value in counters.values():
                 counter.value = value
 

@@ -3,9 +3,9 @@
 A converted model trains with state that ``model.state_dict()`` does not hold (its keys stay exactly the plain
 model's, so checkpoints load both ways):
 
-* the running estimates of every call site (``scale = "running"``, the ``"mesa"`` preset): non-persistent
-  buffers ``_slimact_*`` of the converted modules and of the tagged attention modules
-  (:mod:`slimact.quant.state`);
+* the running estimates of every call site (``scale = "running"``, the ``"mesa"`` preset): tensors
+  ``_slimact_*`` held by the converted modules and the tagged attention modules, not among their buffers
+  (:data:`slimact.quant.state.ESTIMATES_ATTR`);
 * the model's step count, which keys each forward's stochastic-rounding seeds
   (:func:`slimact.quant.reference.begin_stream`).
 
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from slimact.convert import _HOOK_ATTR
 from slimact.nn._base import SlimModule, StepCounter
-from slimact.quant.state import WRITTEN_ATTR
+from slimact.quant.state import ESTIMATES_ATTR
 
 __all__ = ["LoadResult", "load_state_dict", "state_dict"]
 
@@ -63,8 +63,7 @@ def _estimates(model: nn.Module) -> dict[str, tuple[nn.Module, str, Tensor]]:
     return {
         _key(name, buffer): (module, buffer, t)
         for name, module in model.named_modules()
-        for buffer, t in module._buffers.items()
-        if buffer.startswith(_PREFIX) and t is not None
+        for buffer, t in module.__dict__.get(ESTIMATES_ATTR, {}).items()
     }
 
 
@@ -84,14 +83,14 @@ def state_dict(model: nn.Module) -> dict[str, Any]:
     return {
         "format": _FORMAT,
         "step": None if steps is None else steps.value,
-        "estimates": {key: t.detach().clone() for key, (_, _, t) in _estimates(model).items()},
+        "estimates": {key: t.detach().to(_device(module, model, t.device), copy=True)
+                      for key, (module, _, t) in _estimates(model).items()},
     }
 
 
 def _device(module: nn.Module, model: nn.Module, default: torch.device) -> torch.device:
     """Where ``module``'s estimates belong: with its own parameters (or plain buffers), else the model's."""
-    for t in (*module.parameters(recurse=False), *(b for n, b in module.named_buffers(recurse=False)
-                                                   if not n.startswith(_PREFIX))):
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
         return t.device
     return next((p.device for p in model.parameters()), default)
 
@@ -139,13 +138,11 @@ def load_state_dict(model: nn.Module, state: Mapping[str, Any], strict: bool = T
         raise KeyError(f"slimact state entries match no module slimact converted in {type(model).__name__}: "
                        f"{unexpected}")
     missing = [key for key in _estimates(model) if key not in estimates]
-    for _, (module, buffer, _) in _estimates(model).items():
-        module._buffers[buffer] = None
     for module in modules.values():
-        module.__dict__.pop(WRITTEN_ATTR, None)  # the values placed below are the estimates from now on
+        module.__dict__.pop(ESTIMATES_ATTR, None)
     for module, buffer, t in placed:
         value = t.detach().to(_device(module, model, t.device), torch.float32, copy=True)
-        module.register_buffer(buffer, value, persistent=False)
+        module.__dict__.setdefault(ESTIMATES_ATTR, {})[buffer] = value
     for module in modules.values():
         # A call site is found by comparing the module's last step with the counter: start counting afresh.
         module.__dict__.pop("_slimact_step", None)

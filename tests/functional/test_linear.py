@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _harness import estimates
 from slimact._metrics import sqnr_db
 from slimact.functional import linear
 from slimact.quant import QuantConfig, RunningRange
@@ -115,9 +116,9 @@ def test_running_scale_called_twice_per_step_uses_each_calls_snapshot():
     for _ in range(3):  # the estimate has seen only small data
         linear(x_small, w, None, cfg, state)
     y1 = linear(x_small, w, None, cfg, state)
-    lo1, hi1 = owner._x_lo.clone(), owner._x_lo + owner._x_range
+    lo1, hi1 = estimates(owner)["_x_lo"].clone(), estimates(owner)["_x_lo"] + estimates(owner)["_x_range"]
     y2 = linear(x_big, w, None, cfg, state)
-    lo2, hi2 = owner._x_lo.clone(), owner._x_lo + owner._x_range
+    lo2, hi2 = estimates(owner)["_x_lo"].clone(), estimates(owner)["_x_lo"] + estimates(owner)["_x_range"]
     assert (hi2 - lo2).min() > 10 * (hi1 - lo1).max()  # the second call moved the estimate a lot
     g1, g2 = torch.randn_like(y1), torch.randn_like(y2)
     gw1 = torch.autograd.grad(y1, w, g1)[0]

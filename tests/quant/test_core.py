@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import slimact
+from _harness import estimates
 from slimact._metrics import cosine, sqnr_db
 from slimact.quant import QuantConfig, RunningRange, pack, reference, unpack
 from slimact.quant.reference import _expand
@@ -202,7 +203,7 @@ def test_stale_running_estimate_saturates_never_wraps():
     assert (x_hat[x <= 0.0] - 0.0).abs().max() <= step
     assert x_hat.max() <= 1.0 + step and x_hat.min() >= -step
     # The estimate did not move in eval (training=False).
-    assert torch.equal(module._x_range, torch.tensor([1.0]))
+    assert torch.equal(estimates(module)["_x_range"], torch.tensor([1.0]))
 
 
 def test_running_estimate_ema_and_snapshot():
@@ -210,18 +211,19 @@ def test_running_estimate_ema_and_snapshot():
     # (Without outliers: in [0, 1], 1 is more than 64 times the magnitude of the rest, and kept apart.)
     cfg = QuantConfig(group_dim=None, scale="running", decay=0.9, outliers=False)
     p1 = pack(torch.tensor([0.0, 1.0]), cfg, state)  # initialises from the first tensor
-    assert torch.allclose(module._x_lo, torch.tensor([0.0])) and torch.allclose(module._x_range, torch.tensor([1.0]))
-    buffers = module._x_lo, module._x_range
+    assert torch.allclose(estimates(module)["_x_lo"], torch.tensor([0.0]))
+    assert torch.allclose(estimates(module)["_x_range"], torch.tensor([1.0]))
+    buffers = estimates(module)["_x_lo"], estimates(module)["_x_range"]
     p2 = pack(torch.tensor([-1.0, 3.0]), cfg, state)
-    assert torch.allclose(module._x_lo, torch.tensor([-0.1]))
-    assert torch.allclose(module._x_range, torch.tensor([0.9 + 0.4]))
+    assert torch.allclose(estimates(module)["_x_lo"], torch.tensor([-0.1]))
+    assert torch.allclose(estimates(module)["_x_range"], torch.tensor([0.9 + 0.4]))
     # Folded in place: the module's buffers keep their storage (what a captured CUDA graph updates).
-    assert module._x_lo is buffers[0] and module._x_range is buffers[1]
+    assert estimates(module)["_x_lo"] is buffers[0] and estimates(module)["_x_range"] is buffers[1]
     # p2 was packed with the estimate it found, [0, 1]: it saturates there; its range moves the next pack's.
     torch.testing.assert_close(unpack(p2), torch.tensor([0.0, 1.0]))
     # p1 restores with the scale it was packed with, whatever the state is now.
     torch.testing.assert_close(unpack(p1), torch.tensor([0.0, 1.0]))
-    assert p2.tensors[1] is not module._x_lo
+    assert p2.tensors[1] is not estimates(module)["_x_lo"]
     # Buffers are non-persistent: state_dict is unaffected.
     assert module.state_dict() == {}
 
@@ -275,7 +277,7 @@ def test_non_finite_input_does_not_touch_running_estimate():
     cfg = QuantConfig(group_dim=None, scale="running", outliers=False)  # (see the test above)
     pack(torch.tensor([0.0, 1.0]), cfg, state)
     assert pack(torch.tensor([0.0, float("nan")]), cfg, state).raw
-    assert torch.equal(module._x_range, torch.tensor([1.0]))
+    assert torch.equal(estimates(module)["_x_range"], torch.tensor([1.0]))
 
 
 def test_range_overflowing_fp32_is_kept_uncompressed():
@@ -507,7 +509,7 @@ def test_outliers_can_be_switched_off_and_a_running_estimate_tracks_the_rest():
     state = RunningRange(module, "_x")
     packed = pack(x, QuantConfig(group_dim=None, scale="running"), state, share=False)
     assert len(packed.tensors) == 5
-    assert module._x_range.item() < 12  # the estimate of the ordinary values' range, not of the outliers'
+    assert estimates(module)["_x_range"].item() < 12  # the estimate of the ordinary values' range, not of the outliers'
 
 
 def _many_items(gen):
@@ -547,7 +549,7 @@ def test_pack_many_gives_each_pack_as_pack_does_with_one_host_sync(backend):
             reference.end_stream()
 
     alone, module, reads = run(lambda items: [pack(*item, backend=backend, share=False) for item in items])
-    alone_estimate = module._x_lo.clone(), module._x_range.clone()
+    alone_estimate = estimates(module)["_x_lo"].clone(), estimates(module)["_x_range"].clone()
     # one decision per tensor quantised on the host's word (five), and the gather of the outliers (their count)
     assert reads == 6
     together, module, reads = run(lambda items: pack_many(items, backend=backend, share=False))
@@ -557,7 +559,8 @@ def test_pack_many_gives_each_pack_as_pack_does_with_one_host_sync(backend):
         for s, t in zip(a.tensors, b.tensors, strict=True):
             torch.testing.assert_close(s, t, rtol=0, atol=0, equal_nan=True)
     assert together[2].raw and len(together[0].tensors) == 5  # NaN kept exact; outliers kept apart
-    assert torch.equal(module._x_lo, alone_estimate[0]) and torch.equal(module._x_range, alone_estimate[1])
+    assert torch.equal(estimates(module)["_x_lo"], alone_estimate[0])
+    assert torch.equal(estimates(module)["_x_range"], alone_estimate[1])
 
 
 def test_pack_many_packs_a_tensor_given_twice_once():

@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+from _harness import estimates
 from slimact.quant import QuantConfig, inductor, pack, reference, unpack
 from slimact.quant.core import backend_for
 from slimact.quant.reference import group_layout, scale_params
@@ -396,7 +397,7 @@ def test_a_running_estimate_pack_equals_the_references_codes_scale_and_estimate_
         for a, b in zip(ref.tensors, fast.tensors, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
         for name in ("_x_lo", "_x_range"):
-            assert torch.equal(getattr(states["reference"].module, name), getattr(states["inductor"].module, name))
+            assert torch.equal(estimates(states["reference"].module)[name], estimates(states["inductor"].module)[name])
 
 
 def test_a_running_estimate_shared_by_two_tensors_of_one_call_is_moved_by_the_first_before_the_second():
@@ -414,8 +415,8 @@ def test_a_running_estimate_shared_by_two_tensors_of_one_call_is_moved_by_the_fi
     together = pack_many([(x, cfg, states[1]) for x in xs[2:]], share=False)
     for a, b in zip(alone[2:], together, strict=True):
         assert all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors, strict=True))
-    assert torch.equal(states[0].module._x_lo, states[1].module._x_lo)
-    assert torch.equal(states[0].module._x_range, states[1].module._x_range)
+    assert torch.equal(estimates(states[0].module)["_x_lo"], estimates(states[1].module)["_x_lo"])
+    assert torch.equal(estimates(states[0].module)["_x_range"], estimates(states[1].module)["_x_range"])
 
 
 @pytest.mark.parametrize("running", [False, True], ids=["dynamic", "running"])

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _harness import estimates
 from _host import HostReads
 
 pytest.importorskip("triton")
@@ -141,7 +142,7 @@ def test_a_running_pack_on_the_gpu_path_reads_nothing_back_and_folds_the_range_i
     gen = torch.Generator().manual_seed(0)
     cfg = QuantConfig(groups=8, scale="running")
     module, state = _estimated(torch.randn(64, 48, generator=gen).to(DEVICE), cfg)
-    buffers = module._x_lo, module._x_range
+    buffers = estimates(module)["_x_lo"], estimates(module)["_x_range"]
     est_lo, est_hi = state.estimate(8)
     x = torch.randn(64, 48, generator=gen) * 1.5
     x[3, 5] = 1e4  # a heavy outlier in group 0
@@ -155,13 +156,13 @@ def test_a_running_pack_on_the_gpu_path_reads_nothing_back_and_folds_the_range_i
     assert torch.equal(packed.tensors[0], reference.quantize(x, layout, lo, step, 8, None))
     # its own range folded in on the device, in place (a captured CUDA graph updates the module's own buffers),
     # clipped to its outlier threshold: the outlier does not drag the estimate out to 1e4
-    assert module._x_lo is buffers[0] and module._x_range is buffers[1]
+    assert estimates(module)["_x_lo"] is buffers[0] and estimates(module)["_x_range"] is buffers[1]
     t_lo, t_hi, magnitude = reference.group_stats(x, layout)
     limit = reference.outlier_threshold(magnitude, layout, x.numel())
     t_lo, t_hi = torch.maximum(t_lo, -limit), torch.minimum(t_hi, limit)
-    torch.testing.assert_close(module._x_lo, est_lo * 0.9 + t_lo * 0.1)
-    torch.testing.assert_close(module._x_range, (est_hi - est_lo) * 0.9 + (t_hi - t_lo) * 0.1)
-    assert module._x_range[0] < 100
+    torch.testing.assert_close(estimates(module)["_x_lo"], est_lo * 0.9 + t_lo * 0.1)
+    torch.testing.assert_close(estimates(module)["_x_range"], (est_hi - est_lo) * 0.9 + (t_hi - t_lo) * 0.1)
+    assert estimates(module)["_x_range"][0] < 100
     # (The detector is not vacuous: the pack of a tensor's own range decides outliers on the host.)
     with pytest.raises(AssertionError, match="host sync"), HostReads(fail=True):
         pack(x, QuantConfig(groups=8), backend="triton", share=False)
@@ -171,7 +172,7 @@ def test_a_running_pack_on_the_gpu_path_restores_a_non_finite_group_as_nan_and_k
     gen = torch.Generator().manual_seed(1)
     cfg = QuantConfig(groups=8, scale="running", outliers=False)
     module, state = _estimated(torch.randn(64, 48, generator=gen).to(DEVICE), cfg)
-    before = module._x_lo.clone(), module._x_range.clone()
+    before = estimates(module)["_x_lo"].clone(), estimates(module)["_x_range"].clone()
     x = torch.randn(64, 48, generator=gen).to(DEVICE)
     x[10, 7] = float("nan")  # channel 7: group 1 (channels 6-11)
     with HostReads(fail=True):
@@ -180,13 +181,14 @@ def test_a_running_pack_on_the_gpu_path_restores_a_non_finite_group_as_nan_and_k
     group = torch.zeros(48, dtype=torch.bool)
     group[6:12] = True
     assert torch.isnan(out[:, group]).all() and torch.isfinite(out[:, ~group]).all()
-    assert torch.equal(module._x_lo[1], before[0][1]) and torch.equal(module._x_range[1], before[1][1])
-    assert not torch.equal(module._x_lo, before[0])  # the other groups moved
+    lo, rng = estimates(module)["_x_lo"], estimates(module)["_x_range"]
+    assert torch.equal(lo[1], before[0][1]) and torch.equal(rng[1], before[1][1])
+    assert not torch.equal(estimates(module)["_x_lo"], before[0])  # the other groups moved
     # In eval (training=False) nothing moves.
-    after = module._x_lo.clone()
+    after = estimates(module)["_x_lo"].clone()
     with HostReads(fail=True):
         pack(x * 3, cfg, state, training=False, backend="triton", share=False)
-    assert torch.equal(module._x_lo, after)
+    assert torch.equal(estimates(module)["_x_lo"], after)
 
 
 @pytest.mark.parametrize("layout", ["tokens", "split", "heads"])

@@ -31,7 +31,7 @@ from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
 from slimact.quant.recompute import checkpoint_frame, note, replayed
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_stream
-from slimact.quant.state import WRITTEN_ATTR, backward_key
+from slimact.quant.state import ESTIMATES_ATTR, backward_key
 
 __all__ = [
     "MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "begin_call", "clear_state", "detach", "refuse_script",
@@ -262,11 +262,8 @@ def slim_class(mixin: type, cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def clear_state(module: nn.Module) -> None:
-    """Drop every slimact buffer (running estimates) of ``module``."""
-    for name in [n for n in module._buffers if n.startswith("_slimact_")]:
-        del module._buffers[name]
-        module._non_persistent_buffers_set.discard(name)
-    module.__dict__.pop(WRITTEN_ATTR, None)
+    """Drop the running estimates of ``module``."""
+    module.__dict__.pop(ESTIMATES_ATTR, None)
 
 
 def attach(

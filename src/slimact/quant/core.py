@@ -315,7 +315,7 @@ def _pack_many(
         chosen = backend or backend_for(x)
         estimate = None  # on the triton backend, the (lo, step) of the running estimate as this item finds it
         if cfg.scale == "running" and chosen == "triton":
-            buffers = state.buffers(layout.groups)
+            buffers = state.buffers(layout.groups, x.device)
             if buffers is not None:  # (else the first tensor sets it, on the host path)
                 estimate = _kernels(chosen).scale_estimate(*buffers, cfg.qmax)
         job = _Job(i, x, cfg, layout, state, chosen, estimate)
@@ -397,13 +397,13 @@ class _Job:
         state = self.state
         if self.cfg.scale == "running":
             if fused.folded is None:  # no estimate was read: the first tensor sets it (or the same state twice)
-                if heavy or state.buffers(self.layout.groups) is not None:
+                if heavy or state.buffers(self.layout.groups, self.x.device) is not None:
                     return False  # (the host path updates the estimate, scales and quantises, as elsewhere)
                 state.update(self.lo, self.hi, self.cfg.decay, training)  # sets it to this range: this scale
             elif training and heavy:
                 state.fold(self.lo, self.hi, self.cfg.decay)
             elif training:
-                for buffer, value in zip(state.buffers(self.layout.groups), fused.folded, strict=True):
+                for buffer, value in zip(state.buffers(self.layout.groups, self.x.device), fused.folded, strict=True):
                     buffer.copy_(value)
         elif heavy:
             return False
@@ -471,7 +471,7 @@ def _decide(jobs: list[_Job], training: bool) -> None:
             # move the estimate this one must find).
             estimate = None
             if cfg.scale == "running" and id(job.state) not in estimated:
-                estimate = job.state.buffers(layout.groups)
+                estimate = job.state.buffers(layout.groups, job.x.device)
                 estimated.add(id(job.state))
             job.fused = job.kernels.pack8(job.x, layout, cfg, estimate)
             if job.fused is None and job.data is not job.x:  # strided, not a permutation of contiguous memory
@@ -604,7 +604,7 @@ def _pack_running(
     seed = reference.draw_seed() if cfg.stochastic else None
     from slimact.quant import triton as kernels
 
-    buffers = state.buffers(layout.groups)
+    buffers = state.buffers(layout.groups, x.device)
     data, data_layout, order = view  # (x as the kernels read it: see _kernel_view)
     codes = None
     if buffers is not None:

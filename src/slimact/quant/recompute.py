@@ -5,7 +5,7 @@ A checkpointed region runs its forward twice: once in the forward pass (what it 
 backward, whose saved tensors are the ones used. With running estimates (``scale = "running"``) and stochastic
 rounding (the ``"mesa"`` preset), the recompute packed otherwise than the forward: each of its calls counted as a
 further call site of the step (a second estimate per module, started from the recomputed tensor:
-``_slimact_x_1_lo`` buffers), its rounding seeds came from another stream, and a whole checkpointed model counted
+``_slimact_x_1_lo``), its rounding seeds came from another stream, and a whole checkpointed model counted
 each step twice and folded each tensor into its estimate twice. The gradients then differed from the same model's
 without checkpointing by 0.5-2% relative: not what the forward's packs give.
 

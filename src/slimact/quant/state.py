@@ -1,7 +1,8 @@
 """Running-estimate state (Mesa's ``scale="running"``): an EMA of each group's min and range.
 
-Held by the caller in two non-persistent buffers of its module (so ``state_dict`` is unchanged and
-checkpoints load both ways), named ``<prefix>_lo`` and ``<prefix>_range``, ``[groups]`` fp32 each::
+Held for the caller in a table of its module (:data:`ESTIMATES_ATTR`; not in ``state_dict``, so checkpoints load
+both ways; not among its buffers either, for EMA copies), named ``<prefix>_lo`` and ``<prefix>_range``, ``[groups]``
+fp32 each::
 
     lo    <- decay * lo    + (1 - decay) * min(x_g)
     range <- decay * range + (1 - decay) * (max(x_g) - min(x_g))
@@ -11,10 +12,10 @@ when asked (training mode). A tensor is packed with the estimate as it finds it,
 in afterwards: so the pack's codes need only the estimate, and on the GPU the range and the codes come from
 one read of the tensor, the estimate's scale and the fold from one small kernel each
 (:func:`slimact.quant.triton.scale_estimate`, :func:`slimact.quant.triton.quantize_fold`, with :meth:`fold`'s
-float operations). The fold is in place (the buffers keep
+float operations). The fold is in place (the tensors keep
 their storage: a captured CUDA graph updates the very tensors the module holds). ``slimact.state_dict`` /
-``slimact.load_state_dict`` save and restore the buffers with a checkpoint. The estimate a tensor is
-packed with is a fresh copy, never a view of the buffers, snapshotted with the pack: a second call of the
+``slimact.load_state_dict`` save and restore the estimates with a checkpoint. The estimate a tensor is
+packed with is a fresh copy, never a view of the table's, snapshotted with the pack: a second call of the
 same module that moves the estimate cannot change how the first call's codes are restored.
 """
 
@@ -25,13 +26,16 @@ from torch import Tensor, nn
 
 from slimact.quant.recompute import checkpoint_frame, copies, note, replayed
 
-__all__ = ["WRITTEN_ATTR", "RunningRange", "backward_key", "folded", "note_backward"]
+__all__ = ["ESTIMATES_ATTR", "RunningRange", "backward_key", "folded", "note_backward"]
 
-#: ``module.__dict__`` entry: ``{buffer name: the tensor slimact last wrote there}``. Moving a module replaces its
-#: buffers: ``.to(dtype or device)``, ``.half()``, ``.cuda()`` carry the values over, ``to_empty()`` does not (a fresh
-#: ``torch.empty``: whatever the memory held); nothing else tells the two apart, so a replaced estimate is compared
-#: with the tensor written before (once per move, one host read) and kept only where it holds its values.
-WRITTEN_ATTR = "_slimact_written"
+#: ``module.__dict__`` entry: the module's running estimates, ``{"<prefix>_lo" | "<prefix>_range": fp32 [groups]}``.
+#: Not buffers: ``model.buffers()`` is what EMA and SWA copies (``torch.optim.swa_utils.AveragedModel``, timm's
+#: ``ModelEmaV3``) pair by position with their own, and an estimate appears at its call site's first training pack,
+#: so a copy made before the first step paired slimact's estimates with the next module's BatchNorm statistics
+#: (copied into them where the shapes agreed, a shape error or a ``zip`` error elsewhere). A table moves with the
+#: module only where slimact reads it: to the device of the tensor it packs, once (:meth:`RunningRange.buffers`);
+#: ``model.half()`` leaves it fp32, ``to_empty()`` leaves its values; ``copy.deepcopy`` and pickling copy it.
+ESTIMATES_ATTR = "_slimact_estimates"
 
 
 class _Backward:
@@ -71,21 +75,6 @@ def backward_key() -> int:
 _graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
-def _still_written(module: nn.Module, name: str, buffer: Tensor) -> bool:
-    """Whether ``buffer`` (``module``'s buffer ``name``) holds what slimact last wrote there (adopted as such if so)."""
-    written = module.__dict__.get(WRITTEN_ATTR)
-    before = written.get(name) if written is not None else None
-    if before is None or before is buffer or torch.compiler.is_compiling():
-        return True  # (none recorded: set by slimact.load_state_dict, or made before this record existed)
-    # (Within bf16's rounding: a move through a narrower dtype and back rounds the values, a fresh buffer is
-    # another tensor altogether.)
-    same = not buffer.is_meta and not before.is_meta and torch.allclose(
-        buffer.float(), before.to(buffer.device).float(), rtol=1e-2, atol=1e-6, equal_nan=True)
-    if same:
-        written[name] = buffer
-    return same
-
-
 def folded(old_lo: Tensor, old_rng: Tensor, lo: Tensor, rng: Tensor, decay: float) -> tuple[Tensor, Tensor]:
     """The estimate ``(lo, range)`` after folding in a tensor's per-group ``lo`` and ``rng = hi - lo`` (fp32
     ``[groups]`` each): ``old * decay + new * (1 - decay)`` in fp32. PyTorch ops only: :meth:`RunningRange.fold`
@@ -95,7 +84,8 @@ def folded(old_lo: Tensor, old_rng: Tensor, lo: Tensor, rng: Tensor, decay: floa
 
 
 class RunningRange:
-    """Accessor for the running-estimate buffers ``<prefix>_lo`` / ``<prefix>_range`` of ``module``."""
+    """Accessor for the running estimate ``<prefix>_lo`` / ``<prefix>_range`` of ``module`` (in its
+    :data:`ESTIMATES_ATTR` table)."""
 
     def __init__(self, module: nn.Module, prefix: str) -> None:
         self.lo_name = f"{prefix}_lo"
@@ -104,53 +94,40 @@ class RunningRange:
         if frame is not None:  # activation checkpointing: its recompute packs with the estimate the forward found
             key = ("estimate", module, prefix)
             if frame[1] is None:
-                note(frame[0], key, copies({n: module._buffers.get(n) for n in (self.lo_name, self.range_name)}))
+                table = module.__dict__.get(ESTIMATES_ATTR, {})
+                note(frame[0], key, copies({n: table.get(n) for n in (self.lo_name, self.range_name)}))
             else:
                 found = replayed(*frame, key)
                 if found is not None:  # (folded into a copy: the forward has updated the module's estimate)
                     module = nn.Module()
-                    module._buffers.update(copies(found))
-                    module._non_persistent_buffers_set.update(found)
+                    module.__dict__[ESTIMATES_ATTR] = {n: t for n, t in copies(found).items() if t is not None}
         self.module = module
-        if torch.compiler.is_compiling():
-            # (A compiled pack uses no running estimate, docs/integrations.md; a buffer registered while dynamo traced
-            # was a guard that failed at the next call, which then compiled everything again.)
-            return
-        for name in (self.lo_name, self.range_name):
-            if name not in module._buffers:
-                module.register_buffer(name, None, persistent=False)
 
-    def _buffers(self, groups: int) -> tuple[Tensor, Tensor] | None:
-        lo, rng = self.module._buffers[self.lo_name], self.module._buffers[self.range_name]
+    def _live(self, groups: int, device: torch.device | None) -> tuple[Tensor, Tensor] | None:
+        table = self.module.__dict__.get(ESTIMATES_ATTR)
+        lo, rng = (table.get(self.lo_name), table.get(self.range_name)) if table is not None else (None, None)
         if lo is None or rng is None or lo.shape != (groups,) or rng.shape != (groups,):
             return None
-        if not (_still_written(self.module, self.lo_name, lo) and _still_written(self.module, self.range_name, rng)):
-            # Replaced by something that did not carry the values over (model.to("meta") then to_empty(): memory
-            # never written, any values): the estimate starts again from the next tensor, as after convert.
-            self.module._buffers[self.lo_name] = self.module._buffers[self.range_name] = None
-            return None
-        if lo.dtype != torch.float32 or rng.dtype != torch.float32:  # after model.half(): back to fp32, once
-            lo, rng = self._set(lo, rng)
+        if device is not None and lo.device != device:  # the model moved (model.to, .cuda): the estimate follows
+            lo, rng = self._set(lo.to(device), rng.to(device))
         return lo, rng
 
     def _set(self, lo: Tensor, rng: Tensor) -> tuple[Tensor, Tensor]:
         lo, rng = lo.detach().float().clone(), rng.detach().float().clone()
-        self.module._buffers[self.lo_name] = lo
-        self.module._buffers[self.range_name] = rng
-        written = self.module.__dict__.setdefault(WRITTEN_ATTR, {})
-        written[self.lo_name], written[self.range_name] = lo, rng
+        table = self.module.__dict__.setdefault(ESTIMATES_ATTR, {})
+        table[self.lo_name], table[self.range_name] = lo, rng
         return lo, rng
 
-    def buffers(self, groups: int) -> tuple[Tensor, Tensor] | None:
-        """The live buffers ``(lo, range)``, fp32 ``[groups]`` (the module's own tensors: a kernel that reads
-        them or folds into them in place, as :meth:`fold` does, works on the module's state); ``None`` before the
-        first tensor of ``groups`` groups has been seen."""
-        return self._buffers(groups)
+    def buffers(self, groups: int, device: torch.device | None = None) -> tuple[Tensor, Tensor] | None:
+        """The live estimate ``(lo, range)``, fp32 ``[groups]`` on ``device`` (moved there once if the model
+        moved), the module's own tensors: a kernel that reads them or folds into them in place, as :meth:`fold`
+        does, works on the module's state; ``None`` before the first tensor of ``groups`` groups has been seen."""
+        return self._live(groups, device)
 
-    def estimate(self, groups: int) -> tuple[Tensor, Tensor] | None:
+    def estimate(self, groups: int, device: torch.device | None = None) -> tuple[Tensor, Tensor] | None:
         """The estimate ``(lo, hi)``, fp32 ``[groups]``, fresh tensors; ``None`` before the first tensor of
         ``groups`` groups has been seen."""
-        buffers = self._buffers(groups)
+        buffers = self._live(groups, device)
         if buffers is None:
             return None
         lo, rng = buffers
@@ -159,7 +136,7 @@ class RunningRange:
     def fold(self, lo: Tensor, hi: Tensor, decay: float, skip: Tensor | None = None) -> None:
         """Fold a tensor's per-group ``(lo, hi)`` into the estimate, in place; groups where ``skip`` is True
         (a range that is not finite) keep theirs. Initialises the estimate when there is none."""
-        buffers = self._buffers(lo.numel())
+        buffers = self._live(lo.numel(), lo.device)
         lo, rng = lo.detach().float(), (hi - lo).detach().float()
         if buffers is None:
             self._set(lo, rng)
@@ -174,7 +151,7 @@ class RunningRange:
     def update(self, lo: Tensor, hi: Tensor, decay: float, training: bool = True) -> tuple[Tensor, Tensor]:
         """The estimate to pack a tensor of per-group range ``(lo, hi)`` with: the one it finds (initialised from
         ``(lo, hi)`` when there is none yet); when ``training``, ``(lo, hi)`` is then folded in (:meth:`fold`)."""
-        found = self.estimate(lo.numel())
+        found = self.estimate(lo.numel(), lo.device)
         if found is None:
             self.fold(lo, hi, decay)
             return lo.detach().float().clone(), hi.detach().float().clone()
