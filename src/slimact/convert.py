@@ -44,7 +44,7 @@ from slimact.nn.linear import conv1d_class, linear_class
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
-from slimact.nn.routing import FUNCTIONAL_NAME, Routing, routings_around
+from slimact.nn.routing import FUNCTIONAL_NAME, Routing, drop_removed_hooks, routings_around
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, matches, resolve
 
@@ -531,6 +531,7 @@ def revert(model: nn.Module) -> nn.Module:
     _untag_attention(model)
     for routing in routings_around(model):
         routing.leave_as_written(model)
+    drop_removed_hooks(model)
     return model
 
 
@@ -574,6 +575,17 @@ class Summary:
         return "\n".join(lines)
 
 
+def _inner_root(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, module)`` of the one submodule of ``model`` that ``convert`` was called on, where every converted
+    module of ``model`` is in it; else ``None``."""
+    roots = [(name, m) for name, m in model.named_modules() if name and _POLICY_ATTR in m.__dict__]
+    if len(roots) != 1:
+        return None
+    prefix = roots[0][0]
+    slim = [name for name, m in model.named_modules() if isinstance(m, SlimModule)]
+    return roots[0] if all(_at_or_under(name, prefix) for name in slim) else None
+
+
 def _at_or_under(name: str, prefix: str) -> bool:
     """Whether the module named ``name`` is the one named ``prefix`` or inside it."""
     return name == prefix or name.startswith(prefix + ".")
@@ -608,6 +620,18 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     bytes kept by the model's own code (where Hugging Face computes the loss) count as the loss's.
     """
     pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
+    if pol is None and (inner := _inner_root(model)) is not None:
+        # A wrapper put around a converted model (peft's PeftModel after convert): that model's summary, its names
+        # as the wrapper's. (Before, "policy: none: model not converted" above the count of converted modules.)
+        prefix, root = inner
+        if inputs is None:
+            found = summary(root)
+            rename = {n: n if n.startswith("(") else f"{prefix}.{n}" if n else prefix
+                      for n in (*found.modules, *found.skipped)}
+            found.modules = {rename[n]: k for n, k in found.modules.items()}
+            found.skipped = {rename[n]: r for n, r in found.skipped.items()}
+            return found
+        pol = root.__dict__[_POLICY_ATTR]
     skipped = dict(model.__dict__.get(_SKIPPED_ATTR, {}))
     modules: dict[str, str] = {}
     routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
@@ -672,7 +696,11 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             kind = kind_of(module)
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):
                 continue  # parameterless glue (identity, flatten...) keeps nothing worth reporting
-            skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
+            skipped[name] = (
+                f"not converted: {type(module).__name__} (kind {kind!r}) came into the model after convert (peft's "
+                "adapters do): convert the model again to convert it"
+                if pol is not None and recognise(module).replace is not None and pol.skip_reason(kind, name) is None
+                else f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})")
     if routing is not None and routing.loss is not None:
         modules["(loss)"] = "lmloss"
     result = Summary(

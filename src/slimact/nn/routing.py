@@ -72,6 +72,7 @@ dropout inside ``F.multi_head_attention_forward``, which slimact's ``nn.Multihea
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -120,7 +121,28 @@ def routings_around(module: nn.Module) -> list[Routing]:
     """The routings of the converted models ``module`` is a submodule of (found through the hooks each put on it)."""
     hooks = module._forward_pre_hooks.values()
     return list({id(r): r for hook in hooks if isinstance(r := getattr(hook, "__self__", None), Routing)
-                 and getattr(hook, "__func__", None) is Routing._enter_layer}.values())
+                 and getattr(hook, "__func__", None) is Routing._enter_layer and not r.removed}.values())
+
+
+def drop_removed_hooks(model: nn.Module) -> None:
+    """Remove from ``model``'s modules the forward hooks of routings already removed: a copy of a converted module
+    put into the model after ``convert`` (peft's ``modules_to_save``) holds the routing's hooks in tables of its own,
+    which the routing's handles, made for the original's, never reach. Left there, they routed the copy's calls after
+    ``revert`` (an 8-bit LayerNorm in a model ``revert`` had made plain)."""
+    for module in model.modules():
+        for table, extras in ((module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+                              (module._forward_hooks, (module._forward_hooks_with_kwargs,
+                                                       module._forward_hooks_always_called))):
+            for key in [key for key, hook in table.items() if _of_removed_routing(hook)]:
+                del table[key]
+                for extra in extras:
+                    extra.pop(key, None)
+
+
+def _of_removed_routing(hook: object) -> bool:
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    owner = getattr(fn, "__self__", None)
+    return isinstance(owner, Routing) and owner.removed
 
 
 def _top_saved_hook() -> object:
@@ -468,7 +490,23 @@ class Routing:
         state["handles"] = [h for h in self.handles if h.hooks_dict_ref() is not None]
         state["_contexts"] = None  # (about this model's module calls, by weak reference: not a copy's)
         state["_eval_blocks"] = {}  # (calls under way: not a copy's)
+        state["_root"] = None  # (a weak reference: set again by a copy of the model, see __deepcopy__)
         return state
+
+    def __deepcopy__(self, memo: dict) -> Routing:
+        root = self._root() if self._root is not None else None
+        if root is not None and id(root) not in memo:
+            # A converted module copied without its model (peft's modules_to_save, a block's EMA copy): its hooks,
+            # copied with it, are this routing's still. A copy of the routing took with it everything the routing
+            # holds (the LM head, the excluded and experts modules: weights and all), routed the copy's calls on its
+            # own, and outlived revert (the copy's hooks are not in the tables this routing's handles remove from).
+            return self
+        twin = Routing.__new__(Routing)
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        if root is not None:  # (a copy of the whole model: the copy's routing)
+            twin._root = weakref.ref(memo[id(root)])
+        return twin
 
     def __setstate__(self, state: dict) -> None:
         named = {name: func for func, name in _PICKLED_AS.items()}
@@ -489,6 +527,10 @@ class Routing:
         modules and the form of their clamped gated unit (:mod:`slimact.nn.clamped_glu`), which slimact computes
         (their ``_apply_gate`` set to a :class:`~slimact.nn.clamped_glu.Gate` until :meth:`remove`)."""
         self.policy = policy
+        #: The converted model, by weak reference (a copy of one of its modules alone shares this routing).
+        self._root: weakref.ref[nn.Module] | None = weakref.ref(model)
+        #: Whether :meth:`remove` ran (the hooks left on copies of the model's modules are then removed by revert).
+        self.removed = False
         #: Experts modules whose ``_apply_gate`` this routing set.
         self.gated = [module for module, _ in gates]
         for module, form in gates:
@@ -1075,6 +1117,9 @@ class Routing:
             self.loss.stop()
 
     def remove(self) -> None:
+        # (and no call is routed from now on: a hook of this routing left where revert does not look, on a module
+        # copied out of the model, runs its calls as written)
+        self.removed, self.handlers = True, {}
         for handle in self.handles:
             handle.remove()
         for module in self.encoders:  # (one copied during a call keeps its check until its next call's end)
