@@ -1086,7 +1086,10 @@ def _rule_reported(module, cls):
     if kind is not None:
         return Recognised(kind)
     name = cls.__name__
-    if "Attention" in name or (_ATTN_NAME.search(name) and _computes_scores(cls)):
+    if ("Attention" in name or (_ATTN_NAME.search(name) and _computes_scores(cls))
+            or "scaled_dot_product_attention" in forward_names(module)):
+        # (a forward that calls F.scaled_dot_product_attention is attention whatever its class's name: timm's
+        # ParallelScalingBlock, XCA, SimPool; its call was routed, and summary called the module "not covered")
         return Recognised("attention")
     if name.endswith("LayerNorm"):
         return Recognised("layernorm")
