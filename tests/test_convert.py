@@ -114,6 +114,25 @@ def test_a_block_copied_alone_shares_the_models_routing_and_copies_nothing_else(
     assert owners == {id(model.__dict__["_slimact_root_routing"])}
     whole = copy.deepcopy(model)  # (a copy of the whole model has a routing of its own)
     assert whole.__dict__["_slimact_root_routing"] is not model.__dict__["_slimact_root_routing"]
+    # A copy that reaches a block before the model (a list, a wrapper holding the blocks first): the block's copy is
+    # the copied model's, routed by the copy's routing (it was the original's, so its attention ran as written).
+    block, whole = copy.deepcopy([model.transformer.h[0], model])
+    assert block is whole.transformer.h[0]
+    owners = {id(h.__self__) for m in whole.modules() for h in m._forward_pre_hooks.values()
+              if isinstance(getattr(h, "__self__", None), Routing)}
+    assert owners == {id(whole.__dict__["_slimact_root_routing"])}
+
+
+def test_summary_of_a_model_one_block_of_which_was_converted_lists_the_rest():
+    # The summary of a wrapper around a converted model is that model's; a model whose one block was converted on its
+    # own is not such a wrapper: its other blocks were listed as left alone, and are (a helper's review).
+    from slimact import zoo
+
+    model = zoo.build("gpt2", tiny=True).train()
+    slimact.convert(model.transformer.h[0], "int8")
+    found = slimact.summary(model)
+    assert found.policy is None and "transformer.h.1.attn.c_attn" in found.skipped
+    assert not [r for r in found.skipped.values() if "after convert" in r]
 
 
 def test_idempotent():

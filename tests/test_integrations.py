@@ -337,6 +337,9 @@ def test_modules_peft_copies_after_convert_share_its_routing_and_revert_leaves_t
     _, grads = loss_grads(slim, inputs)
     assert_gradients_equal(exact, grads)
     assert slimact.profile(slim, inputs).activation_bytes == slimact.profile(plain, inputs).activation_bytes
+    # with inputs too: the converted model's summary, the coverage measured through peft's forward
+    with_inputs = slimact.summary(build(policy)[0], inputs)
+    assert with_inputs.policy == policy and with_inputs.coverage > 0.5 and "(loss)" in with_inputs.modules
 
 
 def test_summary_of_a_peft_model_made_after_convert_is_the_converted_models():

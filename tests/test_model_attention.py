@@ -129,6 +129,22 @@ def test_attention_in_model_code_whose_class_says_attn_is_routed(cls_name):
     torch.testing.assert_close(loss1, loss0)
     assert_gradients_close(g0, g1, 0.99)
 
+    # A class whose name does not say attention (vit-pytorch's LSA, whose softmax is an nn.Softmax child) is left
+    # as written, as before, but summary says why (it gave no reason; found by a helper's sweep of vit-pytorch).
+    class LSA(SelfAttention):
+        def __init__(self, dim, heads):
+            super().__init__(dim, heads)
+            self.attend = nn.Softmax(dim=-1)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            return self.proj((self.attend(q @ k.transpose(-1, -2)) @ v).transpose(1, 2).reshape(b, t, c))
+
+    plain.blocks[0].attn = LSA(64, 4)
+    assert "attention written in model code?" in slimact.summary(slimact.convert(plain, "int8")).skipped[
+        "blocks.0.attn"]
+
     class ChannelAttn(nn.Module):  # CBAM's: a gate, no scores (as ResNeSt's SplitAttn: a softmax, no product)
         def forward(self, x):
             return x * x.mean(1, keepdim=True).sigmoid()
@@ -158,6 +174,34 @@ def test_a_module_calling_sdpa_is_attention_whatever_its_name():
     found = slimact.summary(slim, inputs)
     assert {n for n, k in found.modules.items() if k == "attention"} == {"blocks.0.attn", "blocks.1.attn"}
     assert not [n for n in found.uncovered if n.endswith("attn")], found.uncovered
+    _, loss0, g0 = _step(plain.train(), inputs)
+    _, loss1, g1 = _step(slim.train(), inputs)
+    torch.testing.assert_close(loss1, loss0)
+    assert_gradients_close(g0, g1, 0.99)
+
+
+@pytest.mark.parametrize("scores, mix", [("b h i d, b h j d -> b h i j", "b h i j, b h j d -> b h i d"),
+                                         ("... i d, ... j d -> ... i j", "... i j, ... j d -> ... i d"),
+                                         ("...id,...jd", "...ij,...jd->...id")],
+                         ids=["letters", "ellipsis", "implicit-output"])
+def test_attention_written_with_einsum_keeps_no_fp32_scores(scores, mix):
+    # einops-style code (lucidrains' vit-pytorch) writes attention with ellipsis einsums: those ran as written and
+    # kept their fp32 operands beside the routed softmax's 8-bit probabilities, 1.18x plain's attention bytes under
+    # "int8" where the same einsums in letters kept 0.25x (found by a helper's sweep of vit-pytorch).
+    class EinsumAttention(SelfAttention):
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            attn = (torch.einsum(scores, q, k) * self.scale).softmax(-1)  # [B, H, T, T]
+            return self.proj(torch.einsum(mix, attn, v).transpose(1, 2).reshape(b, t, c))
+
+    plain, inputs = _HandWritten(), _inputs()
+    for block in plain.blocks:
+        block.attn = EinsumAttention(64, 4)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    after = slimact.profile(slim, inputs)
+    assert not _scores(after), _scores(after)
+    assert [e.shape for e in after.entries if e.dtype == torch.uint8 and e.shape[-2:] == (T, T)] == [(2, 4, T, T)] * 2
     _, loss0, g0 = _step(plain.train(), inputs)
     _, loss1, g1 = _step(slim.train(), inputs)
     torch.testing.assert_close(loss1, loss0)

@@ -139,6 +139,24 @@ def test_profile_leaves_batchnorm_statistics_and_settled_running_estimates_as_fo
     for n, b in before.items():
         assert torch.equal(after[n], b), n
 
+@pytest.mark.parametrize("layout", ["jagged", "strided"])
+def test_a_nested_tensor_saved_for_backward_is_counted_by_its_buffer(layout):
+    # profile (and summary(model, inputs), which profiles a plain copy) raised on a saved strided nested tensor (it
+    # has no sizes) and skipped a jagged one (no storage): vit-pytorch's NaViT with nested tensors (a helper's sweep).
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):  # [5, 4] -> rows of 3 and 2 tokens, its buffer [5 * 4] fp32: 80 bytes
+            rows = torch.nested.as_nested_tensor(list(self.lin(x).split([3, 2])), layout=getattr(torch, layout))
+            return rows.sin()  # (saves its input)
+
+    report = slimact.profile(Model(), torch.randn(5, 4),
+                             loss_fn=lambda out: torch.stack([t.sum() for t in out.unbind()]).sum())
+    assert [e.nbytes for e in report.entries if e.module == "(model)"][-1] == 80
+
+
 def test_loss_fn_and_tuple_inputs_and_tables():
     model = _toy()
     report = slimact.profile(model, (X,), loss_fn=lambda y: y.pow(2).mean())

@@ -63,6 +63,7 @@ __all__ = [
     "norm_form",
     "probed_state",
     "recognise",
+    "scores_in_code",
     "uses_attention_interface",
     "written_in_model_code",
 ]
@@ -849,12 +850,11 @@ def gated_mlp_intact(module: nn.Module, form: str) -> bool:
 
 
 def _state_beyond(module: nn.Module, allowed: Iterable[Tensor]) -> list[str]:
-    """Names of ``module``'s parameters and buffers (slimact's own aside) that are not among ``allowed``: state
+    """Names of ``module``'s parameters and buffers that are not among ``allowed``: state
     a replacement computing a known form from ``allowed`` alone would not differentiate (a parameter) or would
     read only as it was when probed (a layer scale initialised to ones, loaded from a checkpoint after convert)."""
     ids = {id(t) for t in allowed}
-    return [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
-            if id(t) not in ids and not n.rpartition(".")[2].startswith("_slimact_")]
+    return [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if id(t) not in ids]
 
 
 def _rule_gated_mlp(module, cls):
@@ -1059,26 +1059,44 @@ _REPORTED: tuple[tuple[type[nn.Module], str], ...] = (
 _ATTN_NAME = re.compile(r"Attn(?![a-z])|MHSA|MHA(?![a-z])")
 #: Calls that multiply two tensors (with ``@``, the forms an attention's scores and output are written in).
 _PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
+#: ``@`` and ``@=`` in Python 3.10's bytecode (3.11 on: ``BINARY_OP`` with the operator as its argument).
+_MATMUL_OPS = frozenset({"BINARY_MATRIX_MULTIPLY", "INPLACE_MATRIX_MULTIPLY"})
 
 
 @functools.cache
-def _computes_scores(cls: type) -> bool:
-    """Whether ``cls``'s forward itself computes a softmax and a product of tensors (``@`` or a call in
-    :data:`_PRODUCTS`): attention written in model code. Asked only of a class whose name says attention: on its
-    own it would take whole models for attention (transformers' ``XLNetForQuestionAnswering`` weighs its hidden
-    states by a softmax), and every product under them would be routed."""
+def _forward_code(cls: type) -> tuple[frozenset[str], bool]:
+    """The names ``cls``'s forward mentions (its nested functions' and comprehensions' included) and whether it
+    multiplies two tensors (``@`` or a call in :data:`_PRODUCTS`)."""
     forward = next((c.__dict__["forward"] for c in cls.__mro__ if "forward" in c.__dict__), None)
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
     names: set[str] = set()
     product = False
     stack = [code] if code is not None else []
-    while stack:  # the forward's code and the functions and comprehensions defined in it
+    while stack:
         code = stack.pop()
         names.update(code.co_names)
-        product = product or any(op.opname == "BINARY_OP" and op.argrepr in ("@", "@=")
+        product = product or any(op.opname in _MATMUL_OPS or (op.opname == "BINARY_OP" and op.argrepr in ("@", "@="))
                                  for op in dis.get_instructions(code))
         stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return "softmax" in names and (product or bool(names & _PRODUCTS))
+    return frozenset(names), product or bool(names & _PRODUCTS)
+
+
+def _computes_scores(cls: type) -> bool:
+    """Whether ``cls``'s forward itself computes a softmax and a product of tensors: attention written in model
+    code. Asked only of a class whose name says attention: on its own it would take whole models for attention
+    (transformers' ``XLNetForQuestionAnswering`` weighs its hidden states by a softmax), and every product under them
+    would be routed."""
+    names, product = _forward_code(cls)
+    return "softmax" in names and product
+
+
+def scores_in_code(module: nn.Module) -> bool:
+    """Whether ``module``'s forward computes a product of tensors and a softmax, its own or a ``nn.Softmax`` child's
+    (vit-pytorch's ``LSA`` calls ``self.attend``): what summary names as attention it leaves as written where the
+    class's name does not say attention."""
+    names, product = _forward_code(_cls(module))
+    return product and ("softmax" in names or any(
+        isinstance(child, nn.Softmax) and attr in names for attr, child in module.named_children()))
 
 
 def _rule_reported(module, cls):

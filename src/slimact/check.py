@@ -481,7 +481,7 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
     slim.train()
     _set_rng(rng)
     # The model's own state (BatchNorm's running statistics, any buffer a forward updates) as it was: the warm-up
-    # is to move slimact's estimates only (non-persistent buffers, not in the state dict).
+    # is to move slimact's estimates only (held apart from the buffers, not in the state dict).
     state = {k: v.clone() for k, v in slim.state_dict().items()}
     with torch.enable_grad():
         for batch in source:

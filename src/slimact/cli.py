@@ -145,7 +145,7 @@ def _fit(args: argparse.Namespace) -> int:
     policies = tuple(dict.fromkeys(("plain", *AUTO_ORDER) if args.policy == "auto" else ("plain", args.policy)))
     report = fit(model, lambda b: example_inputs(model, b, args.seq), args.budget, policies=policies,
                  optimizer=args.optimizer, batch=args.batch)
-    print(f"{args.model}, {args.seq} tokens per sample, optimizer {args.optimizer}")
+    print(f"{args.model}{' (tiny)' if args.tiny else ''}, {args.seq} tokens per sample, optimizer {args.optimizer}")
     print(report.table())
     rows = {row.policy: row for row in report.rows}
     if args.policy == "plain":  # (plain PyTorch measured alone: nothing to write)

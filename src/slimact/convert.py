@@ -29,6 +29,7 @@ from slimact._kinds import (
     kind_of,
     probed_state,
     recognise,
+    scores_in_code,
     uses_attention_interface,
     written_in_model_code,
 )
@@ -44,7 +45,7 @@ from slimact.nn.linear import conv1d_class, linear_class
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
-from slimact.nn.routing import FUNCTIONAL_NAME, Routing, drop_removed_hooks, routings_around
+from slimact.nn.routing import FUNCTIONAL_NAME, Routing, drop_routing_hooks, routings_around
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, matches, resolve
 
@@ -529,9 +530,10 @@ def revert(model: nn.Module) -> nn.Module:
         detach(module)
         _unroot(module)
     _untag_attention(model)
-    for routing in routings_around(model):
+    outer = routings_around(model)
+    for routing in outer:
         routing.leave_as_written(model)
-    drop_removed_hooks(model)
+    drop_routing_hooks(model, keep=outer)
     return model
 
 
@@ -576,14 +578,33 @@ class Summary:
 
 
 def _inner_root(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """``(name, module)`` of the one submodule of ``model`` that ``convert`` was called on, where every converted
-    module of ``model`` is in it; else ``None``."""
+    """``(name, module)`` of the one submodule of ``model`` that ``convert`` was called on, where it holds every
+    module of ``model`` that holds no other (a wrapper around a converted model: peft's ``PeftModel``); else ``None``
+    (a model one block of which was converted on its own is summarised as itself)."""
     roots = [(name, m) for name, m in model.named_modules() if name and _POLICY_ATTR in m.__dict__]
     if len(roots) != 1:
         return None
     prefix = roots[0][0]
-    slim = [name for name, m in model.named_modules() if isinstance(m, SlimModule)]
-    return roots[0] if all(_at_or_under(name, prefix) for name in slim) else None
+    leaves = [name for name, m in model.named_modules() if next(m.children(), None) is None]
+    return roots[0] if all(_at_or_under(name, prefix) for name in leaves) else None
+
+
+def _wrapped(model: nn.Module, prefix: str, root: nn.Module, inputs: Any, loss_fn) -> Summary:
+    """:func:`summary` of ``model``, a wrapper around the converted model ``root`` (named ``prefix`` in it): the
+    summary of ``root``, its names as ``model``'s, the coverage (with ``inputs``) measured through ``model``'s
+    forward. Before, it read "policy: none: model not converted" above the count of converted modules."""
+    found = summary(root)
+    found.modules = {_under(prefix, n): k for n, k in found.modules.items()}
+    found.skipped = {_under(prefix, n): r for n, r in found.skipped.items()}
+    if inputs is not None:
+        found.coverage, found.uncovered, *_ = _coverage(model, set(found.modules), inputs, loss_fn,
+                                                        root.__dict__.get(_ROUTE_ATTR))
+    return found
+
+
+def _under(prefix: str, name: str) -> str:
+    """``name`` (a summary's, of a module of the model named ``prefix``) as the outer model's."""
+    return name if name.startswith("(") else f"{prefix}.{name}" if name else prefix
 
 
 def _at_or_under(name: str, prefix: str) -> bool:
@@ -621,17 +642,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     """
     pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
     if pol is None and (inner := _inner_root(model)) is not None:
-        # A wrapper put around a converted model (peft's PeftModel after convert): that model's summary, its names
-        # as the wrapper's. (Before, "policy: none: model not converted" above the count of converted modules.)
-        prefix, root = inner
-        if inputs is None:
-            found = summary(root)
-            rename = {n: n if n.startswith("(") else f"{prefix}.{n}" if n else prefix
-                      for n in (*found.modules, *found.skipped)}
-            found.modules = {rename[n]: k for n, k in found.modules.items()}
-            found.skipped = {rename[n]: r for n, r in found.skipped.items()}
-            return found
-        pol = root.__dict__[_POLICY_ATTR]
+        return _wrapped(model, *inner, inputs, loss_fn)
     skipped = dict(model.__dict__.get(_SKIPPED_ATTR, {}))
     modules: dict[str, str] = {}
     routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
@@ -687,6 +698,11 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                     "; an F.scaled_dot_product_attention call in its code (a diffusers processor's) is routed all "
                     "the same: summary(model, inputs) tells whether one runs and what it keeps" if sdpa_call else "")
             )
+        elif name and name not in skipped and kind_of(module) != "attention" and scores_in_code(module):
+            skipped[name] = (f"{type(module).__name__} computes a softmax and products of tensors in its own code "
+                             "(attention written in model code?): slimact routes those (under a policy that "
+                             "compresses them) in a class whose name says attention (...Attention, ...Attn, MHSA) or "
+                             "that calls F.scaled_dot_product_attention; left as written")
         elif name not in skipped and isinstance(module.__dict__.get(GATE_ATTR), Gate):
             skipped[name] = (f"no slimact replacement yet for {type(module).__name__} (experts): its forward runs as "
                              "written, its clamped gated unit computed by slimact (kind 'silu', keeping its input "
@@ -696,11 +712,12 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             kind = kind_of(module)
             if kind == "other" and not any(True for _ in module.parameters(recurse=False)):
                 continue  # parameterless glue (identity, flatten...) keeps nothing worth reporting
-            skipped[name] = (
-                f"not converted: {type(module).__name__} (kind {kind!r}) came into the model after convert (peft's "
-                "adapters do): convert the model again to convert it"
-                if pol is not None and recognise(module).replace is not None and pol.skip_reason(kind, name) is None
-                else f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})")
+            if pol is not None and recognise(module).replace is not None and pol.skip_reason(kind, name) is None:
+                # (convert converts it or gives a reason: here since, as an adapter added to a converted model)
+                skipped[name] = (f"not converted: {type(module).__name__} (kind {kind!r}) came into the model after "
+                                 "convert: convert the model again to convert it")
+            else:
+                skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
     if routing is not None and routing.loss is not None:
         modules["(loss)"] = "lmloss"
     result = Summary(

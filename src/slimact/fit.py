@@ -77,12 +77,13 @@ class FitReport:
     requested_batch: int | None = None
 
     def table(self) -> str:
-        lines = [f"budget {_size(self.budget)}; weights and optimizer state {_size(self.static)}",
+        size = functools.partial(_size, unit=2**30 if self.budget >= 2**30 else 2**20)  # (the budget's, throughout)
+        lines = [f"budget {size(self.budget)}; weights and optimizer state {size(self.static)}",
                  f"{'policy':<8}{'kept/sample':>15}{'peak/sample':>15}{'max batch':>11}{'measured there':>16}"
                  f"{'affine check':>14}"]
         for r in self.rows:
             note = f"{100 * r.affine_error:.1f}%" + ("" if r.affine_error <= 0.02 else " NOT affine")
-            there = "not measured" if r.measured_peak is None else _size(self.static + r.measured_peak)
+            there = "not measured" if r.measured_peak is None else size(self.static + r.measured_peak)
             lines.append(f"{r.policy:<8}{r.kept_per_sample / 2**20:>11.1f} MiB{r.per_sample / 2**20:>11.1f} MiB"
                          f"{r.max_batch:>11}{there:>16}{note:>14}")
         if self.requested_batch is not None:
@@ -93,9 +94,9 @@ class FitReport:
         return "\n".join(lines)
 
 
-def _size(n: int) -> str:
-    """GiB from one GiB up, MiB below it: a 24 MiB budget printed as "0.02 GiB" said nothing."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def _size(n: int, unit: int) -> str:
+    """``n`` bytes in GiB (``unit`` 2**30) or MiB: a 24 MiB budget printed in GiB read "0.02 GiB"."""
+    return f"{n / 2**30:.2f} GiB" if unit == 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _free_bytes(model: nn.Module) -> int:

@@ -11,7 +11,7 @@ module's kind (:func:`slimact._kinds.kind_of`); tensors the loss function saves 
 shared-pack cache holds after the forward that no saved tensor has (a non-reentrant checkpoint's region input,
 packed by the region's first layer in the forward whose saves the checkpoint drops, held for its recompute) counts
 too, to the module that made it. The backward then runs, and the model is left as it was found: its training mode,
-gradients, buffers (running estimates, BatchNorm statistics) and the RNG state.
+gradients, buffers (BatchNorm statistics), running estimates and the RNG state.
 
 On CUDA the report also carries ``torch.cuda.max_memory_allocated`` over the step, minus what was
 allocated before it (``cuda_peak_bytes``).
@@ -524,7 +524,10 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     stack = _ModuleStack(model) if keep else None
 
     def pack_hook(t: Tensor) -> Tensor:
-        key = _storage_key(t)
+        # (a nested tensor, jagged or strided, is counted by the buffer holding its components: it has no sizes of its
+        # own, and a jagged one no storage; profile raised on the first one saved)
+        held = t.values() if t.is_nested else t
+        key = _storage_key(held)
         if key is None or key in excluded:
             return t
         saved_here = seen.setdefault(key, [])
@@ -535,7 +538,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
         gradient = is_gradient(t)
-        entry = SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), gradient)
+        entry = SavedTensor(name, kind, tuple(held.shape), t.dtype, held.untyped_storage().nbytes(), gradient)
         what = (2 if is_parameter_gradient(t) else 1) if gradient else 0
         saved_here.append((entry, weakref.ref(t), what if t.device == device else None))
         return t

@@ -148,6 +148,25 @@ def test_install_revert_reconvert_pickle_exclude_and_eval():
         torch.testing.assert_close(slim(x), plain(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reloaded", [False, True], ids=["fresh", "unpickled"])
+def test_an_experts_module_copied_into_the_model_after_convert_is_plain_after_revert(reloaded):
+    # peft's modules_to_save deep-copies the experts module: the copy kept slimact's Gate through revert and went on
+    # packing its gated unit 8-bit (a helper's review: GPT-OSS, a gradient 2.5e-3 from plain's); and where the model
+    # had been unpickled, the copy's hooks were a routing of their own revert did not reach.
+    torch.manual_seed(0)
+    plain, x = _Moe(), torch.randn(4, 6, 8)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    if reloaded:
+        slim = torch.load(io.BytesIO(_saved(slim)), weights_only=False)
+    slim.experts = copy.deepcopy(slim.experts)
+    slimact.revert(slim)
+    assert not [m for m in slim.modules() if GATE_ATTR in m.__dict__]
+    assert not [h for m in slim.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    (l0, g0), (l1, g1) = _step(plain, x), _step(slim, x)
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    assert_gradients_equal(g0, g1)
+
+
 def _step(model, x):
     model.zero_grad(set_to_none=True)
     loss = model(x).square().mean()

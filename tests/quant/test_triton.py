@@ -143,7 +143,7 @@ def test_a_running_pack_on_the_gpu_path_reads_nothing_back_and_folds_the_range_i
     cfg = QuantConfig(groups=8, scale="running")
     module, state = _estimated(torch.randn(64, 48, generator=gen).to(DEVICE), cfg)
     buffers = estimates(module)["_x_lo"], estimates(module)["_x_range"]
-    est_lo, est_hi = state.estimate(8)
+    est_lo, est_hi = state.estimate(8, torch.device(DEVICE))
     x = torch.randn(64, 48, generator=gen) * 1.5
     x[3, 5] = 1e4  # a heavy outlier in group 0
     x = x.to(DEVICE)
@@ -270,13 +270,13 @@ def test_a_running_pack_captured_in_a_cuda_graph_replays_as_the_eager_pack():
         captured = pack(static_x, cfg, state, backend="triton", share=False)
     layout = group_layout(static_x.shape, cfg)
     for scale in (1.0, 2.0, 0.5):
-        lo, step = scale_params(*state.estimate(8), 255)  # the estimate this replay packs with
+        lo, step = scale_params(*state.estimate(8, torch.device(DEVICE)), 255)  # the estimate this replay packs with
         static_x.copy_(torch.randn(64, 48, generator=gen).to(DEVICE) * scale)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured.tensors[1], lo) and torch.equal(captured.tensors[2], step)
         assert torch.equal(captured.tensors[0], reference.quantize(static_x, layout, lo, step, 8, None))
-    assert not torch.equal(state.estimate(8)[0], lo)  # each replay folded its tensor's range in
+    assert not torch.equal(state.estimate(8, torch.device(DEVICE))[0], lo)  # each replay folded its tensor's range in
 
 
 def test_each_case_of_the_tests_meets_the_tiling_it_stands_for():

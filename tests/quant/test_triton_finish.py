@@ -382,7 +382,7 @@ def test_a_running_pack_is_three_launches_and_no_host_read(bits, stochastic):
 def _estimate_copy(state, groups):
     module = torch.nn.Module()
     copy = RunningRange(module, "_x")
-    lo, rng = state.buffers(groups)
+    lo, rng = state.live(groups, torch.device(DEVICE))
     copy._set(lo, rng)
     return copy
 
@@ -393,7 +393,7 @@ def _replaced_running_pack(x, cfg, state, training, exact_sum):
     partials: the new path's fixed-order fp64 sum rounds to the same fp32), else PyTorch's fp32 sum as before."""
     layout = group_layout(x.shape, cfg)
     data = x.contiguous()
-    lo, step = scale_params(*state.estimate(layout.groups), cfg.qmax)
+    lo, step = scale_params(*state.estimate(layout.groups, x.device), cfg.qmax)
     codes, t_lo, t_hi, magnitude = kernels.quantize_stats(data, layout, lo, step, cfg.bits, None)
     if exact_sum:
         part = kernels._stats(data, layout, partials=True)[0]
@@ -414,15 +414,15 @@ def _replaced_running_pack(x, cfg, state, training, exact_sum):
 def _running_packs_agree(x, cfg, state, training):
     """The new running pack of ``x`` (no host read) against the replaced path's, on copies of the estimate: the
     same pack and the same buffers after the fold, bit for bit (up to the fp32 sum of roots, within rounding)."""
-    groups = group_layout(x.shape, cfg).groups
+    groups, device = group_layout(x.shape, cfg).groups, x.device
     exact, summed = _estimate_copy(state, groups), _estimate_copy(state, groups)
-    before = [t.clone() for t in state.buffers(groups)]
+    before = [t.clone() for t in state.live(groups, device)]
     with HostReads(fail=True):
         new = pack(x, cfg, state, training=training, backend="triton", share=False)
     _assert_same_pack(_replaced_running_pack(x, cfg, exact, training, exact_sum=True), new)
     _assert_same_pack(_replaced_running_pack(x, cfg, summed, training, exact_sum=False), new)
-    for got, want, near, old in zip(state.buffers(groups), exact.buffers(groups), summed.buffers(groups), before,
-                                    strict=True):
+    for got, want, near, old in zip(state.live(groups, device), exact.live(groups, device),
+                                    summed.live(groups, device), before, strict=True):
         assert torch.equal(got, want)
         torch.testing.assert_close(got, near, rtol=2**-20, atol=0)
         if not cfg.outliers:
@@ -455,7 +455,7 @@ def test_the_device_running_pack_equals_the_replaced_paths(shape, cfg, clip, out
         state = RunningRange(torch.nn.Module(), "_x")
         # the first pack (no estimate yet) sets it on the host path, as before
         first = pack(xs[0], c, state, backend="triton", share=False)
-        assert not first.raw and state.buffers(group_layout(shape, c).groups) is not None
+        assert not first.raw and state.live(group_layout(shape, c).groups, torch.device(DEVICE)) is not None
         for n, x in enumerate(xs[1:]):
             _running_packs_agree(x, c, state, training=n != 1)  # the second later pack in eval
 

@@ -104,7 +104,7 @@ def linear(
         weight: ``[out, in]``, or ``[in, out]`` with ``transposed=True`` (Hugging Face ``Conv1D``).
         bias: ``[out]`` or ``None``.
         cfg: how the input is compressed.
-        state: running-estimate buffers when ``cfg.scale == "running"``.
+        state: the running estimate when ``cfg.scale == "running"``.
     """
     if (not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)
             or foreign_weight(weight) is not None):

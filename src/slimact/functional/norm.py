@@ -386,7 +386,7 @@ class _NormFunction(SlimFunction):
 
 
 def _input_state(state: RunningRange | None) -> RunningRange | None:
-    """The running estimate of the input a layer keeps in place of its output (the guard), in buffers of its own:
+    """The running estimate of the input a layer keeps in place of its output (the guard), in estimates of its own:
     ``state`` estimates the output's per-channel ranges, and the input's pack (``cfg``'s channel groups) has as many
     groups where ``C`` is their count (a norm of 8 channels under ``"mesa"``), where one shared estimate clipped the
     input to the output's range the step a channel's weight reached 0 (weight gradient cosine 0.06)."""

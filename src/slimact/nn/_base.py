@@ -2,11 +2,11 @@
 
 A slimact module is the torch module it replaces with its class swapped for a subclass (``slimact.nn.Linear``
 is an ``nn.Linear``): the object, its parameters and its ``state_dict`` stay the very same. What slimact adds
-lives in plain attributes (the policy, the layer kind, the original class) and in non-persistent buffers
-(running estimates), so checkpoints load both ways with ``strict=True``.
+lives in plain attributes (the policy, the layer kind, the original class, the running estimates: not buffers,
+:data:`slimact.quant.state.ESTIMATES_ATTR`), so checkpoints load both ways with ``strict=True``.
 
 Running estimates are kept per **call site**: the ``k``-th call of a module within one step has its own estimate
-(buffers ``_slimact_<operand>`` for the first call, ``_slimact_<operand>_<k>`` after), so a module applied twice per
+(``_slimact_<operand>_lo`` for the first call, ``_slimact_<operand>_<k>_lo`` after), so a module applied twice per
 step to tensors of very different ranges (a shared block, ``q @ k^T`` and ``p @ v`` through one MatMul) does not
 average them. A step begins with each forward pass of the converted model (``convert`` counts them with a pre-hook on
 the model) and with the first call after a backward pass that ran a slimact Function
@@ -309,7 +309,7 @@ def _unslimmed_class(cls: type[nn.Module], orig: type[nn.Module]) -> type[nn.Mod
 
 
 def detach(module: nn.Module) -> nn.Module:
-    """Undo :func:`attach`: the original class again, slimact's attributes and buffers gone."""
+    """Undo :func:`attach`: the original class again, slimact's attributes and estimates gone."""
     if not isinstance(module, SlimModule):
         return module
     clear_state(module)

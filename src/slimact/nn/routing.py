@@ -78,6 +78,7 @@ import functools
 import inspect
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -104,7 +105,7 @@ from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position,
 from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, QuantConfig
 
-__all__ = ["FUNCTIONAL_NAME", "Routing"]
+__all__ = ["FUNCTIONAL_NAME", "Routing", "drop_routing_hooks", "routings_around"]
 
 #: The name policies see for calls in model code (for ``exclude`` patterns and ``summary``).
 FUNCTIONAL_NAME = "(functional)"
@@ -124,25 +125,47 @@ def routings_around(module: nn.Module) -> list[Routing]:
                  and getattr(hook, "__func__", None) is Routing._enter_layer and not r.removed}.values())
 
 
-def drop_removed_hooks(model: nn.Module) -> None:
-    """Remove from ``model``'s modules the forward hooks of routings already removed: a copy of a converted module
-    put into the model after ``convert`` (peft's ``modules_to_save``) holds the routing's hooks in tables of its own,
-    which the routing's handles, made for the original's, never reach. Left there, they routed the copy's calls after
-    ``revert`` (an 8-bit LayerNorm in a model ``revert`` had made plain)."""
+def drop_routing_hooks(model: nn.Module, keep: Sequence[Routing] = ()) -> None:
+    """Remove from ``model``'s modules what routings other than ``keep`` (the live ones of converted models
+    ``model`` is inside) left on them: a copy of a converted module put into the model after ``convert`` (peft's
+    ``modules_to_save``) holds the routing's forward hooks in tables of its own, which the routing's handles, made
+    for the original's, never reach (or a routing of its own, copied with it, where the model was unpickled and has
+    not run since), and an experts module's copy its own :class:`~slimact.nn.clamped_glu.Gate`. Left there, they
+    routed the copy's calls after ``revert`` (an 8-bit LayerNorm, a gated unit packed 8-bit, in a model ``revert``
+    had made plain)."""
+    kept = {id(r) for r in keep}
     for module in model.modules():
-        for table, extras in ((module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
-                              (module._forward_hooks, (module._forward_hooks_with_kwargs,
-                                                       module._forward_hooks_always_called))):
-            for key in [key for key, hook in table.items() if _of_removed_routing(hook)]:
+        for table, extras in _hook_tables(module):
+            for key in [key for key, hook in table.items() if _dropped(_routing_of(hook), kept)]:
                 del table[key]
                 for extra in extras:
                     extra.pop(key, None)
+        gate = module.__dict__.get(GATE_ATTR)
+        if isinstance(gate, Gate) and _dropped(_routing_of(gate.cfg), kept):
+            del module.__dict__[GATE_ATTR]
 
 
-def _of_removed_routing(hook: object) -> bool:
-    fn = hook.func if isinstance(hook, functools.partial) else hook
-    owner = getattr(fn, "__self__", None)
-    return isinstance(owner, Routing) and owner.removed
+def _hook_tables(module: nn.Module) -> tuple[tuple[dict, tuple[dict, ...]], ...]:
+    """``module``'s forward pre-hook and forward hook tables, each with the tables keyed alike beside it."""
+    return ((module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+            (module._forward_hooks, (module._forward_hooks_with_kwargs, module._forward_hooks_always_called)))
+
+
+def _routing_of(fn: object) -> Routing | None:
+    """The routing a hook or callback is a bound method of (or a ``functools.partial`` of one), if any."""
+    owner = getattr(fn.func if isinstance(fn, functools.partial) else fn, "__self__", None)
+    return owner if isinstance(owner, Routing) else None
+
+
+def _dropped(routing: Routing | None, kept: set[int]) -> bool:
+    return routing is not None and id(routing) not in kept
+
+
+def _bound_to(fn: object, routing: Routing) -> object:
+    """``fn`` (a bound method of another routing, or a ``functools.partial`` of one) bound to ``routing`` instead."""
+    if isinstance(fn, functools.partial):
+        return functools.partial(_bound_to(fn.func, routing), *fn.args, **fn.keywords)
+    return types.MethodType(fn.__func__, routing)
 
 
 def _top_saved_hook() -> object:
@@ -500,12 +523,24 @@ class Routing:
             # copied with it, are this routing's still. A copy of the routing took with it everything the routing
             # holds (the LM head, the excluded and experts modules: weights and all), routed the copy's calls on its
             # own, and outlived revert (the copy's hooks are not in the tables this routing's handles remove from).
+            # (Not memoised: a later reach of the routing within the same copy, through the model, copies it.)
             return self
         twin = Routing.__new__(Routing)
         memo[id(self)] = twin
         twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         if root is not None:  # (a copy of the whole model: the copy's routing)
             twin._root = weakref.ref(memo[id(root)])
+        # Modules this copy reached before the model (a list [block, model], a wrapper holding the blocks first) kept
+        # this routing's hooks and gates, the routing then being copied alone: the copy's routing's now.
+        # (A module whose copy is still being made, its state not set yet, finds the copy's routing in memo.)
+        for module in [m for m in memo.values() if isinstance(m, nn.Module) and "_forward_hooks" in m.__dict__]:
+            for table, _ in _hook_tables(module):
+                for key, hook in table.items():
+                    if _routing_of(hook) is self:
+                        table[key] = _bound_to(hook, twin)
+            gate = module.__dict__.get(GATE_ATTR)
+            if isinstance(gate, Gate) and _routing_of(gate.cfg) is self:
+                gate.cfg = _bound_to(gate.cfg, twin)
         return twin
 
     def __setstate__(self, state: dict) -> None:
@@ -516,6 +551,8 @@ class Routing:
         state["handlers"] = {_op_named(func) if isinstance(func, str) else func: fn for func, fn in handlers.items()
                              if not isinstance(func, str) or _op_named(func) is not None}
         state["_contexts"] = weakref.WeakKeyDictionary()
+        state.setdefault("removed", False)  # (a routing pickled before these existed)
+        state.setdefault("_root", None)
         self.__dict__.update(state)
 
     def __init__(self, model: nn.Module, policy: Policy, head: nn.Linear | None,
@@ -529,7 +566,7 @@ class Routing:
         self.policy = policy
         #: The converted model, by weak reference (a copy of one of its modules alone shares this routing).
         self._root: weakref.ref[nn.Module] | None = weakref.ref(model)
-        #: Whether :meth:`remove` ran (the hooks left on copies of the model's modules are then removed by revert).
+        #: Whether :meth:`remove` ran (the hooks it left on copies of the model's modules then find no outer model).
         self.removed = False
         #: Experts modules whose ``_apply_gate`` this routing set.
         self.gated = [module for module, _ in gates]
@@ -1090,6 +1127,8 @@ class Routing:
         if torch.compiler.is_compiling():
             return  # dynamo does not trace a mode entered in a hook: compiled models run the calls as written
         _RUNNING.routings.append(self)
+        if self._root is None:  # (unpickled: the model is known again from its first call)
+            self._root = weakref.ref(module)
         if module.training and torch.is_grad_enabled() and self._mode is None and self.handlers:
             if self.loss is not None:
                 name, at = self._labels_at
@@ -1117,8 +1156,9 @@ class Routing:
             self.loss.stop()
 
     def remove(self) -> None:
-        # (and no call is routed from now on: a hook of this routing left where revert does not look, on a module
-        # copied out of the model, runs its calls as written)
+        """Uninstall: the hooks, gates and checks this routing put on the model's modules are removed, and no call is
+        routed from now on (a hook of it left where ``revert`` does not look, on a module copied out of the model,
+        runs its calls as written)."""
         self.removed, self.handlers = True, {}
         for handle in self.handles:
             handle.remove()

@@ -244,7 +244,7 @@ def pack(
         x: fp32/fp16/bf16 tensor, any strides. Other dtypes, empty tensors and tensors holding NaN/inf are
             returned uncompressed (``Packed.raw``), exactly as given.
         cfg: bits, grouping, scale mode and rounding; ``None`` keeps ``x`` exact (lossless policies).
-        state: running-estimate buffers, used when ``cfg.scale == "running"``.
+        state: the running estimate, used when ``cfg.scale == "running"``.
         training: whether the running estimate may be updated.
         backend: ``"reference"``, ``"triton"`` or ``"inductor"``; default :func:`backend_for`.
         share: reuse a pack of the same tensor (same storage view, unchanged since, at least ``cfg.bits``)
@@ -315,7 +315,7 @@ def _pack_many(
         chosen = backend or backend_for(x)
         estimate = None  # on the triton backend, the (lo, step) of the running estimate as this item finds it
         if cfg.scale == "running" and chosen == "triton":
-            buffers = state.buffers(layout.groups, x.device)
+            buffers = state.live(layout.groups, x.device)
             if buffers is not None:  # (else the first tensor sets it, on the host path)
                 estimate = _kernels(chosen).scale_estimate(*buffers, cfg.qmax)
         job = _Job(i, x, cfg, layout, state, chosen, estimate)
@@ -397,13 +397,13 @@ class _Job:
         state = self.state
         if self.cfg.scale == "running":
             if fused.folded is None:  # no estimate was read: the first tensor sets it (or the same state twice)
-                if heavy or state.buffers(self.layout.groups, self.x.device) is not None:
+                if heavy or state.live(self.layout.groups, self.x.device) is not None:
                     return False  # (the host path updates the estimate, scales and quantises, as elsewhere)
                 state.update(self.lo, self.hi, self.cfg.decay, training)  # sets it to this range: this scale
             elif training and heavy:
                 state.fold(self.lo, self.hi, self.cfg.decay)
             elif training:
-                for buffer, value in zip(state.buffers(self.layout.groups, self.x.device), fused.folded, strict=True):
+                for buffer, value in zip(state.live(self.layout.groups, self.x.device), fused.folded, strict=True):
                     buffer.copy_(value)
         elif heavy:
             return False
@@ -471,7 +471,7 @@ def _decide(jobs: list[_Job], training: bool) -> None:
             # move the estimate this one must find).
             estimate = None
             if cfg.scale == "running" and id(job.state) not in estimated:
-                estimate = job.state.buffers(layout.groups, job.x.device)
+                estimate = job.state.live(layout.groups, job.x.device)
                 estimated.add(id(job.state))
             job.fused = job.kernels.pack8(job.x, layout, cfg, estimate)
             if job.fused is None and job.data is not job.x:  # strided, not a permutation of contiguous memory
@@ -582,7 +582,7 @@ def _pack_running(
     state: RunningRange, scaled: tuple[Tensor, Tensor], training: bool,
 ) -> Packed:
     """The pack under a running estimate on the GPU, with no host sync and three launches: the estimate's
-    ``lo``/``step`` (``scaled``, made by :func:`slimact.quant.triton.scale_estimate` from the state's buffers when
+    ``lo``/``step`` (``scaled``, made by :func:`slimact.quant.triton.scale_estimate` from the state's estimate when
     :func:`pack_many` took the item: one small kernel, :func:`slimact.quant.reference.scale_params` bit for bit),
     then one read of ``x`` that gives its codes for that estimate and per-tile partials of its own range, then one
     small kernel, a program per group, that reduces the partials and folds the range into the state's buffers in
@@ -604,7 +604,7 @@ def _pack_running(
     seed = reference.draw_seed() if cfg.stochastic else None
     from slimact.quant import triton as kernels
 
-    buffers = state.buffers(layout.groups, x.device)
+    buffers = state.live(layout.groups, x.device)
     data, data_layout, order = view  # (x as the kernels read it: see _kernel_view)
     codes = None
     if buffers is not None:

@@ -174,8 +174,8 @@ def pack8(x: Tensor, layout: GroupLayout, cfg: QuantConfig, estimate: tuple[Tens
     """An 8-bit round-to-nearest pack of ``x`` in one compiled call and two reads of ``x`` (the range, then the
     codes; one pass apart from the dispatch of PyTorch's several dozen small ops on ``[groups]`` tensors that
     the decisions and the scale otherwise take): everything :func:`slimact.quant.core.pack` computes before the
-    host reads the decisions. ``estimate``: the running estimate's live buffers ``(lo, range)``
-    (:meth:`slimact.quant.state.RunningRange.buffers`); the codes are then those of the estimate's scale, and
+    host reads the decisions. ``estimate``: the running estimate's live tensors ``(lo, range)``
+    (:meth:`slimact.quant.state.RunningRange.live`); the codes are then those of the estimate's scale, and
     :attr:`Packed8.folded` the buffers' values after this tensor's clipped range is folded in (the caller copies
     them into place when it should). The same values as the reference's ops bit for bit (codes, scale, range,
     flags, fold), but for the sum of ``sqrt|x|`` behind the outlier threshold (fp32 sums, as :func:`group_stats`).

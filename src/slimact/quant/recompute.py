@@ -10,7 +10,7 @@ each step twice and folded each tensor into its estimate twice. The gradients th
 without checkpointing by 0.5-2% relative: not what the forward's packs give.
 
 Here the forward of a checkpointed region notes, per call, its call site (:func:`slimact.nn._base.begin_call`) and
-the estimate it found (:class:`~slimact.quant.state.RunningRange`: a copy of its two buffers, a few floats per
+the estimate it found (:class:`~slimact.quant.state.RunningRange`: a copy of its two tensors, a few floats per
 group), and where its first rounding seed came from (:func:`~slimact.quant.reference.draw_seed`); the recompute (the
 same calls, in the same order) takes the same call site, packs with that estimate (folding its tensor into a copy:
 the forward has updated the live one, once per step) and draws the same seeds: its packs are the forward's, bit for

@@ -103,31 +103,28 @@ class RunningRange:
                     module.__dict__[ESTIMATES_ATTR] = {n: t for n, t in copies(found).items() if t is not None}
         self.module = module
 
-    def _live(self, groups: int, device: torch.device | None) -> tuple[Tensor, Tensor] | None:
-        table = self.module.__dict__.get(ESTIMATES_ATTR)
-        lo, rng = (table.get(self.lo_name), table.get(self.range_name)) if table is not None else (None, None)
-        if lo is None or rng is None or lo.shape != (groups,) or rng.shape != (groups,):
-            return None
-        if device is not None and lo.device != device:  # the model moved (model.to, .cuda): the estimate follows
-            lo, rng = self._set(lo.to(device), rng.to(device))
-        return lo, rng
-
     def _set(self, lo: Tensor, rng: Tensor) -> tuple[Tensor, Tensor]:
         lo, rng = lo.detach().float().clone(), rng.detach().float().clone()
         table = self.module.__dict__.setdefault(ESTIMATES_ATTR, {})
         table[self.lo_name], table[self.range_name] = lo, rng
         return lo, rng
 
-    def buffers(self, groups: int, device: torch.device | None = None) -> tuple[Tensor, Tensor] | None:
+    def live(self, groups: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
         """The live estimate ``(lo, range)``, fp32 ``[groups]`` on ``device`` (moved there once if the model
         moved), the module's own tensors: a kernel that reads them or folds into them in place, as :meth:`fold`
         does, works on the module's state; ``None`` before the first tensor of ``groups`` groups has been seen."""
-        return self._live(groups, device)
+        table = self.module.__dict__.get(ESTIMATES_ATTR)
+        lo, rng = (table.get(self.lo_name), table.get(self.range_name)) if table is not None else (None, None)
+        if lo is None or rng is None or lo.shape != (groups,) or rng.shape != (groups,):
+            return None
+        if lo.device != device or rng.device != device:  # the model moved (model.to, .cuda): the estimate follows
+            lo, rng = self._set(lo.to(device), rng.to(device))
+        return lo, rng
 
-    def estimate(self, groups: int, device: torch.device | None = None) -> tuple[Tensor, Tensor] | None:
+    def estimate(self, groups: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
         """The estimate ``(lo, hi)``, fp32 ``[groups]``, fresh tensors; ``None`` before the first tensor of
         ``groups`` groups has been seen."""
-        buffers = self._live(groups, device)
+        buffers = self.live(groups, device)
         if buffers is None:
             return None
         lo, rng = buffers
@@ -136,7 +133,7 @@ class RunningRange:
     def fold(self, lo: Tensor, hi: Tensor, decay: float, skip: Tensor | None = None) -> None:
         """Fold a tensor's per-group ``(lo, hi)`` into the estimate, in place; groups where ``skip`` is True
         (a range that is not finite) keep theirs. Initialises the estimate when there is none."""
-        buffers = self._live(lo.numel(), lo.device)
+        buffers = self.live(lo.numel(), lo.device)
         lo, rng = lo.detach().float(), (hi - lo).detach().float()
         if buffers is None:
             self._set(lo, rng)

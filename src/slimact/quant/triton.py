@@ -39,9 +39,9 @@ actual extents (the whole tensor, ``outer == 1``, gets ``[1, _TILE]`` tiles, no 
 
 :func:`quantize_stats` is that pass with the 8-bit codes written from the same read, for a given ``lo``/``step``
 (a running estimate's). The pack under a running estimate (:func:`slimact.quant.core._pack_running`) is three
-launches and never waits for the host: :func:`scale_estimate` (the estimate's buffers -> ``scale_params``'
+launches and never waits for the host: :func:`scale_estimate` (the estimate's tensors -> ``scale_params``'
 ``lo``/``step``), that pass with its partials left unreduced, and :func:`quantize_fold`'s per-group kernel
-(partials -> range, NaN/inf, clip, outlier-threshold cut, the EMA fold into the estimate's buffers in place, a NaN
+(partials -> range, NaN/inf, clip, outlier-threshold cut, the EMA fold into the estimate's tensors in place, a NaN
 step for a group that is not finite), built from the same ``@triton.jit`` helpers as :func:`decide`'s finishing
 kernel, so the same values as the PyTorch ops they replace, bit for bit but for the fp64 sum of ``sqrt|x|`` below.
 
@@ -631,7 +631,7 @@ def _finish(
 
 @triton.jit(do_not_specialize=["groups"])
 def _estimate_kernel(est_lo_ptr, est_rng_ptr, lo_ptr, step_ptr, groups, QMAX: tl.constexpr, B: tl.constexpr):
-    # The running estimate's buffers (lo, range), fp32 [groups] -> scale_params(lo, lo + range) into fresh lo, step:
+    # The running estimate's tensors (lo, range), fp32 [groups] -> scale_params(lo, lo + range) into fresh lo, step:
     # RunningRange.estimate's hi (an fp32 add) and the reference's scale, bit for bit.
     g = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     keep = g < groups
@@ -651,7 +651,7 @@ def _fold_kernel(
 ):
     # One program per group g: its partials (as _finish_kernel's) -> step[g] set to NaN where the group is not
     # finite; when TRAINING, the group's range, clipped (CLIP) and cut to its outlier threshold (OUTLIERS), folded
-    # into the estimate's buffers in place with RunningRange.fold's float operations in its order
+    # into the estimate's tensors in place with RunningRange.fold's float operations in its order
     # (lo <- lo * decay + t_lo * (1 - decay), range likewise with t_hi - t_lo; decay and 1 - decay rounded to fp32
     # as PyTorch rounds a Python scalar against an fp32 tensor), a group that is not finite keeping its estimate.
     g = tl.program_id(0).to(tl.int64)
@@ -678,8 +678,8 @@ def _fold_kernel(
 
 def scale_estimate(est_lo: Tensor, est_rng: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
     """:func:`slimact.quant.reference.scale_params` of a running estimate's ``(lo, lo + range)`` in one launch,
-    from its buffers (fp32 ``[groups]``, read on the device, not copied): fresh fp32 ``[groups]`` ``lo``/``step``,
-    the same bits as ``scale_params(*RunningRange.estimate(groups), qmax)``."""
+    from its tensors (fp32 ``[groups]``, read on the device, not copied): fresh fp32 ``[groups]`` ``lo``/``step``,
+    the same bits as ``scale_params(*RunningRange.estimate(groups, device), qmax)``."""
     groups = est_lo.numel()
     lo = torch.empty(groups, dtype=torch.float32, device=est_lo.device)
     step = torch.empty(groups, dtype=torch.float32, device=est_lo.device)
@@ -695,7 +695,7 @@ def quantize_fold(
     estimate: tuple[Tensor, Tensor], decay: float, clip: float | None, outliers: bool, training: bool,
 ) -> Tensor | None:
     """The codes of ``x`` for ``lo``/``step`` (a running estimate's, :func:`scale_estimate`) and ``x``'s own range
-    folded into that estimate's buffers ``estimate`` (fp32 ``[groups]`` lo and range, updated in place when
+    folded into that estimate's tensors ``estimate`` (fp32 ``[groups]`` lo and range, updated in place when
     ``training``), nothing read back: the range pass with the 8-bit codes from the same read (4- and 2-bit codes
     from a :func:`quantize`), then one program per group (:func:`_fold_kernel`), which also sets ``step`` to NaN
     in place for a group holding NaN/inf (or whose range overflows fp32). ``None`` where the range pass's grid
