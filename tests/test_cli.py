@@ -34,6 +34,9 @@ def test_python_m_slimact_profile_bert_by_module():
     )
     assert _ratio(proc.stdout, "linear") <= 0.3
     assert "bert.encoder.layer.0.attention.self.query" in proc.stdout
+    # torch 2.13's Kineto writes "USDT: ... profiler_start" and "profiler_stop" to stderr at each start and stop of
+    # torch.profiler, whatever its log level: 4 lines per `slimact profile`, dozens per `slimact fit`
+    assert "USDT" not in proc.stderr and "profiler_st" not in proc.stderr
 
 
 def test_profile_leaves_a_first_steps_one_time_allocations_out_of_the_peak(capsys):

@@ -407,6 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from slimact.policy import PolicyError
+    from slimact.profile import quiet_profiler
+
+    quiet_profiler()
 
     try:
         return args.func(args)

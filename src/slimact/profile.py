@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -350,6 +352,35 @@ def _restoring(model: nn.Module):
                 counter.value = value
 
 
+_quiet = False
+
+
+def quiet_profiler() -> None:
+    """From now on the profiler's start and stop write nothing to stderr (:func:`_profiler_quiet`): the command
+    line's choice. Not the library's default: it would silence another thread's stderr meanwhile."""
+    global _quiet
+    _quiet = True
+
+
+@contextlib.contextmanager
+def _profiler_quiet():
+    """File descriptor 2 to ``/dev/null`` while the profiler starts or stops, after :func:`quiet_profiler`:
+    torch 2.13's Kineto writes a "USDT: ... profiler_start" and a "profiler_stop" line to the process's stderr at
+    each, whatever its log level, so a ``slimact fit`` printed dozens."""
+    if not _quiet:
+        yield
+        return
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 class _Meter:
     """The step's allocations and frees from ``torch.profiler``'s memory events (module docstring); on CUDA also the
     allocator's own peak. Use as a context around the step, with :meth:`backward` around its backward."""
@@ -372,8 +403,15 @@ class _Meter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         # CPU activity suffices: the allocators (the CUDA caching one too) report to the profiler from the host.
-        self.prof = self._stack.enter_context(torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+        self.prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _profiler_quiet():
+            self.prof.__enter__()
+        self._stack.callback(self._stop)
         return self
+
+    def _stop(self) -> None:
+        with _profiler_quiet():
+            self.prof.__exit__(None, None, None)
 
     def backward(self) -> contextlib.AbstractContextManager:
         """Marks the backward's start in the event stream."""
