@@ -123,16 +123,49 @@ def test_a_block_copied_alone_shares_the_models_routing_and_copies_nothing_else(
     assert owners == {id(whole.__dict__["_slimact_root_routing"])}
 
 
-def test_summary_of_a_model_one_block_of_which_was_converted_lists_the_rest():
-    # The summary of a wrapper around a converted model is that model's; a model whose one block was converted on its
-    # own is not such a wrapper: its other blocks were listed as left alone, and are (a helper's review).
+def test_revert_leaves_another_converted_models_hooks_on_a_module_both_hold():
+    # revert drops the hooks routings left on modules no longer theirs (peft's copies), not those of another converted
+    # model still holding the module (a backbone block shared by two models; a block of one put into another): those
+    # were dropped, and the other model's attention in that block kept fp32 scores (a helper's review).
+    from slimact import zoo
+    from slimact.nn.routing import Routing
+
+    def routed_by(module, model):
+        routing = model.__dict__["_slimact_root_routing"]
+        return [h for m in module.modules() for h in m._forward_pre_hooks.values()
+                if getattr(h, "__self__", None) is routing and isinstance(routing, Routing)]
+
+    m1, m2 = zoo.build("gpt2", tiny=True), zoo.build("gpt2", tiny=True)
+    m2.transformer.h[0] = m1.transformer.h[0]
+    slimact.convert(m1, "int8")
+    slimact.convert(m2, "int8")
+    before = len(routed_by(m2.transformer.h[0], m2))
+    slimact.revert(m1)
+    assert before and len(routed_by(m2.transformer.h[0], m2)) == before
+    n, m = slimact.convert(zoo.build("gpt2", tiny=True), "int8"), slimact.convert(zoo.build("gpt2", tiny=True), "int8")
+    m.transformer.h[1] = n.transformer.h[1]
+    before = len(routed_by(n.transformer.h[1], n))
+    slimact.revert(m)
+    assert before and len(routed_by(n.transformer.h[1], n)) == before
+
+
+def test_summary_of_a_model_holding_a_converted_module_is_that_modules_and_lists_the_rest():
+    # A model holding a converted module (a block converted on its own; a head added to a converted backbone, peft's
+    # prompt encoder beside the model it wraps) read "policy: none: model not converted" above the count of converted
+    # modules, and called the modules outside "no slimact replacement yet" (helpers' reviews).
     from slimact import zoo
 
     model = zoo.build("gpt2", tiny=True).train()
     slimact.convert(model.transformer.h[0], "int8")
     found = slimact.summary(model)
-    assert found.policy is None and "transformer.h.1.attn.c_attn" in found.skipped
-    assert not [r for r in found.skipped.values() if "after convert" in r]
+    assert found.policy == "int8" and "converted as transformer.h.0" in str(found)
+    assert found.modules["transformer.h.0.attn.c_attn"] == "linear"
+    assert "outside transformer.h.0" in found.skipped["transformer.h.1.attn.c_attn"]
+    assert not [r for r in found.skipped.values() if "after convert" in r or "no slimact replacement" in r]
+    backbone = slimact.convert(zoo.build("gpt2", tiny=True).transformer, "int8")
+    with_head = nn.Sequential(backbone, nn.Linear(64, 3))
+    found = slimact.summary(with_head)
+    assert found.policy == "int8" and "outside 0" in found.skipped["1"] and found.functional
 
 
 def test_idempotent():

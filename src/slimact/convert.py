@@ -45,7 +45,7 @@ from slimact.nn.linear import conv1d_class, linear_class
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
-from slimact.nn.routing import FUNCTIONAL_NAME, Routing, drop_routing_hooks, routings_around
+from slimact.nn.routing import FUNCTIONAL_NAME, Routing, drop_stray_hooks, routings_around
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, matches, resolve
 
@@ -526,14 +526,14 @@ def revert(model: nn.Module) -> nn.Module:
     its code: the model is plain again. A block of a model converted as a whole (``revert(model.encoder)`` after
     ``convert(model)``) is plain from then on, the calls in its code too (they ran through the model's routing,
     compressed); the rest of the model stays converted."""
+    rooted = any(_ROUTE_ATTR in m.__dict__ for m in model.modules())
     for module in model.modules():
         detach(module)
         _unroot(module)
     _untag_attention(model)
-    outer = routings_around(model)
-    for routing in outer:
+    for routing in routings_around(model):
         routing.leave_as_written(model)
-    drop_routing_hooks(model, keep=outer)
+    drop_stray_hooks(model, unknown_stray=rooted)
     return model
 
 
@@ -578,24 +578,26 @@ class Summary:
 
 
 def _inner_root(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """``(name, module)`` of the one submodule of ``model`` that ``convert`` was called on, where it holds every
-    module of ``model`` that holds no other (a wrapper around a converted model: peft's ``PeftModel``); else ``None``
-    (a model one block of which was converted on its own is summarised as itself)."""
+    """``(name, module)`` of the one submodule of ``model`` that ``convert`` was called on, if there is one."""
     roots = [(name, m) for name, m in model.named_modules() if name and _POLICY_ATTR in m.__dict__]
-    if len(roots) != 1:
-        return None
-    prefix = roots[0][0]
-    leaves = [name for name, m in model.named_modules() if next(m.children(), None) is None]
-    return roots[0] if all(_at_or_under(name, prefix) for name in leaves) else None
+    return roots[0] if len(roots) == 1 else None
 
 
 def _wrapped(model: nn.Module, prefix: str, root: nn.Module, inputs: Any, loss_fn) -> Summary:
-    """:func:`summary` of ``model``, a wrapper around the converted model ``root`` (named ``prefix`` in it): the
-    summary of ``root``, its names as ``model``'s, the coverage (with ``inputs``) measured through ``model``'s
-    forward. Before, it read "policy: none: model not converted" above the count of converted modules."""
+    """:func:`summary` of ``model``, which holds the converted model ``root`` (named ``prefix`` in it: peft's
+    ``PeftModel`` around a model converted before, a head added to a converted backbone, a block converted on its
+    own): the summary of ``root``, its names as ``model``'s; the modules outside it left alone as such; the coverage
+    (with ``inputs``) measured through ``model``'s forward. Before, it read "policy: none: model not converted"
+    above the count of converted modules, and called the modules outside "no slimact replacement yet"."""
     found = summary(root)
     found.modules = {_under(prefix, n): k for n, k in found.modules.items()}
     found.skipped = {_under(prefix, n): r for n, r in found.skipped.items()}
+    for name, module in model.named_modules():
+        outside = not _at_or_under(name, prefix) and next(module.children(), None) is None
+        if outside and (kind_of(module) != "other" or any(True for _ in module.parameters(recurse=False))):
+            found.skipped[name] = (f"outside {prefix}, the module convert was called on: convert {type(model).__name__}"
+                                   " to convert it")
+    found.notes.append(f"converted as {prefix} (convert was called on it); names as {type(model).__name__}'s")
     if inputs is not None:
         found.coverage, found.uncovered, *_ = _coverage(model, set(found.modules), inputs, loss_fn,
                                                         root.__dict__.get(_ROUTE_ATTR))
@@ -698,11 +700,13 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                     "; an F.scaled_dot_product_attention call in its code (a diffusers processor's) is routed all "
                     "the same: summary(model, inputs) tells whether one runs and what it keeps" if sdpa_call else "")
             )
-        elif name and name not in skipped and kind_of(module) != "attention" and scores_in_code(module):
-            skipped[name] = (f"{type(module).__name__} computes a softmax and products of tensors in its own code "
-                             "(attention written in model code?): slimact routes those (under a policy that "
-                             "compresses them) in a class whose name says attention (...Attention, ...Attn, MHSA) or "
-                             "that calls F.scaled_dot_product_attention; left as written")
+        elif (name and name not in skipped and kind_of(module) != "attention" and scores_in_code(module)
+              and not any(kind_of(sub) == "attention" for sub in module.modules())):
+            # (a module holding attention of its own, a whole model weighing its outputs by a softmax, is not named)
+            skipped[name] = (f"{type(module).__name__} computes a softmax and products of tensors in its own code, "
+                             "left as written: slimact routes those (under a policy that compresses them) only in "
+                             "attention it recognises, a class whose name says attention (...Attention, ...Attn, MHSA) "
+                             "or that calls F.scaled_dot_product_attention")
         elif name not in skipped and isinstance(module.__dict__.get(GATE_ATTR), Gate):
             skipped[name] = (f"no slimact replacement yet for {type(module).__name__} (experts): its forward runs as "
                              "written, its clamped gated unit computed by slimact (kind 'silu', keeping its input "
