@@ -540,17 +540,17 @@ class Routing:
         twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         if root is not None:  # (a copy of the whole model: the copy's routing)
             twin._root = weakref.ref(memo[id(root)])
-        # Modules this copy reached before the model (a list [block, model], a wrapper holding the blocks first) kept
-        # this routing's hooks and gates, the routing then being copied alone: the copy's routing's now.
-        # (A module whose copy is still being made, its state not set yet, finds the copy's routing in memo.)
-        for module in [m for m in memo.values() if isinstance(m, nn.Module) and "_forward_hooks" in m.__dict__]:
-            for table, _ in _hook_tables(module):
-                for key, hook in table.items():
+        # Modules this copy reached before the model (a list [block, model], a wrapper holding the blocks first, a
+        # block holding a reference to its model) kept this routing's hooks and gates, the routing then being copied
+        # alone: the copy's routing's now. Their hook tables are in memo, a module's whose copy is still being made
+        # (its state not set yet) too.
+        for copied in list(memo.values()):
+            if isinstance(copied, dict):
+                for key, hook in list(copied.items()):
                     if _routing_of(hook) is self:
-                        table[key] = _bound_to(hook, twin)
-            gate = module.__dict__.get(GATE_ATTR)
-            if isinstance(gate, Gate) and _routing_of(gate.cfg) is self:
-                gate.cfg = _bound_to(gate.cfg, twin)
+                        copied[key] = _bound_to(hook, twin)
+            elif isinstance(copied, Gate) and _routing_of(copied.cfg) is self:
+                copied.cfg = _bound_to(copied.cfg, twin)
         return twin
 
     def __setstate__(self, state: dict) -> None:
