@@ -45,7 +45,7 @@ from slimact.nn.linear import conv1d_class, linear_class
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
-from slimact.nn.routing import FUNCTIONAL_NAME, Routing, drop_stray_hooks, routings_around
+from slimact.nn.routing import FUNCTIONAL_NAME, Routing, drop_routing_hooks, routings_around
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, matches, resolve
 
@@ -525,15 +525,16 @@ def revert(model: nn.Module) -> nn.Module:
     A submodule converted on its own (``convert(model.encoder)``) is reverted too, with the routing of the calls in
     its code: the model is plain again. A block of a model converted as a whole (``revert(model.encoder)`` after
     ``convert(model)``) is plain from then on, the calls in its code too (they ran through the model's routing,
-    compressed); the rest of the model stays converted."""
-    rooted = any(_ROUTE_ATTR in m.__dict__ for m in model.modules())
+    compressed); the rest of the model stays converted. A module another converted model holds too (a block two
+    models share) is plain in both: its class is restored, and no routing's hooks are left on it."""
     for module in model.modules():
         detach(module)
         _unroot(module)
     _untag_attention(model)
-    for routing in routings_around(model):
+    outer = routings_around(model)
+    for routing in outer:
         routing.leave_as_written(model)
-    drop_stray_hooks(model, unknown_stray=rooted)
+    drop_routing_hooks(model, keep=outer)
     return model
 
 

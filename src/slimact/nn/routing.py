@@ -105,7 +105,7 @@ from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position,
 from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, QuantConfig
 
-__all__ = ["FUNCTIONAL_NAME", "Routing", "drop_stray_hooks", "routings_around"]
+__all__ = ["FUNCTIONAL_NAME", "Routing", "drop_routing_hooks", "routings_around"]
 
 #: The name policies see for calls in model code (for ``exclude`` patterns and ``summary``).
 FUNCTIONAL_NAME = "(functional)"
@@ -125,38 +125,30 @@ def routings_around(module: nn.Module) -> list[Routing]:
                  and getattr(hook, "__func__", None) is Routing._enter_layer and not r.removed}.values())
 
 
-def drop_stray_hooks(model: nn.Module, unknown_stray: bool) -> None:
-    """Remove from ``model``'s modules what routings left on them where the module is not theirs (any longer): a
-    routing removed (``revert``), or one whose converted model is gone or no longer holds the module. A copy of a
-    converted module put into the model after ``convert`` (peft's ``modules_to_save``) holds the routing's forward
-    hooks in tables of its own, which the routing's handles, made for the original's, never reach (or a routing of
-    its own, copied with it, where the model was unpickled and has not run since), and an experts module's copy its
-    own :class:`~slimact.nn.clamped_glu.Gate`. Left there, they routed the copy's calls after ``revert`` (an 8-bit
-    LayerNorm, a gated unit packed 8-bit, in a model ``revert`` had made plain). Another converted model's hooks on
-    a module both hold stay (it was converted too). A routing whose model is not known (unpickled, not run since)
-    is stray where ``unknown_stray``: ``revert`` took down a conversion rooted in ``model``, so a routing it meets
-    there and does not know is a copy's; elsewhere (a block of such a model reverted) it is the model's, kept."""
-    members: dict[int, set[int]] = {}  # per routing met, the modules of its converted model (by id)
-
-    def stray(routing: Routing | None, module: nn.Module) -> bool:
-        if routing is None:
-            return False
-        if routing._root is None and not routing.removed:
-            return unknown_stray
-        if id(routing) not in members:
-            root = routing._root() if not routing.removed else None
-            members[id(routing)] = {id(m) for m in root.modules()} if root is not None else set()
-        return id(module) not in members[id(routing)]
-
+def drop_routing_hooks(model: nn.Module, keep: Sequence[Routing] = ()) -> None:
+    """Remove from ``model``'s modules the forward hooks and experts gates (:class:`~slimact.nn.clamped_glu.Gate`) of
+    every routing but ``keep`` (those of the converted models ``model`` is a block of, :func:`routings_around`):
+    ``revert`` makes ``model``'s modules plain in every model that holds them, as it restores their classes, which
+    are theirs alone. Left there, such hooks routed calls after ``revert``: a copy of a converted module put into
+    the model after ``convert`` (peft's ``modules_to_save``) holds the routing's hooks in tables of its own, which
+    the routing's handles, made for the original's, never reach (an 8-bit LayerNorm, a gated unit packed 8-bit, in a
+    model ``revert`` had made plain); a block loaded with its converted model and put into another; a block two
+    converted models share, its classes restored by ``revert`` of one, its calls routed by the other's hooks (half
+    converted)."""
+    kept = {id(r) for r in keep}
     for module in model.modules():
         for table, extras in _hook_tables(module):
-            for key in [key for key, hook in table.items() if stray(_routing_of(hook), module)]:
+            for key in [key for key, hook in table.items() if _dropped(_routing_of(hook), kept)]:
                 del table[key]
                 for extra in extras:
                     extra.pop(key, None)
         gate = module.__dict__.get(GATE_ATTR)
-        if isinstance(gate, Gate) and stray(_routing_of(gate.cfg), module):
+        if isinstance(gate, Gate) and _dropped(_routing_of(gate.cfg), kept):
             del module.__dict__[GATE_ATTR]
+
+
+def _dropped(routing: Routing | None, kept: set[int]) -> bool:
+    return routing is not None and id(routing) not in kept
 
 
 def _hook_tables(module: nn.Module) -> tuple[tuple[dict, tuple[dict, ...]], ...]:
