@@ -587,10 +587,12 @@ def held_bytes(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     Unlike :func:`slimact.profile` it needs no saved-tensor hooks, so it also measures compiled models, whose
     graphs the hooks cannot see into. On eager models the two agree (``benchmarks/integrations.py``).
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from slimact.profile import profiled
 
     model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiled(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = model(**inputs).loss
     held = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage and e.cpu_parent is None)
     loss.backward()
@@ -912,11 +914,13 @@ def _kernel_seconds(fn: Any, rounds: int, device: str) -> float | None:
     if torch.device(device).type != "cuda":
         return None
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from slimact.profile import profiled
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profiled(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
             fn()
         torch.cuda.synchronize()
@@ -1150,9 +1154,10 @@ def block_ops(
     import statistics
     import time
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     import slimact
+    from slimact.profile import profiled
     from slimact.zoo import build
 
     base = build("gpt2", layers=1, tiny=tiny, vocab=128).to(device)
@@ -1192,7 +1197,7 @@ def block_ops(
     wall: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         for key in names[r % len(names):] + names[: r % len(names)]:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profiled(activities=[ProfilerActivity.CPU]) as prof:
                 start = time.perf_counter()
                 step(blocks[key])
                 wall[key].append(1000 * (time.perf_counter() - start))

@@ -47,7 +47,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,6 +381,21 @@ def _profiler_quiet():
         os.close(null)
 
 
+@contextlib.contextmanager
+def profiled(**kwargs: Any) -> Iterator[Any]:
+    """``torch.profiler.profile(**kwargs)``, started and stopped quietly after :func:`quiet_profiler`."""
+    from torch.profiler import profile as torch_profile
+
+    prof = torch_profile(**kwargs)
+    with _profiler_quiet():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _profiler_quiet():
+            prof.__exit__(None, None, None)
+
+
 class _Meter:
     """The step's allocations and frees from ``torch.profiler``'s memory events (module docstring); on CUDA also the
     allocator's own peak. Use as a context around the step, with :meth:`backward` around its backward."""
@@ -393,7 +408,6 @@ class _Meter:
 
     def __enter__(self) -> _Meter:
         from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
 
         from slimact.quant import _hugepages
 
@@ -403,15 +417,8 @@ class _Meter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         # CPU activity suffices: the allocators (the CUDA caching one too) report to the profiler from the host.
-        self.prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _profiler_quiet():
-            self.prof.__enter__()
-        self._stack.callback(self._stop)
+        self.prof = self._stack.enter_context(profiled(activities=[ProfilerActivity.CPU], profile_memory=True))
         return self
-
-    def _stop(self) -> None:
-        with _profiler_quiet():
-            self.prof.__exit__(None, None, None)
 
     def backward(self) -> contextlib.AbstractContextManager:
         """Marks the backward's start in the event stream."""
