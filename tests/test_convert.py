@@ -1,6 +1,7 @@
 import copy
 import sys
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -180,6 +181,13 @@ def test_summary_of_a_model_holding_a_converted_module_is_that_modules_and_lists
     with_head = nn.Sequential(backbone, nn.Linear(64, 3))
     found = slimact.summary(with_head)
     assert found.policy == "int8" and "outside 0" in found.skipped["1"] and found.functional
+    both = zoo.build("gpt2", tiny=True)  # two blocks converted each on its own: both summaries, merged
+    slimact.convert(both.transformer.h[0], "int8")
+    slimact.convert(both.transformer.h[1], "tempo")
+    found = slimact.summary(both)
+    assert found.policy == "int8, tempo" and found.modules["transformer.h.1.ln_1"] == "layernorm"
+    assert found.converted == dict(Counter(found.modules.values()))
+    assert "outside transformer.h.0, transformer.h.1" in found.skipped["transformer.wte"]
 
 
 def test_idempotent():

@@ -578,30 +578,38 @@ class Summary:
         return "\n".join(lines)
 
 
-def _inner_root(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """``(name, module)`` of the one submodule of ``model`` that ``convert`` was called on, if there is one."""
+def _inner_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the outermost submodules of ``model`` that ``convert`` was called on."""
     roots = [(name, m) for name, m in model.named_modules() if name and _POLICY_ATTR in m.__dict__]
-    return roots[0] if len(roots) == 1 else None
+    return [(name, m) for name, m in roots
+            if not any(name != other and _at_or_under(name, other) for other, _ in roots)]
 
 
-def _wrapped(model: nn.Module, prefix: str, root: nn.Module, inputs: Any, loss_fn) -> Summary:
-    """:func:`summary` of ``model``, which holds the converted model ``root`` (named ``prefix`` in it: peft's
-    ``PeftModel`` around a model converted before, a head added to a converted backbone, a block converted on its
-    own): the summary of ``root``, its names as ``model``'s; the modules outside it left alone as such; the coverage
-    (with ``inputs``) measured through ``model``'s forward. Before, it read "policy: none: model not converted"
-    above the count of converted modules, and called the modules outside "no slimact replacement yet"."""
-    found = summary(root)
-    found.modules = {_under(prefix, n): k for n, k in found.modules.items()}
-    found.skipped = {_under(prefix, n): r for n, r in found.skipped.items()}
+def _wrapped(model: nn.Module, roots: list[tuple[str, nn.Module]], inputs: Any, loss_fn) -> Summary:
+    """:func:`summary` of ``model``, which holds the converted modules ``roots`` (``(name, module)``: peft's
+    ``PeftModel`` around a model converted before, a head added to a converted backbone, blocks converted each on
+    their own): their summaries, their names as ``model``'s; the modules outside them left alone as such; the
+    coverage (with ``inputs``) measured through ``model``'s forward. Before, it read "policy: none: model not
+    converted" above the count of converted modules, and called the modules outside "no slimact replacement yet"."""
+    found = Summary(policy=None)
+    for prefix, root in roots:
+        part = summary(root)
+        found.policy = ", ".join(dict.fromkeys(filter(None, (found.policy, part.policy))))
+        found.modules.update({_under(prefix, n): k for n, k in part.modules.items()})
+        found.skipped.update({_under(prefix, n): r for n, r in part.skipped.items()})
+        found.functional += [k for k in part.functional if k not in found.functional]
+        found.notes += [n for n in part.notes if n not in found.notes]
+    found.converted = dict(Counter(found.modules.values()))
+    names = ", ".join(prefix for prefix, _ in roots)
     for name, module in model.named_modules():
-        outside = not _at_or_under(name, prefix) and next(module.children(), None) is None
+        outside = not any(_at_or_under(name, prefix) for prefix, _ in roots) and next(module.children(), None) is None
         if outside and (kind_of(module) != "other" or any(True for _ in module.parameters(recurse=False))):
-            found.skipped[name] = (f"outside {prefix}, the module convert was called on: convert {type(model).__name__}"
-                                   " to convert it")
-    found.notes.append(f"converted as {prefix} (convert was called on it); names as {type(model).__name__}'s")
+            found.skipped[name] = (f"outside {names}, which convert was called on: convert {type(model).__name__} "
+                                   "to convert it")
+    found.notes.append(f"converted as {names} (convert was called on each); names as {type(model).__name__}'s")
     if inputs is not None:
-        found.coverage, found.uncovered, *_ = _coverage(model, set(found.modules), inputs, loss_fn,
-                                                        root.__dict__.get(_ROUTE_ATTR))
+        routing = roots[0][1].__dict__.get(_ROUTE_ATTR) if len(roots) == 1 else None
+        found.coverage, found.uncovered, *_ = _coverage(model, set(found.modules), inputs, loss_fn, routing)
     return found
 
 
@@ -644,8 +652,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     bytes kept by the model's own code (where Hugging Face computes the loss) count as the loss's.
     """
     pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
-    if pol is None and (inner := _inner_root(model)) is not None:
-        return _wrapped(model, *inner, inputs, loss_fn)
+    if pol is None and (inner := _inner_roots(model)):
+        return _wrapped(model, inner, inputs, loss_fn)
     skipped = dict(model.__dict__.get(_SKIPPED_ATTR, {}))
     modules: dict[str, str] = {}
     routing: Routing | None = model.__dict__.get(_ROUTE_ATTR)
