@@ -603,7 +603,7 @@ def _wrapped(model: nn.Module, roots: list[tuple[str, nn.Module]], inputs: Any, 
     names = ", ".join(prefix for prefix, _ in roots)
     for name, module in model.named_modules():
         outside = not any(_at_or_under(name, prefix) for prefix, _ in roots) and next(module.children(), None) is None
-        if outside and (kind_of(module) != "other" or any(True for _ in module.parameters(recurse=False))):
+        if outside and not _glue(module):
             found.skipped[name] = (f"outside {names}, which convert was called on: convert {type(model).__name__} "
                                    "to convert it")
     found.notes.append(f"converted as {names} (convert was called on each); names as {type(model).__name__}'s")
@@ -611,6 +611,11 @@ def _wrapped(model: nn.Module, roots: list[tuple[str, nn.Module]], inputs: Any, 
         routing = roots[0][1].__dict__.get(_ROUTE_ATTR) if len(roots) == 1 else None
         found.coverage, found.uncovered, *_ = _coverage(model, set(found.modules), inputs, loss_fn, routing)
     return found
+
+
+def _glue(module: nn.Module) -> bool:
+    """Whether a leaf module is parameterless glue (identity, flatten...): it keeps nothing worth reporting."""
+    return kind_of(module) == "other" and not any(True for _ in module.parameters(recurse=False))
 
 
 def _under(prefix: str, name: str) -> str:
@@ -722,9 +727,9 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                              "alone); torch._grouped_mm calls in its code (transformers' default experts "
                              "implementation) are routed where the policy converts 'linear'")
         elif name not in skipped and not any(True for _ in module.children()) and name:
+            if _glue(module):
+                continue
             kind = kind_of(module)
-            if kind == "other" and not any(True for _ in module.parameters(recurse=False)):
-                continue  # parameterless glue (identity, flatten...) keeps nothing worth reporting
             if pol is not None and recognise(module).replace is not None and pol.skip_reason(kind, name) is None:
                 # (convert converts it or gives a reason: here since, as an adapter added to a converted model)
                 skipped[name] = (f"not converted: {type(module).__name__} (kind {kind!r}) came into the model after "
