@@ -521,6 +521,30 @@ def test_the_warm_up_moves_the_running_estimates_only():
     assert report.estimates.startswith("warmed by 8") and report.forward_equal, str(report)
 
 
+class _SizedByLengths(torch.nn.Module):
+    """A model taking sequence lengths beside its frames and sizing its padding mask by the longest (torchaudio's
+    Conformer, Emformer, wav2vec2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ff = torch.nn.Linear(16, 16)
+
+    def forward(self, x, lengths):
+        pad = torch.arange(int(lengths.max()))[None, :] >= lengths[:, None]  # [B, T]: T must be x's
+        y, _ = self.attn(x, x, x, key_padding_mask=pad, need_weights=False)
+        return self.ff(y).square().mean()
+
+
+def test_the_warm_up_keeps_per_row_lengths_as_given():
+    # The warm-up's batches mixed the lengths with the frames ([12, 9] became [9, 9]): the model's mask no longer
+    # matched its 12 frames, and check raised inside the model's code where its training runs.
+    torch.manual_seed(0)
+    report = slimact.check(_SizedByLengths(), (torch.randn(2, 12, 16), torch.tensor([12, 9])), "mesa",
+                           loss_fn=lambda out: out)
+    assert report.estimates.startswith("warmed by 8") and report.forward_equal, str(report)
+
+
 class _DrawsAtFirstCall(torch.nn.Module):
     """A model that draws random numbers at its first call only, outside its state dict (as BigBird, at a length
     too short for block-sparse attention, makes a full-attention module with fresh weights at its first forward),
