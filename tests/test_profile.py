@@ -487,3 +487,43 @@ def test_packs_another_thread_makes_meanwhile_are_not_counted():
     x = torch.randn(8, 64)
     alone = slimact.profile(slimact.convert(nn.Sequential(copy.deepcopy(model.fc)), "int8"), x).activation_bytes
     assert slimact.profile(model, x).activation_bytes == alone
+
+
+class _AttentionPool(nn.Module):
+    """Attention pooling written in model code: ``(softmax(score(x)) * x).sum(1)``; the product keeps ``x`` in full,
+    which the score and head Linears pack too. ``gelu_product`` adds a GELU whose output a product keeps in full."""
+
+    def __init__(self, gelu_product: bool = False) -> None:
+        super().__init__()
+        self.score, self.head, self.up = nn.Linear(64, 1), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.gelu_product = gelu_product
+
+    def forward(self, x):
+        if self.gelu_product:  # the GELU's input codes stand for its output too: needed for its backward
+            g = torch.nn.functional.gelu(self.up(x))
+            return (g * self.up.bias).sum(1) + self.head(g).sum(1)
+        return (self.score(x).softmax(1) * x).sum(1) + self.head(x).sum(1)
+
+
+def test_a_compressed_copy_of_a_tensor_kept_in_full_is_reported_as_kept_twice():
+    # Found by two sweeps (a fuzzed program, attention pooling and a product-key memory's softmax into
+    # nn.EmbeddingBag): under "int8" a converted layer packed a tensor an op slimact leaves as written saved in full
+    # too, and nothing said so (a module converted, and keeping more than plain).
+    torch.manual_seed(0)
+    inp = nn.Linear(64, 64)
+    x = torch.randn(4, 128, 64)
+    model = slimact.convert(nn.Sequential(copy.deepcopy(inp), _AttentionPool()), "int8")
+    report = slimact.profile(model, x)
+    copied = [e for e in report.entries if e.copy_of is not None]
+    # the score's and the head's one pack of x (8-bit codes and their scales), x itself kept by the product in "1"
+    kept = sum(e.nbytes for e in report.entries if e.module == "1.score")  # codes (1 B each) and scales
+    assert {e.copy_of for e in copied} == {"1"} and kept > 4 * 128 * 64
+    # (the softmax's codes of its probabilities, routed in the pooling's code, are a copy too: the product keeps them)
+    assert report.twice["1.score"] == kept and set(report.twice) == {"1.score", "1"}, report.twice
+    assert "of which kept twice" in report.table()
+    note = next(n for n in slimact.summary(model, x).notes if "compressed copies" in n)
+    assert "1.score (0.03 MiB, kept in full by 1)" in note, note
+    assert slimact.profile(nn.Sequential(inp, _AttentionPool()), x).twice == {}  # plain: one tensor, once
+    # the GELU's input codes, which its backward needs, are no copy though its output is kept in full
+    gelu = slimact.profile(slimact.convert(_AttentionPool(gelu_product=True), "int8"), x)
+    assert gelu.twice == {}, gelu.twice

@@ -754,8 +754,15 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             "(slimact compresses fp32, fp16 and bf16)"
         )
     if inputs is not None:
-        result.coverage, result.uncovered, unrouted, idle, own, as_plain = _coverage(
+        result.coverage, result.uncovered, unrouted, idle, own, as_plain, twice = _coverage(
             model, set(modules), inputs, loss_fn, routing, by_products, by_sdpa)
+        if twice:
+            listed = ", ".join(f"{name} ({n / 2**20:.2f} MiB, kept in full by {full})"
+                               for name, (n, full) in sorted(twice.items())[:3])
+            result.notes.append(
+                f"{len(twice)} converted module(s) keep compressed copies of tensors that an op slimact leaves as "
+                f"written keeps in full too (a product, a pooling or an embedding bag in model code): {listed}"
+                f"{', ...' if len(twice) > 3 else ''}; those copies save nothing (plain PyTorch keeps the one tensor)")
         for name in as_plain:
             del modules[name]
             skipped[name] = ("its F.scaled_dot_product_attention calls run through slimact's attention, which keeps "
@@ -788,17 +795,19 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
 def _coverage(
     model: nn.Module, converted: set[str], inputs: Any, loss_fn, routing: Routing | None = None,
     by_products: set[str] = frozenset(), by_sdpa: set[str] = frozenset(),
-) -> tuple[float, dict[str, int], list[str], list[str], dict[str, str], list[str]]:
-    """``(share, {module: bytes}, unrouted, idle, own, as_plain)``: the share of the plain model's bytes that slimact
-    handles, the bytes it leaves by module, the tagged attention modules whose attention never reached slimact, the
-    converted ``nn.MultiheadAttention`` modules each of whose calls ran the module's own forward (``{name: why}``: a
-    call slimact's path does not cover, as ``need_weights=True``), and the modules of
+) -> tuple[float, dict[str, int], list[str], list[str], dict[str, str], list[str], dict[str, tuple[int, str]]]:
+    """``(share, {module: bytes}, unrouted, idle, own, as_plain, twice)``: the share of the plain model's bytes that
+    slimact handles, the bytes it leaves by module, the tagged attention modules whose attention never reached
+    slimact, the converted ``nn.MultiheadAttention`` modules each of whose calls ran the module's own forward
+    (``{name: why}``: a call slimact's path does not cover, as ``need_weights=True``), and the modules of
     ``by_products`` (reported converted as the routing watches their products and softmaxes, or for the
     F.scaled_dot_product_attention their forward mentions) in which no such call was routed in the forward, with
     ``"(loss)"`` where the routing would fuse the LM loss but none was fused (a loss the training loop computes
     outside the model is never the model's to route: its bytes are not covered), and the modules of ``by_sdpa``
     (reported for an F.scaled_dot_product_attention call in their code, diffusers' Attention's) whose routed calls
-    kept no fewer bytes than the plain model's (not covered: counted as left alone).
+    kept no fewer bytes than the plain model's (not covered: counted as left alone), and ``{module: (bytes, full)}``
+    of the compressed copies each converted module keeps of tensors that ``full`` keeps in full too
+    (:attr:`slimact.Report.twice`).
 
     Bytes kept inside converted modules (or their children) are covered. A module slimact did not convert
     still counts as uncovered with what it keeps in the converted model (measured), at most what it kept in
@@ -820,7 +829,8 @@ def _coverage(
     tracker = routing.loss if routing is not None else None
     fused = tracker.fused if tracker is not None else 0
     try:
-        after = profile(model, inputs, loss_fn=loss_fn).by_module
+        report = profile(model, inputs, loss_fn=loss_fn)
+        after = report.by_module
         routed = routing.routed | routing.attended if routing is not None else set()
     finally:
         if routing is not None:
@@ -846,4 +856,10 @@ def _coverage(
     uncovered = {name: min(n, after.get(name, 0)) for name, n in before.items() if not covered(name)}
     uncovered = {name: n for name, n in uncovered.items() if n}
     total = sum(before.values())
-    return (1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle, own, as_plain
+    twice: dict[str, tuple[int, str]] = {}
+    for e in report.entries:
+        if e.copy_of is not None and not e.gradient:
+            n, _ = twice.get(e.module, (0, ""))
+            twice[e.module] = (n + e.nbytes, e.copy_of)
+    return ((1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle, own, as_plain,
+            twice)

@@ -10,7 +10,9 @@ forward) is not. It is attributed to the innermost module whose forward was runn
 module's kind (:func:`slimact._kinds.kind_of`); tensors the loss function saves go to ``"(loss)"``. A pack slimact's
 shared-pack cache holds after the forward that no saved tensor has (a non-reentrant checkpoint's region input,
 packed by the region's first layer in the forward whose saves the checkpoint drops, held for its recompute) counts
-too, to the module that made it. The backward then runs, and the model is left as it was found: its training mode,
+too, to the module that made it. A pack of a tensor that is itself kept in full too (an op slimact leaves as written
+saved it: a product, a pooling, an embedding bag in model code) is marked a copy of it (``Report.twice``): counted, it
+saves nothing. The backward then runs, and the model is left as it was found: its training mode,
 gradients, buffers (BatchNorm statistics), running estimates and the RNG state.
 
 On CUDA the report also carries ``torch.cuda.max_memory_allocated`` over the step, minus what was
@@ -48,11 +50,12 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from slimact._kinds import kind_of
 from slimact.functional._saving import is_gradient, is_parameter_gradient, observer
@@ -66,6 +69,7 @@ ROOT = "(model)"
 LOSS = "(loss)"
 _AHEAD = "+ gradients computed ahead"
 _KEPT = "kept for the backward"
+_TWICE = "of which kept twice"
 _BACKWARD = "slimact.profile: backward"
 
 
@@ -80,6 +84,9 @@ class SavedTensor:
     nbytes: int
     #: A gradient computed ahead (see the module docstring), not an activation.
     gradient: bool = False
+    #: For slimact's compressed copy of a tensor that is kept in full too (an op slimact leaves as written saved it):
+    #: the module charged with the full tensor. The copy saves nothing (:attr:`Report.twice`).
+    copy_of: str | None = None
 
 
 def _mib(n: float) -> str:
@@ -175,6 +182,14 @@ class Report:
         """Activation bytes per qualified module name (the innermost module running when the tensor was saved)."""
         return _sum_by(self._activations, "module")
 
+    @property
+    def twice(self) -> dict[str, int]:
+        """Bytes of slimact's compressed copies of tensors that are kept in full too, per module that made them: an op
+        slimact leaves as written (a product, an embedding bag, a pooling in model code) saved the very tensor a
+        converted layer packed, so both forms are kept where plain PyTorch keeps one. Counted in the totals; the
+        copies save nothing (module docstring)."""
+        return _sum_by([e for e in self._activations if e.copy_of is not None], "module")
+
     def _rows(self, by: str) -> dict[str, int]:
         if by not in ("kind", "module"):
             raise ValueError(f"by must be 'kind' or 'module', got {by!r}")
@@ -184,7 +199,7 @@ class Report:
         """A readable table of bytes per kind (or per module), largest first; ``top`` limits the rows."""
         rows = sorted(self._rows(by).items(), key=lambda kv: (-kv[1], kv[0]))
         total = self.activation_bytes
-        width = max([len(by), *(len(k) for k, _ in rows), len(_AHEAD) if self.gradient_bytes else 0]) + 2
+        width = max([len(by), *(len(k) for k, _ in rows), len(_AHEAD) if self.gradient_bytes else 0, len(_TWICE)]) + 2
         lines = [f"{by:<{width}}{'bytes kept':>14}{'share':>8}"]
         shown = rows if top is None else rows[:top]
         for name, n in shown:
@@ -193,6 +208,9 @@ class Report:
             rest = sum(n for _, n in rows[len(shown) :])
             lines.append(f"{f'({len(rows) - len(shown)} more)':<{width}}{_mib(rest):>14}{rest / max(total, 1):>8.1%}")
         lines.append(f"{'total':<{width}}{_mib(total):>14}{'100.0%':>8}")
+        twice = sum(self.twice.values())
+        if twice:
+            lines.append(f"{_TWICE:<{width}}{_mib(twice):>14}{twice / max(total, 1):>8.1%}")
         if self.gradient_bytes:
             lines.append(f"{_AHEAD:<{width}}{_mib(self.gradient_bytes):>14}")
             lines.append(f"{_KEPT:<{width}}{_mib(self.kept_bytes):>14}")
@@ -591,6 +609,10 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     # Packs made for sharing (module docstring): (module, kind, the pack's id, weak references to its tensors; held
     # weakly, so that the count keeps nothing alive the step would have freed).
     shared: list[tuple[str, str, int, list[weakref.ref]]] = []
+    # storage key of a pack's tensor -> (its storage, weakly; {storage key: storage, weakly} of the tensors it stands
+    # for: a GELU input's codes stand for its output too, a copy only where each of them is kept in full). Weakly
+    # held storages, so that an address a freed storage leaves to another is not taken for it.
+    copies: dict[tuple[str, int], tuple[StorageWeakRef, dict[tuple[str, int], StorageWeakRef]]] = {}
     profiling = threading.get_ident()
 
     def shared_pack(x: Tensor, packed: Any) -> None:
@@ -599,6 +621,14 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
         shared.append((name, kind, id(packed), [weakref.ref(t) for t in packed.tensors]))
+        source = _storage_key(x)
+        for t in packed.tensors:
+            key = _storage_key(t)
+            if key is None or source is None or key == source:
+                continue
+            if key not in copies or copies[key][0].expired():
+                copies[key] = (StorageWeakRef(t.untyped_storage()), {})
+            copies[key][1][source] = StorageWeakRef(x.untyped_storage())
 
     use_cuda = torch.cuda.is_available() and device.type == "cuda"
     hooks = (torch.autograd.graph.saved_tensors_hooks(observer(pack_hook), lambda t: t) if keep
@@ -628,6 +658,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
                      for key, saved_here in seen.items()]
             alive = [a for a in alive if a is not None]
             alive += _held_packs(shared, held(), {key for key, _, _ in alive} | excluded, device)
+            alive = _copies_marked(alive, copies)
             entries = [entry for _, entry, _ in alive]
             # address -> what it is, of this device's saved storages
             saved = {key[1]: what for key, _, what in alive if what is not None}
@@ -663,6 +694,20 @@ def _held_packs(shared: list[tuple[str, str, int, list[weakref.ref]]], held: set
             counted.add(key)
             entry = SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
             out.append((key, entry, 0 if t.device == device else None))
+    return out
+
+
+def _copies_marked(alive: list, copies: dict) -> list:
+    """``alive`` with each entry of a pack's tensor whose source is kept in full too marked as a copy of it
+    (:attr:`SavedTensor.copy_of`: the module charged with the full tensor)."""
+    full = {key: entry for key, entry, _ in alive if key not in copies}
+    out = []
+    for key, entry, what in alive:
+        pack, sources = copies.get(key, (None, {}))
+        kept = [full.get(source) for source, ref in sources.items() if not ref.expired()]
+        if pack is not None and not pack.expired() and kept and len(kept) == len(sources) and all(kept):
+            entry = replace(entry, copy_of=kept[0].module)
+        out.append((key, entry, what))
     return out
 
 
