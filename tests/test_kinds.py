@@ -918,3 +918,71 @@ def test_an_instance_norm_is_probed_without_a_warning_and_trains_as_plain(affine
         model(x).square().sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert_gradients_equal(grads[0], grads[1])
+
+
+class _HeldElsewhere(nn.Module):
+    """An activation, a gated MLP and an RMSNorm written in model code, each reading a parameter its parent holds,
+    through a closure or a getter (a learnable Swish beta, an output scale, a gain): a probe recognises each."""
+
+    def __init__(self):
+        super().__init__()
+        # (at 1, as such scales start: the probes see the forms they scale)
+        self.beta, self.alpha, self.g = (nn.Parameter(torch.tensor(1.0)) for _ in range(3))
+
+        class Activation(nn.Module):
+            def __init__(self, fn):
+                super().__init__()
+                self.fn = fn
+
+            def forward(self, x):
+                return self.fn(x)
+
+        class MLP(nn.Module):
+            def __init__(self, scale):
+                super().__init__()
+                self.scale = scale
+                self.gate_proj, self.up_proj = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False)
+                self.down_proj = nn.Linear(16, 8, bias=False)
+
+            def forward(self, x):
+                return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) * self.scale()
+
+        class RMSNorm(nn.Module):
+            def __init__(self, scale):
+                super().__init__()
+                self.weight, self.eps, self.scale = nn.Parameter(torch.ones(8)), 1e-6, scale
+
+            def forward(self, x):
+                return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight * self.scale()
+
+        self.l0, self.l1 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act = Activation(lambda x: x * torch.sigmoid(self.beta * x))
+        self.mlp, self.norm = MLP(lambda: self.alpha), RMSNorm(lambda: self.g)
+
+    def forward(self, x):
+        return self.l1(self.norm(self.mlp(self.act(self.l0(x)))))
+
+
+def test_a_module_reading_a_parameter_held_elsewhere_is_left_as_written():
+    # Recognised by their probes (a silu, a gated MLP, an RMSNorm), the three were replaced by Functions that
+    # differentiate their input and own weights only: the parent's beta, alpha and g got no gradient (None where
+    # plain's are -0.56, -0.50, -4.5) and would never have trained (found by a review).
+    def grads(model):
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+        out = model(x)
+        (out * torch.linspace(-1, 2, out.numel()).view_as(out)).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    torch.manual_seed(0)
+    plain = grads(_HeldElsewhere())
+    for policy in ("tempo", "int8"):
+        torch.manual_seed(0)
+        model = slimact.convert(_HeldElsewhere(), policy)
+        found = slimact.summary(model)
+        assert not {"act", "mlp", "norm"} & set(found.modules), found.modules
+        assert all("not its own parameter" in found.skipped[n] for n in ("act", "mlp", "norm")), found.skipped
+        got = grads(model)
+        for name in ("beta", "alpha", "g"):
+            assert got[name] is not None, (policy, name)
+            if policy == "tempo":
+                torch.testing.assert_close(got[name], plain[name])

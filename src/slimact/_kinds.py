@@ -261,6 +261,33 @@ def _kept_as_is(t: Tensor) -> Tensor:
     return t
 
 
+def _reads_other_gradients(module: nn.Module, x: Tensor) -> bool:
+    """Whether ``module``'s training forward of ``x`` (needing no gradient) returns a tensor that needs one with the
+    module's own parameters frozen: its code reads a tensor held elsewhere that requires grad (a parent's parameter
+    through a closure or a getter: a learnable Swish ``beta``, a gain the parent holds). slimact's replacement of a
+    recognised module differentiates its input and its own weights only: that tensor would get no gradient, and
+    never train (found by a review: ``.grad`` None where plain's is -0.56)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        with _probing_grad(), _training(module):
+            y = _cls(module).forward(module, x.detach())
+    except _PROBE_ERRORS:
+        return False
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    return any(t.requires_grad for t in (y if isinstance(y, (tuple, list)) else (y,)) if isinstance(t, Tensor))
+
+
+def _reads_other_reason(cls: type, what: str) -> str:
+    """Why a module recognised by a probe is left as written where :func:`_reads_other_gradients`."""
+    return (f"{cls.__name__} computes {what} on a probe, but its forward also reads a tensor that needs a gradient "
+            "and is not its own parameter (a parent's, through a closure or a getter): slimact's replacement would "
+            "leave that tensor without a gradient; left as written")
+
+
 def _probe_activation(module: nn.Module) -> str | None:
     """The form whose values and derivative the module's forward has on :data:`_PROBE` (slimact's backward computes
     the form's derivative: a straight-through or partly detached forward has another one), else ``None``."""
@@ -882,6 +909,11 @@ def _rule_gated_mlp(module, cls):
             f"{cls.__name__} computes a gated MLP on a probe but holds {', '.join(beyond[:3])} besides its "
             "projections: slimact's fused block would neither use nor differentiate it; its parts are converted "
             "on their own"))
+    down = layout.parts(module)[3]
+    if _reads_other_gradients(module, _gated_probe_inputs(down.out_features, down.weight.dtype)[0]
+                             .to(device=down.weight.device, dtype=down.weight.dtype)):
+        return Recognised("mlp", reason=_reads_other_reason(cls, "a gated MLP") + "; its parts are converted on their "
+                          "own")
     if layout.act is not None and _writes_its_input(module._modules[layout.act]):
         return Recognised("mlp", reason=(
             f"{cls.__name__} is a gated MLP whose activation writes into its input (in place): slimact's fused "
@@ -986,6 +1018,11 @@ def _rule_norm(module, cls):
             return Recognised(kind, reason=(
                 f"{cls.__name__} computes a last-dim norm on a probe but holds {', '.join(beyond[:3])} besides its "
                 "weight and bias: slimact's backward would not differentiate it"))
+        device, dtype = _params_of(module)
+        width = weight.shape[0] if isinstance(weight, Tensor) else 48
+        if _reads_other_gradients(module, torch.randn(2, 3, width, generator=torch.Generator().manual_seed(0))
+                                 .to(device=device, dtype=dtype)):
+            return Recognised(kind, reason=_reads_other_reason(cls, "a last-dim norm"))
         return Recognised(kind, "norm", form)
     if typed:
         return Recognised(kind, reason=_own_forward(cls) + " (its probe is not a last-dim norm)")
@@ -1030,6 +1067,8 @@ def _rule_matmul(module, cls):
 
 def _rule_activation(module, cls):
     form = _probe_activation(module)
+    if form is not None and _reads_other_gradients(module, _PROBE.to(_params_of(module)[1])):
+        return Recognised(_FORM_KIND[form], reason=_reads_other_reason(cls, f"a {form} activation"))
     if form is not None:
         # (writes_input: the module overwrites the tensor it is given, announced by `inplace` or not: an activation
         # whose forward calls F.relu(x, inplace=True) or x.relu_(); nn.activation routes it as an in-place one)
