@@ -761,7 +761,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                                for name, (n, full) in sorted(twice.items())[:3])
             result.notes.append(
                 f"{len(twice)} converted module(s) keep compressed copies of tensors that an op slimact leaves as "
-                f"written keeps in full too (a product, a pooling or an embedding bag in model code): {listed}"
+                f"written keeps in full too (a product, a pooling, an embedding bag, a sigmoid in model code): {listed}"
                 f"{', ...' if len(twice) > 3 else ''}; those copies save nothing (plain PyTorch keeps the one tensor)")
         for name in as_plain:
             del modules[name]

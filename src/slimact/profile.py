@@ -11,9 +11,9 @@ module's kind (:func:`slimact._kinds.kind_of`); tensors the loss function saves 
 shared-pack cache holds after the forward that no saved tensor has (a non-reentrant checkpoint's region input,
 packed by the region's first layer in the forward whose saves the checkpoint drops, held for its recompute) counts
 too, to the module that made it. A pack of a tensor that is itself kept in full too (an op slimact leaves as written
-saved it: a product, a pooling, an embedding bag in model code) is marked a copy of it (``Report.twice``): counted, it
-saves nothing. The backward then runs, and the model is left as it was found: its training mode,
-gradients, buffers (BatchNorm statistics), running estimates and the RNG state.
+saved it: a product, a pooling, an embedding bag, a sigmoid attention's probabilities in model code) is marked a copy
+of it (``Report.twice``): counted, it saves nothing. The backward then runs, and the model is left as it was found:
+its training mode, gradients, buffers (BatchNorm statistics), running estimates and the RNG state.
 
 On CUDA the report also carries ``torch.cuda.max_memory_allocated`` over the step, minus what was
 allocated before it (``cuda_peak_bytes``).
