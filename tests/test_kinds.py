@@ -986,3 +986,31 @@ def test_a_module_reading_a_parameter_held_elsewhere_is_left_as_written():
             assert got[name] is not None, (policy, name)
             if policy == "tempo":
                 torch.testing.assert_close(got[name], plain[name])
+
+
+class _DtypeBranchMLP(nn.Module):
+    """A gated MLP choosing its activation by its input's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False)
+        self.down_proj = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        act = F.silu if x.dtype == torch.float32 else F.gelu
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_gated_mlp_branching_on_its_input_dtype_computes_its_own_form_under_autocast(policy):
+    # Probed on fp32 inputs only, it was fused as a SiLU block; under bf16 autocast, a Linear before it hands it a bf16
+    # input, for which its code takes GELU: the converted forward was 0.03 off at outputs of 0.2 (a review).
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _DtypeBranchMLP())
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert gated_mlp_form(slim[1]) is None
+    outs = []
+    for model in (plain, slim):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(model(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

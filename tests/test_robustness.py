@@ -1,6 +1,8 @@
 """Robustness: clear errors, and long runs that stay finite and track a distribution shift."""
 
 import copy
+import sys
+import types
 
 import pytest
 import torch
@@ -575,6 +577,23 @@ class _TensorSwish(nn.Module):
         return x * torch.sigmoid(self.beta * x)
 
 
+class _ConfigSwish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = types.SimpleNamespace(beta=1.0)  # (a configuration object the module holds)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.cfg.beta * x)
+
+
+_SWISH_BETA = 1.0
+
+
+class _GlobalSwish(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(_SWISH_BETA * x)  # (a global of its module)
+
+
 class _FlagNorm(nn.Module):
     """An RMSNorm, a LayerNorm where ``center`` is set."""
 
@@ -607,10 +626,12 @@ class _ModelCodeBlock(nn.Module):
         super().__init__()
         self.norm, self.mlp, self.fc = _FlagNorm(8), _MupMLP(8), nn.Linear(8, 8)
         self.act, self.class_act, self.tensor_act = _Swish(), _ClassSwish(), _TensorSwish()
+        self.config_act, self.global_act = _ConfigSwish(), _GlobalSwish()
 
     def forward(self, x):
         h = self.mlp(self.norm(x))
-        return self.tensor_act(self.class_act(self.act(self.fc(h)) * 2) * 2)
+        h = self.tensor_act(self.class_act(self.act(self.fc(h)) * 2) * 2)
+        return self.global_act(self.config_act(h) * 2)
 
 
 #: A value a module written in model code reads in its forward, set after ``convert`` recognised the module with
@@ -621,6 +642,9 @@ _VALUE_CHANGES = {
     "tensor attribute written in place": ("tensor_act", "silu", lambda m: m.tensor_act.beta.fill_(1.7)),
     "norm flag": ("norm", "rmsnorm", lambda m: setattr(m.norm, "center", True)),
     "muP multiplier": ("mlp", "mlp", lambda m: setattr(m.mlp, "output_mult", 0.25)),
+    # (read through an object the module holds, and a global: a review found both computed as the old form)
+    "configuration attribute": ("config_act", "silu", lambda m: setattr(m.config_act.cfg, "beta", 1.7)),
+    "global": ("global_act", "silu", lambda m: setattr(sys.modules[__name__], "_SWISH_BETA", 1.7)),
 }
 
 
@@ -637,13 +661,14 @@ def test_a_value_model_code_reads_set_after_convert_is_the_one_computed(change, 
     from _harness import assert_gradients_close, assert_gradients_equal
 
     monkeypatch.setattr(_ClassSwish, "beta", 1.0)  # (restored after the test: the change sets the class's)
+    monkeypatch.setattr(sys.modules[__name__], "_SWISH_BETA", 1.0)  # (and the module's global)
     name, kind, apply = _VALUE_CHANGES[change]
     torch.manual_seed(0)
     plain = _ModelCodeBlock().train()
     slim = slimact.convert(copy.deepcopy(plain), policy)
     assert slim.get_submodule(name)._slimact_kind == kind  # (recognised as the form, before the change)
     apply(plain)
-    apply(slim) if change != "class attribute" else None
+    apply(slim) if change not in ("class attribute", "global") else None
     x = torch.randn(3, 5, 8) * 3
     if again:
         slimact.convert(slim, policy)

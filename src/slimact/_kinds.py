@@ -29,6 +29,7 @@ import functools
 import inspect
 import itertools
 import re
+import sys
 import types
 import warnings
 import weakref
@@ -826,10 +827,16 @@ def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tupl
     if first.weight.dtype == torch.float32 and torch.amp.is_autocast_available(first.weight.device.type):
         # An fp32 block is trained under bf16 autocast too: a forward that computes the product in fp32 there
         # (BEAM's `act(gate(x).float()) * up(x).float()`) rounds differently from the fused block's bf16 product.
-        probes.append((probes[0][0], functools.partial(torch.autocast, first.weight.device.type, torch.bfloat16)))
+        autocast = functools.partial(torch.autocast, first.weight.device.type, torch.bfloat16)
+        probes.append((probes[0][0], autocast))
+        # and on a bf16 input, as a layer before it hands one over there: a forward choosing its activation by the
+        # input's dtype (`F.silu if x.dtype == torch.float32 else F.gelu`) computed another form than the fused
+        # block's under autocast, 0.03 off at outputs of 0.2 (a review)
+        probes.append((probes[0][0].to(torch.bfloat16), autocast))
     observed = []
     for x, cast in probes:
-        x = x.to(device=first.weight.device, dtype=first.weight.dtype).requires_grad_(True)
+        x = x.to(device=first.weight.device, dtype=first.weight.dtype if x.dtype == torch.float32 else x.dtype)
+        x.requires_grad_(True)
         with cast():
             seen = _gated_calls(module, names, x)
         if seen is None:
@@ -1287,12 +1294,34 @@ def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> Probed:
     return Probed(parts, _probed_values(module, parts))
 
 
+def _outside_values(cls: type, own: dict, names: tuple[str, ...]) -> tuple[tuple[str, object], ...]:
+    """``((label, value), ...)``: the plain values the code of ``cls`` may read outside the module, by the names it
+    names: an attribute of an object the module holds (``self.cfg.beta``, a configuration's ``hidden_act``: the
+    object itself is compared by identity) and a global of the class's module (``BETA``). Changed after convert,
+    the module computes another form than the one its probe saw (a review: a Swish's gradient at cosine 0.94, a
+    gated MLP's forward 0.1 off, where the object's identity and the module's own attributes had not moved)."""
+    found = []
+    for n in names:
+        held = own.get(n)
+        if held is None or type(held) in _PLAIN_VALUES or isinstance(held, (Tensor, nn.Module, types.FunctionType)):
+            continue
+        try:  # (not through a Hugging Face configuration's own __getattribute__: 8 us a read)
+            attrs = object.__getattribute__(held, "__dict__")
+        except AttributeError:
+            continue
+        found += [(f"{n}.{m}", attrs[m]) for m in names if m in attrs and type(attrs[m]) in _PLAIN_VALUES]
+    scope = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+    found += [(n, scope[n]) for n in names if n not in own and n in scope and type(scope[n]) in _PLAIN_VALUES]
+    return tuple(found)
+
+
 def _probed_values(module: nn.Module, parts: tuple[str, ...]) -> tuple:
     cls = _cls(module)
     names, plain = _read_names(cls)
     own = module.__dict__
     values = tuple(_value_key(own.get(n, _GONE)) for n in names)
     values += tuple(_value_key(getattr(cls, n, _GONE)) for n in plain)
+    values += (_outside_values(cls, own, names),)
     for part in parts:  # (a torch class's own, nn.GELU's approximate, the replacement reads live)
         child = own["_modules"].get(part)
         values += (_Same(child) if child is None or not written_in_model_code(_cls(child))
@@ -1307,8 +1336,14 @@ def changed_since(module: nn.Module, probed: Probed) -> list[str] | None:
     if now == probed.values:
         return None
     names, plain = _read_names(_cls(module))
-    labels = (*names, *(f"{type(module).__name__}.{n}" for n in plain), *probed.parts)
-    return [n for n, a, b in zip(labels, now, probed.values, strict=False) if a != b]
+    labels = (*names, *(f"{type(module).__name__}.{n}" for n in plain), "", *probed.parts)
+    changed = []
+    for n, a, b in zip(labels, now, probed.values, strict=False):
+        if a != b:
+            # (the values read outside the module: those that changed, came or went, by name)
+            changed += [label for label in dict.fromkeys((*dict(a), *dict(b))) if dict(a).get(label, _GONE)
+                        != dict(b).get(label, _GONE)] if n == "" else [n]
+    return changed
 
 
 def as_probed(module: nn.Module, probed: Probed, holder: dict, what: str, runs: str) -> bool:
