@@ -932,6 +932,30 @@ def test_an_in_place_op_on_a_kept_output_that_is_a_view_trains_as_plain(act, op)
     _assert_trains_as_plain(plain, slim, x)
 
 
+class _ActOnHalfTheChannels(nn.Module):
+    """A LayerNorm, then an in-place SiLU on a strided view of its output (half its channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc0, self.norm, self.fc1 = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        h = self.norm(self.fc0(x))
+        self.act(h[..., 4:])
+        return self.fc1(h)
+
+
+def test_an_in_place_op_on_a_strided_view_of_a_kept_output_is_plains_bit_for_bit():
+    # copy_on_write ran the op on a dense clone of the view: PyTorch's CPU kernel takes another path there than on
+    # the strided view, and 191 of 8192 outputs were 1 ulp off plain's (a review). The copy is laid out as the view.
+    import copy
+
+    torch.manual_seed(0)
+    plain = _ActOnHalfTheChannels().train()
+    _assert_trains_as_plain(plain, slimact.convert(copy.deepcopy(plain), "tempo"), torch.randn(64, 16, 8))
+
+
 class _ChannelsLastSliceAdd(nn.Module):
     """``h = act(conv(x))`` on a channels-last input (so ``h`` is channels-last), then ``h[:, :4] += p``."""
 
