@@ -273,7 +273,7 @@ def _reads_other_gradients(module: nn.Module, x: Tensor) -> bool:
         for p in params:
             p.requires_grad_(False)
         with _probing_grad(), _training(module):
-            y = _cls(module).forward(module, x.detach())
+            y = _cls(module).forward(module, x.detach().clone())  # (a copy: an in-place activation writes into it)
     except _PROBE_ERRORS:
         return False
     finally:
