@@ -34,6 +34,7 @@ from slimact._kinds import (
     written_in_model_code,
 )
 from slimact.functional._saving import foreign_weight, is_dtensor
+from slimact.functional.attention_guard import GUARDED_ATTR, MAX_SCORE_ERROR
 from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach, refuse_script
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
@@ -754,14 +755,27 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             "(slimact compresses fp32, fp16 and bf16)"
         )
     if inputs is not None:
+        for m in model.modules():
+            m.__dict__.pop(GUARDED_ATTR, None)
+        if routing is not None:
+            routing.guarded.clear()
         result.coverage, result.uncovered, unrouted, idle, own, as_plain, twice = _coverage(
             model, set(modules), inputs, loss_fn, routing, by_products, by_sdpa)
+        guarded = sorted({name for name, m in model.named_modules() if m.__dict__.get(GUARDED_ATTR)}
+                         | (routing.guarded if routing is not None else set()))
+        if guarded:
+            result.notes.append(
+                f"attention in {', '.join(guarded[:3])}{', ...' if len(guarded) > 3 else ''} kept q, k, v exact on "
+                f"these inputs: 8-bit codes of them would put more than {MAX_SCORE_ERROR} logits of error on its "
+                "scores (normalised q and k with no 1/sqrt(D) scaling: slimact.functional.attention_guard), so its "
+                "attention keeps about what PyTorch's does")
         if twice:
             listed = ", ".join(f"{name} ({n / 2**20:.2f} MiB, kept in full by {full})"
                                for name, (n, full) in sorted(twice.items())[:3])
             result.notes.append(
-                f"{len(twice)} converted module(s) keep compressed copies of tensors that an op slimact leaves as "
-                f"written keeps in full too (a product, a pooling, an embedding bag, a sigmoid in model code): {listed}"
+                f"{len(twice)} converted module(s) keep compressed copies of tensors that are kept in full too (by an "
+                "op slimact leaves as written: a product, a pooling, an embedding bag, a sigmoid in model code; or by "
+                f"attention that kept q, k, v exact): {listed}"
                 f"{', ...' if len(twice) > 3 else ''}; those copies save nothing (plain PyTorch keeps the one tensor)")
         for name in as_plain:
             del modules[name]

@@ -75,6 +75,17 @@ def test_ordinary_attention_keeps_its_codes():
     assert ratio < 0.5
 
 
+def test_summary_names_attention_the_guard_kept_exact():
+    # Its attention bytes are about plain's, while summary called it converted and said nothing (the README's
+    # "not yet reported by summary"; x-transformers' qk-norm attention under int8, found by a sweep).
+    torch.manual_seed(0)
+    x = torch.randn(2, 32, 64)
+    for scale, named in ((1.0, True), (0.02, False)):
+        model = slimact.convert(nn.Sequential(_QKNormAttention(scale=scale)), "int8")
+        notes = [n for n in slimact.summary(model, x).notes if "kept q, k, v exact" in n]
+        assert bool(notes) == named and (not named or notes[0].startswith("attention in 0 ")), notes
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", ["query", "key"])
 @pytest.mark.parametrize("cfg", [QuantConfig(group_dim=1, groups=0), QuantConfig(group_dim=1, groups=2),

@@ -92,7 +92,7 @@ from slimact._cache import cache
 from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._heads import from_head_blocks, head_blocks
 from slimact.functional._saving import Mask, SlimFunction, load, save
-from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error
+from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error, note_trip
 from slimact.functional.dropout import cpu_scale, scale_of
 from slimact.functional.softmax import normalized, pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many, pack_mask, reference
@@ -1064,6 +1064,8 @@ def scaled_dot_product_attention(
         both = values[0].reshape(1) if len(values) == 1 else torch.stack(values)  # (a lone flag: a view, no launch)
         read = dict(zip(flags, both.tolist(), strict=True))
         cfg = None if read.get("unsafe") else cfg
+        if read.get("unsafe"):
+            note_trip()
         kind = None if read.get("not_finite") or read.get("swamped") else kind
         flash = flash and not read.get("not_finite") and not read.get("swamped")
         dead = dead if read.get("dead", True) else None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 import torch
 from torch import Tensor
@@ -33,12 +34,36 @@ from torch import Tensor
 from slimact._cache import cache
 from slimact.quant import QuantConfig, inductor
 
-__all__ = ["MAX_SCORE_ERROR", "checked_score_error", "score_error", "score_safe_config", "score_unsafe"]
+__all__ = ["GUARDED_ATTR", "MAX_SCORE_ERROR", "checked_score_error", "note_trip", "score_error", "score_safe_config",
+           "score_unsafe", "trips"]
 
 #: Largest estimated score error (standard deviation, in logits) 8-bit ``q``/``k`` may put on a score. Passing
 #: attentions sit at 4e-4 (Llama, GPT-2 at initialisation) to 1.3e-2 (Qwen3's QK norm with ``1/sqrt(D)``);
 #: Gemma's unscaled QK-normed attention at 5e-2 and above fails the cosine floor.
 MAX_SCORE_ERROR = 0.02
+
+
+#: Set on a module one of whose attention calls kept ``q``, ``k``, ``v`` exact for the guard (:func:`trips`).
+GUARDED_ATTR = "_slimact_attention_guarded"
+
+
+class _Trips(threading.local):
+    count = 0
+
+
+_trips = _Trips()
+
+
+def trips() -> int:
+    """How many attention calls on this thread kept ``q``, ``k``, ``v`` exact for the guard so far: a caller that
+    knows the module compares it before and after a call, and ``summary(model, inputs)`` names such modules (their
+    attention bytes are not compressed on those inputs)."""
+    return _trips.count
+
+
+def note_trip() -> None:
+    """Count a call that kept ``q``, ``k``, ``v`` exact for the guard (:func:`trips`)."""
+    _trips.count += 1
 
 
 def _minmax_norm(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

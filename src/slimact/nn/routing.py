@@ -91,6 +91,7 @@ from slimact._kinds import _FORM_KIND, _foreign, kind_of, named_norm
 from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, kept_or_view_of_kept, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
+from slimact.functional.attention_guard import trips
 from slimact.functional.clamped_glu import GateForm
 from slimact.functional.dropout import dropout, scale_of
 from slimact.functional.dropout import native_dropout as slim_native_dropout
@@ -644,6 +645,8 @@ class Routing:
         #: Watched modules in whose code an F.scaled_dot_product_attention call was routed (summary's evidence that a
         #: module reported converted for the call its forward mentions made one).
         self.attended: set[str] = set()
+        #: Of those, the modules in which such a call kept q, k, v exact for the score error guard (summary's note).
+        self.guarded: set[str] = set()
         # (name, kinds) of the watched modules running now, innermost last (empty kinds: in eval mode).
         self._inside: list[tuple[str, frozenset[str]]] = []
         # Outputs of routed softmaxes, and dropouts of them (by id; each entry dies with its tensor).
@@ -937,8 +940,12 @@ class Routing:
             return None
         if self._inside:
             self.attended.add(self._inside[-1][0])
-        return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                            cfg=self._cfg("attention", query))
+        before = trips()
+        out = scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                           cfg=self._cfg("attention", query))
+        if trips() != before and self._inside:  # (q, k, v kept exact for the score error guard: summary says so)
+            self.guarded.add(self._inside[-1][0])
+        return out
 
     # Under torch.compile the mode is never entered (see _enter): nothing to exclude. The counter bumped in these
     # hooks would be a side effect for dynamo to replay, and around a module applying a slimact Function (Llama's
