@@ -105,6 +105,12 @@ def _raw(x: Tensor) -> Packed:
     return Packed((x,), PackMeta(x.shape, x.dtype, 0, GroupLayout(None, 1, 1, x.numel()), True))
 
 
+def _recomputing() -> bool:
+    """Whether a non-reentrant checkpoint's recompute is running (:func:`checkpoint_frame` with its graph task)."""
+    frame = checkpoint_frame()
+    return frame is not None and frame[1] is not None
+
+
 class _SharedPacks:
     """Cache of the packs of live tensors, so that a tensor two layers keep is packed (and kept) once.
 
@@ -141,11 +147,15 @@ class _SharedPacks:
         if source() is None or version != x._version or packed.meta.bits < cfg.bits:
             return None
         scope = reference.current_stream()
-        if scope is None and stream is None and x.grad_fn is None:
+        if scope is None and stream is None and x.grad_fn is None and not _recomputing():
             # Made and asked for outside any forward (slimact modules used on their own) for a tensor no op made
             # (an input, a buffer): it outlives the step and can change without its version moving (a numpy array
             # it shares memory with, refilled for the next batch; a write through .data), so a pack of an earlier
-            # call may hold old values (a weight gradient at cosine -0.01). Packed afresh.
+            # call may hold old values (a weight gradient at cosine -0.01). Packed afresh. Not in a checkpoint's
+            # recompute, whose tensors its own ops made (seen here without a grad_fn where a layer packs the tensor
+            # a view of it views: nn.MultiheadAttention's batch-first input): there the forward shared the pack,
+            # and packing afresh saved other shapes, which checkpoint rejects (a norm-first
+            # nn.TransformerEncoderLayer checkpointed under "int8": CheckpointError where PyTorch trains).
             return None
         if scope is not None and stream is not scope:
             return None
