@@ -190,6 +190,45 @@ def test_two_models_trained_in_two_threads_give_the_sequential_losses():
         torch.testing.assert_close(torch.stack(threaded[seed]), torch.stack(sequential[seed]), rtol=0, atol=0)
 
 
+def test_one_model_trained_in_two_threads_at_once_is_a_clear_error_and_one_after_the_other_trains():
+    # torch.nn.DataParallel's replicas share the converted model's hooks, and hogwild threads its modules: the
+    # routing's state of a training forward (its mode, its module stacks) was one for both threads, which popped each
+    # other's modes ("trying to pop from empty mode stack"), left calls unrouted or aborted the process (a review).
+    model = slimact.convert(_plain(0), "int8")
+    first_in, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold(*_) -> None:  # (the first thread's forward under way until the other's has begun)
+        if threading.current_thread() is threads[0]:
+            first_in.set()
+            release.wait(timeout=60)
+
+    def worker(first: bool) -> None:
+        try:
+            if not first:
+                first_in.wait(timeout=60)
+            try:
+                model(torch.randn(2, 8, 16)).sum().backward()
+            finally:
+                release.set() if not first else None
+        except BaseException as e:
+            errors.append(e)
+
+    handle = model[0].register_forward_pre_hook(hold)
+    threads = [threading.Thread(target=worker, args=(first,)) for first in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    handle.remove()
+    assert len(errors) == 1 and "already running in another thread" in str(errors[0]), errors
+    # One thread after the other: each trains (the model is no thread's between its training forwards).
+    other = threading.Thread(target=lambda: model(torch.randn(2, 8, 16)).sum().backward())
+    other.start()
+    other.join()
+    model(torch.randn(2, 8, 16)).sum().backward()
+
+
 _CROSS_PROCESS = """
 import torch, slimact
 from torch import nn

@@ -442,6 +442,8 @@ def _transformers_grouped_mm() -> object | None:
 _LAYER_FORWARD = inspect.unwrap(nn.TransformerEncoderLayer.forward).__code__
 _CHECK_ATTR = "modules"  # (an instance attribute during such a call: shadows nn.Module.modules)
 _CHECK_LOCK = threading.Lock()
+#: Held while a routing's training forward is claimed by a thread (:meth:`Routing._enter`).
+_OWNER_LOCK = threading.Lock()
 
 
 class _Unhooked:
@@ -516,6 +518,7 @@ class Routing:
         state["handles"] = [h for h in self.handles if h.hooks_dict_ref() is not None]
         state["_contexts"] = None  # (about this model's module calls, by weak reference: not a copy's)
         state["_eval_blocks"] = {}  # (calls under way: not a copy's)
+        state["_owner"] = None  # (the thread whose training forward runs now: not a copy's)
         state["_root"] = None  # (a weak reference: set again by a copy of the model, see __deepcopy__)
         return state
 
@@ -1135,6 +1138,20 @@ class Routing:
     def _enter(self, module, args, kwargs):
         if torch.compiler.is_compiling():
             return  # dynamo does not trace a mode entered in a hook: compiled models run the calls as written
+        if module.training and torch.is_grad_enabled() and self.handlers:
+            # The state of a training forward (its mode, the module and scope stacks) is the routing's: one thread's
+            # at a time. Two threads training one converted model at once (torch.nn.DataParallel's replicas share
+            # its hooks; hogwild threads) popped each other's modes ("trying to pop from empty mode stack"), left
+            # calls unrouted or aborted the process: a clear error instead.
+            with _OWNER_LOCK:
+                owner = self.__dict__.get("_owner")
+                if owner is not None and owner != threading.get_ident():
+                    raise RuntimeError(
+                        "slimact: this converted model's training forward is already running in another thread "
+                        "(torch.nn.DataParallel, or threads training one model): slimact routes one thread's "
+                        "training forward at a time. Use DistributedDataParallel (a process per device), or "
+                        "convert a copy of the model per thread.")
+                self._owner = threading.get_ident()
         _RUNNING.routings.append(self)
         if self._root is None:  # (unpickled: the model is known again from its first call)
             self._root = weakref.ref(module)
@@ -1151,6 +1168,10 @@ class Routing:
         running = _RUNNING.routings
         if running and running[-1] is self and not torch.compiler.is_compiling():
             running.pop()
+        owner = self.__dict__.get("_owner")
+        if owner is not None and owner != threading.get_ident():
+            return  # (its _enter refused this thread: the state is the running thread's)
+        self._owner = None
         if self._mode is not None:
             # (off the stack where a root that is itself an encoder block in eval stepped it aside: its own forward
             # hook, which would put it back, runs after this one)
