@@ -18,8 +18,9 @@ to plain's after each, as 8-bit gradients differ by design), then in eval mode a
 * gradients are None where plain's are and finite where plain's are; under ``"tempo"`` equal to plain's
   (``assert_close``) or, where not, no farther from a float64 run's than ``F64_MARGIN`` times plain's own distance
   (a sum in another order, the in-place GELU's inversion: docs/robustness.md); under ``"int8"`` at cosine >= 0.99
-  with plain's for every gradient above 1e-4 of the largest; under ``"mesa"`` finite (its running estimates are a
-  step stale by design at the second step: tests/test_hf_mesa.py judges its accuracy on real models);
+  with plain's for every gradient above 1e-4 of the largest; under ``"mesa"`` at cosine >= 0.9 and 0.8-1.25x the norm
+  at its first step (``MESA_FIRST_*``), finite at the second (its running estimates a step stale by design:
+  tests/test_hf_mesa.py judges its accuracy on real models);
 * eval and no-grad forwards equal plain's bit for bit (to fp32 rounding where the program has an
   ``nn.TransformerEncoderLayer``, whose fused eval kernel runs only unconverted: docs/robustness.md);
 * after ``revert``: forward and gradients bit for bit, the same ``state_dict``, no slimact class left.
@@ -48,6 +49,11 @@ F64_MARGIN = 8.0
 TEMPO_RTOL = 1e-4
 COSINE_FLOOR = 0.99
 NORM_RATIO = (0.9, 1.1)
+# "mesa" at its first step, whose estimates are fresh: a call site's estimate may come from another call's tensor (two
+# forwards a step, a checkpoint's recompute, a module called twice), so a looser floor than int8's (2 of the 200
+# programs are at cosine 0.98 and 0.93); later steps are stale by design (tests/test_hf_mesa.py judges training).
+MESA_FIRST_COSINE = 0.9
+MESA_FIRST_NORM = (0.8, 1.25)
 
 
 def _tensors(out) -> list[torch.Tensor]:
@@ -174,9 +180,11 @@ def _judge_grads(policy, step, plain, conv, f64, problems):
             if off_c > F64_MARGIN * off_p + TEMPO_RTOL * float(ref.abs().max()):
                 problems.append(f"s{step} {name}: {off_c:.3g} from float64, plain {off_p:.3g}, its largest "
                                 f"{float(ref.abs().max()):.3g}")
-        elif policy == "int8" and float(gp.norm()) > 1e-4 * gmax:
+        elif (policy == "int8" or (policy == "mesa" and step == 1)) and float(gp.norm()) > 1e-4 * gmax:
+            mesa = policy == "mesa"
+            floor, (low, high) = (MESA_FIRST_COSINE, MESA_FIRST_NORM) if mesa else (COSINE_FLOOR, NORM_RATIO)
             cosine, ratio = _cosine(gc, gp), float(gc.norm() / gp.norm())
-            if cosine < COSINE_FLOOR or not NORM_RATIO[0] <= ratio <= NORM_RATIO[1]:
+            if cosine < floor or not low <= ratio <= high:
                 problems.append(f"s{step} {name}: cosine {cosine:.4f}, norm {ratio:.3f}x plain's")
 
 

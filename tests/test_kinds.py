@@ -986,6 +986,15 @@ def test_a_module_reading_a_parameter_held_elsewhere_is_left_as_written():
             assert got[name] is not None, (policy, name)
             if policy == "tempo":
                 torch.testing.assert_close(got[name], plain[name])
+    # Frozen when converted, unfrozen to train after (the probe had looked at requires_grad alone: a review).
+    torch.manual_seed(0)
+    model = _HeldElsewhere().requires_grad_(False)
+    slimact.convert(model, "tempo").requires_grad_(True)
+    assert not {"act", "mlp", "norm"} & set(slimact.summary(model).modules)
+    got = grads(model)
+    for name in ("beta", "alpha", "g"):
+        torch.testing.assert_close(got[name], plain[name])
+    assert all(not p.requires_grad for p in slimact.convert(_HeldElsewhere().requires_grad_(False)).parameters())
 
 
 class _DtypeBranchMLP(nn.Module):
@@ -1014,3 +1023,20 @@ def test_a_gated_mlp_branching_on_its_input_dtype_computes_its_own_form_under_au
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs.append(model(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))))
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+class _AssertsItsDtype(_DtypeBranchMLP):
+    """A gated MLP asserting its input's dtype is its weights' (SiLU throughout)."""
+
+    def forward(self, x):
+        assert x.dtype == self.gate_proj.weight.dtype
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_gated_mlp_refusing_the_bf16_probe_is_fused_as_before():
+    # The bf16-input probe's AssertionError made convert raise where it had fused the block (a review): what a
+    # forward refuses on that probe is no evidence.
+    torch.manual_seed(0)
+    model = slimact.convert(_AssertsItsDtype(), "int8")
+    assert gated_mlp_form(model) == "silu"
+    model(torch.randn(2, 5, 8)).sum().backward()

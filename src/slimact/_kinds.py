@@ -28,6 +28,7 @@ import dis
 import functools
 import inspect
 import itertools
+import numbers
 import re
 import sys
 import types
@@ -262,23 +263,49 @@ def _kept_as_is(t: Tensor) -> Tensor:
     return t
 
 
+#: The parameters of the model ``convert`` recognises modules in (:func:`recognising`): a frozen one a module's code
+#: reads from outside it counts as such a tensor too (frozen at convert, trained later).
+_MODEL_PARAMS: list[list[nn.Parameter]] = [[]]
+
+
+@contextlib.contextmanager
+def recognising(model: nn.Module) -> Iterator[None]:
+    """Recognition of ``model``'s modules (``convert``): :func:`_reads_other_gradients` sees its frozen parameters as
+    trainable ones (a model frozen, converted, then unfrozen: a Swish reading its parent's ``beta`` had been replaced,
+    and ``beta.grad`` stayed None where plain's is -1.22; a review)."""
+    before = _MODEL_PARAMS[0]
+    _MODEL_PARAMS[0] = [p for p in model.parameters() if p.is_floating_point()]
+    try:
+        yield
+    finally:
+        _MODEL_PARAMS[0] = before
+
+
 def _reads_other_gradients(module: nn.Module, x: Tensor) -> bool:
     """Whether ``module``'s training forward of ``x`` (needing no gradient) returns a tensor that needs one with the
-    module's own parameters frozen: its code reads a tensor held elsewhere that requires grad (a parent's parameter
-    through a closure or a getter: a learnable Swish ``beta``, a gain the parent holds). slimact's replacement of a
-    recognised module differentiates its input and its own weights only: that tensor would get no gradient, and
-    never train (found by a review: ``.grad`` None where plain's is -0.56)."""
-    params = [p for p in module.parameters() if p.requires_grad]
+    module's own parameters frozen and the rest of the model's trainable (:func:`recognising`): its code reads a
+    tensor held elsewhere that requires grad or may (a parent's parameter through a closure or a getter: a learnable
+    Swish ``beta``, a gain the parent holds). slimact's replacement of a recognised module differentiates its input
+    and its own weights only: that tensor would get no gradient, and never train (found by a review: ``.grad`` None
+    where plain's is -0.56)."""
+    own = list(module.parameters())
+    mine = {id(p) for p in own}
+    frozen = [p for p in own if p.requires_grad]
+    thawed = [p for p in _MODEL_PARAMS[0] if not p.requires_grad and id(p) not in mine]
     try:
-        for p in params:
+        for p in frozen:
             p.requires_grad_(False)
+        for p in thawed:
+            p.requires_grad_(True)
         with _probing_grad(), _training(module):
             y = _cls(module).forward(module, x.detach().clone())  # (a copy: an in-place activation writes into it)
     except _PROBE_ERRORS:
         return False
     finally:
-        for p in params:
+        for p in frozen:
             p.requires_grad_(True)
+        for p in thawed:
+            p.requires_grad_(False)
     return any(t.requires_grad for t in (y if isinstance(y, (tuple, list)) else (y,)) if isinstance(t, Tensor))
 
 
@@ -835,11 +862,20 @@ def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tupl
         probes.append((probes[0][0].to(torch.bfloat16), autocast))
     observed = []
     for x, cast in probes:
-        x = x.to(device=first.weight.device, dtype=first.weight.dtype if x.dtype == torch.float32 else x.dtype)
+        extra = x.dtype == torch.bfloat16  # (what a forward refuses there is no evidence: one asserting its input's
+        # dtype is its weight's, fused before this probe, made convert raise)
+        x = x.to(device=first.weight.device, dtype=first.weight.dtype if not extra else x.dtype)
         x.requires_grad_(True)
-        with cast():
-            seen = _gated_calls(module, names, x)
+        try:
+            with cast():
+                seen = _gated_calls(module, names, x)
+        except Exception:
+            if not extra:
+                raise
+            continue
         if seen is None:
+            if extra:
+                continue
             return []
         observed.append((x, *seen, cast))
     found = [(layout, form) for layout, form in candidates
@@ -1294,22 +1330,88 @@ def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> Probed:
     return Probed(parts, _probed_values(module, parts))
 
 
+_code_writes: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+_STORES = frozenset({"STORE_ATTR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_GLOBAL"})
+
+
+def _written_names(cls: type) -> frozenset[str]:
+    """The attribute and global names the code of ``cls`` (and of its bases written in model code) assigns: state its
+    code keeps for itself (a call counter, a warn-once flag), which moves at every call without changing the form it
+    computes (watched, a counter sent an activation back to its own code from its second call on: a review)."""
+    found = _code_writes.get(cls)
+    if found is None:
+        own = [c for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))]
+        # (not __init__'s, which sets every attribute the module holds)
+        found = _code_writes[cls] = frozenset(
+            ins.argval for c in own for k, v in c.__dict__.items() if k != "__init__" for code in _code(v)
+            for inner in _codes_in(code) for ins in dis.get_instructions(inner) if ins.opname in _STORES)
+    return found
+
+
+def _codes_in(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes_in(const)
+
+
+def _attributes(held: object, names: tuple[str, ...]) -> dict[str, object]:
+    """Of ``names``, those ``held`` has and their values: its instance's (``__dict__`` or slots), else its class's
+    plain values (a configuration class's defaults). Not through the object's own ``__getattribute__`` (a Hugging
+    Face configuration's costs 8 us a read)."""
+    try:
+        attrs = object.__getattribute__(held, "__dict__")
+    except AttributeError:
+        attrs = {}
+    found = {}
+    for m in names:
+        if m in attrs:
+            found[m] = attrs[m]
+            continue
+        for c in type(held).__mro__:
+            if m in c.__dict__:
+                value = c.__dict__[m]
+                if hasattr(value, "__get__") and not isinstance(value, (Tensor, *_PLAIN_VALUES)):
+                    try:  # a slot (a member descriptor) holds the instance's value; a method or property is code
+                        value = value.__get__(held, type(held)) if type(value).__name__ == "member_descriptor" \
+                            else _GONE
+                    except AttributeError:
+                        value = _GONE
+                if value is not _GONE:
+                    found[m] = value
+                break
+    return found
+
+
 def _outside_values(cls: type, own: dict, names: tuple[str, ...]) -> tuple[tuple[str, object], ...]:
-    """``((label, value), ...)``: the plain values the code of ``cls`` may read outside the module, by the names it
-    names: an attribute of an object the module holds (``self.cfg.beta``, a configuration's ``hidden_act``: the
-    object itself is compared by identity) and a global of the class's module (``BETA``). Changed after convert,
-    the module computes another form than the one its probe saw (a review: a Swish's gradient at cosine 0.94, a
-    gated MLP's forward 0.1 off, where the object's identity and the module's own attributes had not moved)."""
-    found = []
+    """``((label, key), ...)``: what the code of ``cls`` may read outside the module, by the names it names (those it
+    assigns left out: :func:`_written_names`): an attribute of an object the module holds, or of one that object
+    holds (``self.cfg.beta``, ``self.cfg.act.beta``, a configuration's ``hidden_act``, its class's default; a plain
+    value by value, a tensor by identity and version, anything else by identity; the object itself is compared by
+    identity), and a plain global of the class's module (``BETA``). Changed after convert, the module computes another
+    form than the one its probe saw (a review: a Swish's gradient at cosine 0.94, a gated MLP's forward 0.1 off, where
+    the object's identity and the module's own attributes had not moved)."""
+    written = _written_names(cls)
+    names = tuple(n for n in names if n not in written)
+    found: list[tuple[str, object]] = []
+
+    def read(held: object, label: str, depth: int) -> None:
+        for m, value in _attributes(held, names).items():
+            if isinstance(value, (nn.Module, types.FunctionType, types.MethodType, types.ModuleType, type)):
+                continue
+            if isinstance(value, (numbers.Number, str, bytes)) and not isinstance(value, Tensor):
+                found.append((f"{label}.{m}", value))  # (by value: a numpy scalar too)
+            elif type(value) in _PLAIN_VALUES or isinstance(value, Tensor) or depth >= 1:
+                found.append((f"{label}.{m}", _value_key(value)))
+            else:
+                read(value, f"{label}.{m}", depth + 1)
+
     for n in names:
         held = own.get(n)
-        if held is None or type(held) in _PLAIN_VALUES or isinstance(held, (Tensor, nn.Module, types.FunctionType)):
+        if held is None or type(held) in _PLAIN_VALUES or isinstance(
+                held, (Tensor, nn.Module, types.FunctionType, types.MethodType, tuple, list, dict)):
             continue
-        try:  # (not through a Hugging Face configuration's own __getattribute__: 8 us a read)
-            attrs = object.__getattribute__(held, "__dict__")
-        except AttributeError:
-            continue
-        found += [(f"{n}.{m}", attrs[m]) for m in names if m in attrs and type(attrs[m]) in _PLAIN_VALUES]
+        read(held, n, 0)
     scope = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
     found += [(n, scope[n]) for n in names if n not in own and n in scope and type(scope[n]) in _PLAIN_VALUES]
     return tuple(found)

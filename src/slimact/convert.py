@@ -29,6 +29,7 @@ from slimact._kinds import (
     kind_of,
     probed_state,
     recognise,
+    recognising,
     scores_in_code,
     uses_attention_interface,
     written_in_model_code,
@@ -297,7 +298,7 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
     # (8-bit for any kind: a lossless policy turning it on for one kind in per_kind needs the guard as much)
     scale_free = _scale_free_chains(model) if any(pol.settings(k).quantize for k in pol.kinds) else {}
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
-    with as_written(model):
+    with as_written(model), recognising(model):
         # ... and as on the plain model: a part converted by an earlier policy would hide a gated MLP from its probe.
         # (_numbered recognises every module)
         numbered = _numbered(model)

@@ -154,6 +154,10 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     if not listed:
         target = _in_place_on(func, args, kwargs)
     view = isinstance(target, Tensor) and target._is_view()
+    if view and _overlaps(target):
+        # A view whose elements share memory (`h.unfold(1, 4, 1)`): an op on it is PyTorch's to refuse or run as it
+        # does; moved to a copy, its gradient was 51 off plain's (a review). As written: autograd's version check.
+        return NotImplemented
     kept = target._base if view else target
     entry = KEPT_OUTPUTS.get(id(kept))
     holder = kept
@@ -269,10 +273,12 @@ def _on_copy(func: Callable, args: tuple, kwargs: dict, listed: bool, target: Te
     clone's shape, strides or dtype: ``unsqueeze_``)."""
     changed = None
     if not listed:
-        # A copy laid out as ``target`` is (a strided view's gaps included): PyTorch's CPU kernels take another path
-        # on a dense clone of a strided view (vectorised, not scalar), whose rounding differs: an in-place SiLU on
-        # half the channels of a kept LayerNorm output was 1 ulp off plain's forward in 191 of 8192 elements.
-        changed = torch.empty_strided(target.size(), target.stride(), dtype=target.dtype, device=target.device)
+        # A copy whose dims run as ``target``'s do (:func:`_compact_strides`): PyTorch's CPU kernels take another path
+        # on a dense clone of a strided view (one vectorised run, not runs of the view's rows with scalar tails),
+        # whose rounding differs: an in-place SiLU on half the channels of a kept LayerNorm output was 1 ulp off
+        # plain's forward in 191 of 8192 elements.
+        changed = torch.empty_strided(target.size(), _compact_strides(target), dtype=target.dtype,
+                                      device=target.device)
         changed.copy_(target)
         stride = changed.stride()
         out = func(changed, *args[1:], **kwargs) if args and args[0] is target else func(
@@ -356,6 +362,38 @@ def kept_or_view_of_kept(t: Any) -> bool:
     """Whether ``t`` is an output a Function keeps as it is (:func:`keep_output`) or a view of one: an in-place op
     on it goes through :func:`copy_on_write` (the routing mode's quick test, before it looks at the op)."""
     return isinstance(t, Tensor) and (id(t) in KEPT_OUTPUTS or (t._is_view() and id(t._base) in KEPT_OUTPUTS))
+
+
+def _overlaps(t: Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an ``unfold`` or an ``expand``): each dim, taken by stride, must
+    step past everything the dims inside it reach. (``torch._debug_has_internal_overlap`` answers "too hard" for
+    most strided views.)"""
+    reach = 0
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _compact_strides(t: Tensor) -> tuple[int, ...]:
+    """Strides for a copy of ``t`` whose elements are iterated as ``t``'s are: a dim that continues the one inside it
+    in ``t`` (its stride that one's extent) does in the copy, one that does not gets a gap of one element (so that
+    the kernel does not merge them either), and an innermost stride other than 1 stays other than 1. Within about
+    twice ``t``'s elements (a view's own span, its gaps, could be the whole output: ``h[:, 0]`` of ``[B, T, D]``)."""
+    strides, order = [0] * t.dim(), sorted(range(t.dim()), key=lambda i: (t.stride(i), t.shape[i]))
+    extent, continues, first = 1, 1, True
+    for i in order:
+        if t.shape[i] == 1:
+            strides[i] = extent
+            continue
+        if first:
+            strides[i] = 1 if t.stride(i) == 1 else 2
+        else:
+            strides[i] = extent if t.stride(i) == continues else extent + 1
+        first = False
+        extent, continues = strides[i] * t.shape[i], t.stride(i) * t.shape[i]
+    return tuple(strides)
 
 
 def _move(target: Tensor, entry: list) -> None:
