@@ -445,14 +445,19 @@ def _mixed(inputs: Any, rows: int, gen: torch.Generator) -> Any:
     input such as a diffusion timestep takes too few values (a UNet at 4 rows: 0.97 where other batches give
     0.991-0.997).
 
-    A per-row integer tensor (``[rows]``: sequence lengths, class labels) is kept as given: mixed, the lengths of
-    torchaudio's Conformer ``[20, 15]`` became ``[15, 15]``, and the model's padding mask, sized by the longest,
-    no longer matched its 20 frames (an error in the model's code where its training runs)."""
+    A per-row integer tensor (``[rows]``) whose largest value is the size of another input's dim, as sequence
+    lengths are, is kept as given: mixed, the lengths of torchaudio's Conformer ``[20, 15]`` became ``[15, 15]``,
+    and the model's padding mask, sized by the longest, no longer matched its 20 frames (an error in the model's code
+    where its training runs). Other per-row integers (diffusion timesteps, one id per row) are mixed."""
     draws: dict[tuple[int, ...], Tensor] = {}
     kept = torch.randperm(rows, generator=gen)[:max(1, rows - 1)]
+    sizes: set[int] = set()
+    _map_tensors(inputs, lambda t: sizes.update(t.shape[1:]) or t)
 
     def mix(t: Tensor) -> Tensor:
-        if not t.dim() or t.shape[0] != rows or (t.dim() == 1 and not t.is_floating_point()):
+        if not t.dim() or t.shape[0] != rows:
+            return t
+        if t.dim() == 1 and not t.is_floating_point() and t.numel() and int(t.max()) in sizes:
             return t
         if t.shape not in draws:
             draws[t.shape] = kept[torch.randint(0, len(kept), t.shape, generator=gen)].to(t.device)
