@@ -24,6 +24,7 @@ from slimact import attention
 from slimact._kinds import (
     Recognised,
     _cls,
+    changed_since,
     forget,
     forward_names,
     kind_of,
@@ -678,7 +679,12 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     sdpa_on = routing is not None and "attention" in routing.kinds
     for name, module in model.named_modules():
         routed = routing is not None and not any(_at_or_under(name, n) for n in as_written)
-        if isinstance(module, SlimModule):
+        if isinstance(module, SlimModule) and (changed := _changed_since_convert(module)):
+            # (it runs its own code now, with the warning its call gave: it kept what PyTorch keeps where summary
+            # called it converted, coverage 1.0; a review)
+            skipped[name] = (f"{', '.join(changed)} changed since convert recognised what its forward computes: it "
+                             "runs its own code, as written; slimact.convert(model) again recognises it afresh")
+        elif isinstance(module, SlimModule):
             modules[name] = kind_of(module)
         elif attention.POLICY_ATTR in module.__dict__:
             modules[name] = "attention"
@@ -775,8 +781,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                                for name, (n, full) in sorted(twice.items())[:3])
             result.notes.append(
                 f"{len(twice)} converted module(s) keep compressed copies of tensors that are kept in full too (by an "
-                "op slimact leaves as written: a product, a pooling, an embedding bag, a sigmoid in model code; or by "
-                f"attention that kept q, k, v exact): {listed}"
+                "op slimact leaves as written: a product, a pooling, an embedding bag, a sigmoid in model code; by a "
+                f"layer the policy keeps exact; or by attention that kept q, k, v exact): {listed}"
                 f"{', ...' if len(twice) > 3 else ''}; those copies save nothing (plain PyTorch keeps the one tensor)")
         for name in as_plain:
             del modules[name]
@@ -805,6 +811,13 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                              "AttentionInterface: left as written")
         result.converted = dict(Counter(modules.values()))
     return result
+
+
+def _changed_since_convert(module: SlimModule) -> list[str] | None:
+    """The values a converted module written in model code read when recognised that have changed since (its calls
+    then run its own code: ``SlimModule._slimact_as_probed``), else ``None``."""
+    probed = module.__dict__.get("_slimact_probed")
+    return None if probed is None else changed_since(module, probed)
 
 
 def _coverage(
