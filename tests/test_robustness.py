@@ -590,6 +590,9 @@ class _ConfigSwish(nn.Module):
     def forward(self, x):
         return x * torch.sigmoid(self.cfg.beta * self.cfg.defaults.gain * x)
 
+    def set_beta(self, beta: float) -> None:  # (a setter in its own code: its value is watched all the same)
+        self.cfg.beta = beta
+
 
 _CALLS = 0
 
@@ -658,7 +661,7 @@ _VALUE_CHANGES = {
     "norm flag": ("norm", "rmsnorm", lambda m: setattr(m.norm, "center", True)),
     "muP multiplier": ("mlp", "mlp", lambda m: setattr(m.mlp, "output_mult", 0.25)),
     # (read through an object the module holds, and a global: a review found both computed as the old form)
-    "configuration attribute": ("config_act", "silu", lambda m: setattr(m.config_act.cfg, "beta", 1.7)),
+    "configuration attribute": ("config_act", "silu", lambda m: m.config_act.set_beta(1.7)),
     "configuration class default": ("config_act", "silu", lambda m: setattr(_Config, "gain", 1.7)),
     "global": ("global_act", "silu", lambda m: setattr(sys.modules[__name__], "_SWISH_BETA", 1.7)),
 }
@@ -971,6 +974,7 @@ _VIEWS = {
     "the first row": (lambda h: h[:, 0], False),
     "transposed": (lambda h: h.transpose(1, 2)[:, :3], False),
     "overlapping (unfold)": (lambda h: h.unfold(1, 4, 1), True),
+    "interleaved, not overlapping": (lambda h: h.as_strided((3, 2), (2, 3)), False),
 }
 
 

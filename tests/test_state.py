@@ -228,6 +228,18 @@ def test_one_model_trained_in_two_threads_at_once_is_a_clear_error_and_one_after
     other.join()
     model(torch.randn(2, 8, 16)).sum().backward()
 
+    # A thread that dies inside a training forward (a KeyboardInterrupt skips the hooks that release the model) holds
+    # it no more: every later training call was refused (a review).
+    def interrupted(*_) -> None:
+        raise KeyboardInterrupt
+
+    handle = model[0].register_forward_pre_hook(interrupted)
+    dying = threading.Thread(target=lambda: model(torch.randn(2, 8, 16)))
+    dying.start()
+    dying.join()
+    handle.remove()
+    model(torch.randn(2, 8, 16)).sum().backward()
+
 
 _CROSS_PROCESS = """
 import torch, slimact

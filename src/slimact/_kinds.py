@@ -31,6 +31,7 @@ import itertools
 import numbers
 import re
 import sys
+import threading
 import types
 import warnings
 import weakref
@@ -265,7 +266,11 @@ def _kept_as_is(t: Tensor) -> Tensor:
 
 #: The parameters of the model ``convert`` recognises modules in (:func:`recognising`): a frozen one a module's code
 #: reads from outside it counts as such a tensor too (frozen at convert, trained later).
-_MODEL_PARAMS: list[list[nn.Parameter]] = [[]]
+class _ModelParams(threading.local):
+    params: list[nn.Parameter] = []  # noqa: RUF012 (each thread's own, set by recognising)
+
+
+_MODEL_PARAMS = _ModelParams()
 
 
 @contextlib.contextmanager
@@ -273,12 +278,12 @@ def recognising(model: nn.Module) -> Iterator[None]:
     """Recognition of ``model``'s modules (``convert``): :func:`_reads_other_gradients` sees its frozen parameters as
     trainable ones (a model frozen, converted, then unfrozen: a Swish reading its parent's ``beta`` had been replaced,
     and ``beta.grad`` stayed None where plain's is -1.22; a review)."""
-    before = _MODEL_PARAMS[0]
-    _MODEL_PARAMS[0] = [p for p in model.parameters() if p.is_floating_point()]
+    before = _MODEL_PARAMS.params
+    _MODEL_PARAMS.params = [p for p in model.parameters() if p.is_floating_point()]
     try:
         yield
     finally:
-        _MODEL_PARAMS[0] = before
+        _MODEL_PARAMS.params = before
 
 
 def _reads_other_gradients(module: nn.Module, x: Tensor) -> bool:
@@ -291,7 +296,7 @@ def _reads_other_gradients(module: nn.Module, x: Tensor) -> bool:
     own = list(module.parameters())
     mine = {id(p) for p in own}
     frozen = [p for p in own if p.requires_grad]
-    thawed = [p for p in _MODEL_PARAMS[0] if not p.requires_grad and id(p) not in mine]
+    thawed = [p for p in _MODEL_PARAMS.params if not p.requires_grad and id(p) not in mine]
     try:
         for p in frozen:
             p.requires_grad_(False)
@@ -1331,13 +1336,14 @@ def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> Probed:
 
 
 _code_writes: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
-_STORES = frozenset({"STORE_ATTR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_GLOBAL"})
+_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 
 
 def _written_names(cls: type) -> frozenset[str]:
-    """The attribute and global names the code of ``cls`` (and of its bases written in model code) assigns: state its
-    code keeps for itself (a call counter, a warn-once flag), which moves at every call without changing the form it
-    computes (watched, a counter sent an activation back to its own code from its second call on: a review)."""
+    """The global names the code of ``cls`` (and of its bases written in model code) assigns: state its code keeps for
+    itself (a call counter, a warn-once flag), which moves at every call without changing the form it computes
+    (watched, a counter sent an activation back to its own code from its second call on: a review). Not the
+    attributes it assigns: a setter of the configuration's value (``self.cfg.beta = b``) must not hide its changes."""
     found = _code_writes.get(cls)
     if found is None:
         own = [c for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))]
@@ -1384,15 +1390,14 @@ def _attributes(held: object, names: tuple[str, ...]) -> dict[str, object]:
 
 
 def _outside_values(cls: type, own: dict, names: tuple[str, ...]) -> tuple[tuple[str, object], ...]:
-    """``((label, key), ...)``: what the code of ``cls`` may read outside the module, by the names it names (those it
-    assigns left out: :func:`_written_names`): an attribute of an object the module holds, or of one that object
-    holds (``self.cfg.beta``, ``self.cfg.act.beta``, a configuration's ``hidden_act``, its class's default; a plain
-    value by value, a tensor by identity and version, anything else by identity; the object itself is compared by
-    identity), and a plain global of the class's module (``BETA``). Changed after convert, the module computes another
-    form than the one its probe saw (a review: a Swish's gradient at cosine 0.94, a gated MLP's forward 0.1 off, where
-    the object's identity and the module's own attributes had not moved)."""
+    """``((label, key), ...)``: what the code of ``cls`` may read outside the module, by the names it names: an
+    attribute of an object the module holds, or of one that object holds (``self.cfg.beta``, ``self.cfg.act.beta``, a
+    configuration's ``hidden_act``, its class's default; a plain value by value, a tensor by identity and version,
+    anything else by identity; the object itself is compared by identity), and a plain global of the class's module
+    (``BETA``) that its code does not assign (:func:`_written_names`). Changed after convert, the module computes
+    another form than the one its probe saw (a review: a Swish's gradient at cosine 0.94, a gated MLP's forward 0.1
+    off, where the object's identity and the module's own attributes had not moved)."""
     written = _written_names(cls)
-    names = tuple(n for n in names if n not in written)
     found: list[tuple[str, object]] = []
 
     def read(held: object, label: str, depth: int) -> None:
@@ -1413,7 +1418,8 @@ def _outside_values(cls: type, own: dict, names: tuple[str, ...]) -> tuple[tuple
             continue
         read(held, n, 0)
     scope = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
-    found += [(n, scope[n]) for n in names if n not in own and n in scope and type(scope[n]) in _PLAIN_VALUES]
+    found += [(n, scope[n]) for n in names
+              if n not in own and n not in written and n in scope and type(scope[n]) in _PLAIN_VALUES]
     return tuple(found)
 
 

@@ -457,7 +457,7 @@ def _mixed(inputs: Any, rows: int, gen: torch.Generator) -> Any:
     def mix(t: Tensor) -> Tensor:
         if not t.dim() or t.shape[0] != rows:
             return t
-        if t.dim() == 1 and not t.is_floating_point() and t.numel() and int(t.max()) in sizes:
+        if t.dim() == 1 and not (t.is_floating_point() or t.is_complex()) and t.numel() and int(t.max()) in sizes:
             return t
         if t.shape not in draws:
             draws[t.shape] = kept[torch.randint(0, len(kept), t.shape, generator=gen)].to(t.device)

@@ -368,10 +368,17 @@ def _overlaps(t: Tensor) -> bool:
     """Whether two elements of ``t`` share memory (an ``unfold`` or an ``expand``): each dim, taken by stride, must
     step past everything the dims inside it reach. (``torch._debug_has_internal_overlap`` answers "too hard" for
     most strided views.)"""
+    if t.numel() == 0:
+        return False
     reach = 0
     for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1):
         if stride <= reach:
-            return True
+            # (a sufficient test only: interleaved dims, `as_strided((3, 2), (2, 3))`, step inside each other's
+            # reach without meeting; their offsets, counted, tell)
+            offsets = torch.as_strided(torch.arange(t.storage_offset() + 1 + sum(
+                (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))), t.shape, t.stride(),
+                t.storage_offset()).flatten()
+            return offsets.unique().numel() < offsets.numel()
         reach += (size - 1) * stride
     return False
 

@@ -1144,14 +1144,19 @@ class Routing:
             # its hooks; hogwild threads) popped each other's modes ("trying to pop from empty mode stack"), left
             # calls unrouted or aborted the process: a clear error instead.
             with _OWNER_LOCK:
-                owner = self.__dict__.get("_owner")
-                if owner is not None and owner != threading.get_ident():
+                owner, me = self.__dict__.get("_owner"), threading.current_thread()
+                # (a thread that died inside the forward, a KeyboardInterrupt skipping the hooks that release it,
+                # holds it no more)
+                if owner is not None and owner is not me and owner.is_alive():
                     raise RuntimeError(
                         "slimact: this converted model's training forward is already running in another thread "
                         "(torch.nn.DataParallel, or threads training one model): slimact routes one thread's "
                         "training forward at a time. Use DistributedDataParallel (a process per device), or "
                         "convert a copy of the model per thread.")
-                self._owner = threading.get_ident()
+                if owner is not None and owner is not me:  # (the dead thread's forward state: not this one's)
+                    self._mode, self._layer, self._scope = None, None, None
+                    self._scopes.clear()
+                self._owner = me
         _RUNNING.routings.append(self)
         if self._root is None:  # (unpickled: the model is known again from its first call)
             self._root = weakref.ref(module)
@@ -1169,7 +1174,7 @@ class Routing:
         if running and running[-1] is self and not torch.compiler.is_compiling():
             running.pop()
         owner = self.__dict__.get("_owner")
-        if owner is not None and owner != threading.get_ident():
+        if owner is not None and owner is not threading.current_thread():
             return  # (its _enter refused this thread: the state is the running thread's)
         self._owner = None
         if self._mode is not None:
