@@ -677,6 +677,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     # PyTorch's kernel (a lossless policy's attention keeps what the CPU flash kernel keeps).
     by_sdpa: set[str] = set()
     sdpa_on = routing is not None and "attention" in routing.kinds
+    fell_back: list[str] = []  # (converted modules running their own code: a value they read changed)
     for name, module in model.named_modules():
         routed = routing is not None and not any(_at_or_under(name, n) for n in as_written)
         if isinstance(module, SlimModule) and (changed := _changed_since_convert(module)):
@@ -684,6 +685,11 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             # called it converted, coverage 1.0; a review)
             skipped[name] = (f"{', '.join(changed)} changed since convert recognised what its forward computes: it "
                              "runs its own code, as written; slimact.convert(model) again recognises it afresh")
+            fell_back.append(name)
+        elif fell_back and any(name.startswith(f"{n}.") for n in fell_back if n) and skipped.get(
+                name, "").startswith("computed by its parent"):
+            # (a fused gated MLP's parts run as written with it: "computed by its parent" no more; a review)
+            skipped[name] = "its parent runs its own code (a value it reads changed since convert): run as written"
         elif isinstance(module, SlimModule):
             modules[name] = kind_of(module)
         elif attention.POLICY_ATTR in module.__dict__:
