@@ -1156,16 +1156,11 @@ def _forward_code(cls: type) -> tuple[frozenset[str], bool]:
     multiplies two tensors (``@`` or a call in :data:`_PRODUCTS`)."""
     forward = next((c.__dict__["forward"] for c in cls.__mro__ if "forward" in c.__dict__), None)
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    names: set[str] = set()
-    product = False
-    stack = [code] if code is not None else []
-    while stack:
-        code = stack.pop()
-        names.update(code.co_names)
-        product = product or any(op.opname in _MATMUL_OPS or (op.opname == "BINARY_OP" and op.argrepr in ("@", "@="))
-                                 for op in dis.get_instructions(code))
-        stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return frozenset(names), product or bool(names & _PRODUCTS)
+    codes = list(_codes_in(code)) if code is not None else []
+    names = frozenset(n for c in codes for n in c.co_names)
+    product = any(op.opname in _MATMUL_OPS or (op.opname == "BINARY_OP" and op.argrepr in ("@", "@="))
+                  for c in codes for op in dis.get_instructions(c))
+    return names, product or bool(names & _PRODUCTS)
 
 
 def _computes_scores(cls: type) -> bool:
@@ -1301,7 +1296,7 @@ def _read_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     1.0`` in a class body). Read once per class."""
     found = _code_names.get(cls)
     if found is None:
-        own = [c for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))]
+        own = _model_code_classes(cls)
         names = dict.fromkeys(n for c in own for v in c.__dict__.values() for code in _code(v) for n in _names_in(code)
                               if n not in _MODULE_TABLES and not n.startswith(("_slimact_", "__")))
         plain = tuple(n for n in names if any(n in c.__dict__ and (type(c.__dict__[n]) in _PLAIN_VALUES
@@ -1346,12 +1341,16 @@ def _written_names(cls: type) -> frozenset[str]:
     attributes it assigns: a setter of the configuration's value (``self.cfg.beta = b``) must not hide its changes."""
     found = _code_writes.get(cls)
     if found is None:
-        own = [c for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))]
-        # (not __init__'s, which sets every attribute the module holds)
         found = _code_writes[cls] = frozenset(
-            ins.argval for c in own for k, v in c.__dict__.items() if k != "__init__" for code in _code(v)
-            for inner in _codes_in(code) for ins in dis.get_instructions(inner) if ins.opname in _STORES)
+            ins.argval for c in _model_code_classes(cls) for k, v in c.__dict__.items() if k != "__init__"
+            for code in _code(v) for inner in _codes_in(code) for ins in dis.get_instructions(inner)
+            if ins.opname in _STORES)
     return found
+
+
+def _model_code_classes(cls: type) -> list[type]:
+    """``cls`` and its bases written in model code (not torch's, slimact's or Python's own)."""
+    return [c for c in cls.__mro__ if not c.__module__.startswith(("torch.", "slimact.", "builtins"))]
 
 
 def _codes_in(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -1374,19 +1373,21 @@ def _attributes(held: object, names: tuple[str, ...]) -> dict[str, object]:
         if m in attrs:
             found[m] = attrs[m]
             continue
-        for c in type(held).__mro__:
-            if m in c.__dict__:
-                value = c.__dict__[m]
-                if hasattr(value, "__get__") and not isinstance(value, (Tensor, *_PLAIN_VALUES)):
-                    try:  # a slot (a member descriptor) holds the instance's value; a method or property is code
-                        value = value.__get__(held, type(held)) if type(value).__name__ == "member_descriptor" \
-                            else _GONE
-                    except AttributeError:
-                        value = _GONE
-                if value is not _GONE:
-                    found[m] = value
-                break
+        value = next((c.__dict__[m] for c in type(held).__mro__ if m in c.__dict__), _GONE)
+        if isinstance(value, types.MemberDescriptorType):  # a slot: the instance's value, if set
+            value = _slot_value(value, held)
+        elif hasattr(value, "__get__") and not isinstance(value, (Tensor, *_PLAIN_VALUES)):
+            value = _GONE  # a method or a property: code, not a value
+        if value is not _GONE:
+            found[m] = value
     return found
+
+
+def _slot_value(slot: types.MemberDescriptorType, held: object) -> object:
+    try:
+        return slot.__get__(held, type(held))
+    except AttributeError:  # (a slot never set)
+        return _GONE
 
 
 def _outside_values(cls: type, own: dict, names: tuple[str, ...]) -> tuple[tuple[str, object], ...]:
@@ -1447,10 +1448,11 @@ def changed_since(module: nn.Module, probed: Probed) -> list[str] | None:
     labels = (*names, *(f"{type(module).__name__}.{n}" for n in plain), "", *probed.parts)
     changed = []
     for n, a, b in zip(labels, now, probed.values, strict=False):
-        if a != b:
-            # (the values read outside the module: those that changed, came or went, by name)
-            changed += [label for label in dict.fromkeys((*dict(a), *dict(b))) if dict(a).get(label, _GONE)
-                        != dict(b).get(label, _GONE)] if n == "" else [n]
+        if a != b and n:
+            changed.append(n)
+        elif a != b:  # (the values read outside the module: those that changed, came or went, by name)
+            a, b = dict(a), dict(b)
+            changed += [label for label in {**b, **a} if a.get(label, _GONE) != b.get(label, _GONE)]
     return changed
 
 

@@ -24,7 +24,6 @@ from slimact import attention
 from slimact._kinds import (
     Recognised,
     _cls,
-    changed_since,
     forget,
     forward_names,
     kind_of,
@@ -680,14 +679,14 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     fell_back: list[str] = []  # (converted modules running their own code: a value they read changed)
     for name, module in model.named_modules():
         routed = routing is not None and not any(_at_or_under(name, n) for n in as_written)
-        if isinstance(module, SlimModule) and (changed := _changed_since_convert(module)):
+        if isinstance(module, SlimModule) and (changed := module._slimact_changed()):
             # (it runs its own code now, with the warning its call gave: it kept what PyTorch keeps where summary
             # called it converted, coverage 1.0; a review)
             skipped[name] = (f"{', '.join(changed)} changed since convert recognised what its forward computes: it "
                              "runs its own code, as written; slimact.convert(model) again recognises it afresh")
             fell_back.append(name)
-        elif fell_back and any(name.startswith(f"{n}.") for n in fell_back if n) and skipped.get(
-                name, "").startswith("computed by its parent"):
+        elif any(name != n and _at_or_under(name, n) for n in fell_back) and skipped.get(name, "").startswith(
+                "computed by its parent"):
             # (a fused gated MLP's parts run as written with it: "computed by its parent" no more; a review)
             skipped[name] = "its parent runs its own code (a value it reads changed since convert): run as written"
         elif isinstance(module, SlimModule):
@@ -819,13 +818,6 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     return result
 
 
-def _changed_since_convert(module: SlimModule) -> list[str] | None:
-    """The values a converted module written in model code read when recognised that have changed since (its calls
-    then run its own code: ``SlimModule._slimact_as_probed``), else ``None``."""
-    probed = module.__dict__.get("_slimact_probed")
-    return None if probed is None else changed_since(module, probed)
-
-
 def _coverage(
     model: nn.Module, converted: set[str], inputs: Any, loss_fn, routing: Routing | None = None,
     by_products: set[str] = frozenset(), by_sdpa: set[str] = frozenset(),
@@ -890,10 +882,7 @@ def _coverage(
     uncovered = {name: min(n, after.get(name, 0)) for name, n in before.items() if not covered(name)}
     uncovered = {name: n for name, n in uncovered.items() if n}
     total = sum(before.values())
-    twice: dict[str, tuple[int, str]] = {}
-    for e in report.entries:
-        if e.copy_of is not None and not e.gradient:
-            n, _ = twice.get(e.module, (0, ""))
-            twice[e.module] = (n + e.nbytes, e.copy_of)
+    full = {e.module: e.copy_of for e in report.entries if e.copy_of is not None}
+    twice = {name: (n, full[name]) for name, n in report.twice.items()}
     return ((1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle, own, as_plain,
             twice)

@@ -622,9 +622,9 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
         shared.append((name, kind, id(packed), [weakref.ref(t) for t in packed.tensors]))
         source = _storage_key(x)
-        for t in packed.tensors:
+        for t in packed.tensors if source is not None else ():
             key = _storage_key(t)
-            if key is None or source is None or key == source:
+            if key is None or key == source:
                 continue
             if key not in copies or copies[key][0].expired():
                 copies[key] = (StorageWeakRef(t.untyped_storage()), {})
@@ -704,8 +704,8 @@ def _copies_marked(alive: list, copies: dict) -> list:
     out = []
     for key, entry, what in alive:
         pack, sources = copies.get(key, (None, {}))
-        kept = [full.get(source) for source, ref in sources.items() if not ref.expired()]
-        if pack is not None and not pack.expired() and kept and len(kept) == len(sources) and all(kept):
+        kept = [None if ref.expired() else full.get(source) for source, ref in sources.items()]
+        if pack is not None and not pack.expired() and kept and all(kept):
             entry = replace(entry, copy_of=kept[0].module)
         out.append((key, entry, what))
     return out

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimact._kinds import as_probed
+from slimact._kinds import as_probed, changed_since
 from slimact.functional._saving import transformed
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
@@ -198,6 +198,12 @@ class SlimModule:
         probed = self.__dict__.get("_slimact_probed")
         return probed is None or torch.compiler.is_compiling() or as_probed(
             self, probed, self.__dict__, "recognised what its forward computes", "the module runs its own code")  # type: ignore[arg-type]
+
+    def _slimact_changed(self) -> list[str] | None:
+        """What :meth:`_slimact_as_probed` finds changed since convert (no warning; ``summary`` lists the module as
+        running its own code), else ``None``."""
+        probed = self.__dict__.get("_slimact_probed")
+        return None if probed is None else changed_since(self, probed)  # type: ignore[arg-type]
 
     def _slimact_begin(self) -> None:
         """Start a call: find its call site (for running estimates)."""
