@@ -1154,8 +1154,7 @@ class Routing:
                         "training forward at a time. Use DistributedDataParallel (a process per device), or "
                         "convert a copy of the model per thread.")
                 if owner is not None and owner is not me:  # (the dead thread's forward state: not this one's)
-                    self._mode, self._layer, self._scope = None, None, None
-                    self._scopes.clear()
+                    self._forget_forward()
                 self._owner = me
         _RUNNING.routings.append(self)
         if self._root is None:  # (unpickled: the model is known again from its first call)
@@ -1177,18 +1176,20 @@ class Routing:
         if owner is not None and owner is not threading.current_thread():
             return  # (its _enter refused this thread: the state is the running thread's)
         self._owner = None
-        if self._mode is not None:
-            # (off the stack where a root that is itself an encoder block in eval stepped it aside: its own forward
-            # hook, which would put it back, runs after this one)
-            if torch.overrides._get_current_function_mode() is self._mode:
-                self._mode.__exit__(None, None, None)
-            self._mode, self._layer = None, None
-        # (the scope is a saved-tensors hook of the caller's, slimact.profile's local one say: held past the forward,
-        # it stopped the model from pickling, "Can't pickle local object '_step.<locals>.pack_hook'", until the next)
-        self._scope = None
-        self._scopes.clear()
+        # (off the stack where a root that is itself an encoder block in eval stepped it aside: its own forward hook,
+        # which would put it back, runs after this one)
+        if self._mode is not None and torch.overrides._get_current_function_mode() is self._mode:
+            self._mode.__exit__(None, None, None)
+        self._forget_forward()
         if self.loss is not None:
             self.loss.stop()
+
+    def _forget_forward(self) -> None:
+        """Drop the state of a training forward: its mode (left by the caller), the layer that entered it, its scopes
+        (the scope is a saved-tensors hook of the caller's, slimact.profile's local one say: held past the forward,
+        it stopped the model from pickling, "Can't pickle local object '_step.<locals>.pack_hook'", until the next)."""
+        self._mode, self._layer, self._scope = None, None, None
+        self._scopes.clear()
 
     def remove(self) -> None:
         """Uninstall: the hooks, gates and checks this routing put on the model's modules are removed, and no call is
