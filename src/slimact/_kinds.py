@@ -1198,8 +1198,27 @@ def _rule_reported(module, cls):
     return None
 
 
+#: TorchScript's names of the ``torch.nn`` classes a scripted module may have been, by the kind slimact would
+#: have given them (so that ``summary`` lists a scripted Linear among the linears left alone).
+_SCRIPTED_KINDS = {"Linear": "linear", "LayerNorm": "layernorm", "RMSNorm": "rmsnorm", "GroupNorm": "groupnorm",
+                   "Conv1d": "conv", "Conv2d": "conv", "Conv3d": "conv", "GELU": "gelu", "SiLU": "silu",
+                   "ReLU": "relu", "Softmax": "softmax", "Dropout": "dropout", "MultiheadAttention": "attention"}
+
+
+def _rule_scripted(module, cls):
+    """A TorchScript module (``torch.jit.script`` or ``trace``, and every module inside one): its compiled graph
+    calls no Python ``forward`` or hook, so no replacement of it or of its children would run; left as written.
+    (Probed as Python modules, the rules below crashed ``convert``: a scripted module's ``_modules`` is no dict.)"""
+    if not isinstance(module, torch.jit.ScriptModule):
+        return None
+    kind = _SCRIPTED_KINDS.get(getattr(module, "original_name", ""), "other")
+    return Recognised(kind, reason="a TorchScript module (torch.jit.script or trace): its compiled code calls no "
+                      "Python module slimact could replace; left as written")
+
+
 #: The recogniser, in order: the first rule that answers decides.
 _RULES: tuple[Callable[[nn.Module, type], Recognised | None], ...] = (
+    _rule_scripted,
     _rule_gated_mlp,
     _rule_typed(nn.MultiheadAttention, "attention", "mha"),
     _rule_hf_conv1d,

@@ -237,6 +237,12 @@ def convert(
     raises midway (a ``filter_fn``'s error), the model is left plain (:func:`revert`), not half converted.
     """
     pol = resolve(policy)
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            "the model is a TorchScript module (torch.jit.script or trace): its compiled code calls no Python module "
+            "or hook, so slimact can replace none of its layers. Convert the Python model (a scripted submodule "
+            "inside one is left as written)."
+        )
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(
             "the model has parameters on the meta device: slimact recognises some layers (gated MLPs, norms and "

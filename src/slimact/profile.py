@@ -301,6 +301,9 @@ class _ModuleStack:
         self.modules: list[nn.Module] = []
         self.handles = []
         for name, module in model.named_modules():
+            if isinstance(module, torch.jit.ScriptModule):
+                # (it takes no hooks: what its compiled code saves is charged to the module calling it)
+                continue
             self.handles.append(module.register_forward_pre_hook(self._push(name or ROOT, module)))
             self.handles.append(module.register_forward_hook(self._pop, always_call=True))
 
@@ -332,7 +335,8 @@ def _restoring(model: nn.Module):
     for p in grads:
         p.grad = None  # the backward below must not accumulate into the caller's gradients
     buffers = {(m, n): None if b is None else (b, b.clone()) for m in model.modules() for n, b in m._buffers.items()}
-    buffer_names = {m: set(m._buffers) for m in model.modules()}
+    # (by items(): a TorchScript module's buffer table iterates otherwise)
+    buffer_names = {m: {n for n, _ in m._buffers.items()} for m in model.modules()}
     estimates = {m: {n: (t, t.clone()) for n, t in m.__dict__[ESTIMATES_ATTR].items()}
                  for m in model.modules() if ESTIMATES_ATTR in m.__dict__}
     counters = {id(c): (c, c.value) for m in model.modules()
@@ -355,7 +359,7 @@ def _restoring(model: nn.Module):
                     b.copy_(values)  # (in place: the tensor itself, as recorded)
                 m._buffers[n] = b
             for m, names in buffer_names.items():  # buffers the step created (a module's own lazy ones)
-                for n in set(m._buffers) - names:
+                for n in {n for n, _ in m._buffers.items()} - names:
                     del m._buffers[n]
                     m._non_persistent_buffers_set.discard(n)
             for m in model.modules():  # running estimates: the values in the very tensors, none the step created

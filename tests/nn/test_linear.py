@@ -144,3 +144,23 @@ def test_a_frozen_fp32_weight_under_autocast_keeps_no_low_precision_copy():
                 for name, m in (("plain", plain), ("slim", slim))}
     frozen_bf16 = sum(layer.weight.numel() * 2 for layer in (plain[2], plain[4]))
     assert kept["slim"] < frozen_bf16 <= kept["plain"]
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa"])
+def test_hf_conv1d_refuses_an_input_it_cannot_view_as_the_plain_one_does(policy):
+    # Hugging Face's Conv1D computes on x.view(-1, in): a transposed [B, T, C] input raises there. Converted, it had
+    # computed the product (a differential fuzzer: "plain raised, the converted model computed").
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    plain = Conv1D(8, 8)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert type(slim).__module__.startswith("slimact")
+    x = torch.randn(2, 8, 3, requires_grad=True).transpose(1, 2)  # [2, 3, 8], no view flattens it
+    with pytest.raises(RuntimeError, match="view size is not compatible") as want:
+        plain(x)
+    with pytest.raises(RuntimeError, match="view size is not compatible") as got:
+        slim(x)
+    assert str(got.value) == str(want.value)
+    y = x.contiguous()  # (one that does: slimact's product, plain's output)
+    assert torch.equal(slim(y), plain(y))

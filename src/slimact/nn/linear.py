@@ -33,6 +33,23 @@ class _LinearMixin(SlimModule):
 class _Conv1DMixin(_LinearMixin):
     _transposed = True
 
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        x = args[0] if args else kwargs.get("x")
+        if isinstance(x, Tensor) and x.dim() and not _flattens(x):
+            # Hugging Face's Conv1D computes on ``x.view(-1, in)``, which refuses an input no view can flatten (a
+            # transposed ``[B, T, C]``): its own code, and its error, where slimact's product computed (a fuzzer)
+            return super(_LinearMixin, self).forward(*args, **kwargs)  # type: ignore[misc]
+        return super().forward(*args, **kwargs)
+
+
+def _flattens(x: Tensor) -> bool:
+    """Whether ``x.view(-1, x.size(-1))`` succeeds."""
+    try:
+        x.view(-1, x.size(-1))
+    except RuntimeError:
+        return False
+    return True
+
 
 Linear = standalone(
     _LinearMixin, nn.Linear, "linear", "Linear",

@@ -1037,7 +1037,8 @@ class Routing:
     def _enter_in_layers(self, model: nn.Module) -> list:
         handles = []
         for module in model.modules():
-            if module is not model:
+            if module is not model and not isinstance(module, torch.jit.ScriptModule):
+                # (a scripted submodule takes no hooks, and its compiled code makes no call the mode could route)
                 # (before the module's own depth and attention hooks, so that _enter_layer sees where it is called
                 # from, not what it is; and after theirs on the way out)
                 handles += [module.register_forward_pre_hook(self._enter_layer, prepend=True),
