@@ -225,10 +225,18 @@ def test_backward_as_one_compiled_loop_equals_the_eager_passes(cfg, dtype, monke
     # normwise. In bf16 the compiled loop keeps its intermediates (the restored g, act(g)) in fp32 where the eager
     # passes round each to bf16 (an ulp of g moves act'(g) most where it crosses 0): normwise, each gradient
     # within bf16's own precision (eps, an ulp at 1).
+    # At 8 bits the forward's compiled loop computes asinh(g / K) vectorised, the eager pass with ATen's kernel: a
+    # last-ulp difference flips the code of a value that sits on a rounding boundary (on an AVX-512 host: 1 of g's
+    # 524,288 codes, moving that element of g's and u's gradients by 8e-4 and 7e-4 and the weight gradient by 2e-6
+    # of its norm; on AVX2 hosts none): at most 1 in 1e5 elements beyond rounding, each gradient within 1e-5 normwise.
     if dtype == torch.float32:
         for a, b in zip(fused[:2], eager[:2], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        assert (fused[2] - eager[2]).norm() <= 1e-6 * eager[2].norm()
+            if cfg is None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            else:
+                assert int((~torch.isclose(a, b, rtol=1e-5, atol=1e-6)).sum()) <= 1e-5 * b.numel()
+                assert (a - b).norm() <= 1e-5 * b.norm()
+        assert (fused[2] - eager[2]).norm() <= (1e-6 if cfg is None else 1e-5) * eager[2].norm()
     else:
         for a, b in zip(fused, eager, strict=True):
             assert (a.float() - b.float()).norm() <= torch.finfo(dtype).eps * b.float().norm()

@@ -31,7 +31,7 @@ from torch import Tensor
 from slimact.functional._heads import from_head_blocks, head_blocks
 from slimact.functional._saving import Mask, SlimFunction, load, save
 from slimact.quant import Packed, QuantConfig, RunningRange, pack
-from slimact.quant.core import is_shared
+from slimact.quant.core import is_shared, kept_whole
 
 __all__ = ["Dropped", "baddbmm", "bmm", "einsum", "einsum_terms", "matmul", "packing_source"]
 
@@ -72,7 +72,7 @@ def _pack_operand(x: Tensor, cfg: QuantConfig | None, state: RunningRange | None
     # Only where the contracted dim is the operand's contiguous one, its channels as laid out (q's last dim; k^T's
     # rows, a view of k): probs @ v contracts v's rows, its tokens, where blocks would only copy v. A shared pack is
     # asked for before the view is made (the probabilities are [B, H, T, S]-contiguous: it would copy them).
-    if contracted is None or x.stride(contracted) != 1 or is_shared(x, cfg):
+    if contracted is None or x.stride(contracted) != 1 or is_shared(x, cfg) or kept_whole(x):
         return pack(x, cfg, state), None
     blocked, blocked_cfg = head_blocks(x if contracted == -1 else x.transpose(-1, -2), cfg)
     if blocked_cfg is cfg:

@@ -69,7 +69,7 @@ from slimact.quant.reference import (
 from slimact.quant.state import RunningRange
 
 __all__ = [
-    "Backend", "backend_for", "pack", "pack_many", "register_derivation", "share_derived", "unpack", "unpack_map",
+    "Backend", "backend_for", "kept_whole", "pack", "pack_many", "register_derivation", "share_derived", "unpack", "unpack_map",
 ]
 
 Backend = Literal["reference", "triton", "inductor"]
@@ -103,6 +103,24 @@ def _kernels(backend: Backend):
 
 def _raw(x: Tensor) -> Packed:
     return Packed((x,), PackMeta(x.shape, x.dtype, 0, GroupLayout(None, 1, 1, x.numel()), True))
+
+
+@functools.cache
+def _saves_its_result(node_type: type) -> bool:
+    return hasattr(node_type, "_saved_result")  # (on the class: a descriptor, nothing unpacked)
+
+
+def kept_whole(x: Tensor) -> bool:
+    """Whether autograd keeps ``x`` itself, in full, whatever slimact does: ``x`` is the output of an op whose backward
+    saves its result (``sigmoid``, ``tanh``, ``exp``, an unrouted ``softmax``: its node has a ``_saved_result``), so a
+    pack of it would be a second copy beside it (x-transformers' sigmoid attention kept its fp32 probabilities and
+    their 8-bit codes: 1.02-1.09x plain's bytes for the attention), or a view of such an output (``k.transpose(-2,
+    -1)``: on its storage). :func:`pack` keeps such a tensor as it is: no byte added (the same storage), no error.
+    Not under torch.compile (no graph to read)."""
+    if torch.compiler.is_compiling():
+        return False
+    node = (x._base if x._is_view() else x).grad_fn
+    return node is not None and _saves_its_result(type(node))
 
 
 def _recomputing() -> bool:
@@ -302,7 +320,7 @@ def _pack_many(
     jobs: list[_Job] = []
     batch: dict[tuple, _Job] = {}  # the same tensor twice in this call
     for i, (x, cfg, state) in enumerate(items):
-        if cfg is None or x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0:
+        if cfg is None or x.dtype not in COMPRESSIBLE_DTYPES or x.numel() == 0 or kept_whole(x):
             out[i] = _raw(x)
             continue
         layout = group_layout(x.shape, cfg)  # before the cache, so that a bad group count is refused every time
