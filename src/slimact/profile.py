@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from slimact._kinds import kind_of
-from slimact.functional._saving import is_gradient, is_parameter_gradient, observer
+from slimact.functional._saving import is_gradient, is_parameter_gradient, marking_saved, observer, saved_by_slimact
 from slimact.nn._base import StepCounter
 from slimact.quant.core import watching_shared_packs
 from slimact.quant.state import ESTIMATES_ATTR
@@ -87,6 +87,10 @@ class SavedTensor:
     #: For slimact's compressed copy of a tensor that is kept in full too (an op slimact leaves as written saved it):
     #: the module charged with the full tensor. The copy saves nothing (:attr:`Report.twice`).
     copy_of: str | None = None
+    #: Kept by one of slimact's Functions (its codes, masks, scales, a tensor it keeps as it is), not by an op slimact
+    #: left as written (a ``tanh`` or a learned temperature in attention's model code, which keeps its ``[T, S]``
+    #: input in full inside a converted module: ``summary``'s coverage counts it as not covered).
+    slimact: bool = False
 
 
 def _mib(n: float) -> str:
@@ -189,6 +193,13 @@ class Report:
         converted layer packed, so both forms are kept where plain PyTorch keeps one. Counted in the totals; the
         copies save nothing (module docstring)."""
         return _sum_by([e for e in self._activations if e.copy_of is not None], "module")
+
+    @property
+    def as_written(self) -> dict[str, int]:
+        """Activation bytes per module kept by ops slimact leaves as written (PyTorch's own saves), not by slimact's
+        Functions: in a plain model, all of them; in a converted one, what model code keeps around the converted layers
+        (:attr:`SavedTensor.slimact`)."""
+        return _sum_by([e for e in self._activations if not e.slimact], "module")
 
     def _rows(self, by: str) -> dict[str, int]:
         if by not in ("kind", "module"):
@@ -605,7 +616,8 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         name = stack.names[-1] if stack.names else LOSS
         kind = kind_of(stack.modules[-1]) if stack.modules else "loss"
         gradient = is_gradient(t)
-        entry = SavedTensor(name, kind, tuple(held.shape), t.dtype, held.untyped_storage().nbytes(), gradient)
+        entry = SavedTensor(name, kind, tuple(held.shape), t.dtype, held.untyped_storage().nbytes(), gradient,
+                            slimact=saved_by_slimact(t))
         what = (2 if is_parameter_gradient(t) else 1) if gradient else 0
         saved_here.append((entry, weakref.ref(t), what if t.device == device else None))
         return t
@@ -647,7 +659,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         with meter or contextlib.nullcontext():
             model.train()
             try:
-                with hooks, watching as held:
+                with hooks, watching as held, marking_saved() if keep else contextlib.nullcontext():
                     output = _call(model, inputs)
                     if stack is not None:
                         stack.names.clear()
@@ -696,7 +708,7 @@ def _held_packs(shared: list[tuple[str, str, int, list[weakref.ref]]], held: set
             if key is None or key in counted:
                 continue
             counted.add(key)
-            entry = SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
+            entry = SavedTensor(name, kind, tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), slimact=True)
             out.append((key, entry, 0 if t.device == device else None))
     return out
 

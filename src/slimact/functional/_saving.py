@@ -17,11 +17,12 @@ view (an in-place op on it, as wav2vec2's masking does, would be refused by auto
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -466,6 +467,36 @@ def is_parameter_gradient(t: Tensor) -> bool:
     return entry is not None and entry[1]
 
 
+# id -> weak reference: the tensors slimact's Functions saved (:func:`save`) while a :func:`marking_saved` block runs
+# (slimact.profile's count, which tells them from what ops left as written keep inside a converted module).
+_saved_by_slimact: dict[int, weakref.ref] = {}
+_marking: list[int] = [0]
+
+
+@contextlib.contextmanager
+def marking_saved() -> Iterator[None]:
+    """Note, in the block, each tensor :func:`save` hands to autograd (:func:`saved_by_slimact`)."""
+    _marking[0] += 1
+    try:
+        yield
+    finally:
+        _marking[0] -= 1
+        if not _marking[0]:
+            _saved_by_slimact.clear()
+
+
+def saved_by_slimact(t: Tensor) -> bool:
+    """Whether ``t`` is a tensor one of slimact's Functions saved in a :func:`marking_saved` block (its codes, masks,
+    a tensor it keeps as it is), not one an op slimact leaves as written saved."""
+    ref = _saved_by_slimact.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _mark_saved(t: Tensor) -> None:
+    key = id(t)
+    _saved_by_slimact[key] = weakref.ref(t, lambda _r, key=key: _saved_by_slimact.pop(key, None))
+
+
 def save(ctx: Any, *items: Packed | Mask | Gradient | Tensor | None) -> None:
     flat: list[Tensor | None] = []
     layout: list[tuple[str, int, Any]] = []
@@ -483,6 +514,10 @@ def save(ctx: Any, *items: Packed | Mask | Gradient | Tensor | None) -> None:
         else:
             flat.append(item)
             layout.append(("tensor", 1, None))
+    if _marking[0]:
+        for t in flat:
+            if t is not None:
+                _mark_saved(t)
     ctx.save_for_backward(*flat)
     ctx.slimact_layout = layout
 

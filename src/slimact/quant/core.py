@@ -69,7 +69,8 @@ from slimact.quant.reference import (
 from slimact.quant.state import RunningRange
 
 __all__ = [
-    "Backend", "backend_for", "kept_whole", "pack", "pack_many", "register_derivation", "share_derived", "unpack", "unpack_map",
+    "Backend", "backend_for", "kept_whole", "pack", "pack_many", "register_derivation", "share_derived", "unpack",
+    "unpack_map",
 ]
 
 Backend = Literal["reference", "triton", "inductor"]
