@@ -1580,3 +1580,27 @@ def test_a_scripted_submodule_is_left_as_written_and_the_model_trains_as_plain(h
 def test_a_scripted_model_is_a_clear_error():
     with pytest.raises(TypeError, match=r"TorchScript module.*Convert the Python model"):
         slimact.convert(torch.jit.script(_ScriptedMLP()))
+
+
+class _HoldsScriptedParts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.norm = torch.jit.script(nn.LayerNorm(16))  # (a norm kind: routing hooks norms to count their depth)
+        self.mlp = torch.jit.script(_ScriptedMLP())
+
+    def forward(self, x):
+        return self.head(self.mlp(self.norm(self.fc(x))))
+
+
+def test_scripted_norms_and_excluded_scripted_children_convert_and_check_says_what_it_cannot_judge():
+    # A review: a scripted LayerNorm child, and a filter_fn excluding a scripted child, still crashed convert
+    # (routing hooked them); check left the scripted children's parameters out of its verdict without a word.
+    x = torch.randn(4, 8, 16)
+    for filter_fn in (None, lambda module, name: not name.startswith("mlp")):
+        torch.manual_seed(0)
+        model = slimact.convert(_HoldsScriptedParts(), "int8", filter_fn=filter_fn)
+        assert {"fc", "head"} <= set(slimact.summary(model).modules)
+        model(x).sum().backward()
+    report = slimact.check(model, x)
+    assert "not judged: 6 parameter(s) of TorchScript submodules" in report.reference, report.reference

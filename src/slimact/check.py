@@ -978,8 +978,15 @@ def check(
     norms = [n for g in grads0.values() if g is not None and math.isfinite(n := g.detach().double().norm().item())]
     typical = float(torch.tensor(norms, dtype=torch.float64).median()) if norms else 0.0
     params, missing, judged, dims = [], [], {}, _output_dims(plain)
+    # PyTorch's deepcopy of a TorchScript module leaves its parameters without gradients (no leaves of its compiled
+    # code): those of a scripted submodule cannot be judged here, and are said to be (a review: they had been left
+    # out of the verdict silently, as parameters the loss does not reach).
+    scripted = tuple(f"{n}." for n, m in plain.named_modules() if n and isinstance(m, torch.jit.ScriptModule))
+    unjudged = []
     for name, exact in grads0.items():
         if exact is None and all(grads1.get(name) is None for *_, grads1, _ in steps):
+            if scripted and name.startswith(scripted):
+                unjudged.append(name)
             continue  # a parameter the loss does not reach, in both runs
         if exact is None or any(grads1.get(name) is None or ref.grads.get(name) is None
                                 for *_, grads1, ref in steps):
@@ -1034,6 +1041,10 @@ def check(
                           "the plain model, plain's gradient and the converted one both")
         if why:
             reference += f"; no float64 reference for the parameters below the floor: {why[0] or 'unavailable'}"
+    if unjudged:
+        reference += (f"; not judged: {len(unjudged)} parameter(s) of TorchScript submodules ({', '.join(unjudged[:3])}"
+                      f"{', ...' if len(unjudged) > 3 else ''}), which a copy of the model cannot train: PyTorch's "
+                      "deepcopy of a scripted module leaves its parameters without gradients")
     return CheckReport(
         policy=pol.name,
         lossless=lossless,

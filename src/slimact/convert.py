@@ -855,7 +855,7 @@ def _coverage(
     the plain one: bytes that routing removed from its own code (functional dropout, activations, the loss)
     are covered, and whatever it still keeps is not, compressed or not.
     """
-    from slimact.profile import profile
+    from slimact.profile import ROOT, profile
 
     tagged = {name: m for name, m in model.named_modules() if attention.POLICY_ATTR in m.__dict__}
     for m in tagged.values():
@@ -904,6 +904,8 @@ def _coverage(
     total = sum(before.values())
     full = {e.module: e.copy_of for e in report.entries if e.copy_of is not None}
     twice = {name: (n, full[name]) for name, n in report.twice.items()}
-    inside = {name: n for name, n in inside.items() if n}
+    # (the note names the converted modules themselves: a child left alone, a Linear "tempo" skips under converted
+    # attention, keeps what it keeps as any module left alone does, a review)
+    inside = {name: n for name, n in inside.items() if n and (name in converted or (name == ROOT and "" in converted))}
     return ((1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle, own, as_plain,
             twice, inside)

@@ -647,7 +647,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             copies[key][1][source] = StorageWeakRef(x.untyped_storage())
 
     use_cuda = torch.cuda.is_available() and device.type == "cuda"
-    hooks = (torch.autograd.graph.saved_tensors_hooks(observer(pack_hook), lambda t: t) if keep
+    hooks = (torch.autograd.graph.saved_tensors_hooks(observer(pack_hook), observer(_as_saved)) if keep
              else contextlib.nullcontext())
     watching = watching_shared_packs(shared_pack) if keep else contextlib.nullcontext(set)
     meter = _Meter(device) if peak else None
@@ -690,6 +690,12 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             forward, backward, less = meter.marks(saved, grads)
             return Report(entries, meter.cuda_peak, forward, backward, less)
         return Report(entries, torch.cuda.max_memory_allocated() - base if use_cuda else None)
+
+
+def _as_saved(t: Tensor) -> Tensor:
+    """profile's unpack hook: each tensor as it was saved (an observer: :func:`slimact.quant.core.kept_whole` reads
+    a result saved through it as one autograd keeps as it is, as in training)."""
+    return t
 
 
 def _held_packs(shared: list[tuple[str, str, int, list[weakref.ref]]], held: set[int], counted: set,

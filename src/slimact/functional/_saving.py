@@ -93,8 +93,8 @@ IN_PLACE = frozenset({Tensor.__iadd__, Tensor.__isub__, Tensor.__imul__, Tensor.
 
 
 def observer(pack_hook: Callable) -> Callable:
-    """Mark ``pack_hook`` as one of slimact's own saved-tensor hooks that only look (:func:`slimact.profile`'s count,
-    a recognition probe's), which :func:`foreign_saved_hooks` does not count."""
+    """Mark ``pack_hook`` (or an unpack hook) as one of slimact's own saved-tensor hooks that only look
+    (:func:`slimact.profile`'s count, a recognition probe's), which :func:`foreign_saved_hooks` does not count."""
     pack_hook._slimact_observer = True  # type: ignore[attr-defined]
     return pack_hook
 

@@ -96,7 +96,7 @@ from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_er
 from slimact.functional.dropout import cpu_scale, scale_of
 from slimact.functional.softmax import normalized, pack_probabilities
 from slimact.quant import Packed, QuantConfig, RunningRange, inductor, pack, pack_many, pack_mask, reference
-from slimact.quant.core import forget_shared_packs
+from slimact.quant.core import forget_shared_packs, kept_whole
 
 __all__ = ["scaled_dot_product_attention", "softmax_dropout_matmul"]
 
@@ -114,8 +114,12 @@ def _pack_qkv(ctx, q: Tensor, k: Tensor, v: Tensor, cfg_q: QuantConfig | None, c
     # over all of them), so a small part of them costs no gradient its precision, and blocking v would copy it.
     qb, kb = head_blocks(q, cfg_q), head_blocks(k, cfg_kv)
     vb = kb if v is k else (v, cfg_kv)  # (the same view: packed once)
-    packs = pack_many([(*qb, st.get("q")), (*kb, st.get("k")), (*vb, st.get("v"))])
-    if any(p.meta.raw for p in packs) and not all(p.meta.raw for p in packs):
+    items = [(*qb, st.get("q")), (*kb, st.get("k")), (*vb, st.get("v"))]
+    packs = pack_many(items)
+    # (kept as it is because autograd keeps it anyway, kept_whole: exact, no reason for the others to be; they kept
+    # the fused projection's whole output alive, 1024 KiB where codes kept 448, a review)
+    if any(p.meta.raw and not kept_whole(t) for p, (t, *_) in zip(packs, items, strict=True)) and not all(
+            p.meta.raw for p in packs):
         for t in (q, k, v):  # (the codes just made are discarded: the shared-pack cache is not to hold them)
             forget_shared_packs(t)
         return pack_many([(t, None, None) for t in (q, k, v)])

@@ -661,7 +661,7 @@ class Routing:
         self._dropped = _Notes()
         for name, module in attention:
             kinds = frozenset(k for k in _ATTENTION_CALLS if self.policy.skip_reason(k, name) is None)
-            if not kinds:
+            if not kinds or isinstance(module, torch.jit.ScriptModule):
                 continue
             self.watched[name] = kinds
             self.handles += [
@@ -965,6 +965,8 @@ class Routing:
     def _count_depth(self, attr: str, modules: Sequence[nn.Module]) -> None:
         """Count in ``attr`` how deep the forward is in ``modules``' calls (a pre-hook and a forward hook each)."""
         for module in modules:
+            if isinstance(module, torch.jit.ScriptModule):  # (no hooks there, and no call of its to route: as below)
+                continue
             self.handles += [module.register_forward_pre_hook(functools.partial(self._step_depth, attr, 1)),
                              module.register_forward_hook(functools.partial(self._step_depth, attr, -1),
                                                           always_call=True)]

@@ -117,11 +117,19 @@ def kept_whole(x: Tensor) -> bool:
     pack of it would be a second copy beside it (x-transformers' sigmoid attention kept its fp32 probabilities and
     their 8-bit codes: 1.02-1.09x plain's bytes for the attention), or a view of such an output (``k.transpose(-2,
     -1)``: on its storage). :func:`pack` keeps such a tensor as it is: no byte added (the same storage), no error.
-    Not under torch.compile (no graph to read)."""
+    Only where that node keeps the result as it is: not through saved-tensor hooks (a non-reentrant checkpoint's,
+    which drop it for the recompute; ``save_on_cpu``'s), bar slimact's own observers (profile's count); there a
+    full copy cost 72 KiB where the codes cost 24 (a review). Not under torch.compile (no graph to read)."""
     if torch.compiler.is_compiling():
         return False
     node = (x._base if x._is_view() else x).grad_fn
-    return node is not None and _saves_its_result(type(node))
+    if node is None or not _saves_its_result(type(node)):
+        return False
+    try:
+        hook = node._raw_saved_result.unpack_hook
+    except RuntimeError:  # (released: a backward through it ran)
+        return False
+    return hook is None or getattr(hook, "_slimact_observer", False)
 
 
 def _recomputing() -> bool:
