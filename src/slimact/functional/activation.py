@@ -327,7 +327,7 @@ class _InplaceActivationFunction(SlimFunction):
         y = _apply(ctx, fn, x, inplace)
         ctx.form = form
         save(ctx, y, right)
-        keep_output(y)
+        keep_output(y, ctx)
         return y
 
     @staticmethod
@@ -357,7 +357,7 @@ class _SquaredReLUFunction(SlimFunction):
         save(ctx, y)
         # Kept as it is where PyTorch's square keeps its input: an in-place op on y in model code (`y += h`) must
         # move it to a copy first (copy_on_write), as for the other outputs kept; unmarked, autograd refused it.
-        keep_output(y)
+        keep_output(y, ctx)
         return y
 
     @staticmethod

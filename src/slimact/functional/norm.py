@@ -346,7 +346,7 @@ class _NormFunction(SlimFunction):
             kept = pack(y, per_channel, state)
             save(ctx, kept, None, rstd, weight, bias)
             if kept.meta.raw:
-                keep_output(y)
+                keep_output(y, ctx)
         elif exact:
             kept = pack(x, cfg, _input_state(state))  # (x itself: what the layer before keeps too)
             save(ctx, kept, mean, rstd, weight, bias)
