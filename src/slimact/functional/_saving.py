@@ -116,24 +116,27 @@ def foreign_saved_hooks() -> bool:
 
 def keep_output(y: Tensor, node: Any) -> None:
     """Note that the Function being run keeps its output ``y`` as it is (saved by :func:`save`), where the layer it
-    replaces keeps its input, so that an in-place op on ``y`` in model code does not fail (:func:`copy_on_write`)."""
+    replaces keeps its input, so that an in-place op on ``y`` in model code does not fail (:func:`copy_on_write`).
+    ``node``: the Function's node (its ``ctx``), held weakly: ``y``'s own ``grad_fn`` is another once ``y`` is a view
+    written in place (autograd's rebased one) or an op moved it (:func:`_move`)."""
     if not torch.compiler.is_compiling():
         key = id(y)
-        KEPT_OUTPUTS[key] = [weakref.ref(y, lambda _r, key=key: KEPT_OUTPUTS.pop(key, None)), False]
+        # [the output, moved to a copy yet, the Function's node, the storage its saved output is on once moved]
+        KEPT_OUTPUTS[key] = [weakref.ref(y, lambda _r, key=key: KEPT_OUTPUTS.pop(key, None)), False,
+                             weakref.ref(node), None]
         if y._is_view():  # (an in-place activation's output on a 3-d Linear's, a view of its [B * T, N] product)
             base = id(y._base)
 
             def drop(ref: weakref.ref, base: int = base) -> None:
-                if _KEPT_VIEW_BASES.get(base, (None,))[0] is ref:
+                if _KEPT_VIEW_BASES.get(base) is ref:
                     del _KEPT_VIEW_BASES[base]
 
-            # (the Function's node, ``node`` (its ctx): the view's grad_fn is autograd's rebased AsStrided one)
-            _KEPT_VIEW_BASES[base] = (weakref.ref(y, drop), node)
+            _KEPT_VIEW_BASES[base] = weakref.ref(y, drop)
 
 
-#: id of a base -> (the kept output (:data:`KEPT_OUTPUTS`) that is a view of it, weakly; its Function's node): another
-#: view of that base is on the kept output's storage though no view of it by ``_base`` (PyTorch's is the root).
-_KEPT_VIEW_BASES: dict[int, tuple[weakref.ref, Any]] = {}
+#: id of a base -> the kept output (:data:`KEPT_OUTPUTS`) that is a view of it, weakly: another view of that base is
+#: on the kept output's storage though no view of it by ``_base`` (PyTorch's is the root).
+_KEPT_VIEW_BASES: dict[int, weakref.ref] = {}
 
 
 def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -185,13 +188,13 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
             # A view of such a kept view (`nn.SiLU(inplace=True)` on a 3-d Linear's output, then `h[..., :4] *= 2`):
             # its base is the output's base, no move places it; the Function keeps a copy of its own and the op runs
             # as written (autograd's error in the backward where PyTorch trains, before).
-            ref, node = _KEPT_VIEW_BASES.get(id(kept), (None, None))
+            ref = _KEPT_VIEW_BASES.get(id(kept))
             outer = ref() if ref is not None else None
             entry = KEPT_OUTPUTS.get(id(outer))
             if entry is None or entry[0]() is not outer or not outer.requires_grad or (
                     func not in _KEEPS_NO_ARGUMENT and _takes_itself(args, kwargs, target, outer)):
                 return NotImplemented
-            return func(*args, **kwargs) if _release(outer, entry, node) else NotImplemented
+            return func(*args, **kwargs) if _release(outer, entry) else NotImplemented
     if entry is None or entry[0]() is not holder or not kept.requires_grad:
         return NotImplemented
     if func not in _KEEPS_NO_ARGUMENT and _takes_itself(args, kwargs, target, kept):
@@ -207,7 +210,7 @@ def copy_on_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     return _on_copy(func, args, kwargs, listed, target, kept, entry)
 
 
-def _release(kept: Tensor, entry: list, node: Any = None) -> bool:
+def _release(kept: Tensor, entry: list) -> bool:
     """Give the Function that keeps ``kept`` (not yet moved to a copy) a copy of its own in place of it, so that
     in-place ops on ``kept`` and its views run as written, as in PyTorch (whose layer kept its input): each saved
     tensor of that Function's node on ``kept``'s storage is handed to saved-tensor hooks of its own (``pack``: a
@@ -216,15 +219,14 @@ def _release(kept: Tensor, entry: list, node: Any = None) -> bool:
     it saved changed since. The copy costs what PyTorch's layer keeps (none where the output moved to a copy
     already: the saved tensor's storage is then its own). Whether it could: not under saved-tensor hooks (those the
     Function saved through take no others: slimact's profile count), nor for a node that is no slimact Function's
-    (the output changed in place since its forward, as written: autograd's check stands). ``node``: the Function's
-    node where ``kept``'s own ``grad_fn`` is another (a view written in place, whose history autograd rebased)."""
-    # Moved already (``h += r`` ran on a copy, :func:`_move`): the Function's node and the storage its saved output
-    # is on are those the move noted (the output's grad_fn is the op's since); that storage is the saved tensor's
+    (the output changed in place since its forward, as written: autograd's check stands)."""
+    # The Function's node is the one keep_output noted (the output's grad_fn is another once it is a view written in
+    # place, or moved: a review found the move's noted grad_fn, a CopySlices, refused). Moved already (``h += r`` ran
+    # on a copy, :func:`_move`): the storage its saved output is on is the one the move noted, the saved tensor's
     # alone, so the hooks keep it as it is (no copy). Its version counter is still the one the model's tensor shares:
     # an op on a view of the copy while other views live (`h += r; v, w = h[:, :4], h[:, 4:]; v += 1`) failed the
     # backward where PyTorch's trains.
-    fresh = (kept.grad_fn if node is None else node, kept.untyped_storage().data_ptr())
-    node, storage = entry[2] if entry[1] else fresh
+    node, storage = entry[2](), entry[3] if entry[1] else kept.untyped_storage().data_ptr()
     forward_cls = getattr(node, "_forward_cls", None)
     if not (isinstance(forward_cls, type) and issubclass(forward_cls, SlimFunction)):
         return False
@@ -386,11 +388,13 @@ def _takes_itself(args: tuple, kwargs: dict, target: Tensor, kept: Tensor) -> bo
     return False
 
 
-def kept_or_view_of_kept(t: Any) -> bool:
+def kept_or_view_of_kept(t: Any, through_bases: bool = True) -> bool:
     """Whether ``t`` is an output a Function keeps as it is (:func:`keep_output`) or a view of one: an in-place op
-    on it goes through :func:`copy_on_write` (the routing mode's quick test, before it looks at the op)."""
+    on it goes through :func:`copy_on_write` (the routing mode's quick test, before it looks at the op). With
+    ``through_bases``, also a view of the base of a kept output that is itself a view (which may or may not share its
+    elements)."""
     return isinstance(t, Tensor) and (id(t) in KEPT_OUTPUTS or (t._is_view() and (
-        id(t._base) in KEPT_OUTPUTS or id(t._base) in _KEPT_VIEW_BASES)))
+        id(t._base) in KEPT_OUTPUTS or (through_bases and id(t._base) in _KEPT_VIEW_BASES))))
 
 
 def _overlaps(t: Tensor) -> bool:
@@ -437,9 +441,8 @@ def _move(target: Tensor, entry: list) -> None:
     if not entry[1]:
         # (a normal tensor even under torch.inference_mode(): a clone made there was an inference tensor, which the
         # next layer could not save, "Inference tensors cannot be saved for backward", where PyTorch's model ran)
-        # (the Function's node and the storage its saved output stays on, for _release: the output's grad_fn
-        # becomes the op's)
-        entry[2:] = [(target.grad_fn, target.untyped_storage().data_ptr())]
+        # (the storage its saved output stays on, for _release)
+        entry[3] = target.untyped_storage().data_ptr()
         with torch.inference_mode(False):
             target.data = target.data.clone()
         entry[1] = True
