@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -181,6 +182,27 @@ def backward_nodes(y: torch.Tensor) -> list:
         seen.append(node)
         todo += [n for n, _ in node.next_functions]
     return seen
+
+
+class HandWrittenAttention(nn.Module):
+    """Attention written in model code over a fused ``qkv`` projection: softmax probabilities, their scores soft-capped
+    by a tanh where ``cap`` is given (Gemma 2's, Grok's: the tanh keeps its fp32 ``[B, H, T, S]`` input in full), or
+    ``sigmoid`` ones (x-transformers' ``attn_sigmoid``: the sigmoid keeps its probabilities in full)."""
+
+    def __init__(self, width: int = 64, heads: int = 4, *, cap: float | None = None, sigmoid: bool = False) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+        self.cap, self.sigmoid = cap, sigmoid
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-2, -1) * (C // self.heads) ** -0.5
+        if self.sigmoid:
+            p = torch.sigmoid(s - math.log(T))
+        else:
+            p = (s if self.cap is None else self.cap * torch.tanh(s / self.cap)).softmax(-1)
+        return self.proj((p @ v).transpose(1, 2).reshape(B, T, C))
 
 
 class LinearOnlyWeight(torch.Tensor):

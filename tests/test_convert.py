@@ -9,7 +9,7 @@ from torch import nn
 
 import _nano
 import slimact
-from _harness import estimates
+from _harness import HandWrittenAttention, estimates
 from slimact._metrics import cosine
 from slimact.nn import SlimModule
 from slimact.policy import KINDS
@@ -913,27 +913,10 @@ def test_converting_under_no_grad_or_inference_mode_converts_as_outside(mode):
     assert outside.modules["1"] == "mlp"
 
 
-class _SoftCappedAttention(nn.Module):
-    """Attention written in model code whose scores are soft-capped by a tanh (Gemma 2's, Grok's) or not: the tanh,
-    which slimact leaves as written, keeps its fp32 ``[B, H, T, S]`` input in full."""
-
-    def __init__(self, cap: float | None, width: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.qkv, self.proj, self.heads, self.cap = nn.Linear(width, 3 * width), nn.Linear(width, width), heads, cap
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        s = q @ k.transpose(-2, -1) * (C // self.heads) ** -0.5
-        if self.cap is not None:
-            s = self.cap * torch.tanh(s / self.cap)
-        return self.proj((s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
-
-
 class _AttentionBlock(nn.Module):
     def __init__(self, cap: float | None) -> None:
         super().__init__()
-        self.attn, self.norm = _SoftCappedAttention(cap), nn.LayerNorm(32)
+        self.attn, self.norm = HandWrittenAttention(32, cap=cap), nn.LayerNorm(32)
 
     def forward(self, x):
         return x + self.attn(self.norm(x))

@@ -1,12 +1,11 @@
 import copy
-import math
 
 import pytest
 import torch
 from torch import nn
 
 import slimact
-from _harness import estimates
+from _harness import HandWrittenAttention, estimates
 from slimact import zoo
 from slimact.profile import ROOT
 
@@ -531,27 +530,12 @@ def test_a_compressed_copy_of_a_tensor_kept_in_full_is_reported_as_kept_twice():
     assert gelu.twice == {}, gelu.twice
 
 
-class _SigmoidAttention(nn.Module):
-    """Sigmoid attention written in model code (x-transformers' ``attn_sigmoid``): the sigmoid keeps its
-    probabilities ``[B, H, T, S]`` in full for its backward."""
-
-    def __init__(self, width: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        self.qkv, self.proj, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        p = torch.sigmoid(q @ k.transpose(-2, -1) * (C // self.heads) ** -0.5 - math.log(T))
-        return self.proj((p @ v).transpose(1, 2).reshape(B, T, C))
-
-
 def test_probabilities_autograd_keeps_in_full_are_not_packed_again():
     # A reporting audit: the routed p @ v packed the sigmoid's probabilities, which the sigmoid keeps in full: the
     # converted attention kept 2,720,352 bytes where plain's keeps 2,490,368 (T = 256), and, packed from a head-block
     # copy, the codes were not even reported as kept twice. They are kept as they are now: no byte added.
     torch.manual_seed(0)
-    plain = _SigmoidAttention()
+    plain = HandWrittenAttention(sigmoid=True)
     slim = slimact.convert(copy.deepcopy(plain), "int8")
     x = torch.randn(2, 256, 64)
     ours, theirs = slimact.profile(slim, x), slimact.profile(plain, x)

@@ -1,4 +1,4 @@
-"""Memoised helpers that ``torch.compile`` traces without a warning.
+"""Memoised helpers that ``torch.compile`` traces without a warning, and entries that die with their tensor.
 
 Dynamo does not run a ``functools`` cache: it traces the function under it and warns, once per call site, that
 "silent incorrectness is a *potential* risk" (five such warnings met a user compiling a converted GPT-2). The caches
@@ -9,12 +9,13 @@ here hold pure functions of hashable constants (a frozen policy, a kind, a dtype
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, MutableMapping
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["cache"]
+__all__ = ["cache", "dropping"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -34,3 +35,9 @@ def cache(fn: _F | None = None, *, maxsize: int | None = None) -> Any:
 
     call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
     return call
+
+
+def dropping(t: object, table: MutableMapping, key: object) -> weakref.ref:
+    """A weak reference to ``t`` whose death drops ``table[key]``: the entry a table keyed by a live tensor (its
+    ``id``, its storage view) holds for it, gone with it before its key can name another."""
+    return weakref.ref(t, lambda _ref: table.pop(key, None))

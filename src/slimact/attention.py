@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from slimact.functional._saving import transformed
 from slimact.functional.attention import _additive, scaled_dot_product_attention
-from slimact.functional.attention_guard import GUARDED_ATTR, trips
+from slimact.functional.attention_guard import GUARDED_ATTR, guarded
 from slimact.functional.dropout import dropout as _dropout
 from slimact.functional.matmul import matmul
 from slimact.functional.softmax import softmax
@@ -501,11 +501,10 @@ def attention_forward(
     if policy.settings("attention").scale == "running":
         begin_call(module)  # (a module called several times per pass: one estimate per call)
         state = {n: site_estimate(module, n) for n in ("q", "k", "v", "o")}
-    before = trips()
-    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=p, is_causal=is_causal,
-                                       scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
-                                       cfg=policy.quant_config("attention", 4), state=state, sinks=sinks)
-    if trips() != before:  # (q, k, v kept exact for the score error guard: summary(model, inputs) says so)
+    out, tripped = guarded(scaled_dot_product_attention, query, key, value, attn_mask=attention_mask, dropout_p=p,
+                           is_causal=is_causal, scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
+                           cfg=policy.quant_config("attention", 4), state=state, sinks=sinks)
+    if tripped:  # (q, k, v kept exact for the score error guard: summary(model, inputs) says so)
         module.__dict__[GUARDED_ATTR] = True
     return out.transpose(1, 2).contiguous(), None
 

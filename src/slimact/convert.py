@@ -837,9 +837,9 @@ def _coverage(
     by_products: set[str] = frozenset(), by_sdpa: set[str] = frozenset(),
 ) -> tuple[float, dict[str, int], list[str], list[str], dict[str, str], list[str], dict[str, tuple[int, str]],
            dict[str, int]]:
-    """``(share, {module: bytes}, unrouted, idle, own, as_plain, twice)``: the share of the plain model's bytes that
-    slimact handles, the bytes it leaves by module, the tagged attention modules whose attention never reached
-    slimact, the converted ``nn.MultiheadAttention`` modules each of whose calls ran the module's own forward
+    """``(share, {module: bytes}, unrouted, idle, own, as_plain, twice, noted)``: the share of the plain model's
+    bytes that slimact handles, the bytes it leaves by module, the tagged attention modules whose attention never
+    reached slimact, the converted ``nn.MultiheadAttention`` modules each of whose calls ran the module's own forward
     (``{name: why}``: a call slimact's path does not cover, as ``need_weights=True``), and the modules of
     ``by_products`` (reported converted as the routing watches their products and softmaxes, or for the
     F.scaled_dot_product_attention their forward mentions) in which no such call was routed in the forward, with
@@ -848,9 +848,12 @@ def _coverage(
     (reported for an F.scaled_dot_product_attention call in their code, diffusers' Attention's) whose routed calls
     kept no fewer bytes than the plain model's (not covered: counted as left alone), and ``{module: (bytes, full)}``
     of the compressed copies each converted module keeps of tensors that ``full`` keeps in full too
-    (:attr:`slimact.Report.twice`).
+    (:attr:`slimact.Report.twice`), and ``{module: bytes}`` of the converted modules whose own code keeps tensors
+    through ops slimact leaves as written (summary's note).
 
-    Bytes kept inside converted modules (or their children) are covered. A module slimact did not convert
+    Bytes slimact's Functions keep inside converted modules (or their children) are covered; what ops left as
+    written keep there (:attr:`slimact.Report.as_written`) is not, up to what the plain module kept. A module
+    slimact did not convert
     still counts as uncovered with what it keeps in the converted model (measured), at most what it kept in
     the plain one: bytes that routing removed from its own code (functional dropout, activations, the loss)
     are covered, and whatever it still keeps is not, compressed or not.
@@ -906,6 +909,6 @@ def _coverage(
     twice = {name: (n, full[name]) for name, n in report.twice.items()}
     # (the note names the converted modules themselves: a child left alone, a Linear "tempo" skips under converted
     # attention, keeps what it keeps as any module left alone does, a review)
-    inside = {name: n for name, n in inside.items() if n and (name in converted or (name == ROOT and "" in converted))}
+    noted = {name: n for name, n in inside.items() if n and (name in converted or (name == ROOT and "" in converted))}
     return ((1.0 - sum(uncovered.values()) / total if total else 1.0), uncovered, unrouted, idle, own, as_plain,
-            twice, inside)
+            twice, noted)

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from slimact._cache import dropping
 from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 from slimact.quant.core import forget_shared_packs
 from slimact.quant.state import note_backward
@@ -73,7 +74,7 @@ _gradients: dict[int, tuple[weakref.ref, bool]] = {}
 
 def _mark_gradient(t: Tensor, parameter: bool) -> None:
     key = id(t)
-    _gradients[key] = (weakref.ref(t, lambda _r, key=key: _gradients.pop(key, None)), parameter)
+    _gradients[key] = (dropping(t, _gradients, key), parameter)
 
 
 def _gradient_entry(t: Tensor) -> tuple[weakref.ref, bool] | None:
@@ -122,8 +123,7 @@ def keep_output(y: Tensor, node: Any) -> None:
     if not torch.compiler.is_compiling():
         key = id(y)
         # [the output, moved to a copy yet, the Function's node, the storage its saved output is on once moved]
-        KEPT_OUTPUTS[key] = [weakref.ref(y, lambda _r, key=key: KEPT_OUTPUTS.pop(key, None)), False,
-                             weakref.ref(node), None]
+        KEPT_OUTPUTS[key] = [dropping(y, KEPT_OUTPUTS, key), False, weakref.ref(node), None]
         if y._is_view():  # (an in-place activation's output on a 3-d Linear's, a view of its [B * T, N] product)
             base = id(y._base)
 
@@ -524,8 +524,7 @@ def saved_by_slimact(t: Tensor) -> bool:
 
 
 def _mark_saved(t: Tensor) -> None:
-    key = id(t)
-    _saved_by_slimact[key] = weakref.ref(t, lambda _r, key=key: _saved_by_slimact.pop(key, None))
+    _saved_by_slimact[id(t)] = dropping(t, _saved_by_slimact, id(t))
 
 
 def save(ctx: Any, *items: Packed | Mask | Gradient | Tensor | None) -> None:

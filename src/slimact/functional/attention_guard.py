@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -34,16 +36,18 @@ from torch import Tensor
 from slimact._cache import cache
 from slimact.quant import QuantConfig, inductor
 
-__all__ = ["GUARDED_ATTR", "MAX_SCORE_ERROR", "checked_score_error", "note_trip", "score_error", "score_safe_config",
-           "score_unsafe", "trips"]
+__all__ = ["GUARDED_ATTR", "MAX_SCORE_ERROR", "checked_score_error", "guarded", "note_trip", "score_error",
+           "score_safe_config", "score_unsafe"]
 
 #: Largest estimated score error (standard deviation, in logits) 8-bit ``q``/``k`` may put on a score. Passing
 #: attentions sit at 4e-4 (Llama, GPT-2 at initialisation) to 1.3e-2 (Qwen3's QK norm with ``1/sqrt(D)``);
 #: Gemma's unscaled QK-normed attention at 5e-2 and above fails the cosine floor.
 MAX_SCORE_ERROR = 0.02
 
+_T = TypeVar("_T")
 
-#: Set on a module one of whose attention calls kept ``q``, ``k``, ``v`` exact for the guard (:func:`trips`).
+
+#: Set on a module one of whose attention calls kept ``q``, ``k``, ``v`` exact for the guard (:func:`guarded`).
 GUARDED_ATTR = "_slimact_attention_guarded"
 
 
@@ -54,15 +58,17 @@ class _Trips(threading.local):
 _trips = _Trips()
 
 
-def trips() -> int:
-    """How many attention calls on this thread kept ``q``, ``k``, ``v`` exact for the guard so far: a caller that
-    knows the module compares it before and after a call, and ``summary(model, inputs)`` names such modules (their
-    attention bytes are not compressed on those inputs)."""
-    return _trips.count
+def guarded(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> tuple[_T, bool]:
+    """``fn(*args, **kwargs)`` (an attention call) and whether the guard kept ``q``, ``k``, ``v`` exact in it (on this
+    thread): the caller that knows the module marks it (:data:`GUARDED_ATTR`), and ``summary(model, inputs)`` names
+    such modules (their attention bytes are not compressed on those inputs)."""
+    before = _trips.count
+    out = fn(*args, **kwargs)
+    return out, _trips.count != before
 
 
 def note_trip() -> None:
-    """Count a call that kept ``q``, ``k``, ``v`` exact for the guard (:func:`trips`)."""
+    """Count a call that kept ``q``, ``k``, ``v`` exact for the guard (:func:`guarded`)."""
     _trips.count += 1
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from slimact.functional.attention import scaled_dot_product_attention
-from slimact.functional.attention_guard import GUARDED_ATTR, trips
+from slimact.functional.attention_guard import GUARDED_ATTR, guarded
 from slimact.functional.linear import linear
 from slimact.nn._base import SlimModule, slim_class
 
@@ -108,14 +108,13 @@ class _MultiheadAttentionMixin(SlimModule):
         if key_padding_mask is not None:
             pad = _additive(key_padding_mask, q.dtype).view(b, 1, 1, s)
             mask = pad if mask is None else mask + pad
-        before = trips()
-        out = scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+        out, tripped = guarded(
+            scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal,
             cfg=self._slimact_policy.quant_config("attention", 4),
             state=None if state() is None else {n: state(n) for n in ("q", "k", "v", "o")},
         )
-        if trips() != before:  # (q, k, v kept exact for the score error guard: summary(model, inputs) says so)
+        if tripped:  # (q, k, v kept exact for the score error guard: summary(model, inputs) says so)
             self.__dict__[GUARDED_ATTR] = True
         out = out.permute(2, 0, 1, 3).flatten(0, 1).flatten(1)  # [T * B, E]
         out = linear(out, self.out_proj.weight, self.out_proj.bias, self._slimact_cfg(out), state("out"))

@@ -35,7 +35,7 @@ class _Conv1DMixin(_LinearMixin):
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         x = args[0] if args else kwargs.get("x")
-        if isinstance(x, Tensor) and x.dim() and not _flattens(x):
+        if isinstance(x, Tensor) and x.dim() and not x.is_contiguous() and not _flattens(x):
             # Hugging Face's Conv1D computes on ``x.view(-1, in)``, which refuses an input no view can flatten (a
             # transposed ``[B, T, C]``): its own code, and its error, where slimact's product computed (a fuzzer)
             return super(_LinearMixin, self).forward(*args, **kwargs)  # type: ignore[misc]
@@ -43,7 +43,7 @@ class _Conv1DMixin(_LinearMixin):
 
 
 def _flattens(x: Tensor) -> bool:
-    """Whether ``x.view(-1, x.size(-1))`` succeeds."""
+    """Whether ``x.view(-1, x.size(-1))`` succeeds (a contiguous ``x``'s always does: not asked, on the hot path)."""
     try:
         x.view(-1, x.size(-1))
     except RuntimeError:

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
+from slimact._cache import dropping
 from slimact._kinds import _runs_hooks
 from slimact.functional._saving import SlimFunction, foreign_weight
 from slimact.functional.lm_loss import linear_cross_entropy
@@ -505,7 +506,7 @@ class LossTracker:
     def _track(self, t: Tensor, h: Tensor, h_version: int | None = None, of: Tensor | None = None) -> None:
         key = id(t)
         h_version = h._version if h_version is None else h_version
-        self._sources[key] = (weakref.ref(t, lambda _r, key=key: self._sources.pop(key, None)), h, t._version,
+        self._sources[key] = (dropping(t, self._sources, key), h, t._version,
                               h_version, None if of is None else weakref.ref(of))
 
     def _entry(self, t: object) -> tuple | None:

@@ -87,11 +87,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from slimact._cache import dropping
 from slimact._kinds import _FORM_KIND, _foreign, kind_of, named_norm
 from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, kept_or_view_of_kept, transformed
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
-from slimact.functional.attention_guard import trips
+from slimact.functional.attention_guard import guarded
 from slimact.functional.clamped_glu import GateForm
 from slimact.functional.dropout import dropout, scale_of
 from slimact.functional.dropout import native_dropout as slim_native_dropout
@@ -226,7 +227,7 @@ class _Notes:
 
     def put(self, x: Tensor, note: object) -> None:
         key, entries = id(x), self._entries
-        entries[key] = (weakref.ref(x, lambda _ref: entries.pop(key, None)), x._version, note)
+        entries[key] = (dropping(x, entries, key), x._version, note)
 
     def __deepcopy__(self, memo) -> _Notes:  # notes about this model's live tensors are not a copy's
         return _Notes()
@@ -943,10 +944,9 @@ class Routing:
             return None
         if self._inside:
             self.attended.add(self._inside[-1][0])
-        before = trips()
-        out = scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                           cfg=self._cfg("attention", query))
-        if trips() != before and self._inside:  # (q, k, v kept exact for the score error guard: summary says so)
+        out, tripped = guarded(scaled_dot_product_attention, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa, cfg=self._cfg("attention", query))
+        if tripped and self._inside:  # (q, k, v kept exact for the score error guard: summary says so)
             self.guarded.add(self._inside[-1][0])
         return out
 

@@ -55,6 +55,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from slimact._cache import dropping
 from slimact.quant import reference
 from slimact.quant.recompute import checkpoint_frame, unseen_by_selective_checkpointing
 from slimact.quant.reference import (
@@ -214,7 +215,7 @@ class _SharedPacks:
         key = self._key(x)
         entries = self._entries
         # The entry dies with its source tensor (whose storage address may then be reused).
-        source = weakref.ref(x, lambda _ref, key=key: entries.pop(key, None))
+        source = dropping(x, entries, key)
         frame = checkpoint_frame() if seeded else None
         # Made in a checkpointed region's forward with a stochastic-rounding seed (``seeded``): what its recomputes
         # owe the seed stream where they reuse it (owes_seed)
