@@ -2,6 +2,7 @@
 the user's model is left exactly as found, a deliberately broken policy is reported as a failure (naming the
 parameters), the floors tell rounding from a real error, and the command line's exit code follows the verdict."""
 
+import contextlib
 import importlib
 
 import pytest
@@ -873,3 +874,62 @@ def test_a_model_whose_plain_step_is_not_finite_gets_a_report_saying_so(bad, pol
     assert not report.passed and report.forward_equal, str(report)
     assert all("plain's gradient is not finite" in p.reason for p in report.failures), str(report)
     assert "not finite" in report.reference, report.reference
+
+
+def _small_block():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                               torch.nn.Linear(32, 8))
+
+
+@pytest.mark.parametrize("policy", ["tempo", "mesa"])
+def test_a_converted_model_is_checked_as_it_was_converted(policy):
+    # The default had been "int8" whatever the model: a model converted with "mesa" (whose running estimates small
+    # batches fail) was judged under int8's ranges, and modules its filter_fn excluded were converted in the copy.
+    model = slimact.convert(_small_block(), policy, filter_fn=lambda m, name: name != "2")
+    report = slimact.check(model, torch.randn(4, 10, 16))
+    assert report.policy == policy and report.lossless == (policy == "tempo")
+    assert report.summary.skipped.get("2") == "excluded by filter_fn"
+    assert "1" in report.summary.modules
+    # an explicit policy judges that one, with no exclusion carried over
+    other = slimact.check(model, torch.randn(4, 10, 16), "int8")
+    assert other.policy == "int8" and "2" in other.summary.modules
+    # converting again without a filter forgets the old one; reverting, the default is int8 again
+    slimact.convert(model, policy)
+    assert "2" in slimact.check(model, torch.randn(4, 10, 16)).summary.modules
+    assert slimact.check(slimact.revert(model), torch.randn(4, 10, 16)).policy == "int8"
+
+
+@pytest.mark.parametrize("reparametrize", ["prune", "weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_models_reparametrized_by_pre_hooks_are_checked(reparametrize, policy):
+    # PyTorch cannot deepcopy the non-leaf weight these keep as an attribute (recomputed before every call):
+    # check raised PyTorch's copy error on a pruned model.
+    import torch.nn.utils.prune as prune
+
+    apply = {"prune": lambda m: prune.l1_unstructured(m, "weight", amount=0.5),
+             "weight_norm": torch.nn.utils.weight_norm, "spectral_norm": torch.nn.utils.spectral_norm}[reparametrize]
+    model = _small_block()
+    with pytest.warns(FutureWarning) if reparametrize == "weight_norm" else contextlib.nullcontext():
+        apply(model[0])
+        apply(model[3])
+    model = slimact.convert(model, policy)
+    report = slimact.check(model, torch.randn(4, 10, 16))
+    assert report.passed, str(report)
+    names = {p.name for p in report.params}
+    assert {"0.bias", "3.bias"} <= names and any(n.startswith("0.weight_") for n in names), names
+    assert not report.missing
+
+
+def test_a_model_holding_a_computed_tensor_is_a_clear_error():
+    class Holds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.doubled = self.proj.weight * 2  # a non-leaf attribute PyTorch cannot copy
+
+        def forward(self, x):
+            return self.proj(x) @ self.doubled
+
+    with pytest.raises(TypeError, match=r"cannot copy a tensor computed from others .*\(doubled\)"):
+        slimact.check(Holds(), torch.randn(3, 4))

@@ -3,7 +3,7 @@ copy, compared: the forward, every parameter gradient, and a verdict against the
 
 A user with a custom model runs it once before a long training job::
 
-    report = slimact.check(model, batch)            # the default policy, "int8"
+    report = slimact.check(model, batch)            # a converted model's policy, else "int8"
     print(report)                                   # worst parameters, what was left alone
     assert report.passed
 
@@ -116,10 +116,13 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from slimact._metrics import cosine, sqnr_db
-from slimact.convert import Summary, convert, revert, summary
+from slimact.convert import Summary, _converted_as, convert, revert, summary
 from slimact.policy import Policy, resolve
 from slimact.profile import _call, _default_loss
 
@@ -319,6 +322,40 @@ def _map_tensors(inputs: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(inputs, (tuple, list)):
         return type(inputs)(_map_tensors(v, fn) for v in inputs)
     return inputs
+
+
+def _copied(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``. PyTorch refuses to copy a tensor that is not a graph leaf, which the hook-based
+    reparametrizations keep as a module attribute (``torch.nn.utils.prune``'s ``weight = weight_orig * mask``, the
+    old ``weight_norm``, ``spectral_norm``): their forward pre-hook computes it afresh at every call, so the copy
+    gets a detached placeholder. Any other such tensor is a clear error, since its graph (to a parameter it was
+    computed from) cannot be copied."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            name = _recomputed_attribute(hook)
+            value = module.__dict__.get(name) if name is not None else None
+            if isinstance(value, Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    try:
+        return copy.deepcopy(model, memo)
+    except RuntimeError as e:
+        if "graph leaves" not in str(e):
+            raise
+        held = [f"{n}.{key}" if n else key for n, m in model.named_modules() for key, v in vars(m).items()
+                if isinstance(v, Tensor) and not v.is_leaf and id(v) not in memo]
+        raise TypeError(f"slimact.check runs deep copies of the model, and PyTorch cannot copy a tensor computed "
+                        f"from others that a module holds as an attribute ({', '.join(held) or 'one of them'}): "
+                        "check a copy made another way, or before that tensor is computed") from e
+
+
+def _recomputed_attribute(hook: Any) -> str | None:
+    """The attribute a reparametrization's forward pre-hook computes before each call, for PyTorch's own."""
+    if isinstance(hook, BasePruningMethod):
+        return hook._tensor_name
+    if isinstance(hook, (WeightNorm, SpectralNorm)):
+        return hook.name
+    return None
 
 
 def _fresh_inputs(inputs: Any) -> Any:
@@ -714,7 +751,7 @@ def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tenso
     cannot run in float64, or does not compute what the plain run did (loss or outputs off by more than
     :func:`_guard_tolerance` relative: a draw it could not reproduce)."""
     try:
-        wide = copy.deepcopy(plain).double()
+        wide = _copied(plain).double()
         for q in wide.parameters():
             q.grad = None  # the plain step's
         with _float64_run() as mode:
@@ -904,7 +941,7 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
 def check(
     model: nn.Module,
     inputs: Any,
-    policy: str | os.PathLike[str] | Policy = "int8",
+    policy: str | os.PathLike[str] | Policy | None = None,
     *,
     loss_fn: Callable[[Any], Tensor] | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
@@ -920,8 +957,11 @@ def check(
         inputs: as for :func:`slimact.profile`: a dict (``model(**inputs)``), a tuple (``model(*inputs)``) or
             a tensor (``model(inputs)``).
         policy: a preset name, a :class:`slimact.Policy` or a policy file, as for :func:`slimact.convert`.
+            Default: for a converted model, the policy it was converted with (a model converted with ``"mesa"``
+            is judged under ``"mesa"``, not the default's running-estimate-free ``"int8"``); else ``"int8"``.
         loss_fn: ``loss_fn(output) -> scalar``; default: ``output.loss`` if present, else the sum of the output.
-        filter_fn: passed to :func:`slimact.convert`.
+        filter_fn: passed to :func:`slimact.convert`. Default: for a model converted with a ``filter_fn`` (and
+            ``policy`` not given), the modules it excluded stay excluded.
         micro_batch: the rows per call of a gradient accumulation loop: the step (plain and converted alike) calls
             the model on consecutive slices of ``inputs`` of that many rows, each loss weighted by its share of the
             rows, and judges the accumulated gradients. Default: one call on all of ``inputs``.
@@ -935,13 +975,16 @@ def check(
     Returns:
         a :class:`CheckReport`; ``report.passed`` is the verdict, ``str(report)`` the table.
     """
+    if policy is None:
+        # (the default had been "int8" whatever the model: a model converted with "mesa", which small batches
+        # fail, was judged under int8's dynamic ranges and passed)
+        policy, converted_filter = _converted_as(model) or ("int8", None)
+        filter_fn = converted_filter if filter_fn is None else filter_fn
     pol = resolve(policy)
     lossless = is_lossless(pol)
-    plain = revert(copy.deepcopy(model))
-    slim = convert(copy.deepcopy(plain), pol, filter_fn=filter_fn)
+    plain = revert(_copied(model))
+    slim = convert(_copied(plain), pol, filter_fn=filter_fn)
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    # Converted steps: (label, loss, outputs, gradients). Under running estimates, the first step (estimates fresh)
-    # and, after warming them on other batches, a later one; each parameter is judged by the worse of the two.
     # Converted steps: (label, loss, outputs, gradients, reference). Under running estimates, the first step
     # (estimates fresh) and, after warming them on other batches, a later one, judged against a plain copy warmed
     # on the same batches (a model whose own state a forward changes: a module made at its first call, as BigBird's
@@ -951,7 +994,7 @@ def check(
     batches = None if batches is None else list(batches)
     with _forked_rng(cuda):
         rng = _get_rng(cuda)
-        warm = (copy.deepcopy(plain), copy.deepcopy(slim)) if _running(pol) else None
+        warm = (_copied(plain), _copied(slim)) if _running(pol) else None
         with _autocast_seen() as seen:
             loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng, micro_batch)
         # Under autocast the step computes in its dtype: plain's gradients are rounded at that level.

@@ -60,6 +60,7 @@ _POLICY_ATTR = "_slimact_root_policy"
 _SKIPPED_ATTR = "_slimact_root_skipped"
 _HOOK_ATTR = "_slimact_root_hook"
 _ROUTE_ATTR = "_slimact_root_routing"
+_FILTERED_ATTR = "_slimact_root_filtered"  # names of the modules the conversion's filter_fn excluded
 _ATTN_ATTR = "_slimact_root_attn"
 
 
@@ -285,6 +286,7 @@ def convert(
 
 def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Module:
     """:func:`convert` of a model it has checked."""
+    filtered: set[str] = set()
     if filter_fn is not None:  # asked of each module as the plain model has it, converted by an earlier call or not
         # (a filter on the class, ``type(m) is nn.LayerNorm``, or on its module path, saw slimact's classes on a second
         # convert and let them all through)
@@ -292,7 +294,10 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
 
         def filter_fn(module: nn.Module, name: str) -> bool:
             with as_written(module):
-                return user_filter(module, name)
+                keep = user_filter(module, name)
+            if not keep:
+                filtered.add(name)
+            return keep
 
     for sub in itertools.islice(model.modules(), 1, None):
         # A submodule converted on its own before: its modules are converted again below, with this policy, and the
@@ -345,7 +350,21 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
     model.__dict__.setdefault("__prepare_scriptable__", refuse_script)
     model.__dict__[_POLICY_ATTR] = pol
     model.__dict__[_SKIPPED_ATTR] = skipped
+    model.__dict__[_FILTERED_ATTR] = frozenset(filtered)
     return model
+
+
+def _converted_as(model: nn.Module) -> tuple[Policy, FilterFn | None] | None:
+    """How ``model`` was converted: its policy and a filter excluding the modules its ``filter_fn`` excluded (by
+    qualified name, which a deep copy keeps); ``None`` for a model not converted. A model holding converted modules
+    (peft's wrapper around a converted model, blocks converted each on their own) gives their policy where they
+    share one, and no filter."""
+    pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
+    if pol is None:
+        policies = [r.__dict__[_POLICY_ATTR] for _, r in _inner_roots(model)]
+        return (policies[0], None) if policies and all(p == policies[0] for p in policies) else None
+    filtered = model.__dict__.get(_FILTERED_ATTR)
+    return pol, (None if not filtered else lambda module, name: name not in filtered)
 
 
 def _lm_head(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -523,6 +542,7 @@ def _unroot(module: nn.Module) -> None:
     attention.release_configs(module, module.__dict__.pop(_ATTN_ATTR, ()))
     module.__dict__.pop(_POLICY_ATTR, None)
     module.__dict__.pop(_SKIPPED_ATTR, None)
+    module.__dict__.pop(_FILTERED_ATTR, None)
     if module.__dict__.get("__prepare_scriptable__") is refuse_script:
         del module.__dict__["__prepare_scriptable__"]
 
