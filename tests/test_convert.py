@@ -956,3 +956,19 @@ def test_the_note_on_what_ops_left_as_written_keep_names_converted_modules_only(
     summary = slimact.summary(slimact.convert(model, "tempo"), inputs)
     assert "transformer.h.0.attn.c_proj" in summary.uncovered and "transformer.h.0.attn.c_proj" in summary.skipped
     assert not [n for n in summary.notes if "leaves as written in their code" in n], summary.notes
+
+
+def test_summary_with_inputs_copies_a_pruned_model():
+    # summary(model, inputs) profiles a plain copy; PyTorch's deepcopy refused the non-leaf weight pruning recomputes
+    # before each call (after a forward it is one).
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    slimact.convert(model, "int8")
+    x = torch.randn(4, 10, 16)
+    model(x).sum().backward()
+    report = slimact.summary(model, x)
+    assert report.converted == {"gelu": 1, "layernorm": 1, "linear": 2}
+    assert report.coverage is not None and report.coverage > 0.9

@@ -104,7 +104,6 @@ the largest output (outputs 1e-4 off pass). Eval mode is not run. A step drawing
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import math
@@ -116,13 +115,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.prune import BasePruningMethod
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from slimact._metrics import cosine, sqnr_db
-from slimact.convert import Summary, _converted_as, convert, revert, summary
+from slimact.convert import Summary, _converted_as, _copied, convert, revert, summary
 from slimact.policy import Policy, resolve
 from slimact.profile import _call, _default_loss
 
@@ -322,40 +318,6 @@ def _map_tensors(inputs: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(inputs, (tuple, list)):
         return type(inputs)(_map_tensors(v, fn) for v in inputs)
     return inputs
-
-
-def _copied(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model``. PyTorch refuses to copy a tensor that is not a graph leaf, which the hook-based
-    reparametrizations keep as a module attribute (``torch.nn.utils.prune``'s ``weight = weight_orig * mask``, the
-    old ``weight_norm``, ``spectral_norm``): their forward pre-hook computes it afresh at every call, so the copy
-    gets a detached placeholder. Any other such tensor is a clear error, since its graph (to a parameter it was
-    computed from) cannot be copied."""
-    memo: dict[int, Any] = {}
-    for module in model.modules():
-        for hook in module._forward_pre_hooks.values():
-            name = _recomputed_attribute(hook)
-            value = module.__dict__.get(name) if name is not None else None
-            if isinstance(value, Tensor) and not value.is_leaf:
-                memo[id(value)] = value.detach().clone()
-    try:
-        return copy.deepcopy(model, memo)
-    except RuntimeError as e:
-        if "graph leaves" not in str(e):
-            raise
-        held = [f"{n}.{key}" if n else key for n, m in model.named_modules() for key, v in vars(m).items()
-                if isinstance(v, Tensor) and not v.is_leaf and id(v) not in memo]
-        raise TypeError(f"slimact.check runs deep copies of the model, and PyTorch cannot copy a tensor computed "
-                        f"from others that a module holds as an attribute ({', '.join(held) or 'one of them'}): "
-                        "check a copy made another way, or before that tensor is computed") from e
-
-
-def _recomputed_attribute(hook: Any) -> str | None:
-    """The attribute a reparametrization's forward pre-hook computes before each call, for PyTorch's own."""
-    if isinstance(hook, BasePruningMethod):
-        return hook._tensor_name
-    if isinstance(hook, (WeightNorm, SpectralNorm)):
-        return hook.name
-    return None
 
 
 def _fresh_inputs(inputs: Any) -> Any:

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from slimact import attention
 from slimact._kinds import (
@@ -352,6 +355,40 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
     model.__dict__[_SKIPPED_ATTR] = skipped
     model.__dict__[_FILTERED_ATTR] = frozenset(filtered)
     return model
+
+
+def _copied(model: nn.Module, caller: str = "check") -> nn.Module:
+    """A deep copy of ``model``. PyTorch refuses to copy a tensor that is not a graph leaf, which the hook-based
+    reparametrizations keep as a module attribute (``torch.nn.utils.prune``'s ``weight = weight_orig * mask``, the
+    old ``weight_norm``, ``spectral_norm``): their forward pre-hook computes it afresh at every call, so the copy
+    gets a detached placeholder. Any other such tensor is a clear error, since its graph (to a parameter it was
+    computed from) cannot be copied."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            name = _recomputed_attribute(hook)
+            value = module.__dict__.get(name) if name is not None else None
+            if isinstance(value, Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    try:
+        return copy.deepcopy(model, memo)
+    except RuntimeError as e:
+        if "graph leaves" not in str(e):
+            raise
+        held = [f"{n}.{key}" if n else key for n, m in model.named_modules() for key, v in vars(m).items()
+                if isinstance(v, Tensor) and not v.is_leaf and id(v) not in memo]
+        raise TypeError(f"slimact.{caller} runs deep copies of the model, and PyTorch cannot copy a tensor computed "
+                        f"from others that a module holds as an attribute ({', '.join(held) or 'one of them'}): "
+                        "check a copy made another way, or before that tensor is computed") from e
+
+
+def _recomputed_attribute(hook: Any) -> str | None:
+    """The attribute a reparametrization's forward pre-hook computes before each call, for PyTorch's own."""
+    if isinstance(hook, BasePruningMethod):
+        return hook._tensor_name
+    if isinstance(hook, (WeightNorm, SpectralNorm)):
+        return hook.name
+    return None
 
 
 def _converted_as(model: nn.Module) -> tuple[Policy, FilterFn | None] | None:
@@ -906,7 +943,7 @@ def _coverage(
     own = {name: m.__dict__[OWN_FORWARD_ATTR] for name, m in model.named_modules()
            if OWN_FORWARD_ATTR in m.__dict__ and SLIM_FORWARD_ATTR not in m.__dict__}
     converted = converted - set(unrouted) - set(idle) - set(own)
-    plain = revert(copy.deepcopy(model))
+    plain = revert(_copied(model, "summary"))
     before = profile(plain, inputs, loss_fn=loss_fn).by_module
     del plain
     as_plain = sorted(name for name in by_sdpa if name in converted and after.get(name, 0) >= before.get(name, 0))
