@@ -174,13 +174,21 @@ def _params_of(module: nn.Module) -> tuple[torch.device, torch.dtype]:
     return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
 
-def _hf_conv1d_base(cls: type) -> type | None:
-    return next((c for c in cls.__mro__ if c.__name__ == "Conv1D" and c.__module__.startswith("transformers.")), None)
+def _library_base(cls: type, name: str, package: str) -> type | None:
+    """The class named ``name`` of library ``package`` in ``cls``'s hierarchy (matched by name: slimact imports no
+    library to recognise its layers)."""
+    return next((c for c in cls.__mro__ if c.__name__ == name and c.__module__.startswith(package)), None)
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2 family): a Linear with its weight stored ``[in, out]``."""
-    return _hf_conv1d_base(_cls(module)) is not None
+    return _library_base(_cls(module), *_HF_CONV1D) is not None
+
+
+_HF_CONV1D = ("Conv1D", "transformers.")
+#: PyTorch Geometric's ``Linear`` (its convs' projections: GCN, GAT, SAGE, TransformerConv, its MLP): a module whose
+#: forward is ``F.linear(x, self.weight, self.bias)``, weight ``[out, in]``.
+_PYG_LINEAR = ("Linear", "torch_geometric.nn.dense.linear")
 
 
 def _runs_hooks(module: nn.Module) -> bool:
@@ -1017,12 +1025,18 @@ def _batch_norm_unsupported(module: nn.Module) -> str | None:
     return None
 
 
-def _rule_hf_conv1d(module, cls):
-    base = _hf_conv1d_base(cls)
-    if base is None:
-        return None
-    reason = _own_forward(cls, base)  # an adapter's (LoRA on GPT-2's c_attn), a scaled one's
-    return Recognised("linear", None if reason else "conv1d", reason=reason)
+def _rule_library_linear(library: tuple[str, str], replace: str):
+    """A library's own Linear class (Hugging Face's ``Conv1D``, PyTorch Geometric's ``Linear``): replaced when its
+    forward is the library class's own."""
+
+    def rule(module, cls):
+        base = _library_base(cls, *library)
+        if base is None:
+            return None
+        reason = _own_forward(cls, base)  # an adapter's (LoRA on GPT-2's c_attn), a scaled one's
+        return Recognised("linear", None if reason else replace, reason=reason)
+
+    return rule
 
 
 def named_norm(module: nn.Module) -> bool:
@@ -1221,7 +1235,8 @@ _RULES: tuple[Callable[[nn.Module, type], Recognised | None], ...] = (
     _rule_scripted,
     _rule_gated_mlp,
     _rule_typed(nn.MultiheadAttention, "attention", "mha"),
-    _rule_hf_conv1d,
+    _rule_library_linear(_HF_CONV1D, "conv1d"),
+    _rule_library_linear(_PYG_LINEAR, "pyg_linear"),
     _rule_typed(nn.Linear, "linear", "linear"),
     _rule_typed(nn.modules.conv._ConvNd, "conv", "conv", _conv_unsupported),
     _rule_typed(nn.modules.batchnorm._BatchNorm, "batchnorm", "batchnorm", _batch_norm_unsupported),

@@ -46,7 +46,7 @@ from slimact.nn.batch_norm import batch_norm_class
 from slimact.nn.clamped_glu import GATE_ATTR, Gate, gate_form
 from slimact.nn.conv import conv_class
 from slimact.nn.dropout import dropout_class
-from slimact.nn.linear import conv1d_class, linear_class
+from slimact.nn.linear import conv1d_class, linear_class, pyg_linear_class
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
@@ -72,6 +72,7 @@ _FACTORIES: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] = {
     "mlp": gated_mlp_class,
     "mha": mha_class,
     "conv1d": conv1d_class,
+    "pyg_linear": pyg_linear_class,
     "linear": linear_class,
     "conv": conv_class,
     "batchnorm": batch_norm_class,

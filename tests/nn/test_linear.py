@@ -164,3 +164,78 @@ def test_hf_conv1d_refuses_an_input_it_cannot_view_as_the_plain_one_does(policy)
     assert str(got.value) == str(want.value)
     y = x.contiguous()  # (one that does: slimact's product, plain's output)
     assert torch.equal(slim(y), plain(y))
+
+
+def _gnn(conv: str):
+    """Three PyTorch Geometric convs (their projections are PyG's own ``Linear``) with ReLUs, and a small graph."""
+    geometric = pytest.importorskip("torch_geometric.nn")
+    make = {"gcn": lambda i, o: geometric.GCNConv(i, o), "sage": lambda i, o: geometric.SAGEConv(i, o),
+            "gat": lambda i, o: geometric.GATConv(i, o // 4, heads=4),
+            "mlp": None}[conv]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.convs = nn.ModuleList([make(32, 64), make(64, 64), make(64, 8)])
+
+        def forward(self, x, edges):
+            for i, layer in enumerate(self.convs):
+                x = layer(x, edges)
+                x = x.relu() if i < 2 else x
+            return x
+
+    torch.manual_seed(0)
+    if conv == "mlp":  # PyG's MLP: its Linears beside BatchNorm and ReLU modules
+        return geometric.MLP([32, 64, 64, 8], norm="batch_norm"), (torch.randn(300, 32),)
+    return Net(), (torch.randn(300, 32), torch.randint(0, 300, (2, 1500)))
+
+
+def _step(model, inputs):
+    model(*inputs).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("conv", ["gcn", "sage", "gat", "mlp"])
+def test_pytorch_geometric_linears_are_converted_and_train_as_plain(conv):
+    from torch_geometric.nn.dense.linear import Linear as PyGLinear
+
+    plain, inputs = _gnn(conv)
+    model = slimact.convert(copy.deepcopy(plain), "int8")
+    linears = [m for m in model.modules() if isinstance(m, PyGLinear)]
+    assert linears and all(type(m).__module__ == "slimact.nn.linear" for m in linears)
+    assert slimact.summary(model).converted["linear"] == len(linears)
+    torch.testing.assert_close(model(*inputs), plain(*inputs), rtol=0, atol=0)
+    exact, approx = _step(plain, inputs), _step(model, inputs)
+    assert_gradients_close(exact, approx, min_cosine=0.999)
+    # what the Linears keep: their 8-bit inputs, a quarter of plain's fp32 copies (in the MLP, beside its BatchNorms
+    # and ReLUs, which plain charges the Linears' shared inputs to, the whole model's bytes)
+    kept, plain_kept = (slimact.profile(m, inputs) for m in (model, plain))
+    if conv == "mlp":
+        assert kept.activation_bytes <= 0.3 * plain_kept.activation_bytes
+    else:
+        assert kept.by_kind["linear"] <= 0.3 * plain_kept.by_kind["linear"]
+        assert kept.activation_bytes < plain_kept.activation_bytes
+    # a deep copy stays converted (PyG's own __deepcopy__ builds a fresh plain Linear), and computes the same
+    twin = copy.deepcopy(model)
+    assert [type(m) for m in twin.modules()] == [type(m) for m in model.modules()]
+    for p in model.parameters():
+        p.grad = None
+    assert_gradients_equal(_step(model, inputs), _step(twin, inputs))
+    # revert gives PyG's class back, the state dict unchanged
+    slimact.revert(model)
+    assert all(type(m) is PyGLinear for m in model.modules() if isinstance(m, PyGLinear))
+    assert model.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_a_pytorch_geometric_linear_with_its_own_forward_is_left_alone():
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.nn.dense.linear import Linear as PyGLinear
+
+    class Scaled(PyGLinear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = slimact.convert(nn.Sequential(Scaled(8, 8), nn.GELU(), PyGLinear(8, 4)), "int8")
+    assert type(model[0]) is Scaled and type(model[2]).__module__ == "slimact.nn.linear"
+    assert "Scaled subclasses torch_geometric.nn.dense.linear.Linear with its own forward" in str(
+        slimact.summary(model))

@@ -1,12 +1,14 @@
 """``slimact.nn.Linear``: an ``nn.Linear`` whose saved input is 8-bit (see :mod:`slimact.functional.linear`).
 
-Also the mixin that makes the same of Hugging Face's ``Conv1D`` (GPT-2's projections, weight ``[in, out]``).
+Also the mixins that make the same of Hugging Face's ``Conv1D`` (GPT-2's projections, weight ``[in, out]``) and of
+PyTorch Geometric's ``Linear`` (its convs' projections).
 In eval mode, under ``no_grad``/``inference_mode``, or when nothing needs a gradient, forward is exactly the
 parent's.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import Tensor, nn
@@ -14,7 +16,7 @@ from torch import Tensor, nn
 from slimact.functional.linear import linear
 from slimact.nn._base import SlimModule, slim_class, standalone
 
-__all__ = ["Linear", "conv1d_class", "linear_class"]
+__all__ = ["Linear", "conv1d_class", "linear_class", "pyg_linear_class"]
 
 
 class _LinearMixin(SlimModule):
@@ -40,6 +42,16 @@ class _Conv1DMixin(_LinearMixin):
             # transposed ``[B, T, C]``): its own code, and its error, where slimact's product computed (a fuzzer)
             return super(_LinearMixin, self).forward(*args, **kwargs)  # type: ignore[misc]
         return super().forward(*args, **kwargs)
+
+
+class _PyGLinearMixin(_LinearMixin):
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        # PyTorch Geometric's own __deepcopy__ builds a fresh torch_geometric Linear (for its lazy parameters): the
+        # copy of a converted model would hold plain Linears. A converted one has its parameters: a module's copy.
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return twin
 
 
 def _flattens(x: Tensor) -> bool:
@@ -68,3 +80,8 @@ def linear_class(cls: type[nn.Module]) -> type[nn.Module]:
 def conv1d_class(cls: type[nn.Module]) -> type[nn.Module]:
     """The slimact class for Hugging Face's ``Conv1D`` (or a subclass)."""
     return slim_class(_Conv1DMixin, cls)
+
+
+def pyg_linear_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The slimact class for PyTorch Geometric's ``Linear`` (or a subclass)."""
+    return slim_class(_PyGLinearMixin, cls)
