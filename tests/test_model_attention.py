@@ -5,6 +5,7 @@ products and softmax are routed through slimact, so no fp32 ``[T, T]`` tensor is
 exact. Tiny configs: 2 layers, hidden 64, 4 heads, batch 2 x 32 tokens."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -434,3 +435,114 @@ def test_sdpa_with_a_per_head_or_learned_bias_written_in_model_code_keeps_plains
         assert_gradients_equal(*grads)
     else:
         assert_gradients_close(*grads)
+
+
+class _WrittenAfterDropoutAttention(nn.Module):
+    """Probabilities written in place after a dropout read them (``p.mul_(0.5)``), the product on the dropout's
+    output: plain refuses the backward (the softmax's saved output changed); slimact's product had rebuilt its
+    operand from the written probabilities, v's gradient 0.5x (a review)."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.qkv, self.write = nn.Linear(8, 24), write
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        p = torch.softmax(q @ k.transpose(-1, -2), -1)
+        dropped = nn.functional.dropout(p, 0.3)
+        if self.write:
+            p.mul_(0.5)
+        return dropped @ v
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa"])
+def test_probabilities_written_after_their_dropout_do_not_reach_the_product(policy):
+    torch.manual_seed(0)
+    reference, x = _WrittenAfterDropoutAttention(write=False), torch.randn(2, 5, 8, requires_grad=True)
+    model = slimact.convert(copy.deepcopy(reference), policy)
+    model.write = True
+
+    def step(m):
+        torch.manual_seed(1)
+        x.grad = None
+        y = m(x)
+        y.backward(torch.ones_like(y))
+        return y.detach(), {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in m.named_parameters()}}
+
+    y0, exact = step(reference)
+    y1, approx = step(model)
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    # the gradient of the forward as it ran (v's had been half of it, x's at cosine 0.94, norm 0.71x)
+    assert_gradients_close(exact, approx, min_cosine=0.999)
+    for n in exact:
+        assert 0.97 < approx[n].norm() / exact[n].norm() < 1.03, n
+
+
+@pytest.mark.parametrize("shape", [(4, 5, 1), (2, 4, 5, 1)])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_learned_sdpa_mask_broadcast_along_the_keys_gets_its_gradient(shape, policy):
+    # Its gradient had been summed over the batch, heads and rows only: "output with shape [1, 4, 5, 1] doesn't
+    # match the broadcast shape [1, 4, 5, 5]" in the backward, where plain trains. A shift per row: softmax ignores
+    # it, the exact gradient is zero, plain's is rounding noise.
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.bias = nn.Linear(16, 48), nn.Parameter(torch.randn(*shape))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 4, 4).permute(2, 0, 3, 1, 4)
+            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+    torch.manual_seed(0)
+    plain, x = Biased(), torch.randn(2, 5, 16)
+    model = slimact.convert(copy.deepcopy(plain), policy)
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()
+    assert model.bias.grad.shape == model.bias.shape
+    assert model.bias.grad.abs().max() <= 1e-4 * plain.qkv.weight.grad.abs().max()
+    assert_gradients_close({"w": plain.qkv.weight.grad}, {"w": model.qkv.weight.grad}, min_cosine=0.999)
+
+
+@pytest.mark.parametrize("form", ["beta, input, alpha, b1, b2", "beta, input, b1, b2", "input.baddbmm(beta, b1, b2)"])
+def test_the_deprecated_positional_baddbmm_forms_run_as_written(form):
+    # Routed, they raised "Routing._baddbmm() takes 4 positional arguments but 6 were given" where PyTorch runs them
+    # (with a deprecation warning).
+    class ScoresAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.bias = nn.Linear(8, 24), nn.Parameter(torch.randn(1, 5, 5))
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            kt, bias = k.transpose(1, 2), self.bias.expand(x.shape[0], 5, 5)
+            scores = {"beta, input, alpha, b1, b2": lambda: torch.baddbmm(0.5, bias, 0.25, q, kt),
+                      "beta, input, b1, b2": lambda: torch.baddbmm(0.5, bias, q, kt),
+                      "input.baddbmm(beta, b1, b2)": lambda: bias.baddbmm(0.5, q, kt)}[form]()
+            return scores.softmax(-1) @ v
+
+    torch.manual_seed(0)
+    plain, x = ScoresAttention(), torch.randn(2, 5, 8)
+    for policy in ("tempo", "int8", "mesa"):
+        model = slimact.convert(copy.deepcopy(plain), policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (PyTorch's, once per process: "This overload ...")
+            y = model(x)
+            torch.testing.assert_close(y, plain(x), rtol=0, atol=0)
+        y.square().sum().backward()
+
+
+def test_a_norm_called_with_an_int_shape_raises_as_plain():
+    # PyTorch refuses F.layer_norm(x, 12, w) (a TypeError); a converted model's routed norm had computed it.
+    class IntShape(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.w = nn.Linear(12, 12), nn.Parameter(torch.ones(12))
+
+        def forward(self, x):
+            return nn.functional.layer_norm(self.proj(x), 12, self.w)
+
+    for policy in ("tempo", "int8"):
+        model = slimact.convert(IntShape(), policy)
+        with pytest.raises(TypeError, match="normalized_shape"):
+            model(torch.randn(2, 3, 12))

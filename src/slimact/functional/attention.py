@@ -670,7 +670,8 @@ class _ChunkedAttention(SlimFunction):
             gv = gv_blk if gv is None else gv.add_(gv_blk)
             if gmask is not None:
                 gm = ds.reshape(b, h, t1 - t0, s)
-                dims = [i for i in range(3) if m4.shape[i] == 1 and gm.shape[i] != 1]
+                # (the rows' dim, 2, is summed below; the keys' too where the mask broadcasts along them, [H, T, 1])
+                dims = [i for i in (0, 1, 3) if m4.shape[i] == 1 and gm.shape[i] != 1]
                 gm = gm.sum(dims, keepdim=True) if dims else gm  # (an empty list would sum everything)
                 if m4.shape[2] == 1:
                     gmask += gm.sum(2, keepdim=True)

@@ -60,6 +60,7 @@ class Dropped(NamedTuple):
     probs: Tensor
     mask: Mask
     scale: float
+    version: int  # ``probs._version`` at the dropout: the operand is rebuilt from ``probs`` only while it is unchanged
 
 
 def _pack_operand(x: Tensor, cfg: QuantConfig | None, state: RunningRange | None,
@@ -94,6 +95,10 @@ def _save_operands(ctx, a, b, cfg_a, cfg_b, state_a, state_b, need_a: bool, need
     """Keep ``a`` where ``b`` needs a gradient and ``b`` where ``a`` does (each through :func:`packing_source`,
     a head's channels that the product contracts in blocks: :func:`_pack_operand`; ``a`` as its probabilities and
     mask where it is ``dropped_a``). ``contracted``: the dim of each the product contracts (a matmul's: -1, -2)."""
+    if dropped_a is not None and dropped_a.probs._version != dropped_a.version:
+        # The probabilities were written in place after the dropout read them (``p.mul_(0.5)``): rebuilt from them,
+        # the operand would be the write's, not the dropout's output the product used (v's gradient had been 0.5x).
+        dropped_a = None
     ctx.dropped_scale = dropped_a.scale if dropped_a is not None and need_b else None
     blocks_a = None
     if ctx.dropped_scale is not None:

@@ -76,6 +76,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 import threading
 import types
@@ -296,7 +297,8 @@ class _Mode(TorchFunctionMode):
         handler = routing.handlers.get(func)
         # The call's arguments as the handler names them (None: a keyword it does not take, bmm's out_dtype); the call
         # itself, where it runs as written, keeps PyTorch's (F.gelu's approximate is keyword-only there).
-        call = _as_handler_call(func, handler, args, kwargs) if handler is not None and kwargs else (args, kwargs)
+        call = (None if handler is None else _as_handler_call(func, handler, args, kwargs) if kwargs
+                else _fits(func, handler, args))
         # The head's product is the LM loss's, which is on wherever the head itself is left alone. Under a torch.func
         # transform or forward-mode AD, which slimact's Functions do not support, every call runs as written.
         if (handler is not None and call is not None and call[0] and (not routing.excluded_depth or func is F.linear)
@@ -342,17 +344,24 @@ def _overrides() -> dict:
     return get_testing_overrides()  # (built once: PyTorch builds the whole table on each call)
 
 
-def _call_params(func: object, handler: object) -> tuple[tuple[str, ...], frozenset[str], bool]:
-    """A handler's positional parameter names, every name it takes, and whether it takes any keyword."""
-    import inspect
-
+def _call_params(func: object, handler: object) -> tuple[tuple[str, ...], frozenset[str], bool, float]:
+    """A handler's positional parameter names, every name it takes, whether it takes any keyword, and the most
+    positional arguments it takes (``inf`` with ``*args``)."""
     key = (func, _code_of(handler))
     if key not in _PARAMS:
         params = inspect.signature(handler).parameters.values()
         positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
         _PARAMS[key] = (positional, frozenset(p.name for p in params if p.kind != p.VAR_POSITIONAL),
-                        any(p.kind == p.VAR_KEYWORD for p in params))
+                        any(p.kind == p.VAR_KEYWORD for p in params),
+                        math.inf if any(p.kind == p.VAR_POSITIONAL for p in params) else len(positional))
     return _PARAMS[key]
+
+
+def _fits(func: object, handler: object, args: tuple) -> tuple[tuple, dict] | None:
+    """A call without keywords as ``handler`` takes it, or ``None`` where it passes more positional arguments than the
+    handler takes: PyTorch's deprecated forms with the scalars first (``torch.baddbmm(beta, x, alpha, b1, b2)``,
+    ``x.baddbmm(beta, b1, b2)``) run as written (the handler had raised a TypeError where PyTorch ran)."""
+    return (args, {}) if len(args) <= _call_params(func, handler)[3] else None
 
 
 def _as_handler_call(func: object, handler: object, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -363,7 +372,9 @@ def _as_handler_call(func: object, handler: object, args: tuple, kwargs: dict) -
     (``_matmul(a, b)``: the call raised "unexpected keyword argument 'other'" where PyTorch ran) and reads its
     leading tensors positionally (a call with keywords only ran as written, keeping plain's bytes). A keyword at a
     position where the handler's name differs takes the handler's name; leading ones become positional."""
-    positional, names, any_keyword = _call_params(func, handler)
+    positional, names, any_keyword, most = _call_params(func, handler)
+    if len(args) > most:
+        return None
     torch_names, kwargs = _torch_names(func), dict(kwargs)
     for i in range(len(args), min(len(positional), len(torch_names))):
         theirs, ours = torch_names[i], positional[i]
@@ -757,7 +768,7 @@ class Routing:
             return None
         y, mask = fn(x, p, train)
         scale = scale_of(x.device, p, x.dtype) if fn is slim_native_dropout else 1.0 / (1.0 - p) if p < 1 else 0.0
-        self._dropped.put(y, Dropped(x, Mask.of(mask), scale))
+        self._dropped.put(y, Dropped(x, Mask.of(mask), scale, x._version))
         return y, mask
 
     def _slim_native_dropout(self, x, p, train=True):
@@ -1018,7 +1029,8 @@ class Routing:
                 or not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in params))):
             return None
         channels = (x.shape[-1],) if x.dim() else None
-        if tuple([shape] if isinstance(shape, int) else shape) != channels or any(
+        # (an int shape, which PyTorch refuses with a TypeError, runs as written: slimact had computed it)
+        if not isinstance(shape, (tuple, list)) or tuple(shape) != channels or any(
             not isinstance(t, Tensor) or tuple(t.shape) != channels for t in params
         ):
             return None
