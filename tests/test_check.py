@@ -921,15 +921,39 @@ def test_models_reparametrized_by_pre_hooks_are_checked(reparametrize, policy):
     assert not report.missing
 
 
-def test_a_model_holding_a_computed_tensor_is_a_clear_error():
+def test_models_holding_what_pytorch_cannot_copy_are_checked_and_the_report_says_so():
+    # A forward's leftovers (MONAI's DynUNet keeps its last deep-supervision outputs in a list: check raised PyTorch's
+    # deepcopy error on a model mid-training), a tensor computed at construction, a staticmethod object
+    # (rotary-embedding-torch's): copied detached (said in the report) or shared.
     class Holds(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.proj = torch.nn.Linear(4, 4)
-            self.doubled = self.proj.weight * 2  # a non-leaf attribute PyTorch cannot copy
+            self.proj, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+            self.doubled = self.proj.weight * 2
+            self.outputs, self.rule = [], staticmethod(torch.tanh)
 
         def forward(self, x):
-            return self.proj(x) @ self.doubled
+            h = self.norm(self.proj(x))
+            self.outputs[:] = [h]
+            return self.rule(h @ self.doubled.detach())
 
-    with pytest.raises(TypeError, match=r"cannot copy a tensor computed from others .*\(doubled\)"):
-        slimact.check(Holds(), torch.randn(3, 4))
+    model = Holds()
+    model(torch.randn(3, 4)).sum().backward()
+    report = slimact.check(model, torch.randn(3, 4))
+    assert report.passed, str(report)
+    assert "copied detached: doubled, outputs" in report.reference, report.reference
+    assert model.outputs[0].grad_fn is not None  # the user's model as found
+
+
+def test_a_model_copy_cannot_make_is_a_clear_error():
+    class Locked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.lock = __import__("threading").Lock()
+
+        def forward(self, x):
+            return self.proj(x)
+
+    with pytest.raises(TypeError, match=r"slimact.check runs deep copies of the model, and copy.deepcopy fails"):
+        slimact.check(Locked(), torch.randn(3, 4))

@@ -944,7 +944,8 @@ def check(
         filter_fn = converted_filter if filter_fn is None else filter_fn
     pol = resolve(policy)
     lossless = is_lossless(pol)
-    plain = revert(_copied(model))
+    detached: list[str] = []
+    plain = revert(_copied(model, detached=detached))
     slim = convert(_copied(plain), pol, filter_fn=filter_fn)
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     # Converted steps: (label, loss, outputs, gradients, reference). Under running estimates, the first step
@@ -1050,6 +1051,10 @@ def check(
         reference += (f"; not judged: {len(unjudged)} parameter(s) of TorchScript submodules ({', '.join(unjudged[:3])}"
                       f"{', ...' if len(unjudged) > 3 else ''}), which a copy of the model cannot train: PyTorch's "
                       "deepcopy of a scripted module leaves its parameters without gradients")
+    if detached:
+        reference += (f"; copied detached: {', '.join(detached[:3])}{', ...' if len(detached) > 3 else ''} (tensors "
+                      "computed by an earlier call that the model holds, which PyTorch cannot copy: a gradient "
+                      "through them is not judged)")
     return CheckReport(
         policy=pol.name,
         lossless=lossless,

@@ -358,29 +358,35 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
     return model
 
 
-def _copied(model: nn.Module, caller: str = "check") -> nn.Module:
-    """A deep copy of ``model``. PyTorch refuses to copy a tensor that is not a graph leaf, which the hook-based
-    reparametrizations keep as a module attribute (``torch.nn.utils.prune``'s ``weight = weight_orig * mask``, the
-    old ``weight_norm``, ``spectral_norm``): their forward pre-hook computes it afresh at every call, so the copy
-    gets a detached placeholder. Any other such tensor is a clear error, since its graph (to a parameter it was
-    computed from) cannot be copied."""
+def _copied(model: nn.Module, caller: str = "check", detached: list[str] | None = None) -> nn.Module:
+    """A deep copy of ``model``, where PyTorch's own ``copy.deepcopy`` refuses one that trains.
+
+    PyTorch cannot copy a tensor that is not a graph leaf, and modules hold such tensors as attributes: the hook-based
+    reparametrizations (``torch.nn.utils.prune``'s ``weight = weight_orig * mask``, the old ``weight_norm``,
+    ``spectral_norm``), whose forward pre-hook computes it afresh at every call, and a forward's own leftovers (MONAI's
+    DynUNet keeps its last deep-supervision outputs in a list). The copy holds a detached clone of each; the names of
+    those no hook recomputes are appended to ``detached`` (a gradient through one is not the copy's). ``staticmethod``
+    objects held as attributes (rotary-embedding-torch's), which cannot be copied, are shared. Anything else that cannot
+    be copied is a clear error."""
     memo: dict[int, Any] = {}
-    for module in model.modules():
-        for hook in module._forward_pre_hooks.values():
-            name = _recomputed_attribute(hook)
-            value = module.__dict__.get(name) if name is not None else None
-            if isinstance(value, Tensor) and not value.is_leaf:
-                memo[id(value)] = value.detach().clone()
+    for name, module in model.named_modules():
+        recomputed = {_recomputed_attribute(hook) for hook in module._forward_pre_hooks.values()}
+        for key, value in vars(module).items():
+            if isinstance(value, (staticmethod, classmethod)):
+                memo[id(value)] = value
+            held = (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
+                    else (value,))
+            for t in held:
+                if isinstance(t, Tensor) and not t.is_leaf and id(t) not in memo:
+                    memo[id(t)] = t.detach().clone()
+                    if key not in recomputed and detached is not None:
+                        detached.append(f"{name}.{key}" if name else key)
     try:
         return copy.deepcopy(model, memo)
-    except RuntimeError as e:
-        if "graph leaves" not in str(e):
-            raise
-        held = [f"{n}.{key}" if n else key for n, m in model.named_modules() for key, v in vars(m).items()
-                if isinstance(v, Tensor) and not v.is_leaf and id(v) not in memo]
-        raise TypeError(f"slimact.{caller} runs deep copies of the model, and PyTorch cannot copy a tensor computed "
-                        f"from others that a module holds as an attribute ({', '.join(held) or 'one of them'}): "
-                        "check a copy made another way, or before that tensor is computed") from e
+    except Exception as e:
+        raise TypeError(f"slimact.{caller} runs deep copies of the model, and copy.deepcopy fails on this one "
+                        f"({type(e).__name__}: {e}); {caller} a copy of the model you can make, or a model built "
+                        "the same way") from e
 
 
 def _recomputed_attribute(hook: Any) -> str | None:
