@@ -760,3 +760,35 @@ def test_training_loop_patterns_compute_what_plain_does(loop, policy):
         extra = _LOOPS[loop](model)
         results.append({**{n: p.grad for n, p in model.named_parameters() if p.grad is not None}, **extra})
     _assert_like_plain(policy, *results)
+
+
+class _DropoutAttention(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4, p: float = 0.1) -> None:
+        super().__init__()
+        self.qkv, self.heads, self.p = nn.Linear(d, 3 * d), heads, p
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_batched_backward_through_attention_dropout_is_a_clear_error_and_runs_without_dropout(policy):
+    # is_grads_batched (and jacobian(vectorize=True)) runs the backward in vmap mode, which refuses the redraw of the
+    # dropout mask: PyTorch's "vmap: We do not yet support calling random operations inside of vmap" had been raised.
+    torch.manual_seed(0)
+    plain, x = _DropoutAttention(), torch.randn(2, 5, 32)
+    model = slimact.convert(copy.deepcopy(plain), policy)
+    out = model(x.clone().requires_grad_(True))
+    eye = torch.eye(out.numel())[:4].reshape(4, *out.shape)
+    with pytest.raises(RuntimeError, match=r"slimact's attention with dropout cannot run its backward batched"):
+        torch.autograd.grad(out, model.qkv.weight, eye, is_grads_batched=True)
+    # without dropout, a batched backward gives plain's gradients
+    grads = []
+    for m in (plain, model):
+        m.p = 0.0
+        (g,) = torch.autograd.grad(m(x), m.qkv.weight, eye, is_grads_batched=True)
+        grads.append(g)
+    for exact, approx in zip(*grads, strict=True):
+        assert F.cosine_similarity(exact.flatten(), approx.flatten(), dim=0) > 0.999

@@ -529,6 +529,22 @@ def _replaying(state: Tensor | None, device: torch.device):
         yield
 
 
+def _refuse_vmap_mode(layer: str) -> None:
+    """A clear error where the backward runs in the vmap mode of ``torch.autograd.grad(..., is_grads_batched=True)``
+    (and ``jacobian(vectorize=True)``): the redraw of the forward's dropout mask is a random op, which that mode
+    refuses ("vmap: We do not yet support calling random operations inside of vmap"), and the chunked backward's
+    in-place row loop has no batching rule there either. Plain PyTorch, which keeps the mask, runs it."""
+    depth = torch._C._vmapmode_increment_nesting() - 1  # (the only way to read the nesting: up one, then down)
+    torch._C._vmapmode_decrement_nesting()
+    if depth:
+        raise RuntimeError(
+            f"slimact's {layer} with dropout cannot run its backward batched (torch.autograd.grad(..., "
+            "is_grads_batched=True), torch.autograd.functional.jacobian(..., vectorize=True)): it redraws the "
+            "forward's dropout mask, a random op that batched backward refuses. Run that pass in eval mode or with "
+            "dropout_p=0, without vectorize/is_grads_batched, or leave attention out of the conversion "
+            "(slimact.convert(model, filter_fn=...), or the policy's per-kind settings).")
+
+
 def _bool_draw(device: torch.device, p: float) -> bool:
     """Whether ``native_dropout``'s mask is ``empty(uint8).bernoulli_(1 - p)``'s draw: on the CPU, where the
     kernel draws its mask with ``bernoulli_`` on a tensor of the input's dtype and that draw is one Bernoulli of
@@ -640,6 +656,8 @@ class _ChunkedAttention(SlimFunction):
         gk = gv = None
         gg = g.reshape(b, h_kv, rep, t, v.shape[-1])
         # [B, H, T, S] 0/1 uint8, drawn as the forward drew it (in p_dtype), and the dropout's factor
+        if rng is not None:
+            _refuse_vmap_mode("attention")
         keep_all = _replayed_mask(rng, (b, h, t, s), p_dtype, dropout_p, q.device) if rng is not None else None
         # (on the CPU the factor F.dropout's fp32 noise has, as the forward applied it)
         factor = scale_of(q.device, dropout_p, torch.float32)
@@ -941,6 +959,8 @@ class _FusedAttention(SlimFunction):
         bias = _aligned_bias(mask, dtype, dead, shape)
         aux = (cq, ck, seed, offset)
         if out is None:  # the output and lse of the restored q, k, v, with the forward's dropout draws
+            if rng is not None:
+                _refuse_vmap_mode("attention")
             with _replaying(rng, q.device):
                 out, lse, aux, sizes = _fused_forward(kind, q, ke, ve, bias, dropout_p, is_causal, scale)
             out, lse = _sunk(out, lse, sinks, dead)
