@@ -886,18 +886,32 @@ def _small_block():
 def test_a_converted_model_is_checked_as_it_was_converted(policy):
     # The default had been "int8" whatever the model: a model converted with "mesa" (whose running estimates small
     # batches fail) was judged under int8's ranges, and modules its filter_fn excluded were converted in the copy.
+    x = torch.randn(4, 10, 16)
     model = slimact.convert(_small_block(), policy, filter_fn=lambda m, name: name != "2")
-    report = slimact.check(model, torch.randn(4, 10, 16))
+    report = slimact.check(model, x)
     assert report.policy == policy and report.lossless == (policy == "tempo")
-    assert report.summary.skipped.get("2") == "excluded by filter_fn"
-    assert "1" in report.summary.modules
-    # an explicit policy judges that one, with no exclusion carried over
-    other = slimact.check(model, torch.randn(4, 10, 16), "int8")
-    assert other.policy == "int8" and "2" in other.summary.modules
-    # converting again without a filter forgets the old one; reverting, the default is int8 again
-    slimact.convert(model, policy)
-    assert "2" in slimact.check(model, torch.randn(4, 10, 16)).summary.modules
-    assert slimact.check(slimact.revert(model), torch.randn(4, 10, 16)).policy == "int8"
+    assert report.summary.skipped.get("2") == "excluded by filter_fn" and "1" in report.summary.modules
+    # a module reverted after convert stays plain; a wrapper around the model and a block of it are judged as they
+    # are, under the policy they were converted with
+    slimact.revert(model[1])
+    assert "1" not in slimact.check(model, x).summary.modules
+    wrapped = slimact.check(torch.nn.Sequential(model), x)
+    assert wrapped.policy == policy and wrapped.summary.skipped.get("0.2") == "excluded by filter_fn"
+    assert "0.1" not in wrapped.summary.modules
+    block = slimact.convert(torch.nn.Sequential(_small_block(), torch.nn.Linear(8, 8)), policy)
+    inner = slimact.check(block[0], x)
+    assert inner.policy == policy and inner.lossless == (policy == "tempo")
+    # an explicit policy converts a reverted copy with it, the exclusions gone
+    other = slimact.check(model, x, "int8")
+    assert other.policy == "int8" and {"1", "2"} <= set(other.summary.modules)
+    # a plain model: int8
+    assert slimact.check(slimact.revert(model), x).policy == "int8"
+
+
+def test_a_converted_model_with_a_filter_and_no_policy_is_converted_again_with_its_own():
+    model = slimact.convert(_small_block(), "mesa")
+    report = slimact.check(model, torch.randn(4, 10, 16), filter_fn=lambda m, name: name != "2")
+    assert report.policy == "mesa" and report.summary.skipped.get("2") == "excluded by filter_fn"
 
 
 @pytest.mark.parametrize("reparametrize", ["prune", "weight_norm", "spectral_norm"])
@@ -924,25 +938,36 @@ def test_models_reparametrized_by_pre_hooks_are_checked(reparametrize, policy):
 def test_models_holding_what_pytorch_cannot_copy_are_checked_and_the_report_says_so():
     # A forward's leftovers (MONAI's DynUNet keeps its last deep-supervision outputs in a list: check raised PyTorch's
     # deepcopy error on a model mid-training), a tensor computed at construction, a staticmethod object
-    # (rotary-embedding-torch's): copied detached (said in the report) or shared.
+    # (rotary-embedding-torch's): copied detached (said in the report, by name) or shared; a view of a parameter
+    # made once is made again on the copy's parameter, so its gradient flows as in the model.
     class Holds(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.proj, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
-            self.doubled = self.proj.weight * 2
-            self.outputs, self.rule = [], staticmethod(torch.tanh)
+            self.doubled, self.wt = self.proj.weight * 2, self.proj.weight.t()
+            self.outputs, self.cache, self.rule = [], {"outs": []}, staticmethod(torch.tanh)
+            self.register_buffer("last", torch.zeros(4))
 
         def forward(self, x):
             h = self.norm(self.proj(x))
-            self.outputs[:] = [h]
-            return self.rule(h @ self.doubled.detach())
+            self.outputs[:], self.cache["outs"], self.last = [h], [h.exp()], h.mean(0)
+            return self.rule(h @ self.doubled.detach() @ self.wt)
 
     model = Holds()
     model(torch.randn(3, 4)).sum().backward()
     report = slimact.check(model, torch.randn(3, 4))
     assert report.passed, str(report)
-    assert "copied detached: doubled, outputs" in report.reference, report.reference
+    assert "copied detached: last, doubled, outputs[0], ..." in report.reference, report.reference
     assert model.outputs[0].grad_fn is not None  # the user's model as found
+    # the view's gradient reaches the copy's weight as it reaches the model's
+    from slimact.convert import _copied
+
+    x = torch.randn(3, 4)
+    twin = _copied(model)
+    for m in (model, twin):
+        m.zero_grad()
+        m(x).square().sum().backward()
+    torch.testing.assert_close(twin.proj.weight.grad, model.proj.weight.grad)
 
 
 def test_a_model_copy_cannot_make_is_a_clear_error():

@@ -118,7 +118,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from slimact._metrics import cosine, sqnr_db
-from slimact.convert import Summary, _converted_as, _copied, convert, revert, summary
+from slimact.convert import Summary, _conversion_policies, _copied, convert, revert, summary
 from slimact.policy import Policy, resolve
 from slimact.profile import _call, _default_loss
 
@@ -918,12 +918,13 @@ def check(
             reverted in its copy to give the plain run).
         inputs: as for :func:`slimact.profile`: a dict (``model(**inputs)``), a tuple (``model(*inputs)``) or
             a tensor (``model(inputs)``).
-        policy: a preset name, a :class:`slimact.Policy` or a policy file, as for :func:`slimact.convert`.
-            Default: for a converted model, the policy it was converted with (a model converted with ``"mesa"``
-            is judged under ``"mesa"``, not the default's running-estimate-free ``"int8"``); else ``"int8"``.
+        policy: a preset name, a :class:`slimact.Policy` or a policy file, as for :func:`slimact.convert`: a copy
+            of the model, reverted, is converted with it. Default: a converted model (or one holding converted
+            modules) is judged as it is, a copy of it against a reverted copy, under the floors of the policy it
+            was converted with; any other model is converted with ``"int8"``.
         loss_fn: ``loss_fn(output) -> scalar``; default: ``output.loss`` if present, else the sum of the output.
-        filter_fn: passed to :func:`slimact.convert`. Default: for a model converted with a ``filter_fn`` (and
-            ``policy`` not given), the modules it excluded stay excluded.
+        filter_fn: passed to :func:`slimact.convert` (a converted model given one without ``policy`` is converted
+            again with its own policy and it).
         micro_batch: the rows per call of a gradient accumulation loop: the step (plain and converted alike) calls
             the model on consecutive slices of ``inputs`` of that many rows, each loss weighted by its share of the
             rows, and judges the accumulated gradients. Default: one call on all of ``inputs``.
@@ -937,16 +938,24 @@ def check(
     Returns:
         a :class:`CheckReport`; ``report.passed`` is the verdict, ``str(report)`` the table.
     """
-    if policy is None:
-        # (the default had been "int8" whatever the model: a model converted with "mesa", which small batches
-        # fail, was judged under int8's dynamic ranges and passed)
-        policy, converted_filter = _converted_as(model) or ("int8", None)
-        filter_fn = converted_filter if filter_fn is None else filter_fn
-    pol = resolve(policy)
-    lossless = is_lossless(pol)
     detached: list[str] = []
-    plain = revert(_copied(model, detached=detached))
-    slim = convert(_copied(plain), pol, filter_fn=filter_fn)
+    policies = _conversion_policies(model) if policy is None else []
+    if policies and filter_fn is None:
+        # A converted model is judged as it is: a copy of it against a reverted copy (its policy, the modules its
+        # filter_fn or a later revert left plain, those added after convert). The default had been "int8" whatever
+        # the model: a model converted with "mesa", which small batches fail, was judged under int8's ranges.
+        lossless, running = all(map(is_lossless, policies)), any(map(_running, policies))
+        policy_name = "/".join(dict.fromkeys(p.name for p in policies))
+        slim = _copied(model, detached=detached)
+        plain = revert(_copied(slim))
+    else:
+        if policy is None and len(policies) > 1:
+            raise ValueError(f"slimact.check: this model holds conversions under {len(policies)} policies: with "
+                             "filter_fn, pass the policy to convert its copy with")
+        pol = policies[0] if policies else resolve(policy if policy is not None else "int8")
+        lossless, running, policy_name = is_lossless(pol), _running(pol), pol.name
+        plain = revert(_copied(model, detached=detached))
+        slim = convert(_copied(plain), pol, filter_fn=filter_fn)
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     # Converted steps: (label, loss, outputs, gradients, reference). Under running estimates, the first step
     # (estimates fresh) and, after warming them on other batches, a later one, judged against a plain copy warmed
@@ -957,7 +966,7 @@ def check(
     batches = None if batches is None else list(batches)
     with _forked_rng(cuda):
         rng = _get_rng(cuda)
-        warm = (_copied(plain), _copied(slim)) if _running(pol) else None
+        warm = (_copied(plain), _copied(slim)) if running else None
         with _autocast_seen() as seen:
             loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng, micro_batch)
         # Under autocast the step computes in its dtype: plain's gradients are rounded at that level.
@@ -1056,7 +1065,7 @@ def check(
                       "computed by an earlier call that the model holds, which PyTorch cannot copy: a gradient "
                       "through them is not judged)")
     return CheckReport(
-        policy=pol.name,
+        policy=policy_name,
         lossless=lossless,
         forward_max_abs_diff=max(d for d, _ in diffs),
         forward_equal=same_count and all(ok for _, ok in diffs),

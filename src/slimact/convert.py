@@ -10,10 +10,11 @@ from __future__ import annotations
 import copy
 import fnmatch
 import itertools
+import math
 import os
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,6 @@ _POLICY_ATTR = "_slimact_root_policy"
 _SKIPPED_ATTR = "_slimact_root_skipped"
 _HOOK_ATTR = "_slimact_root_hook"
 _ROUTE_ATTR = "_slimact_root_routing"
-_FILTERED_ATTR = "_slimact_root_filtered"  # names of the modules the conversion's filter_fn excluded
 _ATTN_ATTR = "_slimact_root_attn"
 
 
@@ -141,7 +141,9 @@ def _depthwise_into_batch_norm(a: nn.Module, b: nn.Module) -> bool:
 def _one_weight_into_channel_norm(a: nn.Module, b: nn.Module) -> bool:
     """``a`` a conv whose every output channel is one weight times one input channel, ``b`` a norm standardising each
     of those channels on its own (BatchNorm, InstanceNorm, GroupNorm of one channel a group)."""
-    if not isinstance(a, nn.modules.conv._ConvNd) or a.weight is None or a.weight[0].numel() != 1:
+    # (in_channels / groups inputs a channel, each through the whole kernel: a transposed conv's weight is laid out
+    # [in, out / groups, *kernel], so its weight[0] is not one channel's)
+    if not isinstance(a, nn.modules.conv._ConvNd) or a.in_channels // a.groups * math.prod(a.kernel_size) != 1:
         return False
     if isinstance(b, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
         return b.num_features == a.out_channels
@@ -314,7 +316,6 @@ def convert(
 
 def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Module:
     """:func:`convert` of a model it has checked."""
-    filtered: set[str] = set()
     if filter_fn is not None:  # asked of each module as the plain model has it, converted by an earlier call or not
         # (a filter on the class, ``type(m) is nn.LayerNorm``, or on its module path, saw slimact's classes on a second
         # convert and let them all through)
@@ -322,10 +323,7 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
 
         def filter_fn(module: nn.Module, name: str) -> bool:
             with as_written(module):
-                keep = user_filter(module, name)
-            if not keep:
-                filtered.add(name)
-            return keep
+                return user_filter(module, name)
 
     for sub in itertools.islice(model.modules(), 1, None):
         # A submodule converted on its own before: its modules are converted again below, with this policy, and the
@@ -378,7 +376,6 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
     model.__dict__.setdefault("__prepare_scriptable__", refuse_script)
     model.__dict__[_POLICY_ATTR] = pol
     model.__dict__[_SKIPPED_ATTR] = skipped
-    model.__dict__[_FILTERED_ATTR] = frozenset(filtered)
     return model
 
 
@@ -387,30 +384,61 @@ def _copied(model: nn.Module, caller: str = "check", detached: list[str] | None 
 
     PyTorch cannot copy a tensor that is not a graph leaf, and modules hold such tensors as attributes: the hook-based
     reparametrizations (``torch.nn.utils.prune``'s ``weight = weight_orig * mask``, the old ``weight_norm``,
-    ``spectral_norm``), whose forward pre-hook computes it afresh at every call, and a forward's own leftovers (MONAI's
-    DynUNet keeps its last deep-supervision outputs in a list). The copy holds a detached clone of each; the names of
-    those no hook recomputes are appended to ``detached`` (a gradient through one is not the copy's). ``staticmethod``
-    objects held as attributes (rotary-embedding-torch's), which cannot be copied, are shared. Anything else that cannot
-    be copied is a clear error."""
+    ``spectral_norm``), whose forward pre-hook computes it afresh at every call; a view of a parameter made once
+    (``self.wt = self.proj.weight.t()``), made again on the copy's parameter, so gradients flow through it as in the
+    model; and a forward's own leftovers (MONAI's DynUNet keeps its last deep-supervision outputs in a list), copied
+    detached, their names appended to ``detached`` (a gradient through one is in neither copy). ``staticmethod``
+    objects held as attributes (rotary-embedding-torch's), which cannot be copied, are shared. Anything else that
+    cannot be copied is a clear error."""
     memo: dict[int, Any] = {}
+    views: list[tuple[str, str, Tensor]] = []  # (module, attribute, a view of a leaf)
     for name, module in model.named_modules():
         recomputed = {_recomputed_attribute(hook) for hook in module._forward_pre_hooks.values()}
         for key, value in vars(module).items():
             if isinstance(value, (staticmethod, classmethod)):
                 memo[id(value)] = value
-            held = (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
-                    else (value,))
-            for t in held:
-                if isinstance(t, Tensor) and not t.is_leaf and id(t) not in memo:
-                    memo[id(t)] = t.detach().clone()
-                    if key not in recomputed and detached is not None:
-                        detached.append(f"{name}.{key}" if name else key)
+            for label, t in _held_tensors(key, value):
+                if t.is_leaf or id(t) in memo:
+                    continue
+                memo[id(t)] = t.detach().clone()
+                if label in recomputed:
+                    continue
+                if label == key and t._base is not None and t._base.is_leaf:
+                    views.append((name, key, t))
+                elif detached is not None:
+                    detached.append(f"{name}.{label}" if name else label)
     try:
-        return copy.deepcopy(model, memo)
+        twin = copy.deepcopy(model, memo)
     except Exception as e:
         raise TypeError(f"slimact.{caller} runs deep copies of the model, and copy.deepcopy fails on this one "
                         f"({type(e).__name__}: {e}); {caller} a copy of the model you can make, or a model built "
                         "the same way") from e
+    for name, key, t in views:
+        base = memo.get(id(t._base))
+        if base is None:  # (a view of a tensor outside the model: its copy holds the values)
+            if detached is not None:
+                detached.append(f"{name}.{key}" if name else key)
+            continue
+        twin.get_submodule(name).__dict__[key] = base.as_strided(t.size(), t.stride(), t.storage_offset())
+    return twin
+
+
+def _held_tensors(key: str, value: Any, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` of the tensors a module attribute holds: itself, those in its lists, tuples and dicts (a few
+    levels down), the module's buffers by their own names (parameters, leaves, aside)."""
+    if isinstance(value, Tensor):
+        yield key, value
+    elif depth > 3 or key in ("_parameters", "_modules"):
+        return
+    elif key == "_buffers":
+        for name, t in value.items():
+            yield from _held_tensors(name, t, depth + 1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _held_tensors(f"{key}[{k!r}]", v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _held_tensors(f"{key}[{i}]", v, depth + 1)
 
 
 def _recomputed_attribute(hook: Any) -> str | None:
@@ -422,17 +450,19 @@ def _recomputed_attribute(hook: Any) -> str | None:
     return None
 
 
-def _converted_as(model: nn.Module) -> tuple[Policy, FilterFn | None] | None:
-    """How ``model`` was converted: its policy and a filter excluding the modules its ``filter_fn`` excluded (by
-    qualified name, which a deep copy keeps); ``None`` for a model not converted. A model holding converted modules
-    (peft's wrapper around a converted model, blocks converted each on their own) gives their policy where they
-    share one, and no filter."""
-    pol: Policy | None = model.__dict__.get(_POLICY_ATTR)
-    if pol is None:
-        policies = [r.__dict__[_POLICY_ATTR] for _, r in _inner_roots(model)]
-        return (policies[0], None) if policies and all(p == policies[0] for p in policies) else None
-    filtered = model.__dict__.get(_FILTERED_ATTR)
-    return pol, (None if not filtered else lambda module, name: name not in filtered)
+def _conversion_policies(model: nn.Module) -> list[Policy]:
+    """The distinct policies ``model`` was converted with: its own; else those of the converted models it holds
+    (peft's wrapper around a converted model); else those its slimact modules and routed attention carry (a block
+    of a converted model). Empty for a plain model."""
+    roots = [model] if _POLICY_ATTR in model.__dict__ else [m for _, m in _inner_roots(model)]
+    found = [r.__dict__[_POLICY_ATTR] for r in roots] or [
+        p for m in model.modules()
+        if (p := m.__dict__.get("_slimact_policy") or m.__dict__.get(attention.POLICY_ATTR)) is not None]
+    distinct: list[Policy] = []
+    for p in found:
+        if not any(p == q for q in distinct):
+            distinct.append(p)
+    return distinct
 
 
 def _lm_head(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -610,7 +640,6 @@ def _unroot(module: nn.Module) -> None:
     attention.release_configs(module, module.__dict__.pop(_ATTN_ATTR, ()))
     module.__dict__.pop(_POLICY_ATTR, None)
     module.__dict__.pop(_SKIPPED_ATTR, None)
-    module.__dict__.pop(_FILTERED_ATTR, None)
     if module.__dict__.get("__prepare_scriptable__") is refuse_script:
         del module.__dict__["__prepare_scriptable__"]
 

@@ -209,6 +209,10 @@ def test_a_conv_of_one_weight_a_channel_before_a_channel_norm_keeps_its_input_ex
         assert "no slimact replacement yet for InstanceNorm2d" in skipped["norm1"]
     assert not any("one weight times" in why for why in slimact.summary(
         slimact.convert(copy.deepcopy(model), "tempo")).skipped.values())
+    # a transposed conv's weight is laid out [in, out / groups, *kernel]: 4 inputs a channel here, no match (its
+    # BatchNorm had been kept exact for nothing)
+    transposed = slimact.convert(nn.Sequential(nn.ConvTranspose2d(8, 2, 1, groups=2), nn.BatchNorm2d(2)), policy)
+    assert "1" in slimact.summary(transposed).modules
 
 
 def test_running_estimate_policies_scale_the_input_by_this_batchs_own_range():

@@ -196,7 +196,7 @@ def _step(model, inputs):
 
 
 @pytest.mark.parametrize("conv", ["gcn", "sage", "gat", "mlp"])
-def test_pytorch_geometric_linears_are_converted_and_train_as_plain(conv):
+def test_pytorch_geometric_linears_are_converted_and_train_as_plain(conv, monkeypatch):
     from torch_geometric.nn.dense.linear import Linear as PyGLinear
 
     plain, inputs = _gnn(conv)
@@ -215,7 +215,19 @@ def test_pytorch_geometric_linears_are_converted_and_train_as_plain(conv):
     else:
         assert kept.by_kind["linear"] <= 0.3 * plain_kept.by_kind["linear"]
         assert kept.activation_bytes < plain_kept.activation_bytes
-    # a deep copy stays converted (PyG's own __deepcopy__ builds a fresh plain Linear), and computes the same
+    # a deep copy stays converted, and computes the same, also where PyG defines Linear.__deepcopy__ as some releases
+    # do (a fresh plain Linear, its parameters copied: 2.8.1 does not)
+    fresh = []
+
+    def fresh_linear(self, memo):
+        fresh.append(self)
+        out = PyGLinear(self.in_channels, self.out_channels, self.bias is not None)
+        out.weight, out.bias = copy.deepcopy(self.weight, memo), copy.deepcopy(self.bias, memo)
+        return out
+
+    monkeypatch.setattr(PyGLinear, "__deepcopy__", fresh_linear, raising=False)
+    copy.deepcopy(plain)
+    assert len(fresh) == len(linears)  # (the plain model's Linears copy themselves that way)
     twin = copy.deepcopy(model)
     assert [type(m) for m in twin.modules()] == [type(m) for m in model.modules()]
     for p in model.parameters():
@@ -239,3 +251,43 @@ def test_a_pytorch_geometric_linear_with_its_own_forward_is_left_alone():
     assert type(model[0]) is Scaled and type(model[2]).__module__ == "slimact.nn.linear"
     assert "Scaled subclasses torch_geometric.nn.dense.linear.Linear with its own forward" in str(
         slimact.summary(model))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_inputs_run_as_plain(layout):
+    # A converted Linear packed a sparse input ("Cannot access storage of SparseTensorImpl"), a routed product in
+    # attention code a sparse adjacency ("reshape is not implemented for sparse tensors"), where plain trains: PyG's
+    # GCN on sparse bag-of-words node features, now that PyG's Linear is converted (a review).
+    def sparse(t):
+        return t.to_sparse() if layout == "coo" else t.to_sparse_csr()
+
+    class GraphAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.q = nn.Linear(32, 8), nn.Linear(8, 8)
+
+        def forward(self, adj, x):
+            h = self.q(self.proj(x))
+            return (adj @ h).softmax(-1) @ h.transpose(0, 1) @ h
+
+    torch.manual_seed(0)
+    x = sparse((torch.rand(12, 32) < 0.2).float())
+    adj = sparse((torch.rand(12, 12) < 0.3).float())
+    plain = GraphAttention()
+    for policy in ("tempo", "int8", "mesa"):
+        model = slimact.convert(copy.deepcopy(plain), policy)
+        for m in (plain, model):
+            m.zero_grad()
+        y0, y1 = plain(adj, x), model(adj, x)
+        torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+        y0.square().sum().backward()
+        y1.square().sum().backward()
+        assert_gradients_close({n: p.grad for n, p in plain.named_parameters()},
+                               {n: p.grad for n, p in model.named_parameters()}, min_cosine=0.999)
+    if layout == "coo":
+        geometric = pytest.importorskip("torch_geometric.nn")
+        gcn = geometric.GCNConv(32, 8)
+        model = slimact.convert(copy.deepcopy(gcn), "int8")
+        edges = torch.randint(0, 12, (2, 40))
+        torch.testing.assert_close(model(x, edges), gcn(x, edges), rtol=0, atol=0)
+        model(x, edges).sum().backward()

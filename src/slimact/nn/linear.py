@@ -46,8 +46,9 @@ class _Conv1DMixin(_LinearMixin):
 
 class _PyGLinearMixin(_LinearMixin):
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
-        # PyTorch Geometric's own __deepcopy__ builds a fresh torch_geometric Linear (for its lazy parameters): the
-        # copy of a converted model would hold plain Linears. A converted one has its parameters: a module's copy.
+        # PyTorch Geometric releases that define Linear.__deepcopy__ (for its lazy parameters; 2.8.1 does not) build a
+        # fresh torch_geometric Linear there: the copy of a converted model would hold plain Linears. A converted one
+        # has its parameters: a module's copy.
         twin = type(self).__new__(type(self))
         memo[id(self)] = twin
         twin.__setstate__(copy.deepcopy(self.__dict__, memo))

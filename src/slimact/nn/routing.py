@@ -186,10 +186,12 @@ _NORM_KINDS = frozenset({"layernorm", "rmsnorm", "groupnorm", "batchnorm"})
 
 
 def _nested(args: tuple, kwargs: dict) -> bool:
-    """Whether a call takes a nested tensor (``torch.nested``, jagged or strided): slimact's Functions view, pack
-    and index a tensor's data, which a nested tensor does not allow (a jagged F.scaled_dot_product_attention, F.gelu
-    or F.dropout raised where the plain call ran), so such a call runs as written."""
-    return any(isinstance(a, Tensor) and a.is_nested for a in (*args, *kwargs.values()))
+    """Whether a call takes a nested tensor (``torch.nested``, jagged or strided) or a sparse one (COO, CSR): slimact's
+    Functions view, pack and index a tensor's data, which those do not allow (a jagged F.scaled_dot_product_attention,
+    F.gelu or F.dropout, a sparse adjacency's product in a graph attention raised where the plain call ran), so such a
+    call runs as written."""
+    return any(isinstance(a, Tensor) and (a.is_nested or a.layout is not torch.strided)
+               for a in (*args, *kwargs.values()))
 
 
 def _wants_grad(x: object) -> bool:
