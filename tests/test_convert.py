@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import sys
 import warnings
@@ -526,6 +527,28 @@ def test_deterministic_runs_give_bit_identical_gradients():
         assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("between", ["no_grad", "inference_mode", "eval"])
+def test_a_pass_that_packs_nothing_between_steps_leaves_later_steps_bit_for_bit(between):
+    # A no-grad forward in train mode (generate() with dropout on, an RL reference's log-probabilities) counted as a
+    # step: every later step's stochastic-rounding seeds moved (a sweep; an eval pass had been mended before).
+    grads = []
+    for extra in (False, True):
+        torch.manual_seed(0)
+        model = slimact.convert(_model(), "mesa")
+        torch.manual_seed(1)
+        _step(model, IDS)
+        if extra:
+            context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+                       "eval": contextlib.nullcontext}[between]()
+            model.train(between != "eval")
+            with context:
+                model(IDS)
+            model.train()
+        torch.manual_seed(2)
+        grads.append(_step(model, IDS)[1])
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
 def test_summary_coverage_of_a_model_that_is_itself_a_converted_module_is_whole():

@@ -63,9 +63,10 @@ class StepCounter:
         if torch.compiler.is_compiling():
             return
         frame = checkpoint_frame()
-        # (a checkpointed model's recompute is the same step, not another; a pass in eval mode, which packs nothing,
-        # none: a validation loop between steps moved every later step's stochastic-rounding seeds)
-        if module.training and (frame is None or frame[1] is None):
+        # (a checkpointed model's recompute is the same step, not another; a pass that packs nothing, in eval mode or
+        # without gradients (generate() in train mode, an RL reference's log-probabilities with dropout on), none: a
+        # validation loop between steps moved every later step's stochastic-rounding seeds, and so did those)
+        if module.training and torch.is_grad_enabled() and (frame is None or frame[1] is None):
             self.value += 1
         if not self.active:  # (a backward in another thread, or inside this forward, does not split the pass)
             self.backward = backward_key()
