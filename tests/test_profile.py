@@ -610,3 +610,24 @@ def test_a_query_autograd_keeps_whole_leaves_keys_and_values_packed():
     ours = slimact.profile(slim, x)
     assert ours.by_module[ROOT] < 0.35 * slimact.profile(plain, x).by_module[ROOT], ours.by_module
     assert sum(e.dtype == torch.uint8 and e.shape == (4, 4, 256, 16) for e in ours.entries) == 2  # k's and v's codes
+
+
+@pytest.mark.parametrize("policy", [None, "tempo", "int8"])
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_a_compiled_model_is_profiled_as_its_eager_forward(policy, how):
+    # dynamo traced profile's counting hooks into a converted model's graph: "... is already tracked for mutation"
+    # under tempo, "intermediate tensor 'lo_3' ... aliases an input or output" under int8 (a sweep).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    if policy is not None:
+        slimact.convert(model, policy)
+    x = torch.randn(4, 16)
+    eager = slimact.profile(model, x).activation_bytes
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend="eager")
+    else:
+        compiled = copy.deepcopy(model)
+        compiled.compile(backend="eager")
+    compiled(x).sum().backward()
+    assert slimact.profile(compiled, x).activation_bytes == eager
+    torch._dynamo.reset()

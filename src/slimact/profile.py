@@ -576,7 +576,9 @@ def profile(
     """Measure what one training forward of ``model`` keeps for the backward, then run the backward.
 
     Args:
-        model: any module (converted or not); run in training mode, then restored to its mode.
+        model: any module (converted or not); run in training mode, then restored to its mode. A compiled model
+            (``torch.compile``, ``module.compile()``) is profiled as its eager forward (what its graphs keep is
+            their partitioner's choice: :func:`peak_bytes` measures the compiled step).
         inputs: a dict (``model(**inputs)``), a tuple (``model(*inputs)``) or a tensor (``model(inputs)``).
         loss_fn: ``loss_fn(output) -> scalar``; default: ``output.loss`` if present, else the sum of the output.
         peak: also measure the step's peak (:attr:`Report.peak_bytes`, :attr:`Report.forward_peak`,
@@ -651,7 +653,11 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
              else contextlib.nullcontext())
     watching = watching_shared_packs(shared_pack) if keep else contextlib.nullcontext(set)
     meter = _Meter(device) if peak else None
-    with _restoring(model):
+    # A compiled model (torch.compile(model), module.compile()) is profiled as its eager forward: dynamo would trace
+    # the counting hooks into the graph (a converted model's step raised dynamo's internal errors), and what a compiled
+    # graph keeps is its partitioner's choice, which peak_bytes measures.
+    eager = torch.compiler.set_stance("force_eager") if keep and _compiled(model) else contextlib.nullcontext()
+    with _restoring(model), eager:
         if use_cuda and not peak:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -690,6 +696,13 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             forward, backward, less = meter.marks(saved, grads)
             return Report(entries, meter.cuda_peak, forward, backward, less)
         return Report(entries, torch.cuda.max_memory_allocated() - base if use_cuda else None)
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is, or holds, a module ``torch.compile`` wraps (an ``OptimizedModule``, a module compiled in
+    place by ``module.compile()``)."""
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+               or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def _as_saved(t: Tensor) -> Tensor:
