@@ -982,3 +982,96 @@ def test_a_model_copy_cannot_make_is_a_clear_error():
 
     with pytest.raises(TypeError, match=r"slimact.check runs deep copies of the model, and copy.deepcopy fails"):
         slimact.check(Locked(), torch.randn(3, 4))
+
+
+def test_a_model_converted_under_two_policies_and_a_block_of_routed_calls_are_judged_as_converted():
+    # A review: the root's policy alone had been read (int8 over a block converted again under mesa: no warm-up,
+    # passed where the block fails), and a block whose work is routed calls alone had none (re-converted with int8).
+    class Scores(torch.nn.Module):  # its products and softmax are routed (the class name says attention)
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return (x @ x.transpose(-1, -2)).softmax(-1) @ self.proj(x)
+
+    x = torch.randn(4, 10, 16)
+    model = slimact.convert(torch.nn.Sequential(_small_block(), torch.nn.Linear(8, 16), _small_block()), "int8")
+    slimact.convert(model[2], "mesa")
+    report = slimact.check(model, x[..., :16])
+    assert report.policy == "int8/mesa" and not report.lossless and report.estimates is not None
+    tempo = slimact.convert(torch.nn.Sequential(_small_block(), torch.nn.Linear(8, 16), _small_block()), "tempo")
+    slimact.convert(tempo[2], "int8")
+    assert not slimact.check(tempo, x).lossless  # (judged lossless, the int8 block failed rounding's floor)
+    ScoresAttention = type("ScoresAttention", (Scores,), {})
+    routed = slimact.convert(torch.nn.Sequential(torch.nn.Linear(16, 16), ScoresAttention()), "mesa")
+    assert slimact.check(routed[1], x).policy == "mesa"
+
+
+def test_checking_a_block_leaves_its_models_routing_as_found():
+    # check(block) reverted each copy through the model's routing, which grew by a copy of the block and two hooks
+    # a check (torch.save of the model 14 KB -> 34 KB after four).
+    from slimact.nn.routing import routings_around
+
+    class BlockAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.gelu((self.a(x) @ x.transpose(-1, -2)).softmax(-1) @ x))
+
+    model = slimact.convert(torch.nn.Sequential(BlockAttention(), BlockAttention()), "mesa")
+    x = torch.randn(4, 8, 16)
+    model(x).sum().backward()
+    (routing,) = routings_around(model[0])
+    before = (len(routing.excluded), len(routing.handles))
+    for _ in range(2):
+        slimact.check(model[0], x)
+    assert (len(routing.excluded), len(routing.handles)) == before
+
+
+def test_a_trained_model_is_judged_with_its_own_estimates_and_the_report_says_so():
+    model = slimact.convert(_small_block(), "mesa")
+    for _ in range(3):
+        model(torch.randn(4, 10, 16) * 3).sum().backward()
+    assert "the model's own" in slimact.check(model, torch.randn(1, 10, 16)).estimates
+    assert "from the model's own" in slimact.check(model, torch.randn(4, 10, 16)).estimates
+
+
+def test_views_the_copy_cannot_make_again_are_named_and_shared_views_stay_one_tensor():
+    # A view of a parameter at an offset in a larger storage (vector_to_parameters lays parameters out so): rebuilt by
+    # as_strided at the original offset on the copy's parameter (offset 0), it read other elements (check passed
+    # with another loss than the model's); held in a list too, it was detached there unnamed.
+    class Held(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.gate = torch.nn.Linear(4, 4), torch.nn.Parameter(torch.empty(4))
+            self.gate.data = torch.randn(12)[6:10]  # (at offset 6 in a larger storage)
+            self.scale, self.tied = self.gate[1:3], self.proj.weight.t()
+            self.factors = [self.tied]
+
+        def forward(self, x):
+            return (self.proj(x) @ self.factors[0] @ self.tied)[..., 1:3] * self.scale
+
+    model, x = Held(), torch.randn(3, 4)
+    report = slimact.check(model, x, "tempo")
+    assert report.passed and "copied detached: scale" in report.reference, report.reference
+    torch.testing.assert_close(report.loss_plain, model(x).sum().item())
+    from slimact.convert import _copied
+
+    twin = _copied(model)
+    assert twin.factors[0] is twin.tied and twin.tied._base is twin.proj.weight
+
+
+def test_sparse_inputs_and_gradients_are_checked():
+    # check's warm-up mixed a sparse input's rows (aten::gather on SparseCPU) and judged a sparse gradient
+    # (nn.Embedding(sparse=True)) with a cosine of strided tensors; profile read its storage.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16, sparse=True), torch.nn.Linear(16, 8))
+    ids = torch.randint(0, 50, (4, 7))
+    assert slimact.check(model, ids, "mesa").passed
+    assert slimact.profile(model, ids).activation_bytes > 0
+    sparse = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.GELU())
+    features = (torch.rand(12, 32) < 0.2).float().to_sparse()
+    assert slimact.check(sparse, features, "mesa").passed

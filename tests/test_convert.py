@@ -551,6 +551,27 @@ def test_a_pass_that_packs_nothing_between_steps_leaves_later_steps_bit_for_bit(
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
+def test_a_pass_begun_without_gradients_that_packs_is_a_step():
+    # A model called under no_grad whose forward turns gradients on again packs: counted, or every such step drew the
+    # same stochastic-rounding seeds (a review of the fix above).
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _model()
+
+        def forward(self, ids):
+            with torch.enable_grad():
+                return self.body(ids)
+
+    model = slimact.convert(Inner(), "mesa")
+    counter = model.__dict__["_slimact_root_hook"][1]
+    for step in range(1, 4):
+        with torch.no_grad():
+            out = model(IDS)
+        out.float().pow(2).mean().backward()
+        assert counter.value == step
+
+
 def test_summary_coverage_of_a_model_that_is_itself_a_converted_module_is_whole():
     # The summary names the root "", profile "(model)": a converted nn.Linear as the whole model had 73% coverage,
     # "not covered: (model)" for slimact's own codes (found by a helper's review).

@@ -118,9 +118,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from slimact._metrics import cosine, sqnr_db
-from slimact.convert import Summary, _conversion_policies, _copied, convert, revert, summary
+from slimact.convert import Summary, _conversion_policies, _copied, _plain_copy, convert, summary
 from slimact.policy import Policy, resolve
 from slimact.profile import _call, _default_loss
+from slimact.quant.state import ESTIMATES_ATTR
 
 __all__ = ["MAX_NORM_RATIO", "MIN_COSINE", "NOISE", "PART_SHARE", "CheckReport", "ParamCheck", "check", "is_lossless",
            "rounding_tolerance"]
@@ -426,7 +427,9 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         loss = loss * weight if weight != 1.0 else loss
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
-    return total, outs, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    # (a sparse gradient, nn.Embedding(sparse=True)'s, judged as the dense one it adds up to)
+    return total, outs, {n: p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad
+                         for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _running(policy: Policy) -> bool:
@@ -454,7 +457,7 @@ def _mixed(inputs: Any, rows: int, gen: torch.Generator) -> Any:
     _map_tensors(inputs, lambda t: sizes.update(t.shape[1:]) or t)
 
     def mix(t: Tensor) -> Tensor:
-        if not t.dim() or t.shape[0] != rows:
+        if not t.dim() or t.shape[0] != rows or t.layout is not torch.strided:  # (a sparse input: as given)
             return t
         if t.dim() == 1 and not (t.is_floating_point() or t.is_complex()) and t.numel() and int(t.max()) in sizes:
             return t
@@ -466,19 +469,21 @@ def _mixed(inputs: Any, rows: int, gen: torch.Generator) -> Any:
 
 
 def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, warmup: int,
-          rng: _Rng) -> str:
+          rng: _Rng, own: bool = False) -> str:
     """Run the converted copy's forward (training mode, no backward) on the calls of other batches, so that its
     running estimates are those training has by then: the given ``batches``, else ``warmup`` batches mixed from
     the rows of ``inputs`` (:func:`_mixed`); from the RNG state ``rng``, so that a plain copy warmed the same way
-    draws the same numbers. Returns what was done, for the report."""
+    draws the same numbers. Returns what was done, for the report; ``own``: the copy holds the estimates the user's
+    model had (judged as it is), which the first step then uses."""
     rows = _rows(inputs)
     size = rows if not micro_batch or rows is None else min(micro_batch, rows)
     if batches is not None:
         source, what = list(batches), "the batches given"
     elif rows is None or rows < 2 or warmup <= 0:
-        return ("fresh: the first step's, each call site's estimate set by the tensor it first packs (the inputs "
-                "have one row: no other batch could be made from them; pass batches= to see the estimates "
-                "training has after a few steps)") if warmup > 0 else "fresh (warmup=0)"
+        first = ("the model's own, as its training left them" if own else
+                 "fresh: the first step's, each call site's estimate set by the tensor it first packs")
+        return (f"{first} (the inputs have one row: no other batch could be made from them; pass batches= to see "
+                "the estimates training has after a few steps)") if warmup > 0 else f"{first} (warmup=0)"
     else:
         gen = torch.Generator().manual_seed(0)
         source = [_mixed(inputs, rows, gen) for _ in range(warmup)]
@@ -500,7 +505,8 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
                 calls += 1
     slim.load_state_dict(state)
     per = f" of {size} row(s) each" if micro_batch else ""
-    return f"warmed by {calls} training-mode forward call(s){per} on {what}, then judged"
+    return (f"warmed by {calls} training-mode forward call(s){per} on {what}"
+            + (", from the model's own (its first step judged with those)" if own else "") + ", then judged")
 
 
 def _max_diff(a: Tensor, b: Tensor, floor: float = 0.0) -> tuple[float, bool]:
@@ -947,14 +953,15 @@ def check(
         lossless, running = all(map(is_lossless, policies)), any(map(_running, policies))
         policy_name = "/".join(dict.fromkeys(p.name for p in policies))
         slim = _copied(model, detached=detached)
-        plain = revert(_copied(slim))
+        plain = _plain_copy(slim)
+        own = any(m.__dict__.get(ESTIMATES_ATTR) for m in slim.modules())
     else:
         if policy is None and len(policies) > 1:
             raise ValueError(f"slimact.check: this model holds conversions under {len(policies)} policies: with "
                              "filter_fn, pass the policy to convert its copy with")
         pol = policies[0] if policies else resolve(policy if policy is not None else "int8")
-        lossless, running, policy_name = is_lossless(pol), _running(pol), pol.name
-        plain = revert(_copied(model, detached=detached))
+        lossless, running, policy_name, own = is_lossless(pol), _running(pol), pol.name, False
+        plain = _plain_copy(model, detached=detached)
         slim = convert(_copied(plain), pol, filter_fn=filter_fn)
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     # Converted steps: (label, loss, outputs, gradients, reference). Under running estimates, the first step
@@ -968,13 +975,20 @@ def check(
         rng = _get_rng(cuda)
         warm = (_copied(plain), _copied(slim)) if running else None
         with _autocast_seen() as seen:
-            loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng, micro_batch)
+            try:
+                loss0, outs0, grads0 = _step(plain, _fresh_inputs(inputs), loss_fn, rng, micro_batch)
+            except ValueError as e:
+                if not detached or "does not require a gradient" not in str(e):
+                    raise
+                raise ValueError(f"{e}: the copies hold {', '.join(detached)} detached (tensors computed from "
+                                 "others that the model holds, which the copy cannot make again), and no gradient "
+                                 "reaches a parameter otherwise") from e
         # Under autocast the step computes in its dtype: plain's gradients are rounded at that level.
         compute = functools.reduce(_narrower, seen, None)
         first = _Reference(plain, loss0, outs0, grads0)
         steps.append(("", *_step(slim, _fresh_inputs(inputs), loss_fn, rng, micro_batch), first))
         if warm is not None:
-            estimates = _warm(warm[1], inputs, micro_batch, batches, warmup, rng)
+            estimates = _warm(warm[1], inputs, micro_batch, batches, warmup, rng, own)
             if estimates.startswith("warmed"):
                 _warm(warm[0], inputs, micro_batch, batches, warmup, rng)
                 later = _Reference(warm[0], *_step(warm[0], _fresh_inputs(inputs), loss_fn, rng, micro_batch))

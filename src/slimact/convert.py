@@ -51,7 +51,7 @@ from slimact.nn.linear import conv1d_class, linear_class, pyg_linear_class
 from slimact.nn.matmul import MatMul
 from slimact.nn.mlp import gated_mlp_class
 from slimact.nn.norm import group_norm_class, norm_class
-from slimact.nn.routing import FUNCTIONAL_NAME, Routing, drop_routing_hooks, routings_around
+from slimact.nn.routing import FUNCTIONAL_NAME, Routing, _routing_of, drop_routing_hooks, routings_around
 from slimact.nn.softmax import softmax_class
 from slimact.policy import Policy, matches, resolve
 
@@ -385,42 +385,47 @@ def _copied(model: nn.Module, caller: str = "check", detached: list[str] | None 
     PyTorch cannot copy a tensor that is not a graph leaf, and modules hold such tensors as attributes: the hook-based
     reparametrizations (``torch.nn.utils.prune``'s ``weight = weight_orig * mask``, the old ``weight_norm``,
     ``spectral_norm``), whose forward pre-hook computes it afresh at every call; a view of a parameter made once
-    (``self.wt = self.proj.weight.t()``), made again on the copy's parameter, so gradients flow through it as in the
-    model; and a forward's own leftovers (MONAI's DynUNet keeps its last deep-supervision outputs in a list), copied
-    detached, their names appended to ``detached`` (a gradient through one is in neither copy). ``staticmethod``
-    objects held as attributes (rotary-embedding-torch's), which cannot be copied, are shared. Anything else that
-    cannot be copied is a clear error."""
+    (``self.wt = self.proj.weight.t()``), made again on the copy's parameter where the copy lays the parameter out as
+    the model does, so gradients flow through it as in the model (the same object wherever the model holds it); and a
+    forward's own leftovers (MONAI's DynUNet keeps its last deep-supervision outputs in a list), copied detached, as
+    is a view the copy cannot make again (a parameter at an offset in a larger storage, a complex or conjugate view),
+    their names appended to ``detached`` (a gradient through one is in neither copy). ``staticmethod`` objects held
+    as attributes (rotary-embedding-torch's), which cannot be copied, are shared. Anything else that cannot be copied
+    is a clear error."""
     memo: dict[int, Any] = {}
-    views: list[tuple[str, str, Tensor]] = []  # (module, attribute, a view of a leaf)
-    for name, module in model.named_modules():
-        recomputed = {_recomputed_attribute(hook) for hook in module._forward_pre_hooks.values()}
-        for key, value in vars(module).items():
-            if isinstance(value, (staticmethod, classmethod)):
-                memo[id(value)] = value
-            for label, t in _held_tensors(key, value):
-                if t.is_leaf or id(t) in memo:
-                    continue
-                memo[id(t)] = t.detach().clone()
-                if label in recomputed:
-                    continue
-                if label == key and t._base is not None and t._base.is_leaf:
-                    views.append((name, key, t))
-                elif detached is not None:
-                    detached.append(f"{name}.{label}" if name else label)
     try:
-        twin = copy.deepcopy(model, memo)
+        for name, module in model.named_modules():
+            recomputed = {_recomputed_attribute(hook) for hook in module._forward_pre_hooks.values()}
+            for key, value in vars(module).items():
+                if isinstance(value, (staticmethod, classmethod)):
+                    memo[id(value)] = value
+                for label, t in _held_tensors(key, value):
+                    if t.is_leaf or id(t) in memo:
+                        continue
+                    remade = None if label in recomputed else _view_again(t, memo)
+                    memo[id(t)] = t.detach().clone() if remade is None else remade
+                    if remade is None and label not in recomputed and detached is not None:
+                        detached.append(f"{name}.{label}" if name else label)
+        return copy.deepcopy(model, memo)
     except Exception as e:
         raise TypeError(f"slimact.{caller} runs deep copies of the model, and copy.deepcopy fails on this one "
                         f"({type(e).__name__}: {e}); {caller} a copy of the model you can make, or a model built "
                         "the same way") from e
-    for name, key, t in views:
-        base = memo.get(id(t._base))
-        if base is None:  # (a view of a tensor outside the model: its copy holds the values)
-            if detached is not None:
-                detached.append(f"{name}.{key}" if name else key)
-            continue
-        twin.get_submodule(name).__dict__[key] = base.as_strided(t.size(), t.stride(), t.storage_offset())
-    return twin
+
+
+def _view_again(t: Tensor, memo: dict[int, Any]) -> Tensor | None:
+    """``t``, a view of a leaf tensor (a parameter), made on the copy of that leaf (copied into ``memo`` now), or
+    ``None`` where the copy would not map each element to the same one: the copy must lay the leaf out as it is
+    (offset, strides; a parameter at an offset in a larger storage is copied to offset 0) and the view be a plain
+    strided one of the leaf's dtype (not complex, conjugate or negative)."""
+    base = t._base
+    if (base is None or not base.is_leaf or t.dtype != base.dtype or t.is_conj() or t.is_neg()
+            or base.is_conj() or base.is_neg()):
+        return None
+    twin = copy.deepcopy(base, memo)
+    if twin.storage_offset() != base.storage_offset() or twin.stride() != base.stride():
+        return None
+    return twin.as_strided(t.size(), t.stride(), t.storage_offset())
 
 
 def _held_tensors(key: str, value: Any, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
@@ -451,13 +456,15 @@ def _recomputed_attribute(hook: Any) -> str | None:
 
 
 def _conversion_policies(model: nn.Module) -> list[Policy]:
-    """The distinct policies ``model`` was converted with: its own; else those of the converted models it holds
-    (peft's wrapper around a converted model); else those its slimact modules and routed attention carry (a block
-    of a converted model). Empty for a plain model."""
-    roots = [model] if _POLICY_ATTR in model.__dict__ else [m for _, m in _inner_roots(model)]
-    found = [r.__dict__[_POLICY_ATTR] for r in roots] or [
-        p for m in model.modules()
-        if (p := m.__dict__.get("_slimact_policy") or m.__dict__.get(attention.POLICY_ATTR)) is not None]
+    """The distinct policies ``model``'s conversions were made with: its own, those of converted models it holds
+    (peft's wrapper around one), those its slimact modules and routed attention carry (a block converted again under
+    another policy), and those of the routings whose hooks are on its modules (a block of a converted model whose
+    work is routed calls alone). Empty for a plain model."""
+    found = [r.__dict__[_POLICY_ATTR] for _, r in model.named_modules() if _POLICY_ATTR in r.__dict__]
+    for module in model.modules():
+        found += [p for p in (module.__dict__.get("_slimact_policy"), module.__dict__.get(attention.POLICY_ATTR))
+                  if p is not None]
+        found += [r.policy for hook in module._forward_pre_hooks.values() if (r := _routing_of(hook)) is not None]
     distinct: list[Policy] = []
     for p in found:
         if not any(p == q for q in distinct):
@@ -652,15 +659,27 @@ def revert(model: nn.Module) -> nn.Module:
     ``convert(model)``) is plain from then on, the calls in its code too (they ran through the model's routing,
     compressed); the rest of the model stays converted. A module another converted model holds too (a block two
     models share) is plain in both: its class is restored, and no routing's hooks are left on it."""
+    return _revert(model, routings_around(model))
+
+
+def _revert(model: nn.Module, outer: list[Routing]) -> nn.Module:
+    """:func:`revert`, ``model`` staying a block of the converted models whose routings are ``outer`` (left as written
+    there); with none, ``model`` is plain in every respect: ``check``'s and ``summary``'s plain copy of a block of a
+    converted model (``revert`` of it registered each copy with the model's routing, which grew with every check)."""
     for module in model.modules():
         detach(module)
         _unroot(module)
     _untag_attention(model)
-    outer = routings_around(model)
     for routing in outer:
         routing.leave_as_written(model)
     drop_routing_hooks(model, keep=outer)
     return model
+
+
+def _plain_copy(model: nn.Module, caller: str = "check", detached: list[str] | None = None) -> nn.Module:
+    """A plain copy of ``model`` (:func:`_copied`, every conversion and routing hook removed), for ``check`` and
+    ``summary``: it belongs to no converted model."""
+    return _revert(_copied(model, caller, detached), [])
 
 
 @dataclass
@@ -1006,7 +1025,7 @@ def _coverage(
     own = {name: m.__dict__[OWN_FORWARD_ATTR] for name, m in model.named_modules()
            if OWN_FORWARD_ATTR in m.__dict__ and SLIM_FORWARD_ATTR not in m.__dict__}
     converted = converted - set(unrouted) - set(idle) - set(own)
-    plain = revert(_copied(model, "summary"))
+    plain = _plain_copy(model, "summary")
     before = profile(plain, inputs, loss_fn=loss_fn).by_module
     del plain
     as_plain = sorted(name for name in by_sdpa if name in converted and after.get(name, 0) >= before.get(name, 0))

@@ -689,8 +689,9 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             if loss.requires_grad:  # nothing needs a gradient (frozen model, integer inputs): nothing was kept
                 with meter.backward() if meter else contextlib.nullcontext():
                     loss.backward()
-            # (a sharded parameter's gradient, a DTensor under FSDP2, has no storage of its own: its local shard's)
-            grads = {getattr(p.grad, "_local_tensor", p.grad).untyped_storage().data_ptr()
+            # (a sharded parameter's gradient, a DTensor under FSDP2, has no storage of its own: its local shard's; a
+            # sparse one, nn.Embedding(sparse=True)'s, its values')
+            grads = {_dense_part(getattr(p.grad, "_local_tensor", p.grad)).untyped_storage().data_ptr()
                      for p in model.parameters() if p.grad is not None}
         if meter is not None:
             forward, backward, less = meter.marks(saved, grads)
@@ -698,11 +699,17 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
         return Report(entries, torch.cuda.max_memory_allocated() - base if use_cuda else None)
 
 
+def _dense_part(t: Tensor) -> Tensor:
+    """The strided tensor holding ``t``'s data: itself, or a sparse COO tensor's values."""
+    return t._values() if t.is_sparse else t
+
+
 def _compiled(model: nn.Module) -> bool:
     """Whether ``model`` is, or holds, a module ``torch.compile`` wraps (an ``OptimizedModule``, a module compiled in
-    place by ``module.compile()``)."""
+    place by ``module.compile()``, one whose ``forward`` is a compiled function: ``m.forward = torch.compile(...)``)."""
     return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
-               or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+               or getattr(m, "_compiled_call_impl", None) is not None
+               or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in model.modules())
 
 
 def _as_saved(t: Tensor) -> Tensor:

@@ -55,6 +55,7 @@ class StepCounter:
         self.value = 0
         self.active = 0  # forward passes of the model under way (nested: a model calling itself)
         self.backward = -1  # the backward the current pass began after (slimact.quant.state.backward_key)
+        self.tentative: list[bool] = []  # per pass under way: begun without gradients, counted only if it packs
 
     def __call__(self, module: nn.Module, args: object) -> None:
         # Under torch.compile neither runs: the stream's key digests the RNG state on the host (a graph break),
@@ -63,20 +64,26 @@ class StepCounter:
         if torch.compiler.is_compiling():
             return
         frame = checkpoint_frame()
-        # (a checkpointed model's recompute is the same step, not another; a pass that packs nothing, in eval mode or
-        # without gradients (generate() in train mode, an RL reference's log-probabilities with dropout on), none: a
-        # validation loop between steps moved every later step's stochastic-rounding seeds, and so did those)
-        if module.training and torch.is_grad_enabled() and (frame is None or frame[1] is None):
+        # (a checkpointed model's recompute is the same step, not another; a pass in eval mode, which packs nothing,
+        # none: a validation loop between steps moved every later step's stochastic-rounding seeds. A pass begun
+        # without gradients (generate() in train mode, an RL reference's log-probabilities with dropout on) draws
+        # the next step's seeds but is counted only if it packed: one whose forward turns gradients on again does)
+        counts = module.training and (frame is None or frame[1] is None)
+        tentative = counts and not torch.is_grad_enabled()
+        if counts and not tentative:
             self.value += 1
         if not self.active:  # (a backward in another thread, or inside this forward, does not split the pass)
             self.backward = backward_key()
         self.active += 1
-        begin_stream(self.value)
+        self.tentative.append(tentative)
+        begin_stream(self.value + tentative)
 
     def end(self, module: nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
             self.active = max(self.active - 1, 0)
-            end_stream()
+            drawn = end_stream()
+            if self.tentative and self.tentative.pop() and drawn:
+                self.value += 1
 
     def __getstate__(self) -> dict:
         return {"value": self.value}  # (a copy of the model is not in the middle of a pass)

@@ -485,10 +485,9 @@ def current_stream() -> object | None:
     return _streams.forward[-1] if _streams.forward else None
 
 
-def end_stream() -> None:
-    """End the calling thread's innermost stream (:func:`begin_stream`)."""
-    if _streams.forward:
-        _streams.forward.pop()
+def end_stream() -> int:
+    """End the calling thread's innermost stream (:func:`begin_stream`); the seeds it drew."""
+    return _streams.forward.pop()[1] if _streams.forward else 0
 
 
 def draw_seed() -> int:
