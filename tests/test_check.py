@@ -1075,3 +1075,50 @@ def test_sparse_inputs_and_gradients_are_checked():
     sparse = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.GELU())
     features = (torch.rand(12, 32) < 0.2).float().to_sparse()
     assert slimact.check(sparse, features, "mesa").passed
+
+
+class _RefusesItsStateDict(torch.nn.Linear):
+    """A quantisation library's Linear that cannot load its own state dict in place (bitsandbytes' 4- and 8-bit)."""
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        raise RuntimeError("Unexpected key(s) in state_dict: 'weight.absmax'")
+
+
+def test_the_warm_up_restores_buffers_without_loading_a_state_dict():
+    # check under "mesa" reloaded the model's state dict after its warm-up: bitsandbytes' error, where the model trains.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_RefusesItsStateDict(16, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 4))
+    before = model[1].running_mean.clone()
+    x = torch.randn(8, 16)
+    report = slimact.check(model, x, "mesa")
+    assert report.estimates.startswith("warmed") and len(report.params) == 6, str(report)
+    torch.testing.assert_close(model[1].running_mean, before, rtol=0, atol=0)
+
+
+class _Float32Only(torch.nn.Module):
+    def forward(self, x):
+        assert x.dtype == torch.float32, f"Unsupported input dtype: {x.dtype}"  # (torchao's int8 layers)
+        return x
+
+
+def test_a_model_that_cannot_run_in_float64_is_judged_without_that_reference():
+    # A parameter below the floor asks for a float64 reference; torchao's AssertionError there crashed check.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), _Float32Only(), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    two_bits = Policy(name="two-bits", per_kind={"linear": {"bits": 2, "groups": 1}})
+    report = slimact.check(model, torch.randn(8, 16), two_bits)
+    assert "did not run in float64 (AssertionError: Unsupported input dtype: torch.float64)" in report.reference
+
+
+def test_a_linear_whose_weight_is_a_tensor_subclass_is_left_alone_with_the_reason():
+    # torchao's quantised Linears keep their class: they were counted converted while each call ran F.linear.
+    class Quantised(torch.Tensor):
+        pass
+
+    linear = torch.nn.Linear(8, 8)
+    linear.weight = torch.nn.Parameter(linear.weight.detach().as_subclass(Quantised))
+    model = slimact.convert(torch.nn.Sequential(linear, torch.nn.GELU(), torch.nn.Linear(8, 2)), "int8")
+    summary = slimact.summary(model)
+    assert summary.converted == {"gelu": 1, "linear": 1} and type(model[0]) is torch.nn.Linear
+    assert "its weight is a tensor subclass, Quantised" in summary.skipped["0"]

@@ -1019,6 +1019,16 @@ def _conv_unsupported(module: nn.Module) -> str | None:
     return None
 
 
+def _linear_unsupported(module: nn.Module) -> str | None:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, Tensor) and (foreign := foreign_weight(weight)) is not None:
+        # (torchao's quantised Linears keep their class: replaced, each call ran F.linear as written anyway, and the
+        # summary counted them converted)
+        return (f"its weight is a tensor subclass, {foreign} (a quantised weight), which slimact's product does not "
+                "compute with: computed as written")
+    return None
+
+
 def _batch_norm_unsupported(module: nn.Module) -> str | None:
     if isinstance(module, nn.SyncBatchNorm):
         return "SyncBatchNorm reduces its statistics across ranks: not supported yet"
@@ -1237,7 +1247,7 @@ _RULES: tuple[Callable[[nn.Module, type], Recognised | None], ...] = (
     _rule_typed(nn.MultiheadAttention, "attention", "mha"),
     _rule_library_linear(_HF_CONV1D, "conv1d"),
     _rule_library_linear(_PYG_LINEAR, "pyg_linear"),
-    _rule_typed(nn.Linear, "linear", "linear"),
+    _rule_typed(nn.Linear, "linear", "linear", _linear_unsupported),
     _rule_typed(nn.modules.conv._ConvNd, "conv", "conv", _conv_unsupported),
     _rule_typed(nn.modules.batchnorm._BatchNorm, "batchnorm", "batchnorm", _batch_norm_unsupported),
     _rule_group_norm,

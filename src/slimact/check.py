@@ -495,15 +495,24 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
     slim.train()
     _set_rng(rng)
     # The model's own state (BatchNorm's running statistics, any buffer a forward updates) as it was: the warm-up
-    # is to move slimact's estimates only (held apart from the buffers, not in the state dict).
-    state = {k: v.clone() for k, v in slim.state_dict().items()}
+    # is to move slimact's estimates only (held apart from the buffers, not in the state dict). Buffers by value,
+    # not through load_state_dict: quantisation libraries refuse their own state dict in place (bitsandbytes' 4- and
+    # 8-bit Linears: "Unexpected key(s) ... absmax", raised from check under "mesa").
+    state = {name: b.clone() for name, b in slim.named_buffers()}
     with torch.enable_grad():
         for batch in source:
             for call, _ in _calls(batch, micro_batch):
                 # (the packs fold each call's range into the estimates; the graph is dropped)
                 _call(slim, _fresh_inputs(call))
                 calls += 1
-    slim.load_state_dict(state)
+    with torch.no_grad():
+        for name, value in state.items():
+            owner, _, key = name.rpartition(".")
+            module = slim.get_submodule(owner)
+            if isinstance(module._buffers.get(key), Tensor) and module._buffers[key].shape == value.shape:
+                module._buffers[key].copy_(value)
+            else:  # (a buffer the forward replaced by another shape, or removed)
+                module._buffers[key] = value
     per = f" of {size} row(s) each" if micro_batch else ""
     return (f"warmed by {calls} training-mode forward call(s){per} on {what}"
             + (", from the model's own (its first step judged with those)" if own else "") + ", then judged")
@@ -724,7 +733,7 @@ def _float64_grads(plain: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tenso
             q.grad = None  # the plain step's
         with _float64_run() as mode:
             loss, outs, grads = _step(wide, _fresh_inputs(_widened(inputs)), loss_fn, rng, micro_batch)
-    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:  # an op without a float64 kernel
+    except Exception as e:  # an op without a float64 kernel (torchao's int8 layers assert their input dtype)
         first = str(e).splitlines()[0][:120] if str(e) else ""
         return f"the model did not run in float64 ({type(e).__name__}: {first})"
     if mode.unreproducible:
