@@ -1122,3 +1122,29 @@ def test_a_linear_whose_weight_is_a_tensor_subclass_is_left_alone_with_the_reaso
     summary = slimact.summary(model)
     assert summary.converted == {"gelu": 1, "linear": 1} and type(model[0]) is torch.nn.Linear
     assert "its weight is a tensor subclass, Quantised" in summary.skipped["0"]
+
+
+def test_a_block_reverted_in_a_converted_model_is_checked_as_a_plain_model():
+    # revert(model.block) leaves the model's routing hooks on the block (to keep its calls as written): check read
+    # that routing's policy from them and compared a plain copy with a plain copy (a review).
+    model = slimact.convert(torch.nn.Sequential(_small_block(), torch.nn.Linear(8, 8)), "mesa")
+    slimact.revert(model[0])
+    report = slimact.check(model[0], torch.randn(4, 10, 16))
+    assert report.policy == "int8" and report.summary.converted.get("linear") == 2
+
+
+def test_a_view_made_before_its_parameter_was_replaced_is_copied_as_the_model_reads_it():
+    class Stale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.wt = self.proj.weight.t()
+            self.proj.weight.data = torch.randn(4, 4) * 5  # (the view still reads the old storage)
+
+        def forward(self, x):
+            return self.proj(x) @ self.wt
+
+    model, x = Stale(), torch.randn(3, 4)
+    report = slimact.check(model, x, "tempo")
+    torch.testing.assert_close(report.loss_plain, model(x).sum().item())
+    assert "copied detached: wt" in report.reference

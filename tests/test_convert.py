@@ -1016,3 +1016,32 @@ def test_summary_with_inputs_copies_a_pruned_model():
     report = slimact.summary(model, x)
     assert report.converted == {"gelu": 1, "layernorm": 1, "linear": 2}
     assert report.coverage is not None and report.coverage > 0.9
+
+
+def test_a_tentative_pass_and_a_pass_it_makes_draw_apart(monkeypatch):
+    # A pass begun without gradients that turns them on and calls the model again: both streams were keyed with the
+    # next step, and their first packs drew the same stochastic-rounding seed (a review).
+    import slimact.nn._base as base
+
+    class CallsItself(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.depth = nn.Linear(16, 16), 0
+
+        def forward(self, x):
+            with torch.enable_grad():
+                h = self.a(x)
+                if self.depth == 0:
+                    self.depth = 1
+                    h = h + self(x)
+                    self.depth = 0
+            return h
+
+    model, keys = slimact.convert(CallsItself(), "mesa"), []
+    begin = base.begin_stream
+    monkeypatch.setattr(base, "begin_stream", lambda step: keys.append(step) or begin(step))
+    with torch.no_grad():
+        out = model(torch.randn(8, 16, requires_grad=True))
+    out.sum().backward()
+    assert len(keys) == 2 and keys[0] != keys[1], keys
+    assert model.__dict__["_slimact_root_hook"][1].value == 2  # (the inner pass, and the outer, which packed)

@@ -1024,8 +1024,8 @@ def _linear_unsupported(module: nn.Module) -> str | None:
     if isinstance(weight, Tensor) and (foreign := foreign_weight(weight)) is not None:
         # (torchao's quantised Linears keep their class: replaced, each call ran F.linear as written anyway, and the
         # summary counted them converted)
-        return (f"its weight is a tensor subclass, {foreign} (a quantised weight), which slimact's product does not "
-                "compute with: computed as written")
+        return (f"its weight is a tensor subclass, {foreign} (a quantised weight, a wrapper), which slimact's "
+                "product does not compute with: computed as written")
     return None
 
 

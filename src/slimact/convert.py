@@ -420,8 +420,9 @@ def _view_again(t: Tensor, memo: dict[int, Any]) -> Tensor | None:
     strided one of the leaf's dtype (not complex, conjugate or negative)."""
     base = t._base
     if (base is None or not base.is_leaf or t.dtype != base.dtype or t.is_conj() or t.is_neg()
-            or base.is_conj() or base.is_neg()):
-        return None
+            or base.is_conj() or base.is_neg()
+            or t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()):
+        return None  # (the last: a view made before the parameter's .data was replaced reads the old storage)
     twin = copy.deepcopy(base, memo)
     if twin.storage_offset() != base.storage_offset() or twin.stride() != base.stride():
         return None
@@ -455,6 +456,12 @@ def _recomputed_attribute(hook: Any) -> str | None:
     return None
 
 
+def _left_plain_by(routing: Routing, model: nn.Module) -> bool:
+    """Whether ``routing`` leaves ``model`` as written: it, or a module holding it, was reverted in the converted
+    model (its hooks stay on it, to keep its calls as written)."""
+    return any(model is m or any(model is sub for sub in m.modules()) for m in routing.excluded)
+
+
 def _conversion_policies(model: nn.Module) -> list[Policy]:
     """The distinct policies ``model``'s conversions were made with: its own, those of converted models it holds
     (peft's wrapper around one), those its slimact modules and routed attention carry (a block converted again under
@@ -464,7 +471,8 @@ def _conversion_policies(model: nn.Module) -> list[Policy]:
     for module in model.modules():
         found += [p for p in (module.__dict__.get("_slimact_policy"), module.__dict__.get(attention.POLICY_ATTR))
                   if p is not None]
-        found += [r.policy for hook in module._forward_pre_hooks.values() if (r := _routing_of(hook)) is not None]
+        found += [r.policy for hook in module._forward_pre_hooks.values()
+                  if (r := _routing_of(hook)) is not None and not _left_plain_by(r, model)]
     distinct: list[Policy] = []
     for p in found:
         if not any(p == q for q in distinct):

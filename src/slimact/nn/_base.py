@@ -76,7 +76,9 @@ class StepCounter:
             self.backward = backward_key()
         self.active += 1
         self.tentative.append(tentative)
-        begin_stream(self.value + tentative)
+        # (a tentative pass's own key, the next step's negated: a pass it makes with gradients on counts, and keys
+        # its stream with that next step, which would have drawn the same seeds)
+        begin_stream(-(self.value + 1) if tentative else self.value)
 
     def end(self, module: nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
