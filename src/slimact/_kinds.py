@@ -1020,7 +1020,9 @@ def _conv_unsupported(module: nn.Module) -> str | None:
 
 
 def _linear_unsupported(module: nn.Module) -> str | None:
-    weight = getattr(module, "weight", None)
+    # (the registered parameter, not ``module.weight``: a parametrized weight is computed at each access, spectral
+    # norm's power iteration moving its buffers as it is)
+    weight = module._parameters.get("weight")
     if isinstance(weight, Tensor) and (foreign := foreign_weight(weight)) is not None:
         # (torchao's quantised Linears keep their class: replaced, each call ran F.linear as written anyway, and the
         # summary counted them converted)

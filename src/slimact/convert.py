@@ -501,6 +501,12 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     if old is not None:
         old.remove()
     head_name, head = _lm_head(model) or ("", None)
+    # (the registered weight: a head left alone for it is not recognised as a Linear below)
+    weight = head._parameters.get("weight") if isinstance(head, nn.Linear) else None
+    if weight is not None and (foreign := foreign_weight(weight)) is not None:
+        skipped["(loss)"] = (f"its head {head_name}'s weight is a {foreign} (a tensor subclass, a quantised weight): "
+                             "the fused loss would compute with it as a plain tensor: computed as written")
+        head = None
     # Only a head that computes a plain Linear: the loss is recomputed from its input and weight (a subclass
     # whose forward scales or caps the logits would lose that, and its parameters' gradients).
     head = head if isinstance(head, nn.Linear) and recognise(head).replace == "linear" else None
@@ -508,10 +514,6 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     if head is not None and (reason := pol.skip_reason("lmloss", "(loss)", 0)) is not None:
         skipped["(loss)"] = reason
         head = None  # (an exclude pattern naming "(loss)": no loss routed, as the summary says)
-    if head is not None and (foreign := foreign_weight(head.weight)) is not None:
-        skipped["(loss)"] = (f"its head {head_name}'s weight is a {foreign} (a tensor subclass, a quantised weight): "
-                             "the fused loss would compute with it as a plain tensor: computed as written")
-        head = None
     if head is not None and _excluded(pol, head_name, head, filter_fn):
         # The routed loss computes the head's product itself (in chunks, from its input and weight): a head the user
         # left alone by name or filter_fn (a hook on it, a head of their own) is not computed by slimact either.
