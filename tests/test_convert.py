@@ -1045,3 +1045,15 @@ def test_a_tentative_pass_and_a_pass_it_makes_draw_apart(monkeypatch):
     out.sum().backward()
     assert len(keys) == 2 and keys[0] != keys[1], keys
     assert model.__dict__["_slimact_root_hook"][1].value == 2  # (the inner pass, and the outer, which packed)
+
+
+def test_summary_says_a_reverted_block_was_reverted():
+    # A block reverted after convert was listed as "excluded (filter_fn or an exclude pattern)", its modules as "came
+    # into the model after convert" (a sweep's review of summary's wording).
+    model = slimact.convert(_model(), "int8")
+    slimact.revert(model[1])
+    skipped = slimact.summary(model).skipped
+    assert skipped["1"].startswith("reverted after convert")
+    assert all(why == "inside 1, reverted after convert: plain" for name, why in skipped.items()
+               if name.startswith("1.")), skipped
+    assert "2" not in skipped

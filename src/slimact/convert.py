@@ -823,6 +823,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     # Modules whose calls run as written (excluded, or inside an excluded one): none of their calls is routed.
     excluded = {id(m) for m in routing.excluded} if routing is not None else set()
     as_written = [n for n, m in model.named_modules() if id(m) in excluded]
+    reverted = {id(m) for m in getattr(routing, "reverted", ())} if routing is not None else set()
+    reverted_names = [n for n, m in model.named_modules() if id(m) in reverted]
     # Reported converted as the attention calls in their code are routed (their products and softmaxes, or the
     # F.scaled_dot_product_attention their forward mentions): with inputs, kept only where one was routed.
     by_products: set[str] = set()
@@ -849,7 +851,11 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         elif attention.POLICY_ATTR in module.__dict__:
             modules[name] = "attention"
         elif name in as_written and name not in skipped:
-            skipped[name] = "excluded (filter_fn or an exclude pattern): left as written, the calls in its code too"
+            skipped[name] = ("reverted after convert (slimact.revert of it): plain, the calls in its code as "
+                             "written too" if id(module) in reverted else
+                             "excluded (filter_fn or an exclude pattern): left as written, the calls in its code too")
+        elif name not in skipped and (holder := next((n for n in reverted_names if _at_or_under(name, n)), None)):
+            skipped[name] = f"inside {holder}, reverted after convert: plain"
         elif (routed and (kind := kind_of(module)) in routing.kinds
               and _ROUTED_CALLS.get(kind, "") in forward_names(module, through_super=True)
               and _call_routable(module, kind)):

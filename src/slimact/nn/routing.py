@@ -634,6 +634,7 @@ class Routing:
         self._watch(attention)
         #: Modules whose own calls (and their children's) run as written.
         self.excluded = tuple(excluded)
+        self.reverted: tuple[nn.Module, ...] = ()  # (excluded by revert of a block after convert: summary says so)
         self._count_depth("excluded_depth", excluded if self.handlers else ())
         #: How deep the forward is in norm modules' own code, where products run as written (see _product).
         self.norm_depth = 0
@@ -973,6 +974,7 @@ class Routing:
         block of the model this routing converted as a whole."""
         if not any(m is module for m in self.excluded):
             self.excluded = (*self.excluded, module)
+            self.reverted = (*getattr(self, "reverted", ()), module)
             self._count_depth("excluded_depth", [module] if self.handlers else ())
 
     def _count_depth(self, attr: str, modules: Sequence[nn.Module]) -> None:
