@@ -706,7 +706,10 @@ def _dense_part(t: Tensor) -> Tensor:
 
 def _compiled(model: nn.Module) -> bool:
     """Whether ``model`` is, or holds, a module ``torch.compile`` wraps (an ``OptimizedModule``, a module compiled in
-    place by ``module.compile()``, one whose ``forward`` is a compiled function: ``m.forward = torch.compile(...)``)."""
+    place by ``module.compile()``, one whose ``forward`` is a compiled function: ``m.forward = torch.compile(...)``).
+    Without dynamo imported nothing is (``torch._dynamo`` is not imported here: a second of start-up each profile)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
     return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
                or getattr(m, "_compiled_call_impl", None) is not None
                or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in model.modules())
