@@ -35,7 +35,7 @@ from slimact.quant.state import note_backward
 
 __all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks",
            "foreign_weight", "is_dtensor", "is_gradient", "is_parameter_gradient", "keep_output",
-           "kept_or_view_of_kept", "load", "observer", "save", "transformed"]
+           "kept_or_view_of_kept", "load", "observer", "opaque", "save", "transformed"]
 
 
 class Mask(NamedTuple):
@@ -584,6 +584,13 @@ def foreign_weight(weight: Tensor) -> str | None:
     if type(weight) in (Tensor, torch.nn.Parameter) or is_dtensor(weight):
         return None
     return type(weight).__name__
+
+
+def opaque(t: Tensor) -> bool:
+    """Whether ``t``'s data cannot be viewed, packed and indexed as slimact's Functions do: a nested tensor
+    (``torch.nested``, jagged or strided) or a sparse one (COO, CSR). A module or call given one runs as written (they
+    raised where the plain one ran: a jagged F.scaled_dot_product_attention, a PyG GCN on sparse node features)."""
+    return t.is_nested or t.layout is not torch.strided
 
 
 def transformed() -> bool:

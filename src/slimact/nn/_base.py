@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from slimact._kinds import as_probed, changed_since
-from slimact.functional._saving import transformed
+from slimact.functional._saving import opaque, transformed
 from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
 from slimact.quant.recompute import checkpoint_frame, note, replayed
@@ -174,17 +174,14 @@ class SlimModule:
     def _slimact_active(self, *inputs: Tensor) -> bool:
         """Compression only where a backward will need it (never in eval mode), and only of the dtypes it
         compresses: float64 (or integer) inputs run the module's own forward, exact, and so do nested and sparse
-        tensors (``torch.nested``, COO and CSR layouts: slimact's Functions view, pack and index a tensor's data,
-        which those do not allow; they raised where the plain module ran, a PyG GCN on sparse node features). A
-        module whose work
+        tensors (:func:`~slimact.functional._saving.opaque`). A module whose work
         something else does for this call (``_slimact_deferred``: the LM head whose product the fused loss
         computes, :mod:`slimact.nn.lm_loss`) runs its own forward too, and so does a call under a ``torch.func``
         transform or forward-mode AD, which slimact's Functions do not support (:func:`transformed`)."""
         if not self.training or "_slimact_deferred" in self.__dict__:  # type: ignore[attr-defined]
             return False
         for x in inputs:  # (a loop, not all() of a generator: this runs once per module call)
-            if isinstance(x, Tensor) and (x.dtype not in COMPRESSIBLE_DTYPES or x.is_nested
-                                          or x.layout is not torch.strided):
+            if isinstance(x, Tensor) and (x.dtype not in COMPRESSIBLE_DTYPES or opaque(x)):
                 return False
         return not transformed()
 

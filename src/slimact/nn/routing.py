@@ -90,7 +90,15 @@ from torch.overrides import TorchFunctionMode
 
 from slimact._cache import dropping
 from slimact._kinds import _FORM_KIND, _foreign, kind_of, named_norm
-from slimact.functional._saving import IN_PLACE, KEPT_OUTPUTS, Mask, copy_on_write, kept_or_view_of_kept, transformed
+from slimact.functional._saving import (
+    IN_PLACE,
+    KEPT_OUTPUTS,
+    Mask,
+    copy_on_write,
+    kept_or_view_of_kept,
+    opaque,
+    transformed,
+)
 from slimact.functional.activation import activation, output_form
 from slimact.functional.attention import scaled_dot_product_attention
 from slimact.functional.attention_guard import guarded
@@ -186,12 +194,10 @@ _NORM_KINDS = frozenset({"layernorm", "rmsnorm", "groupnorm", "batchnorm"})
 
 
 def _nested(args: tuple, kwargs: dict) -> bool:
-    """Whether a call takes a nested tensor (``torch.nested``, jagged or strided) or a sparse one (COO, CSR): slimact's
-    Functions view, pack and index a tensor's data, which those do not allow (a jagged F.scaled_dot_product_attention,
-    F.gelu or F.dropout, a sparse adjacency's product in a graph attention raised where the plain call ran), so such a
-    call runs as written."""
-    return any(isinstance(a, Tensor) and (a.is_nested or a.layout is not torch.strided)
-               for a in (*args, *kwargs.values()))
+    """Whether a call takes a nested or sparse tensor (:func:`~slimact.functional._saving.opaque`: a jagged
+    F.scaled_dot_product_attention, F.gelu or F.dropout, a sparse adjacency's product in a graph attention raised
+    where the plain call ran), so it runs as written."""
+    return any(isinstance(a, Tensor) and opaque(a) for a in (*args, *kwargs.values()))
 
 
 def _wants_grad(x: object) -> bool:
