@@ -468,11 +468,13 @@ def _conversion_policies(model: nn.Module) -> list[Policy]:
     another policy), and those of the routings whose hooks are on its modules (a block of a converted model whose
     work is routed calls alone). Empty for a plain model."""
     found = [r.__dict__[_POLICY_ATTR] for _, r in model.named_modules() if _POLICY_ATTR in r.__dict__]
+    routings: dict[int, Routing] = {}
     for module in model.modules():
         found += [p for p in (module.__dict__.get("_slimact_policy"), module.__dict__.get(attention.POLICY_ATTR))
                   if p is not None]
-        found += [r.policy for hook in module._forward_pre_hooks.values()
-                  if (r := _routing_of(hook)) is not None and not _left_plain_by(r, model)]
+        routings.update((id(r), r) for hook in module._forward_pre_hooks.values()
+                        if (r := _routing_of(hook)) is not None)
+    found += [r.policy for r in routings.values() if not _left_plain_by(r, model)]
     distinct: list[Policy] = []
     for p in found:
         if not any(p == q for q in distinct):
