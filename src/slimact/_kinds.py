@@ -54,6 +54,7 @@ __all__ = [
     "activation_form",
     "as_probed",
     "changed_since",
+    "foreign_linear_weight",
     "forget",
     "forward_names",
     "gated_layout",
@@ -1019,11 +1020,17 @@ def _conv_unsupported(module: nn.Module) -> str | None:
     return None
 
 
-def _linear_unsupported(module: nn.Module) -> str | None:
-    # (the registered parameter, not ``module.weight``: a parametrized weight is computed at each access, spectral
-    # norm's power iteration moving its buffers as it is)
+def foreign_linear_weight(module: nn.Module) -> str | None:
+    """The class of a Linear's registered weight where it is a tensor subclass slimact's products do not compute with
+    (:func:`~slimact.functional._saving.foreign_weight`: torchao's quantised weights), or ``None``. The registered
+    parameter, not ``module.weight``: a parametrized weight is computed at each access, spectral norm's power
+    iteration moving its buffers as it is."""
     weight = module._parameters.get("weight")
-    if isinstance(weight, Tensor) and (foreign := foreign_weight(weight)) is not None:
+    return foreign_weight(weight) if isinstance(weight, Tensor) else None
+
+
+def _linear_unsupported(module: nn.Module) -> str | None:
+    if (foreign := foreign_linear_weight(module)) is not None:
         # (torchao's quantised Linears keep their class: replaced, each call ran F.linear as written anyway, and the
         # summary counted them converted)
         return (f"its weight is a tensor subclass, {foreign} (a quantised weight, a wrapper), which slimact's "

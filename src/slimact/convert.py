@@ -28,6 +28,7 @@ from slimact import attention
 from slimact._kinds import (
     Recognised,
     _cls,
+    foreign_linear_weight,
     forget,
     forward_names,
     kind_of,
@@ -38,7 +39,7 @@ from slimact._kinds import (
     uses_attention_interface,
     written_in_model_code,
 )
-from slimact.functional._saving import foreign_weight, is_dtensor
+from slimact.functional._saving import is_dtensor
 from slimact.functional.attention_guard import GUARDED_ATTR, MAX_SCORE_ERROR
 from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach, refuse_script
 from slimact.nn.activation import activation_class
@@ -503,9 +504,8 @@ def _route_calls(model: nn.Module, pol: Policy, skipped: dict[str, str], filter_
     if old is not None:
         old.remove()
     head_name, head = _lm_head(model) or ("", None)
-    # (the registered weight: a head left alone for it is not recognised as a Linear below)
-    weight = head._parameters.get("weight") if isinstance(head, nn.Linear) else None
-    if weight is not None and (foreign := foreign_weight(weight)) is not None:
+    # (before the check below: a head left alone for its weight is not recognised as a Linear there)
+    if isinstance(head, nn.Linear) and (foreign := foreign_linear_weight(head)) is not None:
         skipped["(loss)"] = (f"its head {head_name}'s weight is a {foreign} (a tensor subclass, a quantised weight): "
                              "the fused loss would compute with it as a plain tensor: computed as written")
         head = None
