@@ -346,6 +346,25 @@ def test_shared_pack_is_refreshed_after_in_place_change_and_released_with_its_so
     assert codes() is None
 
 
+def test_a_pack_is_not_served_to_another_tensor_where_its_source_no_longer_lives():
+    # Megatron-LM's deallocate_output_tensor (``out.data = torch.empty(1)``) and memcnn's invertible wrapper
+    # (``storage().resize_(0)``) release a tensor's memory while the tensor lives on; the allocator then gives that
+    # address to the next tensor of the size, whose key (address, offset, shape, strides, dtype, version) is the
+    # released one's. Made here without the allocator: another tensor object on the memory x held.
+    x = _made(8, 16)
+    x.mul_(1.0)  # (version 1, as a tensor made by set_ below starts)
+    cfg = QuantConfig()
+    first = pack(x, cfg)
+    memory = x.untyped_storage()
+    x.data = torch.empty(1)
+    torch.empty(0).set_(memory, 0, (8, 16), (16, 1)).fill_(3.0)  # the next owner writes its values
+    y = torch.empty(0).set_(memory, 0, (8, 16), (16, 1)).requires_grad_().view(8, 16)  # (made by an op, as x)
+    assert y._version == 1  # the version x was packed at: only the source's own memory tells them apart
+    packed = pack(y, cfg)
+    assert packed.tensors[0] is not first.tensors[0]
+    torch.testing.assert_close(unpack(packed), torch.full((8, 16), 3.0))
+
+
 def test_shared_entry_dies_with_its_source():
     from slimact.quant.core import _shared
 

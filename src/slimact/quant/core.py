@@ -168,11 +168,19 @@ class _SharedPacks:
         return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype)
 
     def get(self, x: Tensor, cfg: QuantConfig) -> Packed | None:
-        entry = self._entries.get(self._key(x))
+        key = self._key(x)
+        entry = self._entries.get(key)
         if entry is None:
             return None
         source, version, packed, stream, _ = entry
-        if source() is None or version != x._version or packed.meta.bits < cfg.bits:
+        packed_from = source()
+        if packed_from is None or version != x._version or packed.meta.bits < cfg.bits:
+            return None
+        if packed_from is not x and self._key(packed_from) != key:
+            # The packed tensor lives on but its memory was released or swapped (memcnn's invertible wrapper:
+            # ``storage().resize_(0)``; Megatron-LM's ``out.data = torch.empty(1)``), and the allocator gave the
+            # address to ``x``: another tensor, whose values the pack does not hold (a Linear's weight gradient at
+            # cosine -0.04, silently).
             return None
         scope = reference.current_stream()
         if scope is None and stream is None and x.grad_fn is None and not _recomputing():
