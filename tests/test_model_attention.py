@@ -181,6 +181,19 @@ def test_a_module_calling_sdpa_is_attention_whatever_its_name():
     assert_gradients_close(g0, g1, 0.99)
 
 
+def test_summary_under_a_lossless_policy_does_not_claim_an_sdpa_call_attention_in_model_code_does_not_make():
+    # Attention written with @ and softmax (ultralytics' AAttn, speechbrain's RelPosMHAXL, torchaudio's Emformer):
+    # summary said "an F.scaled_dot_product_attention call in its code ... is routed all the same" (a review,
+    # 2026-12-07): there is none. It says why the products are left as written, and that an SDPA call is routed
+    # only if the forward makes one.
+    slim = slimact.convert(_HandWritten(), "tempo")
+    reason = slimact.summary(slim).skipped["blocks.0.attn"]
+    assert "SelfAttention computes attention in its own code" in reason, reason
+    assert "products and softmaxes keep what PyTorch keeps under this policy" in reason, reason
+    assert "an F.scaled_dot_product_attention call, if its forward makes one" in reason, reason
+    assert "call in its code" not in reason, reason
+
+
 @pytest.mark.parametrize("scores, mix", [("b h i d, b h j d -> b h i j", "b h i j, b h j d -> b h i d"),
                                          ("... i d, ... j d -> ... i j", "... i j, ... j d -> ... i d"),
                                          ("...id,...jd", "...ij,...jd->...id")],

@@ -887,8 +887,11 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             skipped[name] = (
                 f"{type(module).__name__} computes attention in its own code (not through transformers' "
                 "AttentionInterface or nn.MultiheadAttention): left as written" + (
-                    "; an F.scaled_dot_product_attention call in its code (a diffusers processor's) is routed all "
-                    "the same: summary(model, inputs) tells whether one runs and what it keeps" if sdpa_call else "")
+                    "; its products and softmaxes keep what PyTorch keeps under this policy (the 8-bit policies "
+                    "route them)" if routing is not None and "matmul" not in routing.kinds else "") + (
+                    "; an F.scaled_dot_product_attention call, if its forward makes one (a diffusers processor's), "
+                    "is routed all the same: summary(model, inputs) tells whether one runs and what it keeps"
+                    if sdpa_call else "")
             )
         elif (name and name not in skipped and kind_of(module) != "attention" and scores_in_code(module)
               and not any(kind_of(sub) == "attention" for sub in module.modules())):
