@@ -104,31 +104,34 @@ def _leave_alone(pol: Policy, kind: str, name: str, module: nn.Module, filter_fn
     return reason
 
 
-_SCALE_FREE = (
+#: The rules below read the data flow from the order a block registers its modules (not traced before a forward;
+#: ultralytics' attention registers ``qkv, proj, pe`` and applies ``pe`` to ``v``): a false match costs memory alone.
+_BY_ORDER = "as the order of registration tells (the data flow is not traced): "
+_SCALE_FREE = _BY_ORDER + (
     "its output reaches a training-mode BatchNorm through a per-channel (depthwise) conv in the same block, which "
     "removes any per-channel scale: its weight's exact gradient is the small remainder BatchNorm's eps leaves, "
     "swamped by the 8-bit error of either layer's kept tensor (CvT: cosine 0.79-0.92); kept exact, as PyTorch does"
 )
 
 
-_SCALE_FREE_BN = (
+_SCALE_FREE_BN = _BY_ORDER + (
     "its output reaches a training-mode BatchNorm through a per-channel (depthwise) conv (and ReLU-like "
     "activations, if any, before it), which remove nothing of a per-channel scale that the BatchNorm then removes: "
     "its weight's exact gradient is a nearly cancelling sum, swamped by the 8-bit error of either BatchNorm's kept "
     "input (MobileNetV2, MNASNet, ShuffleNetV2: cosine -0.2-0.7 at initialisation and after 30 steps); kept exact, "
     "as PyTorch does"
 )
-_REMOVES_SCALE = ("it removes the per-channel scale of a norm's output that reaches it through a depthwise conv "
-                  "(see that norm): its input is kept exact")
-_ONE_WEIGHT_A_CHANNEL = (
+_REMOVES_SCALE = _BY_ORDER + ("it removes the per-channel scale of a norm's output that reaches it through a "
+                              "depthwise conv (see that norm): its input is kept exact")
+_ONE_WEIGHT_A_CHANNEL = _BY_ORDER + (
     "each of its output channels is one weight times one input channel (a 1x1 kernel over one input channel a "
     "group), and the norm registered after it standardises each of those channels: the weight's exact gradient is "
     "the small remainder the norm's eps leaves, swamped by the 8-bit error of its kept input (MONAI's UNETR and "
     "SwinUNETR, a 1x1 conv on the one-channel image before an InstanceNorm: cosine 0.27 and 0.22); kept exact, as "
     "PyTorch does"
 )
-_REMOVES_WEIGHT = ("it standardises each output channel of the conv registered before it, whose weight is one scale "
-                   "a channel (see that conv): its input is kept exact")
+_REMOVES_WEIGHT = _BY_ORDER + ("it standardises each output channel of the conv registered before it, whose weight "
+                               "is one scale a channel (see that conv): its input is kept exact")
 #: Activations that pass a positive per-channel scale through (``f(a x) = a f(x)``; ReLU6 up to its rarely
 #: reached cap), and layers that do not change values in a training step's sense of scale.
 _SCALE_PASSING = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.Identity, nn.Dropout)
