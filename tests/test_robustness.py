@@ -1678,3 +1678,54 @@ def test_kept_views_of_one_base_are_forgotten_after_profile_and_keep_no_copies()
     # a1: the Linear's output storage its kept view is on (counted whole) and its 1-bit mask; a2: its mask alone
     assert report.by_module["a2"] <= 4 * 16 * 32 // 8, report.by_module
     assert report.by_module["a1"] <= 4 * 16 * 64 * 4 + 4 * 16 * 32 // 8, report.by_module
+
+
+class _FreesItsInput(torch.autograd.Function):
+    """y = 2 x, then x's memory is released (this backward does not need x): memcnn's InvertibleModuleWrapper with
+    keep_input=False, its default, reduced to one line (memcnn rebuilds x in its own backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 2
+        x.untyped_storage().resize_(0)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class _FreedAfter(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.inp, self.layer, self.out = nn.Linear(8, 16), layer, nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(_FreesItsInput.apply(self.layer(self.inp(x))))
+
+
+@pytest.mark.parametrize("layer", [nn.LayerNorm, nn.GELU])
+def test_a_kept_output_whose_memory_is_released_after_the_forward_is_a_clear_error(layer):
+    # "tempo" keeps a LayerNorm's or GELU's output where PyTorch's layer keeps its input; code that releases that
+    # tensor's memory once it is used (memcnn) left the backward reading freed memory: the process died (SIGSEGV)
+    # where PyTorch trains (a review, 2026-12-07).
+    torch.manual_seed(0)
+    plain = _FreedAfter(layer(16) if layer is nn.LayerNorm else layer())
+    x = torch.randn(4, 8)
+    plain(x).square().sum().backward()  # (PyTorch's trains)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    loss = slim(x).square().sum()
+    with pytest.raises(RuntimeError, match=r"memory was released after it.*memcnn.*keep_input=True"):
+        loss.backward()
+
+
+def test_a_weight_changed_between_two_backwards_is_not_blamed_on_a_kept_output():
+    # An optimizer step between two backward passes of one graph: PyTorch's own layers refuse it too. slimact's error
+    # said only that an in-place op on a kept output was the cause, and to leave the layer out of the conversion.
+    torch.manual_seed(0)
+    slim = slimact.convert(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), "tempo")
+    loss = (slim(torch.randn(4, 8)) * torch.randn(4, 8)).sum()  # (the norm's backward runs first; it kept its weight)
+    loss.backward(retain_graph=True)
+    torch.optim.SGD(slim.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match="a weight or the layer's input, PyTorch's own layer keeps it too"):
+        loss.backward()

@@ -560,14 +560,36 @@ def load(ctx: Any, restore: bool = True) -> list[Any]:
     i = 0
     for kind, n, meta in ctx.slimact_layout:
         if kind == "packed":
-            packed = Packed(tuple(saved[i : i + n]), meta)
+            packed = Packed((_present(saved[i], ctx),) if meta.raw else tuple(saved[i : i + n]), meta)
             out.append(unpack(packed) if restore else packed)
         elif kind == "mask":
             out.append(meta.restore(saved[i], saved[i + 1] if n == 2 else None))
         else:
-            out.append(saved[i])
+            out.append(_present(saved[i], ctx))
         i += n
     return out
+
+
+def _present(t: Any, ctx: Any) -> Any:
+    """``t``, a tensor a Function kept as it is, if its memory still holds it. A tensor's memory can be released
+    while the tensor lives on, with no version change: memcnn's invertible wrapper (``keep_input=False``, its
+    default) frees its input's with ``untyped_storage().resize_(0)`` and rebuilds the values in its own backward.
+    PyTorch's layer before it kept its own input, untouched; a policy keeping that layer's output instead (``"tempo"``'s
+    norms and activations) read the freed memory: the process died (SIGSEGV) or the gradient was garbage."""
+    if torch.compiler.is_compiling() or type(t) is not Tensor or not t.numel() or t.layout is not torch.strided:
+        return t
+    room = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    if room >= t.numel() or room > sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)):
+        return t  # (the first test, enough for a dense tensor, costs a tenth of the second)
+    cls = type(ctx)._forward_cls
+    raise RuntimeError(
+        f"slimact's {cls.layer} Function ({cls.__name__}) keeps a tensor of the forward whose memory was released "
+        "after it (`untyped_storage().resize_(0)`, as memcnn's InvertibleModuleWrapper with keep_input=False does to "
+        "its input): its backward cannot read it. Where a policy keeps a layer's output instead of its input "
+        "(\"tempo\"'s norms and activations), PyTorch's own layer did not need that memory. Keep it (memcnn: "
+        "keep_input=True), or leave the layer before it out of the conversion (convert's filter_fn, a policy exclude "
+        "pattern)."
+    )
 
 
 def is_dtensor(t: object) -> bool:
@@ -663,9 +685,12 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 raise
             raise RuntimeError(
                 f"slimact's {cls.layer} Function ({cls.__name__}) keeps a tensor of the forward that was then modified "
-                "in place. Where a policy keeps a layer's output instead of its input (\"tempo\"'s norms and "
-                "activations: the output is rebuilt into the gradient), an in-place op on that output leaves "
-                "PyTorch's own layer, which kept its input, unaffected but not slimact's. slimact moves the output "
+                "in place. Where that tensor is a weight or the layer's input, PyTorch's own layer keeps it too and "
+                "refuses alike (an optimizer step between two backward passes of one graph). Where a policy keeps a "
+                "layer's output instead of its input (\"tempo\"'s norms and activations: the output is rebuilt into "
+                "the gradient), an in-place op on that output (memcnn's InvertibleModuleWrapper with keep_input=False "
+                "frees its input and restores it with set_) leaves PyTorch's own layer, which kept its input, "
+                "unaffected but not slimact's. slimact moves the output "
                 "to a copy first for an in-place op on the output itself in the converted model's forward (`+=`, "
                 "`mul_`, `relu_`, `h[mask] = 0`, `F.dropout(h, inplace=True)`, ...) or on a view of it (`h[:, 0] "
                 "+= 1`, also while other views of it live), but not for one that changes its shape (`unsqueeze_`), "
