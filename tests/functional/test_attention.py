@@ -1518,6 +1518,34 @@ def test_one_forward_keeps_one_copy_of_a_mask_and_a_changed_mask_anew():
         torch.testing.assert_close(a, e)
 
 
+def test_a_mask_at_the_address_of_one_whose_memory_was_released_is_kept_anew():
+    # A mask whose memory is released while it lives on (``mask.data = torch.empty(0)``, memcnn's resize_(0)) left an
+    # entry that the next tensor at its address, of the same shape and version, was handed: another mask's bits.
+    # Made here without the allocator: another tensor object on the memory the first mask held.
+    from slimact.quant import reference
+
+    first = torch.ones(2, 1, 24, 24, dtype=torch.bool)
+    first[0, :, :, 20:] = False  # padded keys (version 1, as a tensor made by set_ below starts)
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.float32))
+    g = torch.randn(2, 4, 24, 16, generator=torch.Generator().manual_seed(1))
+    memory = first.untyped_storage()
+    reference.begin_stream(0)
+    try:
+        scaled_dot_product_attention(q, k, v, attn_mask=first)
+        first.data = torch.empty(0, dtype=torch.bool)
+        torch.empty(0, dtype=torch.bool).set_(memory, 0, (2, 1, 24, 24), (576, 576, 24, 1)).fill_(True)
+        second = torch.empty(0, dtype=torch.bool).set_(memory, 0, (2, 1, 24, 24), (576, 576, 24, 1))
+        assert second._version == 1  # the version the first mask was kept at: only its memory tells them apart
+        out = scaled_dot_product_attention(q, k, v, attn_mask=second)
+    finally:
+        reference.end_stream()
+    expected = F.scaled_dot_product_attention(q, k, v)  # (the second mask masks nothing)
+    torch.testing.assert_close(out, expected)
+    for a, e in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g),
+                    strict=True):
+        torch.testing.assert_close(a, e)
+
+
 def test_a_mask_alive_for_the_whole_run_is_kept_anew_each_forward_and_remembered_once():
     # A mask buffer of the model's (a causal mask registered once) outlives every forward: each forward packs it
     # afresh (it may have changed between steps without its version moving: a refilled numpy array), and what is

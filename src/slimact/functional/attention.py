@@ -372,7 +372,12 @@ def _kept_mask(mask: Tensor) -> tuple[tuple | None, Mask | Tensor | None]:
     key = (mask.device, mask.untyped_storage().data_ptr(), mask.storage_offset(), mask.shape, mask.stride(),
            mask.dtype)
     hit = _kept_masks.get(key)
-    if hit is None or hit[0]() is None or hit[1] != mask._version or hit[2] is not stream:
+    owner = None if hit is None else hit[0]()
+    if owner is None or hit[1] != mask._version or hit[2] is not stream:
+        return key, None
+    if owner.untyped_storage().data_ptr() != key[1]:
+        # The owner lives on, its memory released or swapped (``storage().resize_(0)``, ``.data = ...``), and the
+        # allocator gave the address to this mask: another tensor, of other values (quant.core._SharedPacks.get).
         return key, None
     return key, hit[3]
 
