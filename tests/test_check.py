@@ -4,6 +4,7 @@ parameters), the floors tell rounding from a real error, and the command line's 
 
 import contextlib
 import importlib
+import typing
 
 import pytest
 import torch
@@ -502,7 +503,9 @@ def test_the_float64_run_computes_grouped_mm_per_group():
 
 
 class _CountsCalls(torch.nn.Module):
-    """A model whose output depends on a buffer its forward updates (a call counter)."""
+    """A model whose output depends on a buffer its forward updates (a call counter; an EMA codebook)."""
+
+    seen: typing.ClassVar[list[float]] = []  # (the counter each call of any copy saw)
 
     def __init__(self):
         super().__init__()
@@ -511,15 +514,21 @@ class _CountsCalls(torch.nn.Module):
 
     def forward(self, x):
         self.calls += 1
+        self.seen.append(float(self.calls))
         return self.fc(x).square().sum() * self.calls
 
 
-def test_the_warm_up_moves_the_running_estimates_only():
-    # The warm-up's forward calls would leave the copy's own buffers (a counter here; BatchNorm's running statistics)
-    # where the plain copy's are not: they are restored, and the judged forward is plain's.
+def test_the_warm_up_moves_the_buffers_a_forward_updates_in_both_copies_as_training_does():
+    # The warm-up's forward calls move the converted copy's buffers (a counter here; BatchNorm's statistics; a
+    # VQ-VAE's EMA codebook, which the next forward reads) as training does, and the plain copy's alike: the judged
+    # step is the one training reaches. They had been put back after the warm-up: a VQ-VAE was judged with its
+    # initial codebook and the estimates folded from the moved one (passed at 0.9996 where training's steps ran at
+    # 0.88-0.97 under "mesa").
     torch.manual_seed(0)
+    _CountsCalls.seen.clear()
     report = slimact.check(_CountsCalls(), torch.randn(4, 3, 8), "mesa", loss_fn=lambda out: out)
     assert report.estimates.startswith("warmed by 8") and report.forward_equal, str(report)
+    assert _CountsCalls.seen.count(9.0) == 2, _CountsCalls.seen  # (the judged step of each warmed copy)
 
 
 class _SizedByLengths(torch.nn.Module):
@@ -1084,7 +1093,7 @@ class _RefusesItsStateDict(torch.nn.Linear):
         raise RuntimeError("Unexpected key(s) in state_dict: 'weight.absmax'")
 
 
-def test_the_warm_up_restores_buffers_without_loading_a_state_dict():
+def test_check_under_mesa_runs_on_a_model_refusing_its_own_state_dict():
     # check under "mesa" reloaded the model's state dict after its warm-up: bitsandbytes' error, where the model trains.
     torch.manual_seed(0)
     model = torch.nn.Sequential(_RefusesItsStateDict(16, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU(),

@@ -494,25 +494,17 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
     calls = 0
     slim.train()
     _set_rng(rng)
-    # The model's own state (BatchNorm's running statistics, any buffer a forward updates) as it was: the warm-up
-    # is to move slimact's estimates only (held apart from the buffers, not in the state dict). Buffers by value,
-    # not through load_state_dict: quantisation libraries refuse their own state dict in place (bitsandbytes' 4- and
-    # 8-bit Linears: "Unexpected key(s) ... absmax", raised from check under "mesa").
-    state = {name: b.clone() for name, b in slim.named_buffers()}
+    # The buffers a training forward updates (BatchNorm's statistics, a call counter, an EMA codebook that the next
+    # forward reads) move as training moves them, in this copy and in the plain one warmed alike, so the judged step
+    # is the one training reaches (restored after the warm-up, a VQ-VAE's codebook was judged at its initial values
+    # with the estimates folded from the moved ones: check passed at 0.9996 where training's steps 2-6 ran at cosine
+    # 0.88-0.97, a review 2026-12-07).
     with torch.enable_grad():
         for batch in source:
             for call, _ in _calls(batch, micro_batch):
                 # (the packs fold each call's range into the estimates; the graph is dropped)
                 _call(slim, _fresh_inputs(call))
                 calls += 1
-    with torch.no_grad():
-        for name, value in state.items():
-            owner, _, key = name.rpartition(".")
-            module = slim.get_submodule(owner)
-            if isinstance(module._buffers.get(key), Tensor) and module._buffers[key].shape == value.shape:
-                module._buffers[key].copy_(value)
-            else:  # (a buffer the forward replaced by another shape, or removed)
-                module._buffers[key] = value
     per = f" of {size} row(s) each" if micro_batch else ""
     return (f"warmed by {calls} training-mode forward call(s){per} on {what}"
             + (", from the model's own (its first step judged with those)" if own else "") + ", then judged")
