@@ -208,6 +208,24 @@ def test_the_float64_run_draws_what_the_float32_run_drew():
     torch.testing.assert_close(b.float(), a)
 
 
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+def test_the_float64_run_drops_what_the_float32_run_dropped_on_a_strided_tensor(layout):
+    # PyTorch fills a dropout mask in the tensor's memory order; the float64 run drew its mask contiguous, dropping
+    # other elements of a channels-last map (vit-pytorch's CvT) than plain's: the reference differed from plain's by
+    # far more than rounding, and check judged without it.
+    from slimact.check import _Float32Draws
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4).t() if layout == "transposed" else torch.randn(2, 3, 4, 5).to(
+        memory_format=torch.channels_last)
+    state = torch.random.get_rng_state()
+    a = torch.nn.functional.dropout(x, 0.5)
+    torch.random.set_rng_state(state)
+    with _Float32Draws():
+        b = torch.nn.functional.dropout(x.double(), 0.5)
+    torch.testing.assert_close(b.float(), a)
+
+
 class _MixedBlock(torch.nn.Module):
     """A pre-norm transformer block in ``low`` with its second LayerNorm kept in ``norm`` and the casts around it
     spelled out in the code, as Hugging Face models with ``_keep_in_fp32_modules`` do (and the reverse: a bfloat16

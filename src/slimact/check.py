@@ -628,8 +628,10 @@ class _Float32Draws(TorchFunctionMode):
         if func in _DROPOUTS and args and isinstance(args[0], Tensor) and args[0].dtype == torch.float64:
             x = args[0]
             inplace = kwargs.pop("inplace", args[3] if len(args) > 3 else False)
-            # The float32 draw of the same shape, through the same function: its mask scaled by 1/(1-p).
-            scaled = func(torch.ones(x.shape, dtype=torch.float32, device=x.device), *args[1:3], **kwargs)
+            # The float32 draw of the same shape and layout, through the same function: its mask scaled by 1/(1-p)
+            # (PyTorch fills a mask in the tensor's memory order: a contiguous one dropped other elements of a
+            # channels-last or transposed tensor than plain's did, and the float64 run was no reference).
+            scaled = func(torch.ones_like(x, dtype=torch.float32), *args[1:3], **kwargs)
             if func in (torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
                         torch.alpha_dropout):
                 # Not reproducible this way (its affine correction is not a mask): left as is, and where it drew
