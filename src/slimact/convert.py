@@ -169,6 +169,7 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
     for (name, conv), (norm_name, norm) in itertools.pairwise(leaves):
         if _one_weight_into_channel_norm(conv, norm):
             out[name], out[norm_name] = _ONE_WEIGHT_A_CHANNEL, _REMOVES_WEIGHT
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     pairs: list[tuple[str, str, int]] = []  # (parent, batch norm name, channels)
     for pname, parent in model.named_modules():
         kids = list(parent.named_children())
@@ -187,16 +188,41 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
         if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.num_features == conv.in_channels:
             out[first] = _SCALE_FREE_BN
             out[leaves[i + 1][0]] = _REMOVES_SCALE
+    widths = {c for _, _, c in pairs}
     for name, module in model.named_modules():
-        holder = name.rpartition(".")[0]
-        if not isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or not module.normalized_shape:
+        width = _gain_width(module, widths)
+        if width is None:
             continue
-        width = module.normalized_shape[-1]
-        hits = [bn for parent, bn, c in pairs if c == width and (not holder or (parent + ".").startswith(holder + "."))]
+        holder = _block_of(model, name)
+        # (registered before the pair's conv, in the norm's block: a final norm after the blocks feeds none of them)
+        hits = [bn for parent, bn, c in pairs if c == width and order[bn] > order[name]
+                and (not holder or (parent + ".").startswith(holder + "."))]
         if hits:
             out[name] = _SCALE_FREE
             out.update(dict.fromkeys(hits, _REMOVES_SCALE))
     return out
+
+
+def _gain_width(module: nn.Module, widths: set[int]) -> int | None:
+    """The number of channels ``module`` scales one by one if it is a LayerNorm or RMSNorm (``nn.LayerNorm``,
+    ``nn.RMSNorm``, or one written in model code with a gain of that many elements: vit-pytorch's CvT normalises a
+    ``[B, C, H, W]`` map over C with a ``[1, C, 1, 1]`` gain) of one of ``widths``, else ``None``."""
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        width = module.normalized_shape[-1] if module.normalized_shape else None
+        return width if width in widths else None
+    own = [p for p in module.parameters(recurse=False) if p.numel() in widths and p.numel() == max(p.shape, default=1)]
+    if not own or len({p.numel() for p in own}) != 1 or kind_of(module) not in ("layernorm", "rmsnorm"):
+        return None
+    return own[0].numel()
+
+
+def _block_of(model: nn.Module, name: str) -> str:
+    """The name of the block holding the module ``name``: its parent, or the first ancestor above it that holds more
+    than one child (a module wrapping a norm alone, to permute a channels-first map around it, is part of the norm)."""
+    holder = name.rpartition(".")[0]
+    while holder and len(model.get_submodule(holder)._modules) == 1:
+        holder = holder.rpartition(".")[0]
+    return holder
 
 
 def _excluded(pol: Policy, name: str, module: nn.Module, filter_fn: FilterFn | None) -> bool:

@@ -139,6 +139,64 @@ def test_a_norm_whose_scale_a_batch_norm_removes_keeps_exact_tensors():
     assert not slimact.summary(slimact.convert(copy.deepcopy(model), "tempo")).skipped.get("norm")
 
 
+class _ChannelLayerNorm(torch.nn.Module):
+    """vit-pytorch's CvT LayerNorm, written in model code: over the channels of a ``[B, C, H, W]`` map."""
+
+    def __init__(self, c, eps=1e-5):
+        super().__init__()
+        self.eps, self.g, self.b = eps, nn.Parameter(torch.ones(1, c, 1, 1)), nn.Parameter(torch.zeros(1, c, 1, 1))
+
+    def forward(self, x):
+        var, mean = torch.var(x, dim=1, unbiased=False, keepdim=True), torch.mean(x, dim=1, keepdim=True)
+        return (x - mean) / (var + self.eps).sqrt() * self.g + self.b
+
+
+class _PermutedLayerNorm(torch.nn.Module):
+    """An ``nn.LayerNorm`` over the channels of a map, held by a module that permutes around it."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.ln = nn.LayerNorm(c)
+
+    def forward(self, x):
+        return self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class _ChannelNormProjection(torch.nn.Module):
+    """CvT's attention in vit-pytorch: a norm, then ``DepthWiseConv2d`` (depthwise conv, BatchNorm, 1 x 1 conv); a
+    final norm registered after it, which feeds no conv."""
+
+    def __init__(self, norm, c=32):
+        super().__init__()
+        self.norm = norm
+        self.proj = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False), nn.BatchNorm2d(c),
+                                  nn.Conv2d(c, c, 1, bias=False))
+        self.final_norm = nn.LayerNorm(c)
+
+    def forward(self, x):  # [B, C, H, W] -> [B, H, W, C]
+        return self.final_norm(self.proj(self.norm(x)).permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("norm", [_ChannelLayerNorm, _PermutedLayerNorm])
+def test_a_norm_in_model_code_or_wrapped_whose_scale_a_batch_norm_removes_keeps_exact_tensors(norm):
+    # The rule above matched nn.LayerNorm and nn.RMSNorm held by the block itself: CvT's own norm class, or an
+    # nn.LayerNorm in a module that permutes around it, left the BatchNorm's input 8-bit, the gain's gradient at
+    # cosine -0.17-0.40 (vit-pytorch's CvT, a review 2026-12-07); and a norm registered after the pair (XCiT's final
+    # norm, held by the root) was taken to feed it, kept exact for nothing.
+    import slimact
+
+    torch.manual_seed(0)
+    model = _ChannelNormProjection(norm(32))
+    x, w = torch.randn(2, 32, 8, 8), torch.randn(2, 8, 8, 32)
+    report = slimact.check(model, x, "int8", loss_fn=lambda y: (y * w).sum())
+    assert report.passed, str(report)
+    skipped = slimact.summary(slimact.convert(copy.deepcopy(model), "int8")).skipped
+    assert "removes the per-channel scale" in skipped["proj.1"], skipped
+    if norm is _PermutedLayerNorm:
+        assert "removes any per-channel scale" in skipped["norm.ln"], skipped
+    assert "final_norm" not in skipped, skipped
+
+
 def _inverted_residual(act: type[nn.Module]) -> nn.Sequential:
     """MobileNetV2's block: 1 x 1 expansion, BatchNorm, ReLU6, depthwise conv, BatchNorm, ReLU6, 1 x 1 projection,
     BatchNorm. The first BatchNorm's per-channel scale passes the ReLU6 (``relu6(a x) = a relu6(x)`` below the
