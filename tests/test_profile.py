@@ -530,6 +530,28 @@ def test_a_compressed_copy_of_a_tensor_kept_in_full_is_reported_as_kept_twice():
     assert gelu.twice == {}, gelu.twice
 
 
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_relu_mask_beside_its_output_kept_in_full_is_reported_as_kept_twice(layer):
+    # Under "tempo" a ReLU keeps a 1-bit mask of its output; a Linear or conv after it, which the lossless policy
+    # leaves as written, keeps that output in full: 1/32 more than plain's (torchaudio's Wav2Letter 1.029x,
+    # speechbrain's TDNN 1.015x, a review 2026-12-07), where summary reported 94% coverage and no note.
+    torch.manual_seed(0)
+    if layer == "linear":
+        plain, x = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)), torch.randn(16, 64)
+    else:
+        plain, x = nn.Sequential(nn.Conv1d(8, 64, 3), nn.ReLU(), nn.Conv1d(64, 8, 3)), torch.randn(4, 8, 64)
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    report = slimact.profile(slim, x)
+    mask = sum(e.nbytes for e in report.entries if e.module == "1")
+    assert report.twice == {"1": mask} and 0 < mask < report.kept_bytes / 16, (report.twice, report.kept_bytes)
+    assert report.kept_bytes == slimact.profile(plain, x).kept_bytes + mask
+    note = next(n for n in slimact.summary(slim, x).notes if "compressed copies" in n)
+    assert "kept in full by 2" in note, note
+    # where nothing keeps the output (a dropout after the ReLU keeps its own mask), the ReLU's mask is no copy
+    dropped = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 8))
+    assert slimact.profile(slimact.convert(dropped, "tempo"), torch.randn(16, 64)).twice == {}
+
+
 def test_probabilities_autograd_keeps_in_full_are_not_packed_again():
     # A reporting audit: the routed p @ v packed the sigmoid's probabilities, which the sigmoid keeps in full: the
     # converted attention kept 2,720,352 bytes where plain's keeps 2,490,368 (T = 256), and, packed from a head-block

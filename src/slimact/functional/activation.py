@@ -75,7 +75,7 @@ from torch import Tensor
 from slimact._cache import cache
 from slimact.functional._saving import Mask, SlimFunction, foreign_saved_hooks, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack, unpack_map
-from slimact.quant.core import register_derivation, share_derived
+from slimact.quant.core import note_kept_for, register_derivation, share_derived
 
 __all__ = ["FORMS", "INPLACE_ERROR_BOUNDS", "MINIMUM", "activation", "derivative", "invert", "output_form", "reference"]
 
@@ -380,7 +380,11 @@ class _ActivationFunction(SlimFunction):
         if form == "relu":
             y = _apply(ctx, fn, x, inplace)
             # PyTorch's ReLU backward passes the gradient wherever not y <= 0, a NaN input included.
-            save(ctx, Mask.of(~(y <= 0)))
+            mask = Mask.of(~(y <= 0))
+            save(ctx, mask)
+            # (a second copy where the next layer keeps y in full, a conv or Linear a lossless policy leaves as
+            # written: 1/32 of y's fp32 bytes more than plain's; slimact.profile marks it, summary notes it)
+            note_kept_for(y, (mask.bits,))
         else:
             # The range clipped to +-FLAT (NaN/inf still keep x exact, as PyTorch would), decided in the pack's one
             # host sync, with no pass of its own. Packed before fn, which may write y into x; where the pack is

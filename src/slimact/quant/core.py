@@ -45,6 +45,7 @@ fresh pack.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -257,6 +258,21 @@ def watching_shared_packs(watch: Callable[[Tensor, Packed], None]) -> Iterator[C
         yield _shared.holds
     finally:
         _shared.watchers.remove(watch)
+
+
+def note_kept_for(x: Tensor, tensors: tuple[Tensor, ...]) -> None:
+    """Tell the watchers of shared packs (:func:`watching_shared_packs`: slimact.profile) that ``tensors`` are kept
+    in place of ``x`` without being a pack the cache serves: a ReLU's 1-bit mask of its output, a second copy where
+    a layer after it (a conv or Linear left as written) keeps that output in full."""
+    if _shared.watchers and not torch.compiler.is_compiling():
+        kept = _KeptFor(tensors)
+        for watch in tuple(_shared.watchers):
+            watch(x, kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeptFor:
+    tensors: tuple[Tensor, ...]
 
 
 def forget_shared_packs(x: Tensor) -> None:
