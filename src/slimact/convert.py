@@ -203,6 +203,34 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
     return out
 
 
+#: Layers whose backward needs their input: PyTorch's keep it in full.
+_KEEPING_INPUT = (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)
+
+
+def _relus_into_layers_as_written(model: nn.Module, pol: Policy) -> dict[str, str]:
+    """``{name: reason}`` of each ``nn.ReLU`` whose next layer in its ``nn.Sequential`` (where the order of
+    registration is the data flow) is a Linear, conv or BatchNorm keeping its input exact: that layer keeps the ReLU's
+    output in full, as PyTorch's ReLU does, so a 1-bit mask of it would be a second copy (under ``"tempo"``,
+    torchaudio's Wav2Letter kept 1.029x plain's bytes)."""
+    out: dict[str, str] = {}
+    if "relu" not in pol.kinds:
+        return out
+    for pname, parent in model.named_modules():
+        if not isinstance(parent, nn.Sequential):
+            continue
+        for (aname, a), (bname, b) in itertools.pairwise(parent.named_children()):
+            if type(a) is not nn.ReLU or not isinstance(b, _KEEPING_INPUT):
+                continue
+            kind = kind_of(b)
+            if pol.skip_reason(kind, f"{pname}.{bname}" if pname else bname) is not None or not pol.settings(
+                    kind).quantize:
+                out[f"{pname}.{aname}" if pname else aname] = (
+                    f"the next layer of its Sequential, a {type(b).__name__} keeping its input exact under this "
+                    "policy, keeps its output in full, as PyTorch's ReLU does: a 1-bit mask of it would be a second "
+                    "copy")
+    return out
+
+
 def _gain_width(module: nn.Module, widths: set[int]) -> int | None:
     """The number of channels ``module`` scales one by one if it is a LayerNorm or RMSNorm (``nn.LayerNorm``,
     ``nn.RMSNorm``, or one written in model code with a gain of that many elements: vit-pytorch's CvT normalises a
@@ -364,6 +392,7 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
     fused: set[str] = set()  # modules a converted parent computes itself
     # (8-bit for any kind: a lossless policy turning it on for one kind in per_kind needs the guard as much)
     scale_free = _scale_free_chains(model) if any(pol.settings(k).quantize for k in pol.kinds) else {}
+    scale_free.update(_relus_into_layers_as_written(model, pol))
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
     with as_written(model), recognising(model):
         # ... and as on the plain model: a part converted by an earlier policy would hide a gated MLP from its probe.
