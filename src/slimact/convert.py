@@ -194,9 +194,11 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
         if width is None:
             continue
         holder = _block_of(model, name)
-        # (registered before the pair's conv, in the norm's block: a final norm after the blocks feeds none of them)
-        hits = [bn for parent, bn, c in pairs if c == width and order[bn] > order[name]
-                and (not holder or (parent + ".").startswith(holder + "."))]
+        # In the norm's block; a norm the model itself holds, registered before the pair (a final norm after the
+        # blocks, XCiT's, feeds none of them). Inside a block registration may run against the data flow:
+        # transformers' CvtLayer registers its attention (the pair) before the norm its forward applies first.
+        hits = [bn for parent, bn, c in pairs if c == width and (
+            (parent + ".").startswith(holder + ".") if holder else order[bn] > order[name])]
         if hits:
             out[name] = _SCALE_FREE
             out.update(dict.fromkeys(hits, _REMOVES_SCALE))
