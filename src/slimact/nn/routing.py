@@ -214,27 +214,37 @@ def _packed_if_needed(x: Tensor, cfg: QuantConfig | None) -> QuantConfig | None:
     return cfg
 
 
-#: Nodes that reshape or re-type a tensor without changing its values' spread along a dim.
+#: Nodes that reshape, re-type, pad or slice a tensor, or (with one input needing a gradient, the other a constant:
+#: ``+ eps``, ``* 1.0``) shift or scale it, without undoing a growth of its rows along a dim.
 _RESHAPING = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0",
                         "SqueezeBackward0", "SqueezeBackward1", "ExpandBackward0", "TransposeBackward0",
-                        "PermuteBackward0", "ToCopyBackward0", "CloneBackward0"})
+                        "PermuteBackward0", "ToCopyBackward0", "CloneBackward0", "ConstantPadNdBackward0",
+                        "SliceBackward0", "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1",
+                        "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"})
 
 
 def _running_sum(x: Tensor) -> bool:
-    """Whether ``x`` is a cumulative sum (or product), seen through reshapes: causal linear attention's normaliser
-    ``k.cumsum(-2)`` (lucidrains' linear-attention-transformer and performer-pytorch), whose rows grow along the
+    """Whether ``x`` is a cumulative sum (or product), seen through reshapes, pads, slices and shifts or scales by a
+    constant: causal linear attention's normaliser ``k.cumsum(-2)`` (lucidrains' linear-attention-transformer;
+    performer-pytorch's ``k_cumsum.type_as(q) + eps``), whose rows grow along the
     sequence, so that one 8-bit scale per head gave its first positions a few codes and q's gradient (a difference
     of two such products) was off: ``to_q.weight`` at 16.5-24 dB under ``"int8"``, cosine 0.96 under ``"mesa"``.
     Such an operand is kept as PyTorch keeps it."""
-    node = x.grad_fn
-    for _ in range(8):
-        name = type(node).__name__ if node is not None else ""
-        if name in ("CumsumBackward0", "CumprodBackward0", "LogcumsumexpBackward0"):
-            return True
-        if name not in _RESHAPING or not node.next_functions:
-            return False
-        node = node.next_functions[0][0]
-    return False
+    return _running_sum_node(x.grad_fn, 8)
+
+
+def _running_sum_node(node: object, depth: int) -> bool:
+    name = type(node).__name__ if node is not None else ""
+    if name in ("CumsumBackward0", "CumprodBackward0", "LogcumsumexpBackward0"):
+        return True
+    if depth == 0 or name not in _RESHAPING:
+        return False
+    inputs = [n for n, _ in node.next_functions if n is not None]
+    # (a sum of tensors grows with its running sum, a product of two need not: followed where one input alone needs
+    # a gradient)
+    if len(inputs) != 1 and not name.startswith(("Add", "Sub")):
+        return False
+    return any(_running_sum_node(n, depth - 1) for n in inputs)
 
 
 #: The products and softmaxes routed inside attention modules, by kind.
