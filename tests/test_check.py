@@ -547,6 +547,12 @@ def test_the_warm_up_moves_the_buffers_a_forward_updates_in_both_copies_as_train
     report = slimact.check(_CountsCalls(), torch.randn(4, 3, 8), "mesa", loss_fn=lambda out: out)
     assert report.estimates.startswith("warmed by 8") and report.forward_equal, str(report)
     assert _CountsCalls.seen.count(9.0) == 2, _CountsCalls.seen  # (the judged step of each warmed copy)
+    # With no optimizer step between the warm-up's forwards, a buffer the forward reads is not where training has it:
+    # the report names the buffers that moved (BatchNorm's statistics, which a training forward does not read, not).
+    assert "moved 1 buffer(s) the model's forward updates (calls)" in report.estimates, report.estimates
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    report = slimact.check(model, torch.randn(4, 8), "mesa")
+    assert "moved" not in report.estimates, report.estimates
 
 
 class _SizedByLengths(torch.nn.Module):

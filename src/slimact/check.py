@@ -495,19 +495,36 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
     slim.train()
     _set_rng(rng)
     # The buffers a training forward updates (BatchNorm's statistics, a call counter, an EMA codebook that the next
-    # forward reads) move as training moves them, in this copy and in the plain one warmed alike, so the judged step
-    # is the one training reaches (restored after the warm-up, a VQ-VAE's codebook was judged at its initial values
-    # with the estimates folded from the moved ones: check passed at 0.9996 where training's steps 2-6 ran at cosine
-    # 0.88-0.97, a review 2026-12-07).
+    # forward reads) move with the warm-up's forwards, in this copy and in the plain one warmed alike (restored after
+    # it, a VQ-VAE's codebook was judged at its initial values with the estimates folded from the moved ones: check
+    # passed at 0.9996 where training's steps 2-6 ran at cosine 0.88-0.97, a review 2026-12-07). With no optimizer
+    # step between the forwards, such a buffer that the forward reads holds the warm-up's values, not training's
+    # either way: the report names the buffers that moved.
+    before = {name: b.clone() for name, b in slim.named_buffers()
+              if b.is_floating_point() and not _statistic(name, slim)}
     with torch.enable_grad():
         for batch in source:
             for call, _ in _calls(batch, micro_batch):
                 # (the packs fold each call's range into the estimates; the graph is dropped)
                 _call(slim, _fresh_inputs(call))
                 calls += 1
+    buffers = dict(slim.named_buffers())
+    moved = [name for name, b in before.items() if name in buffers and not torch.equal(buffers[name], b)]
     per = f" of {size} row(s) each" if micro_batch else ""
     return (f"warmed by {calls} training-mode forward call(s){per} on {what}"
-            + (", from the model's own (its first step judged with those)" if own else "") + ", then judged")
+            + (", from the model's own (its first step judged with those)" if own else "") + ", then judged"
+            + (f"; the warm-up's forwards moved {len(moved)} buffer(s) the model's forward updates "
+               f"({', '.join(moved[:4])}{', ...' if len(moved) > 4 else ''}): with no optimizer step between them, "
+               "where the forward reads such a buffer (an EMA codebook) the judged step is not one training reaches: "
+               "batches= from a run, or \"int8\", judge it better" if moved else ""))
+
+
+def _statistic(name: str, model: nn.Module) -> bool:
+    """Whether the buffer ``name`` is a BatchNorm's running statistic, which a training-mode forward updates but does
+    not read."""
+    owner, _, key = name.rpartition(".")
+    return key in ("running_mean", "running_var", "num_batches_tracked") and isinstance(
+        model.get_submodule(owner), nn.modules.batchnorm._BatchNorm)
 
 
 def _max_diff(a: Tensor, b: Tensor, floor: float = 0.0) -> tuple[float, bool]:
