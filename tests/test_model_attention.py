@@ -194,6 +194,32 @@ def test_summary_under_a_lossless_policy_does_not_claim_an_sdpa_call_attention_i
     assert "call in its code" not in reason, reason
 
 
+def test_attention_whose_sdpa_call_a_child_module_makes_is_counted_once():
+    # OLMo-core's attention hands its F.scaled_dot_product_attention call to a `backend` submodule: summary counted
+    # both ("attention 4" for 2 layers), and under "tempo" demoted the parent (its call keeps what PyTorch's kernel
+    # keeps) while counting the child making that very call (a review, 2026-12-07).
+    class Backend(nn.Module):
+        def forward(self, q, k, v):
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    class Attention(SelfAttention):
+        def __init__(self, dim: int, heads: int) -> None:
+            super().__init__(dim, heads)
+            self.backend = Backend()
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            return self.proj(self.backend(q, k, v).transpose(1, 2).reshape(b, t, c))
+
+    x = torch.randn(2, 16, 32)
+    found = slimact.summary(slimact.convert(nn.Sequential(Attention(32, 4), Attention(32, 4)), "int8"), x)
+    assert {n for n, k in found.modules.items() if k == "attention"} == {"0", "1"}, found.modules
+    found = slimact.summary(slimact.convert(nn.Sequential(Attention(32, 4), Attention(32, 4)), "tempo"), x)
+    assert not [n for n, k in found.modules.items() if k == "attention"], found.modules
+    assert "keeps no fewer bytes than PyTorch's own kernel" in found.skipped["0"], found.skipped
+
+
 @pytest.mark.parametrize("scores, mix", [("b h i d, b h j d -> b h i j", "b h i j, b h j d -> b h i d"),
                                          ("... i d, ... j d -> ... i j", "... i j, ... j d -> ... i d"),
                                          ("...id,...jd", "...ij,...jd->...id")],

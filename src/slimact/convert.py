@@ -992,6 +992,13 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             f"{', ...' if len(exact) > 3 else ''}): float64 tensors are kept exact, as PyTorch keeps them "
             "(slimact compresses fp32, fp16 and bf16)"
         )
+    # One attention module per attention: a child counted for the F.scaled_dot_product_attention call its forward
+    # makes, inside an attention module counted itself (OLMo-core's attention backend), is that attention's call
+    # (summary said "attention 4" for 2 layers; under "tempo" it demoted the parent and kept the child).
+    counted = [name for name, kind in modules.items() if kind == "attention"]
+    for name in counted:
+        if any(name.startswith(outer + ".") for outer in counted if outer):
+            del modules[name]
     if inputs is not None:
         for m in model.modules():
             m.__dict__.pop(GUARDED_ATTR, None)
