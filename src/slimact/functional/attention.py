@@ -1043,7 +1043,9 @@ def scaled_dot_product_attention(
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
     # Under torch.compile, attention with dropout is PyTorch's own: the mask replay reads the host RNG state,
     # which dynamo cannot trace (a graph break), and inductor draws dropout from its own generator anyway.
-    if (not needs_grad and not mask_grad) or (dropout_p > 0 and torch.compiler.is_compiling()):
+    # Dropout of every probability (p = 1) is PyTorch's own call too: it draws nothing there (zeros), where a mask
+    # drawn here advanced the generator, and every later dropout of the step dropped other elements than plain's.
+    if (not needs_grad and not mask_grad) or (dropout_p > 0 and torch.compiler.is_compiling()) or dropout_p >= 1.0:
         return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks)
     device = query.device.type
     if torch.is_autocast_enabled(device):

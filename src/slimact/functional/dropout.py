@@ -116,6 +116,8 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     """``F.dropout(x, p, training)`` keeping the mask as bits."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
-    if not training or p == 0.0 or not torch.is_grad_enabled() or not x.requires_grad:
+    # (p = 1: F.dropout's `x * 0`, which keeps nothing of x and draws nothing; a mask drawn here advanced the
+    # generator PyTorch's does not, and every later dropout of the step dropped other elements than plain's)
+    if not training or p in (0.0, 1.0) or not torch.is_grad_enabled() or not x.requires_grad:
         return torch.nn.functional.dropout(x, p, training)
     return _DropoutFunction.apply(x, p)
