@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["cache", "dropping"]
+__all__ = ["cache", "dropping", "storage_key"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -41,3 +41,11 @@ def dropping(t: object, table: MutableMapping, key: object) -> weakref.ref:
     """A weak reference to ``t`` whose death drops ``table[key]``: the entry a table keyed by a live tensor (its
     ``id``, its storage view) holds for it, gone with it before its key can name another."""
     return weakref.ref(t, lambda _ref: table.pop(key, None))
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """Where ``t``'s elements are and how they are read: its device, storage address, offset, shape, strides and
+    dtype. A table keyed by it (the shared packs, attention masks' bits) serves a view made anew of the same elements
+    (transformers slices its mask per layer); its entry must check that its own tensor still sits there (a tensor's
+    memory can be released while the tensor lives on, and the allocator gives the address to another)."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)

@@ -88,7 +88,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from slimact._cache import cache
+from slimact._cache import cache, storage_key
 from slimact.functional._bernoulli import bernoulli_
 from slimact.functional._heads import from_head_blocks, head_blocks
 from slimact.functional._saving import Mask, SlimFunction, load, save
@@ -369,8 +369,7 @@ def _kept_mask(mask: Tensor) -> tuple[tuple | None, Mask | Tensor | None]:
     stream = reference.current_stream()
     if stream is None or torch.compiler.is_compiling():
         return None, None
-    key = (mask.device, mask.untyped_storage().data_ptr(), mask.storage_offset(), mask.shape, mask.stride(),
-           mask.dtype)
+    key = storage_key(mask)
     hit = _kept_masks.get(key)
     owner = None if hit is None else hit[0]()
     if owner is None or hit[1] != mask._version or hit[2] is not stream:

@@ -56,7 +56,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from slimact._cache import dropping
+from slimact._cache import dropping, storage_key
 from slimact.quant import reference
 from slimact.quant.recompute import checkpoint_frame, unseen_by_selective_checkpointing
 from slimact.quant.reference import (
@@ -164,12 +164,8 @@ class _SharedPacks:
         #: Called with ``(x, packed)`` at each :meth:`put` (:func:`watching_shared_packs`: slimact.profile's count).
         self.watchers: list[Callable[[Tensor, Packed], None]] = []
 
-    @staticmethod
-    def _key(x: Tensor) -> tuple:
-        return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype)
-
     def get(self, x: Tensor, cfg: QuantConfig) -> Packed | None:
-        key = self._key(x)
+        key = storage_key(x)
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -177,7 +173,7 @@ class _SharedPacks:
         packed_from = source()
         if packed_from is None or version != x._version or packed.meta.bits < cfg.bits:
             return None
-        if packed_from is not x and self._key(packed_from) != key:
+        if packed_from is not x and storage_key(packed_from) != key:
             # The packed tensor lives on but its memory was released or swapped (memcnn's invertible wrapper:
             # ``storage().resize_(0)``; Megatron-LM's ``out.data = torch.empty(1)``), and the allocator gave the
             # address to ``x``: another tensor, whose values the pack does not hold (a Linear's weight gradient at
@@ -204,7 +200,7 @@ class _SharedPacks:
         here, so that the region's later packs would each take their predecessor's seed (a checkpointed block
         ending in a Linear head under ``"mesa"``: the head's weight gradient 2e-3 off the same model's without
         checkpointing; equally close to plain's). Once per recompute (graph task)."""
-        entry = self._entries.get(self._key(x))
+        entry = self._entries.get(storage_key(x))
         region = None if entry is None else entry[4]
         if region is None:
             return False
@@ -221,7 +217,7 @@ class _SharedPacks:
             # pack of it kept for later calls gave them the old values (a weight gradient at cosine -1). Packed
             # afresh on each call instead. (In a forward the entry serves that forward only.)
             return
-        key = self._key(x)
+        key = storage_key(x)
         entries = self._entries
         # The entry dies with its source tensor (whose storage address may then be reused).
         source = dropping(x, entries, key)
@@ -370,7 +366,7 @@ def _pack_many(
         if compiling:
             out[i] = _pack_traced(x, cfg, layout)
             continue
-        key = (_SharedPacks._key(x), x._version, cfg)
+        key = (storage_key(x), x._version, cfg)
         if key in batch:
             batch[key].aliases.append(i)
             continue
