@@ -171,11 +171,9 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
             out[name], out[norm_name] = _ONE_WEIGHT_A_CHANNEL, _REMOVES_WEIGHT
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     pairs: list[tuple[str, str, int]] = []  # (parent, batch norm name, channels)
-    for pname, parent in model.named_modules():
-        kids = list(parent.named_children())
-        for (_, a), (bname, b) in itertools.pairwise(kids):
-            if _depthwise_into_batch_norm(a, b):
-                pairs.append((pname, f"{pname}.{bname}" if pname else bname, b.num_features))
+    for pname, _, (_, a), (bname, b) in _adjacent_children(model):
+        if _depthwise_into_batch_norm(a, b):
+            pairs.append((pname, bname, b.num_features))
     if not pairs:
         return out
     for i, (_, conv) in enumerate(leaves[1:-1], 1):
@@ -217,20 +215,25 @@ def _relus_into_layers_as_written(model: nn.Module, pol: Policy) -> dict[str, st
     out: dict[str, str] = {}
     if "relu" not in pol.kinds:
         return out
-    for pname, parent in model.named_modules():
-        if not isinstance(parent, nn.Sequential):
+    for _, parent, (aname, a), (bname, b) in _adjacent_children(model):
+        if not isinstance(parent, nn.Sequential) or type(a) is not nn.ReLU or not isinstance(b, _KEEPING_INPUT):
             continue
-        for (aname, a), (bname, b) in itertools.pairwise(parent.named_children()):
-            if type(a) is not nn.ReLU or not isinstance(b, _KEEPING_INPUT):
-                continue
-            kind = kind_of(b)
-            if pol.skip_reason(kind, f"{pname}.{bname}" if pname else bname) is not None or not pol.settings(
-                    kind).quantize:
-                out[f"{pname}.{aname}" if pname else aname] = (
-                    f"the next layer of its Sequential, a {type(b).__name__} keeping its input exact under this "
-                    "policy, keeps its output in full, as PyTorch's ReLU does: a 1-bit mask of it would be a second "
-                    "copy")
+        kind = kind_of(b)
+        if pol.skip_reason(kind, bname) is not None or not pol.settings(kind).quantize:
+            out[aname] = (f"the next layer of its Sequential, a {type(b).__name__} keeping its input exact under this "
+                          "policy, keeps its output in full, as PyTorch's ReLU does: a 1-bit mask of it would be a "
+                          "second copy")
     return out
+
+
+def _adjacent_children(model: nn.Module) -> Iterator[tuple[str, nn.Module, tuple[str, nn.Module],
+                                                            tuple[str, nn.Module]]]:
+    """``(parent name, parent, (name, child), (name, next child))`` of each pair of children registered one after
+    the other, the children by their qualified names."""
+    for pname, parent in model.named_modules():
+        kids = [(f"{pname}.{name}" if pname else name, child) for name, child in parent.named_children()]
+        for a, b in itertools.pairwise(kids):
+            yield pname, parent, a, b
 
 
 def _gain_width(module: nn.Module, widths: set[int]) -> int | None:
