@@ -107,10 +107,16 @@ def _leave_alone(pol: Policy, kind: str, name: str, module: nn.Module, filter_fn
 #: The rules below read the data flow from the order a block registers its modules (not traced before a forward;
 #: ultralytics' attention registers ``qkv, proj, pe`` and applies ``pe`` to ``v``): a false match costs memory alone.
 _BY_ORDER = "as the order of registration tells (the data flow is not traced): "
+_REMAINDER = ("removes any per-channel scale: its weight's exact gradient is the small remainder BatchNorm's eps "
+              "leaves, swamped by the 8-bit error of either layer's kept tensor")
 _SCALE_FREE = _BY_ORDER + (
     "its output reaches a training-mode BatchNorm through a per-channel (depthwise) conv in the same block, which "
-    "removes any per-channel scale: its weight's exact gradient is the small remainder BatchNorm's eps leaves, "
-    "swamped by the 8-bit error of either layer's kept tensor (CvT: cosine 0.79-0.92); kept exact, as PyTorch does"
+    f"{_REMAINDER} (CvT: cosine 0.79-0.92); kept exact, as PyTorch does"
+)
+_SCALE_FREE_LAST = _BY_ORDER + (
+    "it is the last layer registered before a per-channel (depthwise) conv into a training-mode BatchNorm (a "
+    "post-norm Transformer layer's final norm before a convolution block), which "
+    f"{_REMAINDER} (cosine 0.11-0.93); kept exact, as PyTorch does"
 )
 
 
@@ -160,10 +166,11 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
     BatchNorms: a depthwise conv
     (``groups == in == out channels``) registered right before a BatchNorm over the same channels, and
     LayerNorms/RMSNorms of that width held by an enclosing block (a direct child of one of the pair's ancestors),
-    or a BatchNorm of that width registered right before the conv, ReLU-like activations between (a MobileNetV2
-    block's expansion: BatchNorm, ReLU6, depthwise conv, BatchNorm). Found from the module tree at convert time
-    (the data flow is not known before a forward); a false match only costs memory (those layers keep what
-    PyTorch keeps). ``{name: reason}``."""
+    or a BatchNorm or LayerNorm/RMSNorm of that width registered right before the conv, ReLU-like activations and
+    dropouts between (a MobileNetV2 block's expansion: BatchNorm, ReLU6, depthwise conv, BatchNorm; where the
+    pair's block holds no such norm, a post-norm ``nn.TransformerEncoderLayer`` before it, whose last norm its dropouts
+    follow). Found from the module tree at convert time (the data flow is not known before a forward); a false match
+    only costs memory (those layers keep what PyTorch keeps). ``{name: reason}``."""
     out: dict[str, str] = {}
     leaves = [(name, m) for name, m in model.named_modules() if not m._modules]
     for (name, conv), (norm_name, norm) in itertools.pairwise(leaves):
@@ -176,6 +183,7 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
             pairs.append((pname, bname, b.num_features))
     if not pairs:
         return out
+    last_norms: dict[str, str] = {}  # {batch norm: the norm registered last before its conv, of another block}
     for i, (_, conv) in enumerate(leaves[1:-1], 1):
         if not _depthwise_into_batch_norm(conv, leaves[i + 1][1]):
             continue
@@ -186,6 +194,8 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
         if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.num_features == conv.in_channels:
             out[first] = _SCALE_FREE_BN
             out[leaves[i + 1][0]] = _REMOVES_SCALE
+        elif _gain_width(norm, {conv.in_channels}) is not None:
+            last_norms[leaves[i + 1][0]] = first
     widths = {c for _, _, c in pairs}
     for name, module in model.named_modules():
         width = _gain_width(module, widths)
@@ -200,6 +210,13 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
         if hits:
             out[name] = _SCALE_FREE
             out.update(dict.fromkeys(hits, _REMOVES_SCALE))
+    # A pair whose own block holds no such norm reads the norm a block before it registered last: a post-norm
+    # nn.TransformerEncoderLayer's norm2, then its dropouts. (A block holding one, transformers' CvtLayer, reads its
+    # own: the previous layer's last norm, layernorm_after, feeds that layer's MLP.)
+    for bn, norm_name in last_norms.items():
+        if bn not in out:
+            out.setdefault(norm_name, _SCALE_FREE_LAST)
+            out[bn] = _REMOVES_SCALE
     return out
 
 
