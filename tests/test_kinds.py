@@ -1040,3 +1040,86 @@ def test_a_gated_mlp_refusing_the_bf16_probe_is_fused_as_before():
     model = slimact.convert(_AssertsItsDtype(), "int8")
     assert gated_mlp_form(model) == "silu"
     model(torch.randn(2, 5, 8)).sum().backward()
+
+
+class _PadAwareLayerNorm(nn.Module):
+    """A LayerNorm that keeps padded (all-zero) rows at zero: a norm on every row a probe of random rows has."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d)), 1e-5
+
+    def forward(self, x):
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps) * (x != 0).any(-1, keepdim=True)
+
+
+class _PadAwareRMSNorm(nn.Module):
+    """An RMSNorm keeping padded rows at zero: its forward is the norm's on them too; its input gradient is not."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), 1e-6
+
+    def forward(self, x):
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps) * (x != 0).any(-1, keepdim=True)
+
+
+class _ClampedRMSNorm(nn.Module):
+    """An RMSNorm clamping what it normalises at 10, which a row of one channel far above the others reaches."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), 1e-6
+
+    def forward(self, x):
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).clamp(-10, 10) * self.weight
+
+
+class _PadAwareGatedMLP(nn.Module):
+    """Llama's gated MLP with biases, its output zero on padded rows."""
+
+    def __init__(self, d: int = 16, f: int = 32) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f), nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x):
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return y * (x != 0).any(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("norm", [_PadAwareLayerNorm, _PadAwareRMSNorm, _ClampedRMSNorm])
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_norm_that_is_one_only_on_ordinary_rows_is_left_as_written(norm, policy):
+    # The probe's rows were never all zero nor far out: these were converted, their forward their own and their
+    # backward slimact's norm's (the LayerNorm's bias gradient 16% off under "tempo", the clamped RMSNorm's weight
+    # gradient at cosine 0.004, silently; a review, 2026-12-07). Rows of one channel 16 times the rest's rms
+    # reach the clamp at C = 256.
+    assert norm_form(norm(256)) is None
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(256, 256, bias=False), norm(256), nn.Linear(256, 8))
+    with torch.no_grad():
+        plain[1].weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 10, 256)
+    x[:, 6:] = 0  # padded tokens
+    x[:, 0, 0] = 200.0  # an outlier feature
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    assert not isinstance(slim[1], SlimModule)
+    out0, g0 = _grads(plain, x)
+    out1, g1 = _grads(slim, x)
+    torch.testing.assert_close(out1, out0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
+def test_a_gated_mlp_keeping_padded_rows_at_zero_is_not_fused():
+    # Fused, its forward was down(act(gate(x)) * up(x)) on every row: 0.15 on the padded ones where PyTorch gives 0.
+    torch.manual_seed(0)
+    plain = _PadAwareGatedMLP()
+    assert gated_mlp_form(plain) is None
+    x = torch.randn(2, 6, 16)
+    x[:, 4:] = 0
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    out0, g0 = _grads(plain, x)
+    out1, g1 = _grads(slim, x)
+    assert torch.equal(out1[:, 4:], torch.zeros_like(out1[:, 4:]))
+    torch.testing.assert_close(out1, out0)
+    assert_gradients_equal(g0, g1)
