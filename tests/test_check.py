@@ -1181,3 +1181,84 @@ def test_a_view_made_before_its_parameter_was_replaced_is_copied_as_the_model_re
     report = slimact.check(model, x, "tempo")
     torch.testing.assert_close(report.loss_plain, model(x).sum().item())
     assert "copied detached: wt" in report.reference
+
+
+class _FourierMix(torch.nn.Module):
+    """FEDformer's Fourier block, reduced: a complex64 weight (``dtype=torch.cfloat``) on the rfft of the tokens, and
+    Autoformer's LayerNorm that subtracts the time mean after (its bias gradient is zero by structure)."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = torch.nn.Linear(1, c), torch.nn.Linear(c, c), torch.nn.Linear(c, 1)
+        self.w = torch.nn.Parameter(0.1 * torch.rand(c, c, 7, dtype=torch.cfloat))
+        self.norm = torch.nn.LayerNorm(c)
+
+    def forward(self, x):  # [B, T, 1], T = 12
+        h = self.inp(x)
+        f = torch.fft.rfft(h.transpose(1, 2), dim=-1)  # [B, C, 7]
+        g = torch.zeros(f.shape, dtype=torch.cfloat)  # (a factory of model code, as FEDformer's)
+        g = g + torch.einsum("bix,iox->box", f, self.w)
+        h = h + torch.fft.irfft(g, n=h.size(1), dim=-1).transpose(1, 2)
+        h = self.norm(torch.relu(self.mid(h)))
+        return self.out(h - h.mean(dim=1, keepdim=True))
+
+
+def test_a_complex_model_has_a_float64_reference():
+    # Module.double() leaves complex64 parameters, and model code's torch.cfloat factories stayed complex64: the
+    # float64 run failed ("expected m1 and m2 to have the same dtype"), and FEDformer's zero-by-structure LayerNorm
+    # bias gradient was judged against plain's rounding under "tempo" and failed (a sweep, 2026-12-07).
+    torch.manual_seed(0)
+    model = _FourierMix()
+    x = torch.randn(2, 12, 1).cumsum(1)
+    report = slimact.check(model, x, "tempo", loss_fn=lambda y: (y * torch.linspace(-1, 1, 12)[:, None]).sum())
+    assert "no float64 reference" not in report.reference, report.reference
+    assert report.passed, str(report)
+
+
+class _GraphPool(torch.nn.Module):
+    """Nodes to per-graph means by PyTorch Geometric's ``batch`` vector, which aggregations need sorted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, batch):  # x [N, 8], batch [N]: the graph of each node, sorted
+        if not bool((batch[1:] >= batch[:-1]).all()):
+            raise ValueError("the 'index' tensor is not sorted")
+        h = torch.relu(self.lin(x))
+        pooled = torch.zeros(2, 16).index_add(0, batch, h) / torch.bincount(batch, minlength=2)[:, None]
+        return self.head(pooled)
+
+
+def test_the_warm_up_keeps_a_graph_batch_vector_as_given():
+    # check's warm-up mixed every [rows] tensor element-wise: PyG's batch vector assigned nodes to random graphs,
+    # and aggregations that need it sorted (SetTransformerAggregation) raised under "mesa" where training runs.
+    torch.manual_seed(0)
+    x, batch = torch.randn(20, 8), torch.tensor([0] * 12 + [1] * 8)
+    report = slimact.check(_GraphPool(), (x, batch), "mesa", loss_fn=lambda y: y.square().sum())
+    assert report.forward_equal, str(report)
+
+
+def test_a_lossy_policys_noise_level_follows_the_compute_dtype():
+    # Under bf16 autocast a key bias zero by structure (bf16 rounding noise in both runs) failed "int8" by its cosine
+    # while "tempo" passed it by size: the lossy noise level was 1e-3 of the typical gradient, below bf16's rounding.
+    exact = torch.tensor([3e-3, 0.0])
+    approx = torch.tensor([0.0, 3e-3])
+    assert _judge("b", exact, approx, 1.0, False, torch.bfloat16).passed
+    assert not _judge("b", exact, approx, 1.0, False).passed  # (in float32, 3e-3 is no noise)
+
+
+def test_a_backward_alone_not_finite_is_said_so():
+    # A finite loss whose backward is NaN (sqrt at 0; neuralforecast's StemGNN): the float64 run's verdict replaced
+    # the "plain's gradient is not finite" reason, and the reference said nothing of it.
+    class _SqrtAtZero(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(torch.sqrt(self.a(x) * 0) + x)
+
+    report = slimact.check(_SqrtAtZero(), torch.randn(3, 4), "int8", loss_fn=lambda y: y.square().sum())
+    assert not report.passed and "plain's gradient is not finite for 2 parameter(s)" in report.reference, str(report)
+    assert all("plain's gradient is not finite" in p.reason for p in report.failures), str(report)
