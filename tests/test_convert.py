@@ -1057,3 +1057,68 @@ def test_summary_says_a_reverted_block_was_reverted():
     assert all(why == "inside 1, reverted after convert: plain" for name, why in skipped.items()
                if name.startswith("1.")), skipped
     assert "2" not in skipped
+
+
+class _Attend(nn.Module):
+    """lucidrains' attention core as its own module (no attention in its class name): einsums and a softmax."""
+
+    def forward(self, q, k, v):
+        sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+        return torch.einsum("bhij,bhjd->bhid", sim.softmax(-1), v)
+
+
+class _InnerAttention(nn.Module):
+    def __init__(self, d: int = 32, attend: bool = False, float64: bool = False) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.attend = _Attend() if attend else None
+        self.float64 = float64
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        if self.float64:  # scores in float64 "for stability": nothing of it is slimact's
+            q, k, v = q.double(), k.double(), v.double()
+        if self.attend is not None:
+            o = self.attend(q, k, v)
+        else:
+            o = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1) @ v
+        return self.out(o.float().transpose(1, 2).reshape(b, n, d))
+
+
+class _OuterAttention(nn.Module):
+    """An attention module whose attention is a child's (colt5-attention's ConditionalRoutedAttention > Attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.inner = nn.LayerNorm(32), _InnerAttention()
+
+    def forward(self, x):
+        return self.inner(self.norm(x)) + x
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_summary_with_inputs_of_an_attention_inside_an_attention(policy):
+    # summary(model, inputs) raised KeyError under "tempo": the inner module, dropped as the outer's attention,
+    # was dropped again as idle (colt5, routing-transformer, local-attention, block-recurrent; a sweep 2026-12-07).
+    torch.manual_seed(0)
+    model = slimact.convert(nn.Sequential(_OuterAttention()), policy)
+    summary = slimact.summary(model, torch.randn(2, 16, 32))
+    assert [name for name, kind in summary.modules.items() if kind == "attention"] == (
+        [] if policy == "tempo" else ["0"]), summary.modules
+    assert "0.inner" not in summary.modules and "0.inner" not in summary.skipped, summary
+
+
+def test_summary_reasons_follow_where_attention_calls_were_routed():
+    # An attention core module inside an attention (lucidrains' Attend) is routed as that attention's: it was said
+    # to be "left as written" beside a coverage of 100%. An attention computing in float64 routes nothing: it was
+    # reported converted, the call marked routed before the handler ran it as written.
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    attend = slimact.convert(nn.Sequential(nn.LayerNorm(32), _InnerAttention(attend=True)), "int8")
+    summary = slimact.summary(attend, x)
+    assert summary.modules["1"] == "attention" and "1.attend" not in summary.skipped, summary
+    assert summary.coverage == pytest.approx(1.0), summary
+    in_float64 = slimact.convert(nn.Sequential(_InnerAttention(float64=True), nn.Linear(32, 8)), "int8")
+    summary = slimact.summary(in_float64, x)
+    assert "0" not in summary.modules and "in float64" in summary.skipped["0"], summary

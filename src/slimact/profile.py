@@ -566,6 +566,21 @@ def _device_of(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def _refusing_hooks(call: Callable[..., Any], model: nn.Module, inputs: Any) -> Any:
+    """``call(model, inputs)``, with PyTorch's refusal of the counting hooks said as profile's own error: a forward
+    calling ``torch.func.grad`` (titans-pytorch's test-time-training memory) or ``vjp``, ``jacrev``, ``hessian``
+    raises where saved-tensor hooks are on, and profile counts what autograd keeps through those hooks."""
+    try:
+        return call(model, inputs)
+    except RuntimeError as e:
+        if "don't yet support saved tensor hooks" not in str(e):
+            raise
+        raise RuntimeError(
+            "slimact.profile counts what autograd keeps through saved-tensor hooks, and this model's forward calls a "
+            "torch.func transform (grad, vjp, jacrev, hessian) that refuses them: profile cannot count this model "
+            "(training, slimact.check and slimact.profile.peak_bytes do not need the hooks)") from e
+
+
 def profile(
     model: nn.Module,
     inputs: Any,
@@ -666,7 +681,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             model.train()
             try:
                 with hooks, watching as held, marking_saved() if keep else contextlib.nullcontext():
-                    output = _call(model, inputs)
+                    output = _refusing_hooks(_call, model, inputs)
                     if stack is not None:
                         stack.names.clear()
                         stack.modules.clear()

@@ -444,6 +444,20 @@ def test_sdpa_with_a_3d_mask_or_a_mask_and_is_causal_runs_as_plain_does(mask_sha
         assert_gradients_close(g0, g1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_sdpa_with_a_float_mask_of_another_dtype_than_the_query_is_refused_as_in_pytorch(dtype):
+    # PyTorch refuses it ("Expected attn_mask dtype to be bool or float or to match query dtype"); slimact's attention
+    # had cast it and run: a model developed converted failed once reverted, or in eval mode.
+    torch.manual_seed(0)
+    model = nn.Sequential(_MaskedSdpa((6, 6), False)).train()
+    model[0].mask = model[0].mask.to(dtype)
+    slim = slimact.convert(copy.deepcopy(model), "int8")
+    x = torch.randn(2, 6, 32)
+    for m in (model, slim):
+        with pytest.raises(RuntimeError, match="attn_mask dtype"):
+            m(x)
+
+
 class _JaggedBlock(nn.Module):
     """Attention over variable-length sequences as a jagged nested tensor (torch.nested): F.scaled_dot_product_attention
     takes them, so do nn.Linear, nn.LayerNorm, F.gelu and F.dropout."""

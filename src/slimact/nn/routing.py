@@ -82,6 +82,7 @@ import threading
 import types
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +128,8 @@ _LAYER_NORM_EPS = 1e-5  # F.layer_norm's default
 # The arguments of F.group_norm/torch.group_norm after the input, in order (torch's: then cudnn_enabled); its eps.
 _GROUP_NORM_ARGS = ("num_groups", "weight", "bias", "eps")
 _GROUP_NORM_EPS = 1e-5
+
+_R = TypeVar("_R")
 
 
 def routings_around(module: nn.Module) -> list[Routing]:
@@ -740,11 +743,16 @@ class Routing:
         self._inside.pop()
 
     def _routing(self, kind: str) -> bool:
-        """Whether a ``kind`` call now runs in a watched module that routes it (marked routed if so)."""
-        if not self._inside or kind not in self._inside[-1][1]:
-            return False
-        self.routed.add(self._inside[-1][0])
-        return True
+        """Whether a ``kind`` call now runs in a watched module that routes it."""
+        return bool(self._inside) and kind in self._inside[-1][1]
+
+    def _routed(self, out: _R) -> _R:
+        """``out`` (a handler's result), the module the call runs in marked routed where it is slimact's: a module
+        whose calls all ran as written (in float64, on operands needing no gradient) had been marked before the
+        handler decided so, and ``summary(model, inputs)`` called its attention converted."""
+        if out is not None and self._inside:
+            self.routed.add(self._inside[-1][0])
+        return out
 
     def _head_cfg(self, kind: str, x: Tensor) -> QuantConfig | None:
         """The config packing ``x``: one scale per head of ``[B, H, T, D]``, per ``[B * H]`` index of a rank-3
@@ -771,13 +779,13 @@ class Routing:
 
     def _matmul(self, a, b, *, out=None):
         cfgs = self._operand_cfgs(a, b) if out is None and self._routing("matmul") else None
-        return None if cfgs is None else matmul(a, b, *cfgs, dropped_a=self._dropped_of(a))
+        return None if cfgs is None else self._routed(matmul(a, b, *cfgs, dropped_a=self._dropped_of(a)))
 
     def _bmm(self, a, b, *, out=None):
         cfgs = self._operand_cfgs(a, b) if out is None and self._routing("matmul") else None
         if cfgs is None or a.dim() != 3 or b.dim() != 3:
             return None
-        return bmm(a, b, *cfgs, dropped_a=self._dropped_of(a))
+        return self._routed(bmm(a, b, *cfgs, dropped_a=self._dropped_of(a)))
 
     def _baddbmm(self, x, batch1, batch2, *, beta=1, alpha=1, out=None):
         if out is not None or not isinstance(x, Tensor) or not self._routing("matmul"):
@@ -785,7 +793,7 @@ class Routing:
         cfgs = self._operand_cfgs(batch1, batch2)
         if cfgs is None or x.dtype != batch1.dtype or batch1.dim() != 3 or batch2.dim() != 3:
             return None
-        return baddbmm(x, batch1, batch2, *cfgs, beta=beta, alpha=alpha)
+        return self._routed(baddbmm(x, batch1, batch2, *cfgs, beta=beta, alpha=alpha))
 
     def _einsum(self, equation, *operands):
         if len(operands) == 1 and isinstance(operands[0], (list, tuple)):  # torch.einsum(eq, [a, b])
@@ -795,7 +803,7 @@ class Routing:
         cfgs = self._operand_cfgs(*operands)
         if cfgs is None or einsum_terms(equation, *operands) is None:
             return None
-        return einsum(equation, *operands, *cfgs, dropped_a=self._dropped_of(operands[0]))
+        return self._routed(einsum(equation, *operands, *cfgs, dropped_a=self._dropped_of(operands[0])))
 
     def _softmax(self, x, dim=None, dtype=None):
         if not isinstance(dim, int) or not _wants_grad(x) or not self._routing("softmax"):
@@ -804,7 +812,7 @@ class Routing:
             return None  # (a float64 softmax keeps float64 probabilities, as PyTorch does)
         y = softmax(x, dim, self._head_cfg("softmax", x), dtype=dtype)
         self._probs.put(y, True)
-        return y
+        return self._routed(y)
 
     def _native_dropout(self, x, p, train, fn=torch.native_dropout):
         if not train or not self._inside or "matmul" not in self._inside[-1][1] or self._probs.get(x) is None:
@@ -826,7 +834,7 @@ class Routing:
     def _gather(self, x, dim, index, *, sparse_grad=False, out=None):
         if out is not None or sparse_grad or not isinstance(dim, int) or not isinstance(index, Tensor):
             return None
-        return gather(x, dim, index) if _wants_grad(x) and self._routing("attention") else None
+        return self._routed(gather(x, dim, index)) if _wants_grad(x) and self._routing("attention") else None
 
     def _on(self, kind: str) -> bool:
         if kind == "product":  # on where an activation's or a norm's kind is (each call checks its factor's)
@@ -986,6 +994,8 @@ class Routing:
         (b, h), (b_kv, h_kv) = query.shape[:2], key.shape[:2]
         if key.shape[:2] != value.shape[:2] or b_kv != b or h % h_kv:
             return None  # a broadcast slimact's attention does not take: as written
+        if isinstance(attn_mask, Tensor) and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
+            return None  # as written: PyTorch refuses it (or autocast casts it); slimact's attention had cast it
         if attn_mask is not None and is_causal:
             # As written: PyTorch's CPU flash kernel applies both (the mask and the causal limit), its math kernel
             # raises; slimact's attention takes one or the other (it raised where the plain call ran).
