@@ -704,3 +704,31 @@ def test_a_forward_calling_torch_func_grad_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"torch.func transform .* profile cannot count this model"):
         slimact.profile(model, x)
     assert peak_bytes(model, x) > 0
+
+
+class _ResizingObserver(nn.Module):
+    """torch.ao's per-channel observers, reduced: a buffer of shape [0] resized in place at the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("max_val", torch.empty(0))
+
+    def forward(self, x):
+        if self.max_val.numel() == 0:
+            self.max_val.resize_(8)
+        self.max_val.copy_(x.detach().amax(dim=0))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("policy", [None, "int8"])
+def test_a_buffer_the_step_resizes_is_restored(policy):
+    # Every model after torch.ao's prepare_qat (fbgemm's per-channel observer): profile raised "The size of tensor a
+    # (32) must match the size of tensor b (0)" restoring the buffer, and left the rest of the model stepped.
+    model = _ResizingObserver()
+    if policy:
+        slimact.convert(model, policy)
+    buffer = model.max_val
+    assert slimact.profile(model, torch.randn(4, 8)).kept_bytes > 0
+    assert model.max_val is buffer and model.max_val.shape == (0,)
+    assert slimact.summary(model, torch.randn(4, 8)).coverage is not None

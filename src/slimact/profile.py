@@ -366,8 +366,13 @@ def _restoring(model: nn.Module):
                     m._buffers[n] = None
                     continue
                 b, values = kept
-                with torch.no_grad():
-                    b.copy_(values)  # (in place: the tensor itself, as recorded)
+                try:
+                    with torch.no_grad():
+                        if b.shape != values.shape:  # (resized by the step: torch.ao's observers at their first call)
+                            b.resize_(values.shape)
+                        b.copy_(values)  # (in place: the tensor itself, as recorded)
+                except RuntimeError:  # (one it cannot resize: the values, in their own tensor)
+                    b = values
                 m._buffers[n] = b
             for m, names in buffer_names.items():  # buffers the step created (a module's own lazy ones)
                 for n in {n for n, _ in m._buffers.items()} - names:
