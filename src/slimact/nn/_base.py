@@ -163,6 +163,27 @@ def refuse_script(what: str = "a model converted by slimact") -> nn.Module:
     )
 
 
+def _warn_skipped_by_prepare_qat(module: SlimModule) -> None:
+    """Warn once per module that ``torch.ao.quantization.prepare_qat`` (or ``prepare``), run after ``convert``, set
+    its ``qconfig`` but skipped it: eager quantization maps modules by exact class, so a slimact subclass of a
+    module it quantizes got no fake quantization or observer, and trains without them, silently otherwise."""
+    if module.__dict__.get("_slimact_qat_warned"):
+        return
+    module.__dict__["_slimact_qat_warned"] = True
+    from torch.ao.quantization.quantization_mappings import get_default_qconfig_propagation_list
+
+    # (a dropout is listed but never observed: quantized, it is the identity)
+    if (module._slimact_orig_cls in get_default_qconfig_propagation_list() and module._slimact_kind != "dropout"
+            and "activation_post_process" not in module._modules):  # type: ignore[attr-defined]
+        import warnings
+
+        warnings.warn(
+            f"a {module._slimact_orig_cls.__name__} slimact converted has a qconfig but no fake quantization: "
+            "torch.ao.quantization.prepare_qat ran after slimact.convert and skips slimact's modules (it maps modules "
+            "by exact class), so this one trains without quantization-aware training. Call prepare_qat before "
+            "convert (or revert, prepare_qat, convert)", stacklevel=4)
+
+
 class SlimModule:
     """Mixin of every slimact module (``isinstance(m, SlimModule)`` tells a converted module)."""
 
@@ -180,6 +201,8 @@ class SlimModule:
         transform or forward-mode AD, which slimact's Functions do not support (:func:`transformed`)."""
         if not self.training or "_slimact_deferred" in self.__dict__:  # type: ignore[attr-defined]
             return False
+        if self.__dict__.get("qconfig") is not None:  # type: ignore[attr-defined]
+            _warn_skipped_by_prepare_qat(self)
         for x in inputs:  # (a loop, not all() of a generator: this runs once per module call)
             if isinstance(x, Tensor) and (x.dtype not in COMPRESSIBLE_DTYPES or opaque(x)):
                 return False
