@@ -456,6 +456,12 @@ def test_sdpa_with_a_float_mask_of_another_dtype_than_the_query_is_refused_as_in
     for m in (model, slim):
         with pytest.raises(RuntimeError, match="attn_mask dtype"):
             m(x)
+    # Under autocast PyTorch casts a float32 mask to the bf16 queries': routed, as before (q, k, v kept 8-bit)
+    model[0].mask = model[0].mask.float()
+    slim = slimact.convert(copy.deepcopy(model), "int8")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(slim(x), model(x))
+        assert torch.uint8 in {e.dtype for e in slimact.profile(slim, x).entries}
 
 
 class _JaggedBlock(nn.Module):

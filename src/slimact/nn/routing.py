@@ -994,8 +994,9 @@ class Routing:
         (b, h), (b_kv, h_kv) = query.shape[:2], key.shape[:2]
         if key.shape[:2] != value.shape[:2] or b_kv != b or h % h_kv:
             return None  # a broadcast slimact's attention does not take: as written
-        if isinstance(attn_mask, Tensor) and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
-            return None  # as written: PyTorch refuses it (or autocast casts it); slimact's attention had cast it
+        if (isinstance(attn_mask, Tensor) and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype
+                and (attn_mask.dtype == torch.float64 or not torch.is_autocast_enabled(query.device.type))):
+            return None  # as written: PyTorch refuses it (autocast casts a float32 one, as slimact's attention does)
         if attn_mask is not None and is_causal:
             # As written: PyTorch's CPU flash kernel applies both (the mask and the causal limit), its math kernel
             # raises; slimact's attention takes one or the other (it raised where the plain call ran).
