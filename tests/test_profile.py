@@ -732,3 +732,22 @@ def test_a_buffer_the_step_resizes_is_restored(policy):
     assert slimact.profile(model, torch.randn(4, 8)).kept_bytes > 0
     assert model.max_val is buffer and model.max_val.shape == (0,)
     assert slimact.summary(model, torch.randn(4, 8)).coverage is not None
+
+
+def test_a_module_the_user_put_in_eval_mode_stays_so_in_profile_and_check():
+    # Fine-tuning with frozen BatchNorm statistics: model.train(), then bn.eval(). profile and check called
+    # model.train(), which trained the BatchNorm (its statistics moved, its bytes those of a training BatchNorm):
+    # another step than training's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    model[1].eval()
+    x = torch.randn(4, 3, 8, 8)
+    frozen = model[1].running_mean.clone()
+    slim = slimact.convert(copy.deepcopy(model), "int8")
+    report = slimact.profile(slim, x)
+    assert not slim[1].training and torch.equal(slim[1].running_mean, frozen)
+    # PyTorch's eval BatchNorm keeps its fp32 input: what training keeps there, as the summary's note says
+    assert any(e.module == "1" and e.dtype == torch.float32 and e.shape == (4, 8, 6, 6) for e in report.entries)
+    summary = slimact.summary(slim, x)
+    assert any("in eval mode inside the training model" in n for n in summary.notes), summary.notes
+    assert slimact.check(slim, x).passed

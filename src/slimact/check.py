@@ -120,7 +120,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from slimact._metrics import cosine, sqnr_db
 from slimact.convert import Summary, _conversion_policies, _copied, _plain_copy, convert, summary
 from slimact.policy import Policy, resolve
-from slimact.profile import _call, _default_loss
+from slimact.profile import _call, _default_loss, _train
 from slimact.quant.state import ESTIMATES_ATTR
 
 __all__ = ["MAX_NORM_RATIO", "MIN_COSINE", "NOISE", "PART_SHARE", "CheckReport", "ParamCheck", "check", "is_lossless",
@@ -416,7 +416,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     With ``micro_batch``: the model called on consecutive slices of that many rows, their weighted losses
     accumulated (:func:`_calls`); the loss is their sum, the outputs those of every call in turn."""
     _set_rng(rng)
-    model.train()
+    _train(model)
     total, outs = None, []
     for call, weight in _calls(inputs, micro_batch):
         output = _call(model, call)
@@ -501,7 +501,7 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
                 + ("; with one row to mix from, every row of those batches is the same, and a per-sample tensor "
                    "(pooled features, a 1 x 1 map) shows the estimates no spread" if rows == 2 else "") + ")")
     calls = 0
-    slim.train()
+    _train(slim)
     _set_rng(rng)
     # The buffers a training forward updates (BatchNorm's statistics, a call counter, an EMA codebook that the next
     # forward reads) move with the warm-up's forwards, in this copy and in the plain one warmed alike (restored after

@@ -1048,14 +1048,21 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                 "op slimact leaves as written: a product, a pooling, an embedding bag, a sigmoid in model code; by a "
                 f"layer the policy keeps exact; or by attention that kept q, k, v exact): {listed}"
                 f"{', ...' if len(twice) > 3 else ''}; those copies save nothing (plain PyTorch keeps the one tensor)")
-        if inside:
-            top = sorted(inside.items(), key=lambda kv: -kv[1])
-            listed = ", ".join(f"{name} ({n / 2**20:.2f} MiB)" for name, n in top[:3])
-            result.notes.append(
-                f"{len(inside)} converted module(s) keep tensors in full through ops slimact leaves as written in "
-                "their code (a tanh soft cap or a learned temperature on attention scores, rotary embeddings' "
-                f"products, a mask's multiplication): {listed}{', ...' if len(top) > 3 else ''}; counted as not "
-                "covered")
+        # (a module in eval mode inside the training model, a BatchNorm frozen for fine-tuning, runs PyTorch's own
+        # forward: its bytes are not an op in its code; the note had named soft caps and rotary embeddings for it)
+        modes = {name: m.training for name, m in model.named_modules()}
+        idle_eval = {name: n for name, n in inside.items() if modes.get(name) is False}
+        inside = {name: n for name, n in inside.items() if name not in idle_eval}
+        for found, why in ((inside, "through ops slimact leaves as written in their code (a tanh soft cap or a "
+                                    "learned temperature on attention scores, rotary embeddings' products, a mask's "
+                                    "multiplication)"),
+                           (idle_eval, "in full in eval mode inside the training model (a BatchNorm frozen for "
+                                       "fine-tuning: PyTorch's own forward runs there)")):
+            if found:
+                top = sorted(found.items(), key=lambda kv: -kv[1])
+                listed = ", ".join(f"{name} ({n / 2**20:.2f} MiB)" for name, n in top[:3])
+                result.notes.append(f"{len(found)} converted module(s) keep tensors {why}: {listed}"
+                                    f"{', ...' if len(top) > 3 else ''}; counted as not covered")
         for name in as_plain:
             del modules[name]
             skipped[name] = ("its F.scaled_dot_product_attention calls run through slimact's attention, which keeps "

@@ -571,6 +571,14 @@ def _device_of(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def _train(model: nn.Module) -> None:
+    """Training mode as training runs it: ``model.train()`` where the model is in eval mode; a model in training
+    mode already keeps the modes of its modules (a BatchNorm the user froze for fine-tuning with ``bn.eval()``:
+    ``model.train()`` had trained it, and profile and check measured another step than training's)."""
+    if not model.training:
+        model.train()
+
+
 def _refusing_hooks(call: Callable[..., Any], model: nn.Module, inputs: Any) -> Any:
     """``call(model, inputs)``, with PyTorch's refusal of the counting hooks said as profile's own error: a forward
     calling ``torch.func.grad`` (titans-pytorch's test-time-training memory) or ``vjp``, ``jacrev``, ``hessian``
@@ -683,7 +691,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         with meter or contextlib.nullcontext():
-            model.train()
+            _train(model)
             try:
                 with hooks, watching as held, marking_saved() if keep else contextlib.nullcontext():
                     output = _refusing_hooks(_call, model, inputs)
