@@ -1123,3 +1123,32 @@ def test_a_gated_mlp_keeping_padded_rows_at_zero_is_not_fused():
     assert torch.equal(out1[:, 4:], torch.zeros_like(out1[:, 4:]))
     torch.testing.assert_close(out1, out0)
     assert_gradients_equal(g0, g1)
+
+
+class _AssertingHeadNorm(nn.Module):
+    """xLSTM's MultiHeadLayerNorm, reduced: a last-dim LayerNorm of ``[B, H, S, D]`` that asserts its input's rank."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), 1e-5
+
+    def forward(self, x):
+        assert x.dim() == 4, "Input must be 4D tensor (B, NH, S, DH)"
+        return F.layer_norm(x, x.shape[-1:], self.weight, None, self.eps)
+
+
+def test_a_module_asserting_its_inputs_rank_is_probed_as_one_that_refuses_the_probe():
+    # The probes took an AssertionError for a failure of slimact's: convert, check and even profile of the plain model
+    # raised it (xLSTM's language model) where PyTorch trains.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Unflatten(-1, (2, 4)), nn.Flatten(-2), nn.Unflatten(-1, (1, 8)))
+    model.append(_AssertingHeadNorm(8))
+    x, w = torch.randn(2, 5, 8), torch.randn(2, 1, 5, 8)
+
+    def loss(y):
+        return (y * w).pow(2).sum()
+
+    assert slimact.profile(model, x, loss_fn=loss).kept_bytes > 0
+    for policy in ("tempo", "int8"):
+        report = slimact.check(model, x, policy, loss_fn=loss)
+        assert report.passed, str(report)

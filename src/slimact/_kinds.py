@@ -87,8 +87,9 @@ class Recognised:
 
 #: Failures of a module's own forward on a probe that mean "not this form" (wrong rank, arguments, dtype; an optional
 #: argument the probe does not pass, which the forward needs: LaraMini's gated RMSNorm reads `gate.to(...)`, Zamba2's
-#: gated MLP looks its per-layer adapter up by `layer_idx`, a KeyError for None).
-_PROBE_ERRORS = (TypeError, ValueError, RuntimeError, LookupError, NotImplementedError, AttributeError)
+#: gated MLP looks its per-layer adapter up by `layer_idx`, a KeyError for None; an assert on the input's rank:
+#: xLSTM's MultiHeadLayerNorm, `assert input.dim() == 4`, made convert and even profile of the plain model raise).
+_PROBE_ERRORS = (TypeError, ValueError, RuntimeError, LookupError, NotImplementedError, AttributeError, AssertionError)
 
 #: Hugging Face's names for a gated MLP's parts: separate gate and up (Llama, Mistral, Qwen2, Gemma) or one
 #: fused ``gate_up_proj`` (Phi-3); the down projection; the activation module.

@@ -890,9 +890,7 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
         return ParamCheck(name, cos, db, norm, diff, False, False, "non-finite difference" + (
             "" if torch.isfinite(exact).all() else " (plain's gradient is not finite: the plain step is not)"))
     tol = _tolerance(exact.dtype, compute)
-    # (a lossy policy's noise level is no finer than the compute dtype's rounding: under bf16 autocast a key bias
-    # zero by structure failed "int8" by its cosine where "tempo" passed it by size)
-    bound = (tol if lossless else max(NOISE, tol)) * typical
+    bound = (tol if lossless else NOISE) * typical
     negligible = norm <= bound
     if negligible:
         ok = diff <= bound
@@ -920,7 +918,7 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
     own = (exact.detach().double() - wide).norm().item()
     off = (approx.detach().double() - wide).norm().item()
     tol = _tolerance(exact.dtype, compute)
-    bound = (tol if lossless else max(NOISE, tol)) * typical
+    bound = (tol if lossless else NOISE) * typical
     marked = dataclasses.replace(p, reference="float64", plain_off=own, off=off)
     if part := _part_floor(wide, approx, lossless, tol, dim, plain=exact):  # a genuine part the converted one misses
         return dataclasses.replace(marked, passed=False, negligible=False, reason=(

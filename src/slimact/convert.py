@@ -194,7 +194,13 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
         if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.num_features == conv.in_channels:
             out[first] = _SCALE_FREE_BN
             out[leaves[i + 1][0]] = _REMOVES_SCALE
-        elif _gain_width(norm, {conv.in_channels}) is not None:
+            continue
+        # The last norm registered before the conv, past any layer without parameters (the dropouts, an activation
+        # module nn.TransformerEncoderLayer registers after its norms, a transpose): a block before the pair's.
+        while j > 0 and not any(True for _ in leaves[j][1].parameters(recurse=False)):
+            j -= 1
+        first, norm = leaves[j]
+        if _gain_width(norm, {conv.in_channels}) is not None:
             last_norms[leaves[i + 1][0]] = first
     widths = {c for _, _, c in pairs}
     for name, module in model.named_modules():
@@ -254,12 +260,15 @@ def _adjacent_children(model: nn.Module) -> Iterator[tuple[str, nn.Module, tuple
 
 
 def _gain_width(module: nn.Module, widths: set[int]) -> int | None:
-    """The number of channels ``module`` scales one by one if it is a LayerNorm or RMSNorm (``nn.LayerNorm``,
-    ``nn.RMSNorm``, or one written in model code with a gain of that many elements: vit-pytorch's CvT normalises a
-    ``[B, C, H, W]`` map over C with a ``[1, C, 1, 1]`` gain) of one of ``widths``, else ``None``."""
+    """The number of channels ``module`` scales one by one if it is a LayerNorm, RMSNorm or GroupNorm
+    (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, or a LayerNorm/RMSNorm written in model code with a gain of
+    that many elements: vit-pytorch's CvT normalises a ``[B, C, H, W]`` map over C with a ``[1, C, 1, 1]`` gain) of
+    one of ``widths``, else ``None``."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         width = module.normalized_shape[-1] if module.normalized_shape else None
         return width if width in widths else None
+    if isinstance(module, nn.GroupNorm):  # (its gain is per channel too: GroupNorm(1, C) in timm's LowFormer)
+        return module.num_channels if module.affine and module.num_channels in widths else None
     own = [p for p in module.parameters(recurse=False) if p.numel() in widths and p.numel() == max(p.shape, default=1)]
     if not own or len({p.numel() for p in own}) != 1 or kind_of(module) not in ("layernorm", "rmsnorm"):
         return None
@@ -1038,7 +1047,8 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             result.notes.append(
                 f"attention in {', '.join(guarded[:3])}{', ...' if len(guarded) > 3 else ''} kept q, k, v exact on "
                 f"these inputs: 8-bit codes of them would put more than {MAX_SCORE_ERROR} logits of error on its "
-                "scores (normalised q and k with no 1/sqrt(D) scaling: slimact.functional.attention_guard), so its "
+                "scores (q and k large for their scaling, as normalised ones with no 1/sqrt(D) are: "
+                "slimact.functional.attention_guard), so its "
                 "attention keeps about what PyTorch's does")
         if twice:
             listed = ", ".join(f"{name} ({n / 2**20:.2f} MiB, kept in full by {full})"

@@ -226,14 +226,17 @@ class _DepthwiseOverTokens(nn.Module):
         return self.bn(self.conv(x.transpose(1, 2))).transpose(1, 2)
 
 
-def test_a_post_norm_layers_last_norm_before_a_depthwise_conv_into_a_batch_norm_keeps_exact_tensors():
-    # nn.TransformerEncoderLayer(norm_first=False) ends in norm2, registered before its two dropouts; the next block's
-    # depthwise conv and BatchNorm remove norm2's per-channel scale. The rule matched a norm held by the pair's block
-    # alone: norm2.weight at cosine 0.11-0.20 under "int8", silently (fuzz seeds 15,469 and 20,024).
+@pytest.mark.parametrize("activation", ["relu", "gelu-module"])
+def test_a_post_norm_layers_last_norm_before_a_depthwise_conv_into_a_batch_norm_keeps_exact_tensors(activation):
+    # nn.TransformerEncoderLayer(norm_first=False) ends in norm2, registered before its two dropouts (and an activation
+    # module, if given one); the next block's depthwise conv and BatchNorm remove norm2's per-channel scale. The rule
+    # matched a norm held by the pair's block alone: norm2.weight at cosine 0.11-0.20 under "int8", silently (fuzz
+    # seeds 15,469 and 20,024; with nn.GELU() as the activation, 0.25: a review).
     import slimact
 
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    act = "relu" if activation == "relu" else nn.GELU()
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation=act, batch_first=True)
     model = nn.Sequential(layer, _DepthwiseOverTokens(16), nn.Linear(16, 16))
     x, w = torch.randn(4, 12, 16), torch.randn(4, 12, 16)
     report = slimact.check(model, x, "int8", loss_fn=lambda y: (y * w).pow(2).sum())
@@ -242,6 +245,22 @@ def test_a_post_norm_layers_last_norm_before_a_depthwise_conv_into_a_batch_norm_
     assert "post-norm Transformer layer's final norm" in skipped["0.norm2"], skipped
     assert "removes the per-channel scale" in skipped["1.bn"], skipped
     assert "0.norm1" not in skipped, skipped
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa"])
+def test_a_group_norm_whose_scale_a_batch_norm_after_a_depthwise_conv_removes_keeps_exact_tensors(policy):
+    # GroupNorm(1, C) > depthwise conv > BatchNorm (timm's LowFormer, CPUBone): the GroupNorm's per-channel gain is
+    # removed as a LayerNorm's is, and its weight gradient was at cosine -0.03 under "int8" (a review, 2026-12-07).
+    import slimact
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 16, 1), nn.GroupNorm(1, 16), nn.Conv2d(16, 16, 3, padding=1, groups=16),
+                          nn.BatchNorm2d(16), nn.Conv2d(16, 4, 1))
+    x, w = torch.randn(4, 4, 8, 8), torch.randn(4, 4, 8, 8)
+    report = slimact.check(model, x, policy, loss_fn=lambda y: (y * w).pow(2).sum())
+    assert report.passed, str(report)
+    skipped = slimact.summary(slimact.convert(copy.deepcopy(model), policy)).skipped
+    assert "removes any per-channel scale" in skipped["1"] and "removes the per-channel scale" in skipped["3"]
 
 
 def _inverted_residual(act: type[nn.Module]) -> nn.Sequential:

@@ -178,10 +178,10 @@ def _warn_skipped_by_prepare_qat(module: SlimModule) -> None:
         import warnings
 
         warnings.warn(
-            f"a {module._slimact_orig_cls.__name__} slimact converted has a qconfig but no fake quantization: "
-            "torch.ao.quantization.prepare_qat ran after slimact.convert and skips slimact's modules (it maps modules "
-            "by exact class), so this one trains without quantization-aware training. Call prepare_qat before "
-            "convert (or revert, prepare_qat, convert)", stacklevel=4)
+            f"a {module._slimact_orig_cls.__name__} slimact converted has a qconfig but no fake quantization or "
+            "observer: torch.ao's eager quantization (prepare_qat, prepare) maps modules by exact class and skips "
+            "slimact's when it runs after slimact.convert, so this one trains without quantization-aware training. "
+            "Call prepare_qat before convert (or revert, prepare_qat, convert)", stacklevel=4)
 
 
 class SlimModule:
