@@ -390,18 +390,17 @@ def _probe_norm(module: nn.Module, weight: Tensor, eps: float) -> tuple[dict, st
         form = _probe_norm_as_is(module, weight, eps, gen)
         if form is None:
             return None
-        # (with the forward probe's weights: the gradient check sets others, of both signs)
-        at_eps = _probe_norm_as_is(module, weight, eps, gen, form, shapes=((2, 3),)) is not None
-        # (that reason first: the gradient probe's rows without variance, where the gradient is 1 / sqrt(eps), tell
-        # another epsilon too, without saying so)
-        if at_eps and not _has_norm_gradients(module, weight, form, gen):
-            return None
-        if not at_eps:
+        # (at eps with the forward probe's weights, the gradient check sets others, of both signs; and that reason
+        # first: the gradient probe's rows without variance, where the gradient is 1 / sqrt(eps), tell another
+        # epsilon too, without saying so)
+        if _probe_norm_as_is(module, weight, eps, gen, form, shapes=((2, 3),)) is None:
             return form, (
                 f"{_cls(module).__name__} computes a last-dim norm on a probe, but not with its epsilon ({eps:g}) at "
                 "inputs of mean square near it: its forward uses another epsilon, or adds it elsewhere (to the rms, "
                 "as a clamp), and slimact's backward, which computes with the attribute's, would be off on small "
                 "inputs")
+        if not _has_norm_gradients(module, weight, form, gen):
+            return None
         return form, None
 
 

@@ -516,8 +516,7 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
     # passed at 0.9996 where training's steps 2-6 ran at cosine 0.88-0.97, a review 2026-12-07). With no optimizer
     # step between the forwards, such a buffer that the forward reads holds the warm-up's values, not training's
     # either way: the report names the buffers that moved.
-    before = {name: b.clone() for name, b in slim.named_buffers()
-              if b.is_floating_point() and not _statistic(name, slim)}
+    before = {name: b for name, b in _buffer_values(slim).items() if not _statistic(name, slim)}
     with torch.enable_grad():
         for batch in source:
             for call, _ in _calls(batch, micro_batch):

@@ -163,14 +163,14 @@ def _one_weight_into_channel_norm(a: nn.Module, b: nn.Module) -> bool:
 def _scale_free_chains(model: nn.Module) -> dict[str, str]:
     """Convs whose weight is one scale a channel registered right before a norm standardising each channel (which
     removes that scale), and that norm; norms whose per-channel scale a BatchNorm downstream removes, and those
-    BatchNorms: a depthwise conv
-    (``groups == in == out channels``) registered right before a BatchNorm over the same channels, and
-    LayerNorms/RMSNorms of that width held by an enclosing block (a direct child of one of the pair's ancestors),
-    or a BatchNorm or LayerNorm/RMSNorm of that width registered right before the conv, ReLU-like activations and
-    dropouts between (a MobileNetV2 block's expansion: BatchNorm, ReLU6, depthwise conv, BatchNorm; where the
-    pair's block holds no such norm, a post-norm ``nn.TransformerEncoderLayer`` before it, whose last norm its dropouts
-    follow). Found from the module tree at convert time (the data flow is not known before a forward); a false match
-    only costs memory (those layers keep what PyTorch keeps). ``{name: reason}``."""
+    BatchNorms: a depthwise conv (``groups == in == out channels``) registered right before a BatchNorm over the same
+    channels, and LayerNorms/RMSNorms/GroupNorms of that width held by an enclosing block (a direct child of one of
+    the pair's ancestors), or a BatchNorm of that width registered right before the conv, ReLU-like activations and
+    dropouts between (a MobileNetV2 block's expansion: BatchNorm, ReLU6, depthwise conv, BatchNorm), or, where the
+    pair's block holds no such norm, the LayerNorm/RMSNorm/GroupNorm of that width registered last before the conv,
+    layers without parameters between (a post-norm ``nn.TransformerEncoderLayer`` before it: its norm2, then its
+    dropouts). Found from the module tree at convert time (the data flow is not known before a forward); a false
+    match only costs memory (those layers keep what PyTorch keeps). ``{name: reason}``."""
     out: dict[str, str] = {}
     leaves = [(name, m) for name, m in model.named_modules() if not m._modules]
     for (name, conv), (norm_name, norm) in itertools.pairwise(leaves):

@@ -579,12 +579,12 @@ def _train(model: nn.Module) -> None:
         model.train()
 
 
-def _refusing_hooks(call: Callable[..., Any], model: nn.Module, inputs: Any) -> Any:
-    """``call(model, inputs)``, with PyTorch's refusal of the counting hooks said as profile's own error: a forward
+def _call_counted(model: nn.Module, inputs: Any) -> Any:
+    """:func:`_call` under profile's counting hooks, PyTorch's refusal of them said as profile's own error: a forward
     calling ``torch.func.grad`` (titans-pytorch's test-time-training memory) or ``vjp``, ``jacrev``, ``hessian``
     raises where saved-tensor hooks are on, and profile counts what autograd keeps through those hooks."""
     try:
-        return call(model, inputs)
+        return _call(model, inputs)
     except RuntimeError as e:
         if "don't yet support saved tensor hooks" not in str(e):
             raise
@@ -694,7 +694,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
             _train(model)
             try:
                 with hooks, watching as held, marking_saved() if keep else contextlib.nullcontext():
-                    output = _refusing_hooks(_call, model, inputs)
+                    output = _call_counted(model, inputs)
                     if stack is not None:
                         stack.names.clear()
                         stack.modules.clear()
