@@ -49,6 +49,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -364,6 +365,8 @@ def _pack_many(
                     owed.append(i)
                 continue
         if compiling:
+            if cfg.scale == "running":
+                _note_running_estimates_traced()
             out[i] = _pack_traced(x, cfg, layout)
             continue
         key = (storage_key(x), x._version, cfg)
@@ -601,6 +604,21 @@ def _scale(jobs: list[_Job]) -> None:
         lo, step = scale_params(torch.cat([job.lo for job in group]), torch.cat([job.hi for job in group]), qmax)
         for job, lo_j, step_j in zip(group, lo.split(sizes), step.split(sizes), strict=True):
             job.lo, job.step = lo_j, step_j
+
+
+@torch.compiler.assume_constant_result
+def _note_running_estimates_traced() -> bool:
+    """Warn that a traced pack leaves running estimates aside (:func:`_pack_traced`). Run while dynamo traces, once
+    per compilation, not in the compiled graph: its result is a constant to the trace, so the warning adds no graph
+    break (``fullgraph=True`` compiles) and costs nothing at run time."""
+    warnings.warn(
+        "slimact: under torch.compile, running estimates (policy \"mesa\", scale='running') are neither used nor "
+        "updated: each tensor is packed with its own range, as under \"int8\". The estimates keep the values "
+        "they had before compiling; an eager run or slimact.state_dict(model) afterwards carries those. Run "
+        "\"mesa\" eagerly for Mesa's method, or convert with \"int8\" to compile.",
+        stacklevel=2,
+    )
+    return True
 
 
 def _pack_traced(x: Tensor, cfg: QuantConfig, layout: GroupLayout) -> Packed:
