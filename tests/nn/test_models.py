@@ -4,6 +4,7 @@ modules, in-place ops on a layer's output (wav2vec2/HuBERT for CTC), empty batch
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ def test_double_backward_raises_a_clear_error_and_first_order_stays_right(policy
             torch.testing.assert_close(approx[n], exact[n], rtol=1e-4, atol=1e-5, msg=n)
     else:
         assert_gradients_close(exact, approx)
-    with pytest.raises(RuntimeError, match=r"cannot be differentiated twice.*filter_fn"):
+    with pytest.raises(RuntimeError, match=r"cannot be differentiated twice.*filter_fn.*set_detect_anomaly"):
         _penalty(slim, x)
     # Reverted: PyTorch's own double backward again, equal to the plain model's.
     slimact.revert(slim)
@@ -259,3 +260,17 @@ def test_an_empty_batch_runs_as_in_pytorch(name, policy):
     torch.testing.assert_close(slim[0], plain[0])
     for n, g in plain[1].items():
         torch.testing.assert_close(slim[1][n], g, msg=n)
+
+
+def test_the_double_backward_error_points_to_anomaly_mode_which_names_the_forward_call():
+    # The error is raised in the backward, where no module is known; the message suggests anomaly mode, whose
+    # warning then gives the forward's traceback: the line of model code that called the converted module.
+    slim = slimact.convert(_mlp(), "tempo")
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.autograd.set_detect_anomaly(True), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        y = slim(x).sum()  # the call named
+        with pytest.raises(RuntimeError, match="set_detect_anomaly"):
+            torch.autograd.grad(y, x, create_graph=True)
+    traces = [str(w.message) for w in seen if "Traceback of forward call" in str(w.message)]
+    assert traces and "y = slim(x).sum()  # the call named" in traces[0]

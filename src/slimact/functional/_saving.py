@@ -675,7 +675,8 @@ def _first_order(backward: Callable, cls: type[SlimFunction]) -> Callable:
                 "create_graph=True (a gradient penalty, a Hessian-vector product, double backward) reached it, "
                 "and its backward computes from compressed or rebuilt tensors, so second-order gradients through "
                 "it would be wrong. Leave such modules out of the conversion (slimact.convert(model, "
-                "filter_fn=...)), call slimact.revert(model) for these passes, or use plain modules there."
+                "filter_fn=...)), call slimact.revert(model) for these passes, or use plain modules there. "
+                "torch.autograd.set_detect_anomaly(True) prints the forward call that made it."
             )
         note_backward()  # (the calls after this backward are another step's: slimact.nn._base.begin_call)
         try:
