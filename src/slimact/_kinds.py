@@ -341,23 +341,31 @@ def _probe_activation(module: nn.Module) -> str | None:
     # Run as the module trains (a dropout inside it, inactive in eval, where a loaded model is converted, would
     # otherwise pass unseen, and the form's derivative would replace the dropped one), over enough copies of the
     # probe that a dropout of 1% drops some element (all but certainly: 0.99^2632 < 1e-11).
-    probe = _PROBE.repeat(8)
-    x = probe.clone().requires_grad_(True)
-    try:
-        with _probing_grad(), _training(module):
-            y = _cls(module).forward(module, x * 1.0)  # (not the leaf itself: an in-place activation writes into it)
-    except _PROBE_ERRORS:  # cannot run on a plain vector: not a pointwise activation
-        return None
-    if not isinstance(y, Tensor) or y.shape != probe.shape or not y.requires_grad:
-        return None
-    form = next((form for form in FORMS if torch.allclose(y.detach().double(), reference(form, probe.double()),
-                                                          rtol=1e-5, atol=2e-6)), None)
-    if form is None:
-        return None
-    with _probing_grad():
-        (grad,) = torch.autograd.grad(y.sum(), x)
-    exact = (probe > 0).double() if form == "relu" else derivative(form, probe.double())
-    return form if torch.allclose(grad.double(), exact, rtol=1e-4, atol=1e-5) else None
+    form = None
+    # On a plain vector, and on a [2, 4, 329] view that is not contiguous (a forward branching on its input's rank
+    # computed GELU on the probe's vector and SiLU on the model's [B, T, C]: GELU's gradient there, the first layer's
+    # at cosine 0.95 under "tempo", silently; a review, 2026-12-07). Both must give the one form.
+    for shaped in (lambda t: t, lambda t: t.view(2, -1, 4).transpose(1, 2)):
+        probe = shaped(_PROBE.repeat(8))
+        x = probe.detach().clone().requires_grad_(True)
+        try:
+            with _probing_grad(), _training(module):
+                y = _cls(module).forward(module, x * 1.0)  # (not the leaf: an in-place activation writes into it)
+        except _PROBE_ERRORS:  # cannot run on a plain vector: not a pointwise activation
+            return None
+        if not isinstance(y, Tensor) or y.shape != probe.shape or not y.requires_grad:
+            return None
+        found = next((f for f in FORMS if torch.allclose(y.detach().double(), reference(f, probe.double()),
+                                                         rtol=1e-5, atol=2e-6)), None)
+        if found is None or found != (form or found):
+            return None
+        with _probing_grad():
+            (grad,) = torch.autograd.grad(y.sum(), x)
+        exact = (probe > 0).double() if found == "relu" else derivative(found, probe.double())
+        if not torch.allclose(grad.double(), exact, rtol=1e-4, atol=1e-5):
+            return None
+        form = found
+    return form
 
 
 def activation_form(module: nn.Module) -> str | None:
@@ -690,6 +698,7 @@ class _KeptState:
         self.tables: list[tuple[dict, dict]] = []  # (a module's _parameters or _buffers, its entries as they were)
         self.tensors: list[tuple[str, Tensor, int | None, Tensor | None]] = []  # (name, tensor, version, copy)
         self.attrs: list[tuple[nn.Module, dict]] = []
+        self.contents: list[tuple[object, object]] = []  # (a plain attribute a forward may change in place, its copy)
         for prefix, m in module.named_modules():
             for table in (m._parameters, m._buffers):
                 self.tables.append((table, dict(table)))
@@ -700,6 +709,8 @@ class _KeptState:
                     copy = t.detach().clone() if t.numel() <= _KEPT_NUMEL and not t.is_meta else None
                     self.tensors.append((f"{prefix}.{name}" if prefix else name, t, version, copy))
             self.attrs.append((m, {k: v for k, v in m.__dict__.items() if k not in _NOT_ATTRS}))
+            self.contents += [(v, c) for k, v in m.__dict__.items() if k not in _NOT_ATTRS
+                              and (c := _contents(v)) is not None]
 
     def restore(self, module: nn.Module) -> None:
         for m, before in self.attrs:
@@ -713,6 +724,13 @@ class _KeptState:
             table.update(before)
         changed = []
         with torch.no_grad():
+            for held, contents in self.contents:  # (a call counter `self.calls += 1`, statistics appended to a list)
+                if isinstance(held, Tensor):
+                    if held.shape == contents.shape and not torch.equal(held, contents):
+                        held.copy_(contents)
+                else:  # (refilled, not compared: a list of tensors has no truth value to compare by)
+                    held.clear()
+                    held.update(contents) if isinstance(held, (dict, set)) else held.extend(contents)
             for name, t, version, copy in self.tensors:
                 if copy is not None:
                     if not torch.equal(t, copy):  # (also a write through .data, which no version counter sees)
@@ -725,6 +743,17 @@ class _KeptState:
                 f"{', '.join(changed[:3])} in place; slimact cannot put such a large tensor back. Exclude the module "
                 "(convert's filter_fn) or make its forward leave its parameters and buffers alone in training mode."
             )
+
+
+def _contents(value: object) -> object | None:
+    """A copy of what a plain attribute holds, where a forward may change it in place keeping its identity (which
+    :class:`_KeptState` puts back): a small tensor's values, a list's, dict's or set's items; else ``None``. Left
+    advanced by the probes, a tensor call counter made a converted model's forward differ from plain's for as many
+    steps (a review, 2026-12-07)."""
+    if isinstance(value, Tensor):
+        usable = not value.is_meta and not value.is_inference() and value.layout is torch.strided
+        return value.detach().clone() if usable and value.numel() <= _KEPT_NUMEL else None
+    return type(value)(value) if type(value) in (list, dict, set) else None
 
 
 @contextlib.contextmanager
@@ -1177,8 +1206,21 @@ def _rule_matmul(module, cls):
     return Recognised("matmul", "matmul") if isinstance(module, MatMulBase) else None
 
 
+#: The forms a ``torch.nn`` activation class computes whatever its settings (``nn.GELU``'s ``approximate`` is read
+#: at each call). Another class giving a form's values does so by its settings (``nn.LeakyReLU(0.0)``, ``nn.Hardtanh(0,
+#: 1e9)``, ``nn.ELU(0.0)``: ReLU's), which a schedule or a configuration may change after convert.
+_OWN_FORMS: dict[type, tuple[str, ...]] = {nn.ReLU: ("relu",), nn.GELU: ("gelu", "gelu_tanh"), nn.SiLU: ("silu",)}
+
+
 def _rule_activation(module, cls):
     form = _probe_activation(module)
+    base = None if written_in_model_code(cls) else _torch_base(cls)
+    if form is not None and base is not None and form not in _OWN_FORMS.get(base, ()):
+        # (converted, one whose slope was then set kept ReLU's gradient: a Linear's weight gradient at cosine 0.12
+        # under "tempo" after Hardtanh's max_val was set, silently; a review, 2026-12-07)
+        return Recognised(_FORM_KIND[form], reason=(
+            f"an nn.{base.__name__} whose settings give {form}'s values: its settings decide what it computes, and "
+            f"slimact's {form} would not follow them if they changed"))
     if form is not None and _reads_other_gradients(module, _PROBE.to(_params_of(module)[1])):
         return Recognised(_FORM_KIND[form], reason=_reads_other_reason(cls, f"a {form} activation"))
     if form is not None:
@@ -1512,7 +1554,9 @@ def _probed_values(module: nn.Module, parts: tuple[str, ...]) -> tuple:
     cls = _cls(module)
     names, plain = _read_names(cls)
     own = module.__dict__
-    values = tuple(_value_key(own.get(n, _GONE)) for n in names)
+    children = own["_modules"]
+    values = tuple(_value_key(own[n]) if n in own else _child_key(children[n]) if n in children and n not in parts
+                   else _GONE for n in names)
     values += tuple(_value_key(getattr(cls, n, _GONE)) for n in plain)
     values += (_outside_values(cls, own, names),)
     for part in parts:  # (a torch class's own, nn.GELU's approximate, the replacement reads live)
@@ -1520,6 +1564,19 @@ def _probed_values(module: nn.Module, parts: tuple[str, ...]) -> tuple:
         values += (_Same(child) if child is None or not written_in_model_code(_cls(child))
                    else _probed_values(child, ()),)
     return values
+
+
+def _child_key(child: nn.Module | None) -> object:
+    """What :func:`probed_state` compares of a child the module's code names besides its parts: the child itself,
+    and what its forward reads, a torch class's settings (an ``nn.Dropout``'s ``p``). A gated MLP holding a dropout
+    at ``p = 0`` when convert probed it was fused; the dropout set to 0.5 afterwards (a fine-tuning configuration)
+    was then never applied: the forward 0.74 off, silently (a review, 2026-12-07)."""
+    if child is None:
+        return None
+    if written_in_model_code(_cls(child)):
+        return _Same(child), _probed_values(child, ())
+    return _Same(child), tuple((k, v) for k, v in child.__dict__.items()
+                               if type(v) in _PLAIN_VALUES and k != "training" and not k.startswith("_"))
 
 
 def changed_since(module: nn.Module, probed: Probed) -> list[str] | None:

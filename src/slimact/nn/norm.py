@@ -37,10 +37,13 @@ class _NormMixin(SlimModule):
     #: it is made (a class attribute reads under torch.compile, where inspecting ``super().forward`` breaks the
     #: graph).
     _slimact_layer_norm_forward: bool = False
+    #: Whether it is ``nn.RMSNorm.forward``, whose ``eps=None`` is the dtype's own (set after convert too).
+    _slimact_rms_norm_forward: bool = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         cls._slimact_layer_norm_forward = _runs_forward_of(cls, _NormMixin, nn.LayerNorm)
+        cls._slimact_rms_norm_forward = _runs_forward_of(cls, _NormMixin, nn.RMSNorm)
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         if not self._slimact_one_input(args, kwargs):
@@ -48,7 +51,8 @@ class _NormMixin(SlimModule):
         x = args[0]
         self._slimact_begin()
         eps = norm_eps(self)  # read live (set after convert too), as the module's own forward reads it
-        eps = eps if eps is not None else self._slimact_eps
+        # (not the eps convert found, where nn.RMSNorm's is set to None since: the input gradient 5.95 off, a review)
+        eps = eps if eps is not None or self._slimact_rms_norm_forward else self._slimact_eps
         eps = eps if eps is not None else rms_default_eps(x.dtype)
         forward = super().forward  # type: ignore[misc]
         # nn.LayerNorm's own forward over the last dim is F.layer_norm: norm() runs it with its kernel's
