@@ -375,6 +375,23 @@ def test_a_torch_norms_epsilon_set_after_convert_is_the_one_differentiated(eps, 
     (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
 
 
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_layer_norm_made_to_normalise_over_more_dims_after_convert_trains_as_plain(policy):
+    # Converted over its last dim, then given normalized_shape (3, 4): slimact's norm took the [3, 4] weight for a
+    # last-dim one and the backward raised "invalid gradient at index 1" (a review, 2026-12-07). Its own forward runs.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    for model in (plain, slim):
+        model[1].normalized_shape = (3, 4)
+        model[1].weight = nn.Parameter(torch.linspace(0.5, 1.5, 12).view(3, 4))
+        model[1].bias = nn.Parameter(torch.linspace(-1.0, 1.0, 12).view(3, 4))
+    x = torch.randn(2, 3, 4)
+    (out0, g0), (out1, g1) = _grads(plain, x), _grads(slim, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+    (assert_gradients_equal if policy == "tempo" else assert_gradients_close)(g0, g1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("centered", [False, True], ids=["rms", "layernorm"])
 @pytest.mark.parametrize("form", ["x10", "d10", "rms", "clamp"])

@@ -316,6 +316,21 @@ def test_an_integer_mask_is_refused_as_plain_refuses_it(which, policy):
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
+@pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
+def test_a_floating_mask_of_another_dtype_runs_the_modules_own_forward(which, policy):
+    # A float64 mask with fp32 queries: PyTorch's forward refuses it; the converted module cast it and trained (a
+    # review, 2026-12-07). Such a call runs the module's own forward: plain's error, or plain's result.
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).train()
+    slim = slimact.convert(copy.deepcopy(mha), policy)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    mask = torch.zeros((2, 5) if which == "key_padding_mask" else (5, 5), dtype=torch.float64)
+    for module in (mha, slim):
+        with pytest.raises(RuntimeError, match="attn_mask dtype"):
+            module(x, x, x, need_weights=False, **{which: mask})
+    assert slim._slimact_own_forward == "a floating mask of another dtype than the query's"
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
 def test_the_is_causal_hint_is_read_as_plain_reads_it(policy):
     # F.multi_head_attention_forward: without a key padding mask (and weights), is_causal=True stands for attn_mask,
     # which is then not read; with one, the masks are merged and the hint dropped; without attn_mask it raises. The

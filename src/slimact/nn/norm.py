@@ -46,7 +46,9 @@ class _NormMixin(SlimModule):
         cls._slimact_rms_norm_forward = _runs_forward_of(cls, _NormMixin, nn.RMSNorm)
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        if not self._slimact_one_input(args, kwargs):
+        # (a torch norm made to normalise over more than its last dim since convert: its own forward's, read live)
+        shape = getattr(self, "normalized_shape", None)
+        if not self._slimact_one_input(args, kwargs) or (isinstance(shape, tuple) and len(shape) > 1):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
         self._slimact_begin()
@@ -99,7 +101,9 @@ class _GroupNormMixin(SlimModule):
         cls._slimact_group_norm_forward = _runs_forward_of(cls, _GroupNormMixin, nn.GroupNorm)
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        if not self._slimact_one_input(args, kwargs):
+        # (a torch norm made to normalise over more than its last dim since convert: its own forward's, read live)
+        shape = getattr(self, "normalized_shape", None)
+        if not self._slimact_one_input(args, kwargs) or (isinstance(shape, tuple) and len(shape) > 1):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
         self._slimact_begin()
