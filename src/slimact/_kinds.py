@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
+from torch.nn.utils import parametrize
 
 from slimact.functional._saving import foreign_weight, observer
 from slimact.quant.recompute import unseen_by_selective_checkpointing
@@ -733,7 +734,11 @@ class _KeptState:
                     held.update(contents) if isinstance(held, (dict, set)) else held.extend(contents)
             for name, t, version, copy in self.tensors:
                 if copy is not None:
-                    if not torch.equal(t, copy):  # (also a write through .data, which no version counter sees)
+                    if t.shape != copy.shape and not t.requires_grad:  # (a buffer an `out=` resized)
+                        t.resize_(copy.shape)
+                    if t.shape != copy.shape:
+                        changed.append(name)
+                    elif not torch.equal(t, copy):  # (also a write through .data, which no version counter sees)
                         t.copy_(copy)
                 elif version is not None and t._version != version:
                     changed.append(name)
@@ -1322,8 +1327,26 @@ def _rule_scripted(module, cls):
                       "Python module slimact could replace; left as written")
 
 
+_PARAMETRIZATION = Recognised("other", reason="computes a parametrized weight (torch.nn.utils.parametrize), not an "
+                              "activation of the model: left as written")
+
+
+def _rule_parametrizations(module, cls):
+    """A parametrized tensor's :class:`~torch.nn.utils.parametrize.ParametrizationList` and the modules in it (spectral
+    norm's ``_SpectralNorm``, a user's ``forward(w)``): they compute a weight, not an activation, and are never
+    probed (``_SpectralNorm``, a weightless module named Norm with an ``eps``, was probed as a hand-written norm: its
+    power iteration on the probe resized its ``_u`` buffer and ``convert`` crashed for a 144-wide layer; a sweep).
+    The list is recognised before its modules (``named_modules`` order): it notes them."""
+    if not isinstance(module, parametrize.ParametrizationList):
+        return None
+    for m in module.modules():
+        _cache[m] = _PARAMETRIZATION
+    return _PARAMETRIZATION
+
+
 #: The recogniser, in order: the first rule that answers decides.
 _RULES: tuple[Callable[[nn.Module, type], Recognised | None], ...] = (
+    _rule_parametrizations,
     _rule_scripted,
     _rule_gated_mlp,
     _rule_typed(nn.MultiheadAttention, "attention", "mha"),

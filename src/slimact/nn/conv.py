@@ -17,7 +17,9 @@ class _ConvMixin(SlimModule):
         # An unbatched input ([C, *spatial], which PyTorch's convolutions take) runs the module's own code too: the
         # backward's convolution_backward takes batched inputs only. So does a padding convert would have left alone,
         # set since (read live, as nn.Conv's _conv_forward reads it): the backward differentiates zero padding.
-        if (not self._slimact_one_input(args, kwargs) or args[0].dim() != self.weight.dim()
+        # (the weight's rank from its kernel: a parametrized weight read here was computed twice a call, spectral
+        # norm's power iteration run twice, a weight drawn at each access drawn twice; a sweep, 2026-12-07)
+        if (not self._slimact_one_input(args, kwargs) or args[0].dim() != len(self.kernel_size) + 2
                 or self.padding_mode != "zeros" or (isinstance(self.padding, str) and self.padding != "valid")):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]

@@ -10,9 +10,11 @@ module's own code.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from slimact._kinds import norm_eps, norm_form
 from slimact.functional.norm import group_norm, norm, rms_default_eps
@@ -62,14 +64,19 @@ class _NormMixin(SlimModule):
         native = (self._slimact_layer_norm_forward and self._slimact_centered
                   and not self._slimact_offset and tuple(self.normalized_shape) == (x.shape[-1],)
                   and eps == self.eps)
-        # (a `bias` that is no tensor, a flag a model's norm keeps under that name, is none: as the probe took it)
-        bias = getattr(self, "bias", None)
-        return norm(
-            x, getattr(self, self._slimact_weight_name, None), bias if isinstance(bias, Tensor) else None, eps,
-            self._slimact_cfg(x),
-            self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,
-            fn=None if native else forward,
-        )
+        # A weight computed at each access (a parametrization: spectral norm's power iteration, a weight drawn by
+        # Bayes by backprop) is read here and again by the module's own forward (fn): once, cached, as plain reads
+        # it. And the weight before the bias, in F.layer_norm's order (Pyro draws a PyroSample at each read: the
+        # draws were swapped, the forward 2.8 off plain's for one seed; a sweep, 2026-12-07).
+        with parametrize.cached() if "parametrizations" in self._modules and not native else contextlib.nullcontext():
+            weight = getattr(self, self._slimact_weight_name, None)
+            # (a `bias` that is no tensor, a flag a model's norm keeps under that name, is none: as the probe took it)
+            bias = getattr(self, "bias", None)
+            return norm(
+                x, weight, bias if isinstance(bias, Tensor) else None, eps, self._slimact_cfg(x),
+                self._slimact_state(), centered=self._slimact_centered, offset=self._slimact_offset,
+                fn=None if native else forward,
+            )
 
 
 def _form(key: str):
