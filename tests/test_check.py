@@ -1003,6 +1003,56 @@ def test_models_holding_what_pytorch_cannot_copy_are_checked_and_the_report_says
     torch.testing.assert_close(twin.proj.weight.grad, model.proj.weight.grad)
 
 
+class _Memo:
+    """An object of the model's own holding a forward's output (stable-baselines3's action distribution and its torch
+    Categorical's logits; gpytorch's memoised LinearOperators)."""
+
+
+class _HoldsInObjects(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.memo = torch.nn.Linear(8, 8), _Memo()
+
+    def forward(self, x):
+        y = torch.relu(self.proj(x))
+        self.memo.dist = torch.distributions.Categorical(logits=y)  # (two objects deep)
+        return y
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_forwards_output_held_in_objects_of_the_model_does_not_stop_summary_or_check(policy):
+    # summary ran its converted step, then copied the model: the step's output, held in an object the model keeps,
+    # made the copy fail on a model the user had never run (SB3's PPO and SAC policies, a gpytorch SVGP, fastai's
+    # DynamicUnet through its hooks); check failed alike on any of them after a training step (a sweep, 2026-12-07).
+    x = torch.randn(4, 8)
+    model = slimact.convert(_HoldsInObjects(), policy)
+    assert slimact.summary(model, x).coverage is not None
+    model(x).sum().backward()
+    report = slimact.check(model, x)
+    assert report.passed, str(report)
+    assert "memo.dist.logits" in report.reference, report.reference
+
+
+def test_a_part_of_a_weight_whose_gradient_is_negligible_is_judged_by_size():
+    # A half of a weight along its output dim is judged on its own (a fused projection's part), by cosine: TabNet's GLU
+    # half holding 7.7e-12 of its weight's gradient (1e-18 in float64: rounding noise in both runs) failed "int8" at
+    # cosine 0.27 where the model cannot run in float64 (a sweep, 2026-12-07). Below the negligible size it is judged
+    # by size, as a whole gradient is; a part that is small but off by more than that size still fails.
+    from slimact.check import NOISE, _judge
+
+    gen = torch.Generator().manual_seed(0)
+    live = torch.randn(8, 16, generator=gen)
+    noise = torch.randn(8, 16, generator=gen) * 1e-9
+    exact = torch.cat([live, noise])
+    approx = torch.cat([live * 1.001, torch.randn(8, 16, generator=gen) * 1e-9])
+    typical = exact.norm().item()
+    judged = _judge("w", exact, approx, typical, lossless=False, dim=0)
+    assert judged.passed and not judged.negligible, judged.reason
+    wrong = torch.cat([live, torch.full((8, 16), 2 * NOISE * typical / 16)])
+    judged = _judge("w", exact, wrong, typical, lossless=False, dim=0)
+    assert not judged.passed and "judged by size" in judged.reason, judged.reason
+
+
 def test_a_model_copy_cannot_make_is_a_clear_error():
     class Locked(torch.nn.Module):
         def __init__(self):

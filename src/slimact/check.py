@@ -848,14 +848,16 @@ def _floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float) -> str:
 
 
 def _part_floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: int | None,
-                plain: Tensor | None = None) -> str:
+                plain: Tensor | None = None, bound: float = 0.0) -> str:
     """Why a part of ``approx`` misses the floor against ``exact``'s (``""`` where none does): the halves and thirds
     along a weight's output dim ``dim`` (:func:`_output_dims`: a fused projection's parts; the query part of GPT-2's
     ``c_attn`` holds 0.03% of its gradient at initialisation, which no error there moves the whole's cosine from),
     those holding at most :data:`PART_SHARE` of ``exact``'s squared norm (the whole's floor lets a part of share
     ``s`` sit at cosine ``1 - 0.01 / s``: a larger one is judged with the whole). With ``plain`` (``exact`` being the
     float64 gradient), only the parts where plain's own meets the floor: one where it does not is a cancellation's
-    remainder (a FiLM layer's shift half before a BatchNorm), noise in both runs."""
+    remainder (a FiLM layer's shift half before a BatchNorm), noise in both runs. A part whose gradient is at most
+    ``bound`` (the negligible size, :func:`_judge`) is judged by size, as a whole gradient is (TabNet's GLU half
+    holding 7.7e-12 of its weight's gradient, 1e-18 in float64, failed at cosine 0.27 of plain's noise)."""
     norm2 = exact.detach().double().norm().item() ** 2
     if dim is None or not norm2:
         return ""
@@ -867,15 +869,18 @@ def _part_floor(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: 
             share = e.detach().double().norm().item() ** 2 / norm2
             if share > PART_SHARE or (own and _floor(e, own[0], lossless, tol)):
                 continue
-            if why := _floor(e, a, lossless, tol):
+            if (small := share * norm2 <= bound ** 2) and (d := (a.double() - e.double()).norm().item()) > bound:
+                return (f"|diff| {d:.3g} > {bound:.3g} in its {('first', 'second', 'third')[i]} {part} along dim {dim}"
+                        f" ({share:.2g} of it, judged by size)")
+            if not small and (why := _floor(e, a, lossless, tol)):
                 return f"{why} in its {('first', 'second', 'third')[i]} {part} along dim {dim} ({share:.2g} of it)"
     return ""
 
 
-def _misses(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: int | None) -> str:
+def _misses(exact: Tensor, approx: Tensor, lossless: bool, tol: float, dim: int | None, bound: float = 0.0) -> str:
     """Why ``approx`` misses the floor against ``exact``, as a whole or in a part (:func:`_floor`,
     :func:`_part_floor`); ``""`` where it meets it."""
-    return _floor(exact, approx, lossless, tol) or _part_floor(exact, approx, lossless, tol, dim)
+    return _floor(exact, approx, lossless, tol) or _part_floor(exact, approx, lossless, tol, dim, bound=bound)
 
 
 def _output_dims(model: nn.Module) -> dict[str, int]:
@@ -909,7 +914,7 @@ def _judge(name: str, exact: Tensor, approx: Tensor, typical: float, lossless: b
         ok = diff <= bound
         reason = "" if ok else f"|diff| {diff:.3g} > {bound:.3g} (of the typical gradient {typical:.3g})"
     else:
-        reason = _misses(exact, approx, lossless, tol, dim)
+        reason = _misses(exact, approx, lossless, tol, dim, bound)
         ok = not reason
     return ParamCheck(name, cos if not math.isnan(cos) else 0.0, db, norm, diff, negligible, ok, reason)
 
@@ -933,7 +938,7 @@ def _rejudge(p: ParamCheck, exact: Tensor, approx: Tensor, wide: Tensor, typical
     tol = _tolerance(exact.dtype, compute)
     bound = (tol if lossless else NOISE) * typical
     marked = dataclasses.replace(p, reference="float64", plain_off=own, off=off)
-    if part := _part_floor(wide, approx, lossless, tol, dim, plain=exact):  # a genuine part the converted one misses
+    if part := _part_floor(wide, approx, lossless, tol, dim, plain=exact, bound=bound):  # a genuine part missed
         return dataclasses.replace(marked, passed=False, negligible=False, reason=(
             f"{part} (against float64; |g - g_float64| {off:.3g}, plain's {own:.3g})"))
     if not _floor(wide, approx, lossless, tol):  # the converted gradient is within the floor of the truth
@@ -1136,6 +1141,12 @@ def check(
     if unfinite:  # (with a finite loss: a NaN backward, sqrt at 0; the float64 run's verdicts on them said nothing)
         reference += (f"; plain's gradient is not finite for {len(unfinite)} parameter(s) ({', '.join(unfinite[:3])}"
                       f"{', ...' if len(unfinite) > 3 else ''}): the plain step is not")
+    idle = [name for name, m in model.named_modules() if not m.training] if model.training else []
+    if idle:  # (fastai's DynamicUnet is built with 140 of its 163 modules in eval mode: its Learner trains them all)
+        reference += (f"; run in the modes the model's modules are in: {len(idle)} of "
+                      f"{sum(1 for _ in model.modules())} in eval mode inside the training model ({', '.join(idle[:3])}"
+                      f"{', ...' if len(idle) > 3 else ''}; a BatchNorm frozen for fine-tuning stays so: call "
+                      "model.train() first where training runs them in training mode)")
     if detached:
         reference += (f"; copied detached: {', '.join(detached[:3])}{', ...' if len(detached) > 3 else ''} (tensors "
                       "computed by an earlier call that the model holds, which PyTorch cannot copy: a gradient "

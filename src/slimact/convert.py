@@ -12,6 +12,7 @@ import fnmatch
 import itertools
 import math
 import os
+import types
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -535,6 +536,11 @@ def _held_tensors(key: str, value: Any, depth: int = 0) -> Iterator[tuple[str, T
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             yield from _held_tensors(f"{key}[{i}]", v, depth + 1)
+    elif not isinstance(value, (nn.Module, type, types.FunctionType, types.MethodType, types.ModuleType)):
+        # An object of the model's own holding a forward's output: stable-baselines3's action distribution (its torch
+        # Categorical's logits), gpytorch's memoised LinearOperators (a sweep: summary and check refused to copy them)
+        for k, v in getattr(value, "__dict__", {}).items():
+            yield from _held_tensors(f"{key}.{k}", v, depth + 1)
 
 
 def _recomputed_attribute(hook: Any) -> str | None:
@@ -1143,6 +1149,9 @@ def _coverage(
         routing.attended.clear()
     tracker = routing.loss if routing is not None else None
     fused = tracker.fused if tracker is not None else 0
+    # (copied before the step below: a step leaves outputs in hooks and objects of the model that no deep copy
+    # takes; fastai's DynamicUnet made summary refuse a model the user had never run)
+    plain = _plain_copy(model, "summary")
     try:
         report = profile(model, inputs, loss_fn=loss_fn)
         after = report.by_module
@@ -1157,7 +1166,6 @@ def _coverage(
     own = {name: m.__dict__[OWN_FORWARD_ATTR] for name, m in model.named_modules()
            if OWN_FORWARD_ATTR in m.__dict__ and SLIM_FORWARD_ATTR not in m.__dict__}
     converted = converted - set(unrouted) - set(idle) - set(own)
-    plain = _plain_copy(model, "summary")
     before = profile(plain, inputs, loss_fn=loss_fn).by_module
     del plain
     as_plain = sorted(name for name in by_sdpa if name in converted and after.get(name, 0) >= before.get(name, 0))

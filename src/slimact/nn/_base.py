@@ -59,8 +59,8 @@ class StepCounter:
 
     def __call__(self, module: nn.Module, args: object) -> None:
         # Under torch.compile neither runs: the stream's key digests the RNG state on the host (a graph break),
-        # and a counter read by the graph would recompile it every step. Compiled stochastic rounding draws
-        # from the counter stream of :func:`slimact.quant.reference.draw_seed`.
+        # and a counter read by the graph would recompile it every step. Compiled packs round to nearest
+        # (:func:`slimact.quant.core._pack_traced`).
         if torch.compiler.is_compiling():
             return
         frame = checkpoint_frame()
