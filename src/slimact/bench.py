@@ -268,8 +268,8 @@ def sweep_one(task: str, model_type: str, architecture: str, progress: Any = Non
     import traceback
 
     import slimact
-    from slimact.check import _running, check
-    from slimact.policy import resolve
+    from slimact.check import check
+    from slimact.policy import _running, resolve
     from slimact.zoo import build_auto, projection_loss, tiny_config, tiny_inputs
 
     start = time.perf_counter()

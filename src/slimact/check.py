@@ -119,7 +119,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from slimact._metrics import cosine, sqnr_db
 from slimact.convert import Summary, _conversion_policies, _copied, _plain_copy, convert, summary
-from slimact.policy import Policy, resolve
+from slimact.policy import Policy, _running, resolve
 from slimact.profile import _call, _default_loss, _train
 from slimact.quant.state import ESTIMATES_ATTR
 
@@ -437,11 +437,6 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
     # (a sparse gradient, nn.Embedding(sparse=True)'s, judged as the dense one it adds up to)
     return total, outs, {n: p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad
                          for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _running(policy: Policy) -> bool:
-    """Whether ``policy`` packs some tensors with a running estimate of their range (``scale="running"``, Mesa)."""
-    return any(policy.settings(k).quantize and policy.settings(k).scale == "running" for k in policy.kinds)
 
 
 def _mixed(inputs: Any, rows: int, gen: torch.Generator) -> Any:

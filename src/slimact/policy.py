@@ -397,6 +397,11 @@ def _toml_value(value: Any) -> str:
 
 
 @cache(maxsize=256)
+def _running(policy: Policy) -> bool:
+    """Whether ``policy`` packs some tensors with a running estimate of their range (``scale="running"``, Mesa)."""
+    return any(policy.settings(k).quantize and policy.settings(k).scale == "running" for k in policy.kinds)
+
+
 def _settings(policy: Policy, kind: str) -> KindSettings:
     own = dict(policy.per_kind).get(kind, KindSettings())
     headwise = kind in _HEADWISE_KINDS

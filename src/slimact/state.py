@@ -18,14 +18,16 @@ threads.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from slimact.convert import _HOOK_ATTR
+from slimact.convert import _HOOK_ATTR, _conversion_policies
 from slimact.nn._base import SlimModule, StepCounter
+from slimact.policy import _running
 from slimact.quant.state import ESTIMATES_ATTR
 
 __all__ = ["LoadResult", "load_state_dict", "state_dict"]
@@ -148,4 +150,11 @@ def load_state_dict(model: nn.Module, state: Mapping[str, Any], strict: bool = T
         module.__dict__.pop("_slimact_step", None)
     if steps is not None and step is not None:
         steps.value = step
+    if step and not estimates and any(map(_running, _conversion_policies(model))):
+        warnings.warn(
+            f"slimact.load_state_dict: the state is of step {step} but holds no running estimates, and this model "
+            "packs with them: they start afresh from the next tensor. A loader that fills only the keys of the dict "
+            "it is given (torch.distributed.checkpoint) finds none in slimact.state_dict(model) of a model that has "
+            "not trained yet: run one training step (forward and backward) before taking the dict to load into, or "
+            "save and load the state with torch.save / torch.load", stacklevel=2)
     return LoadResult(missing, unexpected)
