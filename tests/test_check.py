@@ -579,6 +579,30 @@ def test_the_warm_up_keeps_per_row_lengths_as_given():
     assert report.estimates.startswith("warmed by 8") and report.forward_equal, str(report)
 
 
+class _OnlyItsTrainingInputs(torch.nn.Module):
+    """gpytorch's ExactGP in training mode: it refuses any input but its training set."""
+
+    def __init__(self, train_x):
+        super().__init__()
+        self.fc, self.train_x = torch.nn.Linear(8, 8), train_x
+
+    def forward(self, x):
+        if self.training and not torch.equal(x, self.train_x):
+            raise RuntimeError("You must train on the training inputs!")
+        return self.fc(x).square().sum()
+
+
+def test_a_model_refusing_a_warm_up_batch_is_a_clear_error_naming_batches():
+    # Under running estimates check warms on batches mixed from the inputs' rows: an ExactGP's own error surfaced with
+    # nothing saying the batch was check's (a sweep, 2026-12-07). The error says so; batches= of the inputs checks it.
+    x = torch.randn(6, 8)
+    with pytest.raises(RuntimeError, match=r"refused one \(RuntimeError: You must train on the training inputs!\): "
+                                           r"pass batches="):
+        slimact.check(_OnlyItsTrainingInputs(x), x, "mesa", loss_fn=lambda out: out)
+    report = slimact.check(_OnlyItsTrainingInputs(x), x, "mesa", loss_fn=lambda out: out, batches=[x] * 4)
+    assert report.estimates.startswith("warmed by 4"), report.estimates
+
+
 class _DrawsAtFirstCall(torch.nn.Module):
     """A model that draws random numbers at its first call only, outside its state dict (as BigBird, at a length
     too short for block-sparse attention, makes a full-attention module with fresh weights at its first forward),

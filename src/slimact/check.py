@@ -516,7 +516,17 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
         for batch in source:
             for call, _ in _calls(batch, micro_batch):
                 # (the packs fold each call's range into the estimates; the graph is dropped)
-                _call(slim, _fresh_inputs(call))
+                try:
+                    _call(slim, _fresh_inputs(call))
+                except Exception as e:
+                    if batches is not None:
+                        raise
+                    # (a model taking only its training inputs, gpytorch's ExactGP: its own error said nothing of
+                    # the batch being check's; a sweep, 2026-12-07)
+                    raise RuntimeError(
+                        "slimact.check warms the running estimates on batches mixed from the rows of the inputs, and "
+                        f"the model refused one ({type(e).__name__}: {e}): pass batches= (a few batches of your "
+                        "data, or [inputs] * 4 for a model that takes no other) or warmup=0") from e
                 calls += 1
     buffers = dict(slim.named_buffers())
     moved = [name for name, b in before.items() if name in buffers and not torch.equal(buffers[name], b)]
