@@ -59,6 +59,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from slimact._kinds import kind_of
 from slimact.functional._saving import is_gradient, is_parameter_gradient, marking_saved, observer, saved_by_slimact
+from slimact.functional.activation import build_tables
 from slimact.nn._base import StepCounter
 from slimact.quant.core import watching_shared_packs
 from slimact.quant.state import ESTIMATES_ATTR
@@ -681,6 +682,8 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None
              else contextlib.nullcontext())
     watching = watching_shared_packs(shared_pack) if keep else contextlib.nullcontext(set)
     meter = _Meter(device) if peak else None
+    if peak or use_cuda:
+        build_tables(device)  # (slimact's own once-per-process tables: not the step's bytes)
     # A compiled model (torch.compile(model), module.compile()) is profiled as its eager forward: dynamo would trace
     # the counting hooks into the graph (a converted model's step raised dynamo's internal errors), and what a compiled
     # graph keeps is its partitioner's choice, which peak_bytes measures.
