@@ -121,6 +121,13 @@ _SCALE_FREE_LAST = _BY_ORDER + (
 )
 
 
+_NORM_INTO_BN = _BY_ORDER + (
+    "its output reaches a training-mode BatchNorm over the same channels directly (ReLU-like activations and "
+    f"dropouts between, if any), which {_REMAINDER} (a LayerNorm before a ghost BatchNorm as TabNet's: cosine "
+    "0.25-0.44, 17-62x the exact norm); kept exact, as PyTorch does"
+)
+_REMOVES_NORM_SCALE = _BY_ORDER + ("it removes the per-channel scale of the norm registered right before it (see that "
+                                   "norm): its input is kept exact")
 _SCALE_FREE_BN = _BY_ORDER + (
     "its output reaches a training-mode BatchNorm through a per-channel (depthwise) conv (and ReLU-like "
     "activations, if any, before it), which remove nothing of a per-channel scale that the BatchNorm then removes: "
@@ -177,6 +184,18 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
     for (name, conv), (norm_name, norm) in itertools.pairwise(leaves):
         if _one_weight_into_channel_norm(conv, norm):
             out[name], out[norm_name] = _ONE_WEIGHT_A_CHANNEL, _REMOVES_WEIGHT
+    for i, (bn_name, bn) in enumerate(leaves[1:], 1):
+        if not isinstance(bn, nn.modules.batchnorm._BatchNorm):
+            continue
+        j = i - 1
+        while j > 0 and isinstance(leaves[j][1], _SCALE_PASSING):
+            j -= 1
+        # (a LayerNorm, RMSNorm or GroupNorm: a BatchNorm registered right before a BatchNorm is RepVGG's parallel
+        # branches, rbr_1x1's then rbr_identity's, more often than a chain; TextNet would keep 20 of them exact)
+        norm_name, norm = leaves[j]
+        if _gain_width(norm, {bn.num_features}) is not None:
+            out.setdefault(norm_name, _NORM_INTO_BN)
+            out.setdefault(bn_name, _REMOVES_NORM_SCALE)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     pairs: list[tuple[str, str, int]] = []  # (parent, batch norm name, channels)
     for pname, _, (_, a), (bname, b) in _adjacent_children(model):
