@@ -334,39 +334,50 @@ def _reads_other_reason(cls: type, what: str) -> str:
 
 def _probe_activation(module: nn.Module) -> str | None:
     """The form whose values and derivative the module's forward has on :data:`_PROBE` (slimact's backward computes
-    the form's derivative: a straight-through or partly detached forward has another one), else ``None``."""
-    from slimact.functional.activation import FORMS, derivative, reference
-
+    the form's derivative: a straight-through or partly detached forward has another one), else ``None``: on a plain
+    vector, and on a ``[2, 4, 329]`` view that is not contiguous, or a contiguous one where the forward refuses that
+    (``x.view(-1)``). A forward branching on its input's rank computed GELU on the probe's vector and SiLU on the
+    model's ``[B, T, C]``: GELU's gradient there, the first layer's at cosine 0.95 under "tempo", silently (a review,
+    2026-12-07). Every shape it takes must give the one form."""
     if not _looks_like_activation(module):
         return None
     # Run as the module trains (a dropout inside it, inactive in eval, where a loaded model is converted, would
     # otherwise pass unseen, and the form's derivative would replace the dropped one), over enough copies of the
     # probe that a dropout of 1% drops some element (all but certainly: 0.99^2632 < 1e-11).
-    form = None
-    # On a plain vector, and on a [2, 4, 329] view that is not contiguous (a forward branching on its input's rank
-    # computed GELU on the probe's vector and SiLU on the model's [B, T, C]: GELU's gradient there, the first layer's
-    # at cosine 0.95 under "tempo", silently; a review, 2026-12-07). Both must give the one form.
-    for shaped in (lambda t: t, lambda t: t.view(2, -1, 4).transpose(1, 2)):
-        probe = shaped(_PROBE.repeat(8))
-        x = probe.detach().clone().requires_grad_(True)
-        try:
-            with _probing_grad(), _training(module):
-                y = _cls(module).forward(module, x * 1.0)  # (not the leaf: an in-place activation writes into it)
-        except _PROBE_ERRORS:  # cannot run on a plain vector: not a pointwise activation
-            return None
-        if not isinstance(y, Tensor) or y.shape != probe.shape or not y.requires_grad:
-            return None
-        found = next((f for f in FORMS if torch.allclose(y.detach().double(), reference(f, probe.double()),
-                                                         rtol=1e-5, atol=2e-6)), None)
-        if found is None or found != (form or found):
-            return None
-        with _probing_grad():
-            (grad,) = torch.autograd.grad(y.sum(), x)
-        exact = (probe > 0).double() if found == "relu" else derivative(found, probe.double())
-        if not torch.allclose(grad.double(), exact, rtol=1e-4, atol=1e-5):
-            return None
-        form = found
-    return form
+    vector = _PROBE.repeat(8)
+    form = _form_on(module, vector)
+    if form is None or form is _REFUSED:
+        return None
+    shaped = _form_on(module, vector.view(2, -1, 4).transpose(1, 2))
+    if shaped is _REFUSED:
+        shaped = _form_on(module, vector.view(2, 4, -1))
+    return form if shaped == form else None
+
+
+#: What :func:`_form_on` gives where the forward refuses the probe (raises).
+_REFUSED = "<slimact: refused the probe>"
+
+
+def _form_on(module: nn.Module, probe: Tensor) -> str | None:
+    """The form the module's forward computes on ``probe``, values and derivative; ``None``; or :data:`_REFUSED`."""
+    from slimact.functional.activation import FORMS, derivative, reference
+
+    x = probe.detach().clone().requires_grad_(True)
+    try:
+        with _probing_grad(), _training(module):
+            y = _cls(module).forward(module, x * 1.0)  # (not the leaf itself: an in-place activation writes into it)
+    except _PROBE_ERRORS:  # cannot run on this probe: on a plain vector, not a pointwise activation
+        return _REFUSED
+    if not isinstance(y, Tensor) or y.shape != probe.shape or not y.requires_grad:
+        return None
+    form = next((form for form in FORMS if torch.allclose(y.detach().double(), reference(form, probe.double()),
+                                                          rtol=1e-5, atol=2e-6)), None)
+    if form is None:
+        return None
+    with _probing_grad():
+        (grad,) = torch.autograd.grad(y.sum(), x)
+    exact = (probe > 0).double() if form == "relu" else derivative(form, probe.double())
+    return form if torch.allclose(grad.double(), exact, rtol=1e-4, atol=1e-5) else None
 
 
 def activation_form(module: nn.Module) -> str | None:
@@ -1465,9 +1476,12 @@ class Probed(NamedTuple):
     #: The keys (:func:`_value_key`) of the attributes its code names (:func:`_read_names`), then of its class's plain
     #: ones, then its parts'.
     values: tuple
+    #: Children its replacement calls as modules, whatever they are (a fused gated MLP's gate and up projections: an
+    #: adapter wrapping one after convert is called as it is): not watched.
+    live: tuple[str, ...] = ()
 
 
-def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> Probed:
+def probed_state(module: nn.Module, parts: Iterable[str] = (), live: Iterable[str] = ()) -> Probed:
     """The values ``module``'s own code may read besides its parameters and buffers (its attributes and its class's
     plain attributes that the code names), and those of its children ``parts`` (the child itself, where a torch
     class's). A module written in model code is recognised by a probe of its forward with these values (a Swish's
@@ -1475,8 +1489,8 @@ def probed_state(module: nn.Module, parts: Iterable[str] = ()) -> Probed:
     that form: where one has changed since (:func:`changed_since`), the replacement would compute another function
     than the module's code does. Attributes its code does not name (FSDP's ``_is_fsdp_managed_module``, set on every
     module it shards) are not taken."""
-    parts = tuple(parts)
-    return Probed(parts, _probed_values(module, parts))
+    parts, live = tuple(parts), tuple(live)
+    return Probed(parts, _probed_values(module, parts, live), live)
 
 
 _code_writes: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
@@ -1573,13 +1587,13 @@ def _outside_values(cls: type, own: dict, names: tuple[str, ...]) -> tuple[tuple
     return tuple(found)
 
 
-def _probed_values(module: nn.Module, parts: tuple[str, ...]) -> tuple:
+def _probed_values(module: nn.Module, parts: tuple[str, ...], live: tuple[str, ...] = ()) -> tuple:
     cls = _cls(module)
     names, plain = _read_names(cls)
     own = module.__dict__
     children = own["_modules"]
-    values = tuple(_value_key(own[n]) if n in own else _child_key(children[n]) if n in children and n not in parts
-                   else _GONE for n in names)
+    values = tuple(_value_key(own[n]) if n in own else _child_key(children[n])
+                   if n in children and n not in parts and n not in live else _GONE for n in names)
     values += tuple(_value_key(getattr(cls, n, _GONE)) for n in plain)
     values += (_outside_values(cls, own, names),)
     for part in parts:  # (a torch class's own, nn.GELU's approximate, the replacement reads live)
@@ -1605,7 +1619,7 @@ def _child_key(child: nn.Module | None) -> object:
 def changed_since(module: nn.Module, probed: Probed) -> list[str] | None:
     """``None`` where ``module`` holds the values of ``probed`` (a few microseconds), else the names of those that
     changed (or came or went)."""
-    now = _probed_values(module, probed.parts)
+    now = _probed_values(module, probed.parts, probed.live)
     if now == probed.values:
         return None
     names, plain = _read_names(_cls(module))

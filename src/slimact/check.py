@@ -525,7 +525,7 @@ def _warm(slim: nn.Module, inputs: Any, micro_batch: int | None, batches: Any, w
                     # the batch being check's; a sweep, 2026-12-07)
                     raise RuntimeError(
                         "slimact.check warms the running estimates on batches mixed from the rows of the inputs, and "
-                        f"the model refused one ({type(e).__name__}: {e}): pass batches= (a few batches of your "
+                        f"the model raised on one ({type(e).__name__}: {e}): pass batches= (a few batches of your "
                         "data, or [inputs] * 4 for a model that takes no other) or warmup=0") from e
                 calls += 1
     buffers = dict(slim.named_buffers())

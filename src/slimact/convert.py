@@ -475,7 +475,9 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
             skipped[name] = reason
             continue
         # (a module written in model code: what its forward reads besides its tensors, as its probe ran)
-        probed = probed_state(module, found.parts) if written_in_model_code(_cls(module)) else None
+        layout = found.extra.get("layout")
+        live = () if layout is None else tuple(n for n in (layout.gate, layout.up, layout.gate_up) if n is not None)
+        probed = probed_state(module, found.parts, live) if written_in_model_code(_cls(module)) else None
         attach(module, slim_cls, pol, kind, steps, probed=probed, **found.extra)
         fused.update(f"{name}.{part}" if name else part for part in found.parts)
     _route_calls(model, pol, skipped, filter_fn, numbered)

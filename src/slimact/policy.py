@@ -396,12 +396,12 @@ def _toml_value(value: Any) -> str:
     return "[" + ", ".join(json.dumps(v) for v in value) + "]"
 
 
-@cache(maxsize=256)
 def _running(policy: Policy) -> bool:
     """Whether ``policy`` packs some tensors with a running estimate of their range (``scale="running"``, Mesa)."""
     return any(policy.settings(k).quantize and policy.settings(k).scale == "running" for k in policy.kinds)
 
 
+@cache(maxsize=256)
 def _settings(policy: Policy, kind: str) -> KindSettings:
     own = dict(policy.per_kind).get(kind, KindSettings())
     headwise = kind in _HEADWISE_KINDS

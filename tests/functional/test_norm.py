@@ -774,7 +774,7 @@ def test_a_norm_of_few_rows_packs_with_its_own_range_under_running_estimates():
     # steps with 2 samples, 0.85 with 8: an estimate made on other batches' few rows clips this one's. Below FEW_ROWS
     # rows per channel a norm packs with its own range (as BatchNorm's input does); at more, the running estimate.
     from _harness import estimates
-    from slimact.functional.norm import FEW_ROWS
+    from slimact.quant.state import FEW_ROWS
 
     torch.manual_seed(0)
     base = _PooledHead()

@@ -327,7 +327,14 @@ def test_a_floating_mask_of_another_dtype_runs_the_modules_own_forward(which, po
     for module in (mha, slim):
         with pytest.raises(RuntimeError, match="attn_mask dtype"):
             module(x, x, x, need_weights=False, **{which: mask})
-    assert slim._slimact_own_forward == "a floating mask of another dtype than the query's"
+    assert slim._slimact_own_forward == "a floating mask neither float32 nor of the query's dtype"
+    # (an fp32 mask with bf16 queries PyTorch takes: slimact's path, as plain)
+    mha16, slim16 = (copy.deepcopy(m).to(torch.bfloat16) for m in (mha, slim))
+    slim16.__dict__.pop("_slimact_own_forward")
+    x16, mask32 = x.detach().to(torch.bfloat16), mask.float()
+    outs = [m(x16, x16, x16, need_weights=False, **{which: mask32})[0] for m in (mha16, slim16)]
+    assert slim16.__dict__.get("_slimact_own_forward") is None and slim16._slimact_slim_forward
+    torch.testing.assert_close(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8"])

@@ -129,6 +129,7 @@ from slimact._cache import cache
 from slimact.functional._saving import SlimFunction, foreign_saved_hooks, keep_output, load, save
 from slimact.quant import QuantConfig, RunningRange, inductor, pack
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
+from slimact.quant.state import few_rows
 
 __all__ = ["group_norm", "norm", "output_kept_as", "output_recoverable", "rms_default_eps"]
 
@@ -178,10 +179,6 @@ def output_kept_as(t: Tensor) -> tuple[str, str] | None:
         return None
     kind = "groupnorm" if node.groups else "layernorm" if node.centered else "rmsnorm"
     return kind, "codes" if node.output_codes else "exact" if node.from_output else "input"
-
-
-#: Rows per channel below which a norm packs with its own range under a running-estimate policy (see :func:`norm`).
-FEW_ROWS = 16
 
 
 def _learned_mix(x: Tensor) -> bool:
@@ -521,12 +518,10 @@ def norm(
         cfg = None  # see the module docstring: a learned mix of streams, kept exact
     if cfg is not None and (x[:1].numel() // groups if groups else x.shape[-1]) <= 2:
         cfg = None  # see the module docstring: rows of two elements, kept exact
-    if cfg is not None and cfg.scale == "running" and x.numel() < FEW_ROWS * x.shape[1 if groups else -1]:
-        # Fewer rows per channel than FEW_ROWS (a classifier head's norm after a mean-pool: one row a sample): a
-        # running estimate made on other batches' few rows clips this one's, which training moves further from it
-        # (Perceiver's pooled head under "mesa", 4 Adam steps on one batch of 2: weight gradient at cosine 0.50 to
-        # plain's, 2.6x its norm): packed with its own per-channel range, as BatchNorm's input is. Its codes and
-        # scales are the same bytes; on a GPU one host sync more, for a tensor of a few rows.
+    if cfg is not None and cfg.scale == "running" and few_rows(x.numel(), x.shape[1 if groups else -1]):
+        # Fewer rows per channel than FEW_ROWS (a classifier head's norm after a mean-pool: one row a sample): packed
+        # with its own per-channel range, as BatchNorm's input is (slimact.quant.state.few_rows). On a GPU one host
+        # sync more, for a tensor of a few rows.
         cfg, state = dataclasses.replace(cfg, scale="dynamic"), None
     return _NormFunction.apply(x, weight, bias, fn, centered, eps, offset, groups, cfg, state)
 

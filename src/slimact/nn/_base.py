@@ -18,6 +18,7 @@ slimact module used on its own one site per call between two backward passes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +32,7 @@ from slimact.policy import Policy, resolve
 from slimact.quant import QuantConfig, RunningRange
 from slimact.quant.recompute import checkpoint_frame, note, replayed
 from slimact.quant.reference import COMPRESSIBLE_DTYPES, begin_stream, end_stream
-from slimact.quant.state import ESTIMATES_ATTR, backward_key
+from slimact.quant.state import ESTIMATES_ATTR, backward_key, few_rows
 
 __all__ = [
     "MAX_CALL_SITES", "SlimModule", "StepCounter", "attach", "begin_call", "clear_state", "detach", "refuse_script",
@@ -245,7 +246,13 @@ class SlimModule:
         return self._slimact_policy.settings(self._slimact_kind).scale == "running"
 
     def _slimact_cfg(self, x: Tensor) -> QuantConfig:
-        return self._slimact_policy.quant_config(self._slimact_kind, x.dim())
+        cfg = self._slimact_policy.quant_config(self._slimact_kind, x.dim())
+        if (cfg is not None and cfg.scale == "running" and cfg.group_dim is not None and x.dim()
+                and few_rows(x.numel(), x.shape[cfg.group_dim % x.dim()])):
+            # (a layer's few rows a channel, a diffusion model's timestep MLP at batch 2: its own range;
+            # slimact.quant.state.few_rows. Conditioned diffusers models failed check under "mesa" there)
+            return dataclasses.replace(cfg, scale="dynamic")
+        return cfg
 
     def _slimact_state(self, operand: str = "x") -> RunningRange | None:
         """The running estimate of ``operand`` at this call site, if the policy uses running estimates."""

@@ -52,11 +52,12 @@ class _MultiheadAttentionMixin(SlimModule):
         if any(m is not None and m.dtype != torch.bool and not m.is_floating_point()
                for m in (attn_mask, key_padding_mask)):
             return "a mask neither boolean nor floating"
-        # A floating mask of another dtype than the query's: what PyTorch's forward does with it (float64 with fp32
-        # queries: it refuses; here it was cast and trained) is its own.
-        if any(m is not None and m.is_floating_point() and m.dtype != query.dtype
+        # A floating mask neither float32 nor of the query's dtype, which PyTorch's attention refuses (float64 with
+        # fp32 queries: here it was cast and trained): its own forward, and its error. (An fp32 mask with bf16
+        # queries, a bf16 model's or autocast's, PyTorch takes: this path too.)
+        if any(m is not None and m.is_floating_point() and m.dtype not in (torch.float32, query.dtype)
                for m in (attn_mask, key_padding_mask)):
-            return "a floating mask of another dtype than the query's"
+            return "a floating mask neither float32 nor of the query's dtype"
         if is_causal and attn_mask is None:  # (the module's own forward raises "Need attn_mask ...")
             return "is_causal without attn_mask"
         return None

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from slimact.quant.recompute import checkpoint_frame, copies, note, replayed
 
-__all__ = ["ESTIMATES_ATTR", "RunningRange", "backward_key", "folded", "note_backward"]
+__all__ = ["ESTIMATES_ATTR", "FEW_ROWS", "RunningRange", "backward_key", "few_rows", "folded", "note_backward"]
 
 #: ``module.__dict__`` entry: the module's running estimates, ``{"<prefix>_lo" | "<prefix>_range": fp32 [groups]}``.
 #: Not buffers: ``model.buffers()`` is what EMA and SWA copies (``torch.optim.swa_utils.AveragedModel``, timm's
@@ -81,6 +81,19 @@ def folded(old_lo: Tensor, old_rng: Tensor, lo: Tensor, rng: Tensor, decay: floa
     runs them eagerly, the compiled CPU pack (:func:`slimact.quant.inductor.pack8`) inside its loop, with the
     same values bit for bit."""
     return old_lo * decay + lo * (1.0 - decay), old_rng * decay + rng * (1.0 - decay)
+
+
+#: Rows per channel below which a layer packs with its tensor's own range under a running-estimate policy.
+FEW_ROWS = 16
+
+
+def few_rows(numel: int, channels: int) -> bool:
+    """Whether a tensor of ``numel`` elements over ``channels`` channels has fewer than :data:`FEW_ROWS` rows a channel:
+    one batch's range then says little of the next one's, and an estimate made on other batches' few rows clips this
+    one's, which training moves further from it (a pooled classifier head's norm, one row a sample: Perceiver's
+    weight gradient at cosine 0.50 after 4 Adam steps; a diffusion model's timestep MLP at batch 2: 0.80-0.94). Such a
+    tensor is packed with its own range: the same bytes."""
+    return numel < FEW_ROWS * channels
 
 
 class RunningRange:
