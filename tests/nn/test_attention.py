@@ -290,6 +290,18 @@ def test_uncovered_calls_run_the_module_as_written():
     torch.testing.assert_close(w1, w0)
 
 
+def _refused_as_plain(policy: str, which: str, mask: torch.Tensor, error: type[Exception], match: str):
+    """An ``nn.MultiheadAttention`` and its converted copy, both refusing ``mask`` (as ``which``) with plain's error;
+    returns them and the input."""
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).train()
+    slim = slimact.convert(copy.deepcopy(mha), policy)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    for module in (mha, slim):
+        with pytest.raises(error, match=match):
+            module(x, x, x, need_weights=False, **{which: mask})
+    return mha, slim, x
+
+
 @pytest.mark.parametrize("policy", ["tempo", "int8"])
 @pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
 def test_an_integer_mask_is_refused_as_plain_refuses_it(which, policy):
@@ -298,14 +310,9 @@ def test_an_integer_mask_is_refused_as_plain_refuses_it(which, policy):
     # silently, and a routed F.scaled_dot_product_attention did the same with an integer attn_mask.
     import torch.nn.functional as F
 
-    mha = nn.MultiheadAttention(16, 2, batch_first=True).train()
-    slim = slimact.convert(copy.deepcopy(mha), policy)
-    x = torch.randn(2, 5, 16, requires_grad=True)
     mask = torch.zeros(2, 5, dtype=torch.uint8) if which == "key_padding_mask" else torch.zeros(5, 5, dtype=torch.int64)
     mask[..., :2] = 1
-    for module in (mha, slim):
-        with pytest.raises(AssertionError, match="only bool and floating types"):
-            module(x, x, x, need_weights=False, **{which: mask})
+    _refused_as_plain(policy, which, mask, AssertionError, "only bool and floating types")
     q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
     keep = torch.ones(5, 5, dtype=torch.uint8)
     cfg = resolve(policy).quant_config("attention", 4)
@@ -320,13 +327,8 @@ def test_an_integer_mask_is_refused_as_plain_refuses_it(which, policy):
 def test_a_floating_mask_of_another_dtype_runs_the_modules_own_forward(which, policy):
     # A float64 mask with fp32 queries: PyTorch's forward refuses it; the converted module cast it and trained (a
     # review, 2026-12-07). Such a call runs the module's own forward: plain's error, or plain's result.
-    mha = nn.MultiheadAttention(16, 2, batch_first=True).train()
-    slim = slimact.convert(copy.deepcopy(mha), policy)
-    x = torch.randn(2, 5, 16, requires_grad=True)
     mask = torch.zeros((2, 5) if which == "key_padding_mask" else (5, 5), dtype=torch.float64)
-    for module in (mha, slim):
-        with pytest.raises(RuntimeError, match="attn_mask dtype"):
-            module(x, x, x, need_weights=False, **{which: mask})
+    mha, slim, x = _refused_as_plain(policy, which, mask, RuntimeError, "attn_mask dtype")
     assert slim._slimact_own_forward == "a floating mask neither float32 nor of the query's dtype"
     # (an fp32 mask with bf16 queries PyTorch takes: slimact's path, as plain)
     mha16, slim16 = (copy.deepcopy(m).to(torch.bfloat16) for m in (mha, slim))
