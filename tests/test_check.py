@@ -596,7 +596,7 @@ def test_a_model_refusing_a_warm_up_batch_is_a_clear_error_naming_batches():
     # Under running estimates check warms on batches mixed from the inputs' rows: an ExactGP's own error surfaced with
     # nothing saying the batch was check's (a sweep, 2026-12-07). The error says so; batches= of the inputs checks it.
     x = torch.randn(6, 8)
-    with pytest.raises(RuntimeError, match=r"refused one \(RuntimeError: You must train on the training inputs!\): "
+    with pytest.raises(RuntimeError, match=r"raised on one \(RuntimeError: You must train on the training inputs!\): "
                                            r"pass batches="):
         slimact.check(_OnlyItsTrainingInputs(x), x, "mesa", loss_fn=lambda out: out)
     report = slimact.check(_OnlyItsTrainingInputs(x), x, "mesa", loss_fn=lambda out: out, batches=[x] * 4)

@@ -588,14 +588,14 @@ def test_compiling_a_model_under_running_estimates_warns_that_they_are_left_asid
     # indeed left as they were.
     torch.manual_seed(0)
     model = slimact.convert(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4)), policy)
-    model(torch.randn(8, 16)).sum().backward()  # (eager: the estimates are set)
+    model(torch.randn(64, 16)).sum().backward()  # (eager: the estimates are set; 64 rows, not few)
     before = {k: v.clone() for k, v in slimact.state_dict(model)["estimates"].items()}
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(2):
-            compiled(torch.randn(8, 16)).sum().backward()
+            compiled(torch.randn(64, 16)).sum().backward()
     torch._dynamo.reset()
     ours = {str(w.message) for w in seen if str(w.message).startswith("slimact")}
     assert ours == ({_RUNNING_TRACED} if policy == "mesa" else set())

@@ -127,7 +127,7 @@ def test_profile_leaves_batchnorm_statistics_and_settled_running_estimates_as_fo
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
     if policy is not None:
         slimact.convert(model, policy)
-    x = torch.randn(6, 16)
+    x = torch.randn(32, 16)  # (16 rows or more: running estimates; fewer pack with their own range)
     model(x).sum().backward()  # a first step: BatchNorm statistics moved, running estimates made
     model.zero_grad(set_to_none=True)
     before = {n: b.clone() for n, b in (*model.named_buffers(), *estimates(model).items())}

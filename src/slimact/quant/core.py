@@ -606,11 +606,11 @@ def _scale(jobs: list[_Job]) -> None:
             job.lo, job.step = lo_j, step_j
 
 
-@torch.compiler.assume_constant_result
 def _note_running_estimates_traced() -> bool:
     """Warn that a traced pack leaves running estimates aside (:func:`_pack_traced`). Run while dynamo traces, once
-    per compilation, not in the compiled graph: its result is a constant to the trace, so the warning adds no graph
-    break (``fullgraph=True`` compiles) and costs nothing at run time."""
+    per compilation, not in the compiled graph: its result is a constant to the trace (marked below as
+    ``torch.compiler.assume_constant_result`` marks it; calling that would import dynamo, and Triton, with slimact),
+    so the warning adds no graph break (``fullgraph=True`` compiles) and costs nothing at run time."""
     warnings.warn(
         "slimact: under torch.compile, running estimates (policy \"mesa\", scale='running') are neither used nor "
         "updated: each tensor is packed with its own range, rounded to nearest, as under \"int8\". The estimates "
@@ -619,6 +619,9 @@ def _note_running_estimates_traced() -> bool:
         stacklevel=2,
     )
     return True
+
+
+_note_running_estimates_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _pack_traced(x: Tensor, cfg: QuantConfig, layout: GroupLayout) -> Packed:
