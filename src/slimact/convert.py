@@ -168,6 +168,15 @@ def _one_weight_into_channel_norm(a: nn.Module, b: nn.Module) -> bool:
     return isinstance(b, nn.GroupNorm) and b.num_groups == b.num_channels == a.out_channels
 
 
+def _before_scale_passing(leaves: list[tuple[str, nn.Module]], i: int) -> int:
+    """The index of the last of ``leaves`` registered before the ``i``-th that is not a :data:`_SCALE_PASSING` layer
+    (0 at the least)."""
+    j = i - 1
+    while j > 0 and isinstance(leaves[j][1], _SCALE_PASSING):
+        j -= 1
+    return j
+
+
 def _scale_free_chains(model: nn.Module) -> dict[str, str]:
     """Convs whose weight is one scale a channel registered right before a norm standardising each channel (which
     removes that scale), and that norm; norms whose per-channel scale a BatchNorm downstream removes, and those
@@ -187,9 +196,7 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
     for i, (bn_name, bn) in enumerate(leaves[1:], 1):
         if not isinstance(bn, nn.modules.batchnorm._BatchNorm):
             continue
-        j = i - 1
-        while j > 0 and isinstance(leaves[j][1], _SCALE_PASSING):
-            j -= 1
+        j = _before_scale_passing(leaves, i)
         # (a LayerNorm, RMSNorm or GroupNorm: a BatchNorm registered right before a BatchNorm is RepVGG's parallel
         # branches, rbr_1x1's then rbr_identity's, more often than a chain; TextNet would keep 20 of them exact)
         norm_name, norm = leaves[j]
@@ -207,9 +214,7 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
     for i, (_, conv) in enumerate(leaves[1:-1], 1):
         if not _depthwise_into_batch_norm(conv, leaves[i + 1][1]):
             continue
-        j = i - 1
-        while j > 0 and isinstance(leaves[j][1], _SCALE_PASSING):
-            j -= 1
+        j = _before_scale_passing(leaves, i)
         first, norm = leaves[j]
         if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.num_features == conv.in_channels:
             out[first] = _SCALE_FREE_BN

@@ -48,8 +48,10 @@ class _NormMixin(SlimModule):
         cls._slimact_rms_norm_forward = _runs_forward_of(cls, _NormMixin, nn.RMSNorm)
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        # (a torch norm made to normalise over more than its last dim since convert: its own forward's, read live)
-        shape = getattr(self, "normalized_shape", None)
+        # (a torch norm made to normalise over more than its last dim since convert: its own forward's, read live;
+        # from __dict__, where nn.LayerNorm and nn.RMSNorm hold it: a norm of the model's own without one pays no
+        # nn.Module.__getattr__ miss at every call)
+        shape = self.__dict__.get("normalized_shape")
         if not self._slimact_one_input(args, kwargs) or (isinstance(shape, tuple) and len(shape) > 1):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
@@ -108,9 +110,7 @@ class _GroupNormMixin(SlimModule):
         cls._slimact_group_norm_forward = _runs_forward_of(cls, _GroupNormMixin, nn.GroupNorm)
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        # (a torch norm made to normalise over more than its last dim since convert: its own forward's, read live)
-        shape = getattr(self, "normalized_shape", None)
-        if not self._slimact_one_input(args, kwargs) or (isinstance(shape, tuple) and len(shape) > 1):
+        if not self._slimact_one_input(args, kwargs):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         x = args[0]
         self._slimact_begin()

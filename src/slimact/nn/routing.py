@@ -996,7 +996,9 @@ class Routing:
             return None  # a broadcast slimact's attention does not take: as written
         if (isinstance(attn_mask, Tensor) and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype
                 and (attn_mask.dtype == torch.float64 or not torch.is_autocast_enabled(query.device.type))):
-            return None  # as written: PyTorch refuses it (autocast casts a float32 one, as slimact's attention does)
+            # As written: PyTorch refuses one neither float32 nor the query's dtype, and takes a float32 one with
+            # 16-bit queries outside autocast too, which slimact's attention takes under autocast only (it casts it)
+            return None
         if attn_mask is not None and is_causal:
             # As written: PyTorch's CPU flash kernel applies both (the mask and the causal limit), its math kernel
             # raises; slimact's attention takes one or the other (it raised where the plain call ran).
