@@ -407,6 +407,22 @@ def test_torch_func_transforms_and_forward_ad_run_as_pytorch_does(policy):
     assert slimact.profile(slim, x).activation_bytes < slimact.profile(plain, x).activation_bytes
 
 
+def test_summary_names_modules_called_under_vmap_as_stepped_aside():
+    # Under torch.vmap a converted module runs PyTorch's own forward (above); summary had said that its bytes were kept
+    # "through ops slimact leaves as written in their code (a tanh soft cap ..., rotary embeddings' products)".
+    class Ensemble(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+        def forward(self, x):  # [E, B, 8] -> [E, B, 4]
+            return torch.vmap(self.net)(x)
+
+    model = slimact.convert(Ensemble(), "int8")
+    notes = "\n".join(slimact.summary(model, (torch.randn(3, 4, 8),)).notes)
+    assert "under a torch.func transform" in notes and "net.0" in notes and "soft cap" not in notes
+
+
 def _traced_step(model: nn.Module, x: torch.Tensor, how: str) -> tuple[object, torch.Tensor, dict]:
     """Train one step of ``model`` as ``torch.export`` or ``torch.jit.trace`` captures it: the captured ops, the
     output and each parameter's gradient."""

@@ -42,7 +42,16 @@ from slimact._kinds import (
 )
 from slimact.functional._saving import is_dtensor
 from slimact.functional.attention_guard import GUARDED_ATTR, MAX_SCORE_ERROR
-from slimact.nn._base import SlimModule, StepCounter, as_written, attach, clear_state, detach, refuse_script
+from slimact.nn._base import (
+    TRANSFORMED_ATTR,
+    SlimModule,
+    StepCounter,
+    as_written,
+    attach,
+    clear_state,
+    detach,
+    refuse_script,
+)
 from slimact.nn.activation import activation_class
 from slimact.nn.attention import OWN_FORWARD_ATTR, SLIM_FORWARD_ATTR, mha_class
 from slimact.nn.batch_norm import batch_norm_class
@@ -1069,6 +1078,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     if inputs is not None:
         for m in model.modules():
             m.__dict__.pop(GUARDED_ATTR, None)
+            m.__dict__.pop(TRANSFORMED_ATTR, None)
         if routing is not None:
             routing.guarded.clear()
         result.coverage, result.uncovered, unrouted, idle, own, as_plain, twice, inside = _coverage(
@@ -1094,10 +1104,17 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         # forward: its bytes are not an op in its code; the note had named soft caps and rotary embeddings for it)
         modes = {name: m.training for name, m in model.named_modules()}
         idle_eval = {name: n for name, n in inside.items() if modes.get(name) is False}
-        inside = {name: n for name, n in inside.items() if name not in idle_eval}
+        # (a call under torch.vmap, torch.func.grad or forward-mode AD runs PyTorch's own forward too: a functional
+        # ensemble's converted MLP had been reported as keeping tensors through soft caps and rotary products)
+        marked = {name for name, m in model.named_modules() if m.__dict__.get(TRANSFORMED_ATTR)}
+        stepped = {name: n for name, n in inside.items() if name not in idle_eval and name in marked}
+        inside = {name: n for name, n in inside.items() if name not in idle_eval and name not in stepped}
         for found, why in ((inside, "through ops slimact leaves as written in their code (a tanh soft cap or a "
                                     "learned temperature on attention scores, rotary embeddings' products, a mask's "
                                     "multiplication)"),
+                           (stepped, "in full where called under a torch.func transform (vmap, grad, jvp), forward-"
+                                     "mode AD or a trace, which slimact's Functions do not support: PyTorch's own "
+                                     "forward runs there, exact"),
                            (idle_eval, "in full in eval mode inside the training model (a BatchNorm frozen for "
                                        "fine-tuning: PyTorch's own forward runs there)")):
             if found:

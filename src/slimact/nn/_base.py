@@ -185,6 +185,11 @@ def _warn_skipped_by_prepare_qat(module: SlimModule) -> None:
             "Call prepare_qat before convert (or revert, prepare_qat, convert)", stacklevel=4)
 
 
+#: Set on a converted module called in training under a transform slimact's Functions do not support
+#: (:func:`~slimact.functional._saving.transformed`): summary's note.
+TRANSFORMED_ATTR = "_slimact_transformed"
+
+
 class SlimModule:
     """Mixin of every slimact module (``isinstance(m, SlimModule)`` tells a converted module)."""
 
@@ -207,7 +212,10 @@ class SlimModule:
         for x in inputs:  # (a loop, not all() of a generator: this runs once per module call)
             if isinstance(x, Tensor) and (x.dtype not in COMPRESSIBLE_DTYPES or opaque(x)):
                 return False
-        return not transformed()
+        if transformed():
+            self.__dict__[TRANSFORMED_ATTR] = True  # (summary names where it stepped aside)
+            return False
+        return True
 
     def __prepare_scriptable__(self) -> nn.Module:
         # torch.jit.script calls this on every submodule before compiling any; without it, scripting a converted
