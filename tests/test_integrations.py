@@ -392,6 +392,22 @@ def test_summary_of_a_peft_model_made_after_convert_is_the_converted_models():
     assert all(slimact.summary(model).modules.get(n) == "linear" for n in lora)
 
 
+def test_summary_of_a_base_unloaded_from_a_converted_peft_model_says_where_it_was_converted():
+    # After merge_and_unload of a converted PeftModel the base holds converted modules but not the routing (the
+    # wrapper's): summary read "policy: none: model not converted" above "converted 12 module(s)", and called the
+    # fused MLPs' down projections "no slimact replacement yet for Linear".
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = slimact.convert(get_peft_model(zoo.build("llama", tiny=True).train(),
+                                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), "int8")
+    found = slimact.summary(model.merge_and_unload())
+    assert str(found).startswith("slimact summary (policy: none at this model, which was not converted)")
+    assert any("converted as part of another model" in note for note in found.notes)
+    assert {r for n, r in found.skipped.items() if n.endswith("down_proj")} == {
+        "computed by its parent (a fused gated MLP or attention module)"}
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_fp16_autocast_with_grad_scaler(name):
     model = zoo.build(name, tiny=True).train()

@@ -96,6 +96,8 @@ _FACTORIES: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] = {
 }
 
 
+_COMPUTED_BY_PARENT = "computed by its parent (a fused gated MLP or attention module)"
+
 def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None, Recognised]:
     """``(slimact class, None, found)`` for a convertible module, ``(None, reason, found)`` for a known kind
     slimact leaves alone, ``(None, None, found)`` for anything else."""
@@ -473,7 +475,7 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
         slim_cls, unsupported, found = _replacement(module)
         if name in fused:
             detach(module)
-            skipped[name] = "computed by its parent (a fused gated MLP or attention module)"
+            skipped[name] = _COMPUTED_BY_PARENT
             continue
         if slim_cls is None:
             detach(module)  # (converted by an earlier call, recognised no more: an attribute changed since)
@@ -842,7 +844,10 @@ class Summary:
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"slimact summary (policy: {self.policy or 'none: model not converted'})"]
+        # (modules converted as part of another model, a PeftModel's before merge_and_unload: the header had said "not
+        # converted" above "converted 22 module(s)")
+        root = "none: model not converted" if not self.converted else "none at this model, which was not converted"
+        lines = [f"slimact summary (policy: {self.policy or root})"]
         total = sum(self.converted.values())
         lines.append(f"converted {total} module(s)")
         lines += [f"  {kind:<12} {n:>5}" for kind, n in sorted(self.converted.items())]
@@ -1047,6 +1052,9 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                 # (convert converts it or gives a reason: here since, as an adapter added to a converted model)
                 skipped[name] = (f"not converted: {type(module).__name__} (kind {kind!r}) came into the model after "
                                  "convert: convert the model again to convert it")
+            elif pol is None and isinstance(parent := model.get_submodule(name.rpartition(".")[0]), SlimModule) \
+                    and kind_of(parent) == "mlp":
+                skipped[name] = _COMPUTED_BY_PARENT  # (convert's reason, held by the model it was converted in)
             else:
                 skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
     if routing is not None and routing.loss is not None:
@@ -1058,6 +1066,12 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
         modules=modules,
         functional=[k for k in routing.kinds if k != "lmloss"] if routing is not None else [],
     )
+    if pol is None and modules:
+        names = sorted({m._slimact_policy.name for m in model.modules() if isinstance(m, SlimModule)})
+        result.notes.append(
+            f"its converted modules ({'/'.join(names)}) were converted as part of another model (a wrapper since "
+            "removed: a PeftModel's base after merge_and_unload), which routed the calls in model code and the LM "
+            "loss: here they run as written. slimact.convert(model) routes them for this model")
     exact = [name for name, module in model.named_modules() if name in modules
              and any(p.dtype == torch.float64 for p in module.parameters(recurse=False))]
     if exact:
