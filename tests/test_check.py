@@ -8,6 +8,8 @@ import typing
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import slimact
 from slimact import Policy, zoo
@@ -1384,3 +1386,27 @@ def test_a_gradient_passed_by_size_with_no_float64_reference_is_named():
     torch.manual_seed(0)
     report = slimact.check(_Model(), torch.randn(2, 8, 32), "int8")
     assert "passed by size alone" in report.reference and "side.weight" in report.reference, report.reference
+
+
+def test_check_judges_attention_of_rows_masked_by_a_finite_fill_against_the_math_kernel():
+    # A row masked whole by finfo.min: PyTorch's CPU flash backward rebuilds its probabilities as 1 instead of 1/S, in
+    # float64 too, so a float64 reference running that kernel sided with plain, and check failed a right "tempo"
+    # (slimact's chunked path differentiates the forward it computed: docs/attention.md).
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x):  # [B, T, 16]
+            B, T, _ = x.shape
+            q, k, v = self.qkv(x).view(B, T, 3, 2, 8).permute(2, 0, 3, 1, 4)  # [B, 2, T, 8] each
+            keep = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+            keep[0, :, 2] = False  # one query row sees no key
+            mask = torch.zeros(B, 1, T, T).masked_fill(~keep, torch.finfo(torch.float32).min)
+            return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, T, 16))
+
+    torch.manual_seed(0)
+    report = slimact.check(Masked(), torch.randn(2, 5, 16), "tempo", loss_fn=lambda y: y.square().mean())
+    assert report.passed, str(report)
+    qkv = next(p for p in report.params if p.name == "qkv.weight")
+    assert qkv.reference == "float64" and qkv.cosine < 0.99  # plain's own gradient is the one off
