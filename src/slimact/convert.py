@@ -97,6 +97,8 @@ _FACTORIES: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] = {
 
 
 _COMPUTED_BY_PARENT = "computed by its parent (a fused gated MLP or attention module)"
+#: How summary names a routed kind whose name says more than what is routed.
+_ROUTED_AS = {"linear": "linear (torch._grouped_mm only)", "product": "product (of an activation's output)"}
 
 def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None, Recognised]:
     """``(slimact class, None, found)`` for a convertible module, ``(None, reason, found)`` for a known kind
@@ -853,7 +855,10 @@ class Summary:
         lines += [f"  {kind:<12} {n:>5}" for kind, n in sorted(self.converted.items())]
         if self.functional:
             # (the kinds the policy routes wherever model code calls them, not calls seen)
-            lines.append(f"routed in model code {FUNCTIONAL_NAME}, where called: {', '.join(self.functional)}")
+            # ("linear" there is torch._grouped_mm, MoE experts' products: F.linear in model code is not routed, which
+            # the kind's name alone had let a reader take it for)
+            shown = [_ROUTED_AS.get(kind, kind) for kind in self.functional]
+            lines.append(f"routed in model code {FUNCTIONAL_NAME}, where called: {', '.join(shown)}")
         if self.coverage is not None:
             lines.append(f"coverage: {self.coverage:.1%} of the plain model's activation bytes handled by slimact")
             for name, n in sorted(self.uncovered.items(), key=lambda kv: -kv[1])[:5]:
