@@ -433,7 +433,8 @@ def _traced_step(model: nn.Module, x: torch.Tensor, how: str) -> tuple[object, t
         ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
         captured = program.module()
     else:
-        captured = torch.jit.trace(model, (x,), check_trace=False)
+        model(x)  # (a training call first: the trace and its check, which re-traces, then see the same model)
+        captured = torch.jit.trace(model, (x,))
         ops = Counter(n.kind() for n in captured.inlined_graph.nodes())
     out = captured(x)
     out.square().sum().backward()

@@ -1146,7 +1146,8 @@ class Routing:
         self._inside[:] = inside
 
     def _enter_layer(self, module, args):
-        if not self.handlers or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if (not self.handlers or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or torch._C._is_tracing()):
             return
         if self._mode is None:
             self._mode, self._layer = _Mode(self), module
@@ -1231,7 +1232,10 @@ class Routing:
         _RUNNING.routings.append(self)
         if self._root is None:  # (unpickled: the model is known again from its first call)
             self._root = weakref.ref(module)
-        if module.training and torch.is_grad_enabled() and self._mode is None and self.handlers:
+        # (not while torch.jit.trace records: its graph is the plain model's, and its check, re-tracing with the mode
+        # off, raised "Graphs differed across invocations" on a converted model in training mode)
+        if (module.training and torch.is_grad_enabled() and self._mode is None and self.handlers
+                and not torch._C._is_tracing()):
             if self.loss is not None:
                 name, at = self._labels_at
                 labels = kwargs.get(name, args[at] if at is not None and at < len(args) else None)
