@@ -407,6 +407,53 @@ def test_torch_func_transforms_and_forward_ad_run_as_pytorch_does(policy):
     assert slimact.profile(slim, x).activation_bytes < slimact.profile(plain, x).activation_bytes
 
 
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.SiLU(), nn.Linear(32, 16)).train()
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8", "mesa"])
+def test_a_step_under_fake_tensor_mode_runs_as_plain_and_leaves_later_training_alone(policy):
+    # A converted step under FakeTensorMode (shape and memory estimates): "int8" crashed the process (its compiled
+    # pack read a fake tensor's absent data), "tempo" kept the SiLU's tables built there as fake tensors, and every
+    # converted model trained after it in the process got fake gradients for the layers before the SiLU, which SGD
+    # skipped: its first Linear never moved.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    slim = slimact.convert(_mlp(), policy)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        out = slim(mode.from_tensor(torch.randn(4, 16)))
+        out.square().mean().backward()
+    assert out.shape == (4, 16)
+    plain = _mlp()
+    fresh = slimact.convert(copy.deepcopy(plain), policy)
+    x = torch.randn(8, 16)
+    for model in (plain, fresh):
+        model(x).square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), fresh.parameters(), strict=True):
+        assert type(q.grad) is torch.Tensor, name
+        assert slimact._metrics.cosine(q.grad, p.grad) > 0.99, name
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_a_training_step_on_the_meta_device_runs_as_plain(policy):
+    # A converted model moved to "meta" to estimate shapes: "Cannot copy out of meta tensor" where plain ran.
+    torch.manual_seed(0)
+    slim = slimact.convert(_mlp(), policy).to("meta")
+    out = slim(torch.randn(4, 16, device="meta"))
+    out.sum().backward()
+    assert out.shape == (4, 16) and slim[0].weight.grad.shape == (32, 16)
+
+
+@pytest.mark.parametrize("policy", ["tempo", "int8"])
+def test_torch_fx_traces_a_converted_model_in_training_mode_as_the_plain_model(policy):
+    # fx's proxies reached slimact's Functions: a TraceError that named neither slimact nor a remedy.
+    torch.manual_seed(0)
+    plain = _mlp()
+    traced = torch.fx.symbolic_trace(slimact.convert(copy.deepcopy(plain), policy))
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(traced(x), plain(x), rtol=0, atol=0)
+
 def test_summary_names_modules_called_under_vmap_as_stepped_aside():
     # Under torch.vmap a converted module runs PyTorch's own forward (above); summary had said that its bytes were kept
     # "through ops slimact leaves as written in their code (a tanh soft cap ..., rotary embeddings' products)".

@@ -21,7 +21,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def cache(fn: _F | None = None, *, maxsize: int | None = None) -> Any:
-    """``functools.lru_cache(maxsize)`` (unbounded by default) of ``fn``, bypassed while ``torch.compile`` traces;
+    """``functools.lru_cache(maxsize)`` (unbounded by default) of ``fn``, bypassed while ``torch.compile`` traces or
+    a ``TorchDispatchMode`` is on (``FakeTensorMode``: its results are no values to keep);
     used bare (``@cache``) or with ``maxsize`` (``@cache(maxsize=64)``). ``cache_clear`` clears it."""
     if fn is None:
         return functools.partial(cache, maxsize=maxsize)
@@ -29,7 +30,10 @@ def cache(fn: _F | None = None, *, maxsize: int | None = None) -> Any:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        # (nor kept while a dispatch mode is on: under FakeTensorMode the activations' tables were built as fake
+        # tensors and kept, and every later converted model in the process got fake gradients, which optimizers
+        # skip: its first layers never moved)
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
             return fn(*args, **kwargs)
         return cached(*args, **kwargs)
 

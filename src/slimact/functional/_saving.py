@@ -610,15 +610,24 @@ def foreign_weight(weight: Tensor) -> str | None:
 
 def opaque(t: Tensor) -> bool:
     """Whether ``t``'s data cannot be viewed, packed and indexed as slimact's Functions do: a nested tensor
-    (``torch.nested``, jagged or strided) or a sparse one (COO, CSR). A module or call given one runs as written (they
-    raised where the plain one ran: a jagged F.scaled_dot_product_attention, a PyG GCN on sparse node features)."""
-    return t.is_nested or t.layout is not torch.strided
+    (``torch.nested``, jagged or strided) or a sparse one (COO, CSR), a tensor with no data (on the meta device, or a
+    ``FakeTensor``), or a ``DTensor`` (tensor parallelism's activations, sharded or replicated). A module or call given
+    one runs as written (they raised where the plain one ran: a jagged F.scaled_dot_product_attention, a PyG GCN on
+    sparse node features, a training step on the meta device, ColwiseParallel's input read as local storage)."""
+    return t.is_nested or t.layout is not torch.strided or t.is_meta or _is_fake(t) or is_dtensor(t)
+
+
+def _is_fake(t: object) -> bool:
+    """Whether ``t`` is a ``FakeTensor`` (without importing it: where it is not imported, none exist)."""
+    fake = getattr(sys.modules.get("torch._subclasses.fake_tensor"), "FakeTensor", None)
+    return fake is not None and isinstance(t, fake)
 
 
 def transformed() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``...), forward-mode AD
     (``torch.autograd.forward_ad.dual_level``) or a TorchScript trace (``torch.jit.trace``, the TorchScript ONNX
-    exporter) or ``torch.export`` is active. slimact Functions support none of them (no ``setup_context``/``vmap``/
+    exporter), ``torch.export``, ``torch.fx``'s symbolic trace or a ``FakeTensorMode`` is active. slimact
+    Functions support none of them (no ``setup_context``/``vmap``/
     ``jvp``; their forwards read the storage of the tensors they pack; a TorchScript trace records a Python Function as
     an opaque op, which failed with an internal assert of PyTorch's alias analysis; ``torch.export`` kept their
     forwards' ops without their backward, and without the grad mode they run in, so an exported training-mode model's
@@ -632,7 +641,16 @@ def transformed() -> bool:
         torch._C._functorch.peek_interpreter_stack() is not None
         or torch.autograd.forward_ad._current_level >= 0
         or torch._C._is_tracing()
+        # (FakeTensorMode's shape and memory estimates: an 8-bit pack's compiled kernel read a fake tensor's absent
+        # data, a segfault; torch.fx's symbolic trace: its proxies reached slimact's Functions, fx's TraceError)
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        or _fx_tracing()
     )
+
+
+def _fx_tracing() -> bool:
+    symbolic = sys.modules.get("torch.fx._symbolic_trace")
+    return symbolic is not None and symbolic.is_fx_symbolic_tracing()
 
 
 class SlimFunction(torch.autograd.Function):

@@ -196,6 +196,14 @@ def _top_saved_hook() -> object:
 _NORM_KINDS = frozenset({"layernorm", "rmsnorm", "groupnorm", "batchnorm"})
 
 
+def _recording() -> bool:
+    """Whether ``torch.jit.trace`` records or a ``FakeTensorMode`` is on: the mode stays off, the calls as written (a
+    trace is the plain model's program, and its check, re-tracing with the mode off, raised "Graphs differed across
+    invocations" on a converted model in training mode; under FakeTensorMode the mode's calls read fake tensors'
+    data pointers)."""
+    return torch._C._is_tracing() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def _nested(args: tuple, kwargs: dict) -> bool:
     """Whether a call takes a nested or sparse tensor (:func:`~slimact.functional._saving.opaque`: a jagged
     F.scaled_dot_product_attention, F.gelu or F.dropout, a sparse adjacency's product in a graph attention raised
@@ -1147,7 +1155,7 @@ class Routing:
 
     def _enter_layer(self, module, args):
         if (not self.handlers or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or torch._C._is_tracing()):
+                or _recording()):
             return
         if self._mode is None:
             self._mode, self._layer = _Mode(self), module
@@ -1232,10 +1240,7 @@ class Routing:
         _RUNNING.routings.append(self)
         if self._root is None:  # (unpickled: the model is known again from its first call)
             self._root = weakref.ref(module)
-        # (not while torch.jit.trace records: its graph is the plain model's, and its check, re-tracing with the mode
-        # off, raised "Graphs differed across invocations" on a converted model in training mode)
-        if (module.training and torch.is_grad_enabled() and self._mode is None and self.handlers
-                and not torch._C._is_tracing()):
+        if module.training and torch.is_grad_enabled() and self._mode is None and self.handlers and not _recording():
             if self.loss is not None:
                 name, at = self._labels_at
                 labels = kwargs.get(name, args[at] if at is not None and at < len(args) else None)

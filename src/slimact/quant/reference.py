@@ -65,6 +65,7 @@ from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from slimact.quant.packing import pack_bits, unpack_bits
 from slimact.quant.recompute import checkpoint_frame, note_seed, replayed_seed
@@ -474,7 +475,8 @@ def begin_stream(step: int) -> None:
     afresh, and PyTorch's own random stream, hence every dropout mask, is exactly the plain model's. Streams
     belong to the calling thread (nested forwards each have their own, the innermost drawing).
     """
-    with torch._C._DisableFuncTorch():  # under a torch.func transform the state is a wrapper with no storage
+    # (under a torch.func transform the state is a wrapper with no storage; under FakeTensorMode a fake tensor)
+    with torch._C._DisableFuncTorch(), _disable_current_modes():
         state = torch.get_rng_state().numpy().tobytes()
     _streams.forward.append([_digest(state, step), 0])
 
