@@ -46,6 +46,12 @@ def test_profile_leaves_a_first_steps_one_time_allocations_out_of_the_peak(capsy
     assert _ratio(capsys.readouterr().out, "step peak") < 1.5
 
 
+def test_profile_of_a_tiny_model_takes_its_positions_without_seq(capsys):
+    # The default --seq 512 crashed every command on a tiny model (128 positions) with a traceback and status 1.
+    assert main(["profile", "--model", "gpt2", "--tiny", "--batch", "1", "--policy", "tempo"]) == 0
+    assert "x 128 tokens" in capsys.readouterr().out
+
+
 def test_fit_takes_the_tiny_model(capsys, tmp_path):
     # profile and check had --tiny, fit did not: the smallest zoo model it could size was a 1-layer GPT-2.
     assert main(["fit", "--model", "gpt2", "--tiny", "--budget", "8MiB", "--seq", "16", "--policy", "plain"]) == 0
@@ -61,8 +67,9 @@ def test_fit_takes_the_tiny_model(capsys, tmp_path):
     ["check", "--model", "gpt2", "--tiny", "--micro-batch", "0"],
     ["profile", "--model", "gpt2", "--tiny", "--seq", "0"],
     ["fit", "--model", "gpt2", "--budget", "lots"],
+    ["check", "--model", "llama", "--tiny", "--seq", "512"],
 ], ids=["unknown-model", "unknown-preset", "missing-policy-file", "negative-batch", "zero-micro-batch", "zero-seq",
-        "budget"])
+        "budget", "seq-beyond-positions"])
 def test_a_bad_value_is_one_line_and_status_2_not_checks_failure(argv, capsys):
     # A typo was a traceback and exit status 1, check's "failed": a script could not tell them apart; a zero
     # micro-batch or layer count ran (found by a helper's review of the CLI).

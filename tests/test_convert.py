@@ -165,6 +165,14 @@ def test_revert_makes_a_module_plain_in_every_model_holding_it():
     assert slimact.profile(host, inputs).activation_bytes == slimact.profile(plain, inputs).activation_bytes
 
 
+def test_summary_of_a_model_not_converted_says_convert_replaces_its_layers():
+    # It said "no slimact replacement yet" of every Linear, GELU and LayerNorm of a model never converted, or reverted.
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.LayerNorm(4), nn.Embedding(3, 4))
+    for found in (slimact.summary(model), slimact.summary(slimact.revert(slimact.convert(model)))):
+        assert all(found.skipped[n].startswith("not converted: the model was not converted") for n in ("0", "1", "2"))
+        assert found.skipped["3"].startswith("no slimact replacement yet for Embedding")
+
+
 def test_summary_of_a_model_holding_a_converted_module_is_that_modules_and_lists_the_rest():
     # A model holding a converted module (a block converted on its own; a head added to a converted backbone, peft's
     # prompt encoder beside the model it wraps) read "policy: none: model not converted" above the count of converted

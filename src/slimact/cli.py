@@ -44,11 +44,29 @@ def _model(args: argparse.Namespace):
     from slimact.zoo import MODELS, build, load
 
     if os.path.isdir(args.model):
-        return load(args.model, attn=args.attn).to(args.device)
+        return _fit_seq(load(args.model, attn=args.attn).to(args.device), args)
     if args.model not in MODELS:
         raise _UsageError(f"unknown model {args.model!r}: a zoo model ({', '.join(MODELS)}) or a local model "
                           "directory")
-    return build(args.model, layers=args.layers, attn=args.attn, tiny=getattr(args, "tiny", False)).to(args.device)
+    model = build(args.model, layers=args.layers, attn=args.attn, tiny=getattr(args, "tiny", False)).to(args.device)
+    return _fit_seq(model, args)
+
+
+def _fit_seq(model, args: argparse.Namespace):
+    """``model``, with ``args.seq`` checked against the positions it has (``--tiny``'s 128: the default 512 had
+    crashed every command on a tiny model with a traceback, exit status 1, which is check's "failed"); an unset
+    ``--seq`` becomes 512 or the positions, the fewer."""
+    config = getattr(model, "config", None)
+    limit = next((getattr(config, name) for name in ("n_positions", "max_position_embeddings")
+                  if isinstance(getattr(config, name, None), int)), None)
+    if config is not None and hasattr(config, "image_size"):
+        limit = None  # (images: --seq is not read)
+    if getattr(args, "seq", 0) is None:
+        args.seq = min(512, limit or 512)
+    elif limit is not None and args.seq > limit:
+        raise _UsageError(f"--seq {args.seq} is more than the {limit} positions of {args.model}: pass --seq {limit} "
+                          "or less")
+    return model
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -249,7 +267,9 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         extra = [tuple(e.split(":")) for e in args.extra]
         models = args.models or ["bert-base", "gpt2", "llama", "vit-b16"]
-        for row in memory(models, args.dtypes, args.policies, batch=args.batch or 4, seq=args.seq or 512,
+        # (a tiny model has 128 positions: the default 512 aborted the run)
+        seq = args.seq or (128 if args.tiny else 512)
+        for row in memory(models, args.dtypes, args.policies, batch=args.batch or 4, seq=seq,
                           device=args.device, extra=extra, tiny=args.tiny, layers=args.layers):
             print(f"{row['model']:>10} {row['dtype']:>5} {row['policy']:>6}: kept {row['plain_kept_mib']:>10.2f} MiB"
                   f" -> {row['kept_mib']:>9.2f} MiB {row['kept_ratio']:.3f}x; peak {row['plain_peak_mib']:>10.2f} MiB"
@@ -286,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="bytes kept for backward and the step's peak, plain vs converted")
     p.add_argument("--model", default="gpt2", help=model_help)
     p.add_argument("--batch", type=_positive, default=4)
-    p.add_argument("--seq", type=_positive, default=512)
+    p.add_argument("--seq", type=_positive, default=None,
+                   help="tokens per sample (default 512, or the model's positions where fewer: --tiny's 128)")
     p.add_argument("--policy", default="int8", help="preset name or policy file")
     p.add_argument("--layers", type=_positive, default=None, help="override the number of layers")
     p.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
@@ -324,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--model", default="gpt2", help=model_help)
     f.add_argument("--attn", default="sdpa", help="Hugging Face attention implementation (sdpa, eager)")
     f.add_argument("--budget", required=True, type=_budget, help="memory budget, e.g. 8GiB")
-    f.add_argument("--seq", type=_positive, default=512)
+    f.add_argument("--seq", type=_positive, default=None,
+                   help="tokens per sample (default 512, or the model's positions where fewer: --tiny's 128)")
     f.add_argument("--policy", default="auto", help="auto (least lossy that reaches --batch), or a policy name")
     f.add_argument("--batch", type=_positive, default=None, help="the batch size wanted (for --policy auto)")
     f.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])

@@ -1060,6 +1060,10 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             elif pol is None and isinstance(parent := model.get_submodule(name.rpartition(".")[0]), SlimModule) \
                     and kind_of(parent) == "mlp":
                 skipped[name] = _COMPUTED_BY_PARENT  # (convert's reason, held by the model it was converted in)
+            elif pol is None and recognise(module).replace is not None:
+                # (a model never converted, or reverted: "no slimact replacement yet" had been said of its Linears)
+                skipped[name] = (f"not converted: the model was not converted (slimact.convert(model) replaces this "
+                                 f"{type(module).__name__}, kind {kind!r})")
             else:
                 skipped[name] = f"no slimact replacement yet for {type(module).__name__} (kind {kind!r})"
     if routing is not None and routing.loss is not None:
