@@ -519,8 +519,8 @@ def test_a_functions_own_ops_do_not_pass_through_the_routing_mode(policy, monkey
     # its Python handler. The calls inside slimact's Functions (the pack's ops, the Linear's own F.linear, the
     # activation's) are not model code: the Functions run their forwards with the mode off. Before, a Linear-GELU-
     # Linear step at 8 bits passed 382 calls through it (CPU reference pack), tempo 22; now the modules' own few
-    # attribute reads before their Function (and the step's seed stream) remain, among them each module's is_nested
-    # and layout of its input (a nested or sparse tensor runs the plain module): 6 here.
+    # attribute reads before their Function (and the step's seed stream) remain, among them each module's is_nested,
+    # layout and is_meta of its input (a nested, sparse or meta tensor runs the plain module): 9 here.
     from slimact.nn import routing
 
     seen = []
@@ -533,7 +533,7 @@ def test_a_functions_own_ops_do_not_pass_through_the_routing_mode(policy, monkey
     model = slimact.convert(nn.Sequential(nn.Linear(64, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 64)), policy)
     monkeypatch.setattr(routing._Mode, "__torch_function__", counted)
     model.train()(torch.randn(2, 8, 64, requires_grad=True)).sum().backward()
-    assert len(seen) <= 16 and not {"amax", "gelu", "ge", "view", "reshape"} & set(seen), seen
+    assert len(seen) <= 19 and not {"amax", "gelu", "ge", "view", "reshape"} & set(seen), seen
     # int8: neither Linear's F.linear is seen (it runs inside the Function); tempo leaves the Linears plain
     assert seen.count("linear") == (2 if policy == "tempo" else 0), seen
 
