@@ -2,6 +2,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import slimact
@@ -605,6 +606,21 @@ def test_a_relu_mask_beside_its_output_kept_in_full_is_left_out_or_reported_as_k
     dropped = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 8))
     assert slimact.profile(slimact.convert(dropped, "tempo"), torch.randn(16, 64)).twice == {}
     assert "1" not in slimact.summary(slimact.convert(nn.Sequential(*_ReluBetween(layer).children()), "int8")).skipped
+
+
+def test_a_relu_before_a_linear_subclass_left_as_written_is_left_as_written_too():
+    # Under "int8" too: an nn.Linear subclass with its own forward (zuko's MaskedLinear in MAF and NSF) is left alone
+    # and keeps its input whole, so the converted ReLU's 1-bit mask was a second copy (1.02x plain's bytes).
+    class Masked(nn.Linear):
+        def forward(self, x):
+            return F.linear(x, self.weight.tril(), self.bias)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(Masked(64, 64), nn.ReLU(), Masked(64, 8))
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    x = torch.randn(32, 64)
+    assert "keeps its output in full" in slimact.summary(slim).skipped["1"]
+    assert slimact.profile(slim, x).kept_bytes == slimact.profile(plain, x).kept_bytes
 
 
 def test_probabilities_autograd_keeps_in_full_are_not_packed_again():
