@@ -621,6 +621,13 @@ def test_a_relu_before_a_linear_subclass_left_as_written_is_left_as_written_too(
     x = torch.randn(32, 64)
     assert "keeps its output in full" in slimact.summary(slim).skipped["1"]
     assert slimact.profile(slim, x).kept_bytes == slimact.profile(plain, x).kept_bytes
+    # A frozen one keeps nothing of its input: the ReLU's mask is all the ReLU needs, converted (a review: 10.5x the
+    # bytes with the ReLU left as written there).
+    plain[2].requires_grad_(False)
+    slim = slimact.convert(copy.deepcopy(plain), "int8")
+    assert "1" not in slimact.summary(slim).skipped
+    relu_output = 32 * 64 * 4  # (plain's ReLU keeps it; the converted one a mask of 1/32 of it)
+    assert slimact.profile(slim, x).kept_bytes <= slimact.profile(plain, x).kept_bytes - relu_output * 31 // 32
 
 
 def test_probabilities_autograd_keeps_in_full_are_not_packed_again():

@@ -59,6 +59,10 @@ def _fit_seq(model, args: argparse.Namespace):
     config = getattr(model, "config", None)
     limit = next((getattr(config, name) for name in ("n_positions", "max_position_embeddings")
                   if isinstance(getattr(config, name, None), int)), None)
+    for name, module in model.named_modules():
+        # (RoBERTa's positions start after its padding index: 130 embeddings, 128 positions)
+        if name.endswith("position_embeddings") and getattr(module, "padding_idx", None) is not None:
+            limit = module.num_embeddings - module.padding_idx - 1
     if config is not None and hasattr(config, "image_size"):
         limit = None  # (images: --seq is not read)
     if getattr(args, "seq", 0) is None:

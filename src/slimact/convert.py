@@ -280,10 +280,12 @@ def _relus_into_layers_as_written(model: nn.Module, pol: Policy) -> dict[str, st
         if not isinstance(parent, nn.Sequential) or type(a) is not nn.ReLU or not isinstance(b, _KEEPING_INPUT):
             continue
         kind = kind_of(b)
-        # (or a Linear or conv subclass convert leaves as written, its own forward: zuko's MaskedLinear in MAF and NSF,
-        # whose F.linear keeps its input whole; the converted ReLU's mask made the model keep 1.02x plain's bytes)
+        # (or a Linear or conv subclass convert leaves as written, its own forward, with a weight to train: zuko's
+        # MaskedLinear in MAF and NSF, whose F.linear keeps its input whole; the converted ReLU's mask made the model
+        # keep 1.02x plain's bytes. A frozen one keeps nothing of its input: there the mask is the ReLU's all.)
         if (pol.skip_reason(kind, bname) is not None or not pol.settings(kind).quantize
-                or (isinstance(b, (nn.Linear, nn.modules.conv._ConvNd)) and _replacement(b)[0] is None)):
+                or (isinstance(b, (nn.Linear, nn.modules.conv._ConvNd)) and _replacement(b)[0] is None
+                    and isinstance(weight := getattr(b, "weight", None), Tensor) and weight.requires_grad)):
             out[aname] = (f"the next layer of its Sequential, a {type(b).__name__} keeping its input exact under this "
                           "policy, keeps its output in full, as PyTorch's ReLU does: a 1-bit mask of it would be a "
                           "second copy")
