@@ -173,6 +173,14 @@ def test_summary_of_a_model_not_converted_says_convert_replaces_its_layers():
         assert found.skipped["3"].startswith("no slimact replacement yet for Embedding")
 
 
+def test_summary_names_what_the_routed_linear_kind_routes():
+    # "routed in model code ...: linear" read as if F.linear in model code were routed (torchtune's LoRA layers and
+    # tied head keep their fp32 inputs through it): it is torch._grouped_mm, MoE experts' products, only.
+    text = str(slimact.summary(slimact.convert(nn.Sequential(nn.Linear(4, 4)), "int8")))
+    routed = next(line for line in text.splitlines() if line.startswith("routed in model code"))
+    assert "linear (torch._grouped_mm only)" in routed and "product (of an activation's output)" in routed
+
+
 def test_summary_of_a_model_holding_a_converted_module_is_that_modules_and_lists_the_rest():
     # A model holding a converted module (a block converted on its own; a head added to a converted backbone, peft's
     # prompt encoder beside the model it wraps) read "policy: none: model not converted" above the count of converted
