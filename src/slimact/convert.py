@@ -100,6 +100,7 @@ _COMPUTED_BY_PARENT = "computed by its parent (a fused gated MLP or attention mo
 #: How summary names a routed kind whose name says more than what is routed.
 _ROUTED_AS = {"linear": "linear (torch._grouped_mm only)", "product": "product (of an activation's output)"}
 
+
 def _replacement(module: nn.Module) -> tuple[type[nn.Module] | None, str | None, Recognised]:
     """``(slimact class, None, found)`` for a convertible module, ``(None, reason, found)`` for a known kind
     slimact leaves alone, ``(None, None, found)`` for anything else."""

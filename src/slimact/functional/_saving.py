@@ -33,8 +33,8 @@ from slimact.quant import Packed, pack_mask, unpack, unpack_mask
 from slimact.quant.core import forget_shared_packs
 from slimact.quant.state import note_backward
 
-__all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy_on_write", "foreign_saved_hooks",
-           "foreign_weight", "is_dtensor", "is_gradient", "is_parameter_gradient", "keep_output",
+__all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy_on_write", "faking",
+           "foreign_saved_hooks", "foreign_weight", "is_dtensor", "is_gradient", "is_parameter_gradient", "keep_output",
            "kept_or_view_of_kept", "load", "observer", "opaque", "save", "transformed"]
 
 
@@ -643,9 +643,14 @@ def transformed() -> bool:
         or torch._C._is_tracing()
         # (FakeTensorMode's shape and memory estimates: an 8-bit pack's compiled kernel read a fake tensor's absent
         # data, a segfault; torch.fx's symbolic trace: its proxies reached slimact's Functions, fx's TraceError)
-        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        or faking()
         or _fx_tracing()
     )
+
+
+def faking() -> bool:
+    """Whether a ``FakeTensorMode`` is on (shape and memory estimates)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def _fx_tracing() -> bool:

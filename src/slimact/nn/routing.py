@@ -96,6 +96,7 @@ from slimact.functional._saving import (
     KEPT_OUTPUTS,
     Mask,
     copy_on_write,
+    faking,
     kept_or_view_of_kept,
     opaque,
     transformed,
@@ -201,7 +202,7 @@ def _recording() -> bool:
     trace is the plain model's program, and its check, re-tracing with the mode off, raised "Graphs differed across
     invocations" on a converted model in training mode; under FakeTensorMode the mode's calls read fake tensors'
     data pointers)."""
-    return torch._C._is_tracing() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    return torch._C._is_tracing() or faking()
 
 
 def _nested(args: tuple, kwargs: dict) -> bool:
