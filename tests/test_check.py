@@ -3,6 +3,7 @@ the user's model is left exactly as found, a deliberately broken policy is repor
 parameters), the floors tell rounding from a real error, and the command line's exit code follows the verdict."""
 
 import contextlib
+import copy
 import importlib
 import typing
 
@@ -76,6 +77,34 @@ def test_dropout_draws_agree_so_a_model_with_dropout_passes_lossless():
     # BERT's key biases: zero in exact arithmetic (softmax ignores a per-row shift), judged by size.
     keys = [p for p in report.params if p.name.endswith("attention.self.key.bias")]
     assert keys and all(p.negligible and p.passed for p in keys)
+
+
+def test_quantize_on_a_kind_that_packs_nothing_leaves_a_lossless_policy_judged_at_float_rounding(monkeypatch):
+    # per_kind={"dropout": {"quantize": True}} converts byte for byte as without it (a dropout keeps its mask as
+    # bits whatever the policy), yet it had switched check to the lossy floors, where a 1% gradient error passes.
+    lossless = Policy(name="lossless", quantize=False, kinds=("dropout", "layernorm"))
+    same = lossless.replace(name="same", per_kind={"dropout": {"quantize": True}, "lmloss": {"quantize": True}})
+    assert not lossless.quantizes and not same.quantizes
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Dropout(0.1), nn.Linear(32, 4))
+    x = torch.randn(16, 32)
+    bytes_ = [slimact.profile(slimact.convert(copy.deepcopy(model), p), x).activation_bytes for p in (lossless, same)]
+    assert bytes_[0] == bytes_[1]
+    report = slimact.check(model, x, same)
+    assert report.passed and report.lossless, str(report)
+    # ... and held to float rounding: a LayerNorm weight gradient 1% off now fails.
+    from slimact.functional.norm import _NormFunction
+
+    backward = _NormFunction.backward
+
+    def off(ctx, grad_y):
+        grads = list(backward(ctx, grad_y))
+        grads[1] = None if grads[1] is None else grads[1] * 1.01
+        return tuple(grads)
+
+    monkeypatch.setattr(_NormFunction, "backward", staticmethod(off))
+    report = slimact.check(model, x, same)
+    assert not report.passed and [p.name for p in report.failures] == ["1.weight"], str(report)
 
 
 def test_a_broken_policy_is_reported_with_the_parameters_it_breaks():

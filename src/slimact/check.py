@@ -157,7 +157,7 @@ def rounding_tolerance(dtype: torch.dtype) -> float:
 
 def is_lossless(policy: Policy) -> bool:
     """Whether ``policy`` quantises nothing (every enabled kind keeps its tensors exact, as ``"tempo"``)."""
-    return not any(policy.settings(kind).quantize for kind in policy.kinds)
+    return not policy.quantizes
 
 
 @dataclass(frozen=True)

@@ -466,7 +466,7 @@ def _convert(model: nn.Module, pol: Policy, filter_fn: FilterFn | None) -> nn.Mo
     skipped: dict[str, str] = {}
     fused: set[str] = set()  # modules a converted parent computes itself
     # (8-bit for any kind: a lossless policy turning it on for one kind in per_kind needs the guard as much)
-    scale_free = _scale_free_chains(model) if any(pol.settings(k).quantize for k in pol.kinds) else {}
+    scale_free = _scale_free_chains(model) if pol.quantizes else {}
     scale_free.update(_relus_into_layers_as_written(model, pol))
     forget(model.modules())  # recognised afresh: attributes, hooks and children may have changed since
     with as_written(model), recognising(model):

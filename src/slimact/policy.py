@@ -279,6 +279,14 @@ class Policy:
         """The effective settings of ``kind``: its ``per_kind`` entry over the policy's own values."""
         return _settings(self, kind)
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether any enabled kind that packs tensors keeps them 8-bit (or fewer bits); ``False``: lossless.
+
+        A ``quantize`` set on a kind that packs nothing (dropout, the LM loss) changes no byte, so it does not count.
+        """
+        return any(self.settings(k).quantize for k in self.kinds if k not in _PACKLESS_KINDS)
+
     def quant_config(self, kind: str, ndim: int) -> QuantConfig | None:
         """The compression of a rank-``ndim`` tensor saved by a layer of ``kind``; ``None``: keep it exact."""
         return _quant_config(self, kind, ndim) if self.settings(kind).quantize else None
@@ -301,6 +309,7 @@ class Policy:
         return None
 
     def replace(self, **changes: Any) -> Policy:
+        """This policy with ``changes`` to its fields (checked as the constructor checks them)."""
         return dataclasses.replace(self, **changes)
 
     def to_file(self, path: str | os.PathLike[str]) -> Path:
