@@ -193,8 +193,10 @@ def _set_checked(obj: Policy | KindSettings, where: str) -> None:
 class KindSettings:
     """Settings of one layer kind that override the policy's own (``None``: the policy's value).
 
-    ``groups`` is the number of scale groups of that kind's tensors: channel groups, or head groups for the
-    ``[B, H, T, D]`` tensors of attention (0 = one per channel or head). Every field is checked as
+    ``groups`` is the number of scale groups of that kind's tensors (0 = one per channel or head): channel groups;
+    for ``matmul``, ``softmax`` and ``attention``, head groups of their ``[B, H, T, D]`` tensors, their tensors of
+    any other rank taking the policy's ``channel_groups`` (a head count says nothing of a ``[B, T, C]`` tensor's
+    channels). Every field is checked as
     :class:`Policy`'s are (:class:`PolicyError` naming the field, the value and what it must be).
     """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from slimact.functional.attention import scaled_dot_product_attention
+from slimact.functional.attention import _additive, scaled_dot_product_attention
 from slimact.functional.attention_guard import GUARDED_ATTR, guarded
 from slimact.functional.linear import linear
 from slimact.nn._base import SlimModule, slim_class
@@ -23,12 +23,10 @@ from slimact.nn._base import SlimModule, slim_class
 __all__ = ["OWN_FORWARD_ATTR", "SLIM_FORWARD_ATTR", "mha_class"]
 
 
-def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """An ``nn.MultiheadAttention`` mask (boolean ``True`` = do *not* attend) as an additive one, -inf where
-    masked, so a fully masked row is recognised as such (and gives 0, not NaN)."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask if mask is None else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+def _additive_from_mha(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """An ``nn.MultiheadAttention`` mask (boolean ``True`` = do *not* attend, the opposite of SDPA's) as an additive
+    one, -inf where masked, so a fully masked row is recognised as such (and gives 0, not NaN)."""
+    return _additive(~mask if mask is not None and mask.dtype == torch.bool else mask, dtype)
 
 
 #: Set on a converted ``nn.MultiheadAttention`` by its training calls: why one ran the module's own forward (a call
@@ -108,11 +106,11 @@ class _MultiheadAttentionMixin(SlimModule):
         # another output than plain's: 0.96 apart); with one, the masks are merged and the hint is dropped.
         causal = bool(is_causal and key_padding_mask is None)
         attn_mask = None if causal else attn_mask
-        mask = _additive(attn_mask, q.dtype)
+        mask = _additive_from_mha(attn_mask, q.dtype)
         if mask is not None:
             mask = mask.view(1, 1, t, s) if mask.dim() == 2 else mask.view(b, h, t, s)
         if key_padding_mask is not None:
-            pad = _additive(key_padding_mask, q.dtype).view(b, 1, 1, s)
+            pad = _additive_from_mha(key_padding_mask, q.dtype).view(b, 1, 1, s)
             mask = pad if mask is None else mask + pad
         out, tripped = guarded(
             scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
