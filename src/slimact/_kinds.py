@@ -61,7 +61,6 @@ __all__ = [
     "gated_layout",
     "gated_mlp_form",
     "gated_mlp_intact",
-    "is_hf_conv1d",
     "kind_of",
     "named_norm",
     "norm_eps",
@@ -181,11 +180,6 @@ def _library_base(cls: type, name: str, package: str) -> type | None:
     """The class named ``name`` of library ``package`` in ``cls``'s hierarchy (matched by name: slimact imports no
     library to recognise its layers)."""
     return next((c for c in cls.__mro__ if c.__name__ == name and c.__module__.startswith(package)), None)
-
-
-def is_hf_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2 family): a Linear with its weight stored ``[in, out]``."""
-    return _library_base(_cls(module), *_HF_CONV1D) is not None
 
 
 _HF_CONV1D = ("Conv1D", "transformers.")

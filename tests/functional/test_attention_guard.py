@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slimact
-from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error, score_error, score_safe_config
+from slimact.functional.attention_guard import MAX_SCORE_ERROR, checked_score_error, score_error
 from slimact.policy import PRESETS
 from slimact.quant import QuantConfig
 
@@ -37,17 +37,24 @@ def _cfg():
     return PRESETS["int8"].quant_config("attention", 4)
 
 
+def _unsafe(q, k, scale, cfg):
+    """What the fused attention decides (``functional.attention``): ``None`` where the guard does not check."""
+    error = checked_score_error(q, k, scale, cfg)
+    return None if error is None else bool(error > MAX_SCORE_ERROR)
+
+
 def test_normalised_unscaled_scores_keep_q_k_v_exact_and_ordinary_attention_stays_8bit():
     torch.manual_seed(0)
     q, k = F.rms_norm(torch.randn(2, 4, 32, 16), (16,)), F.rms_norm(torch.randn(2, 4, 32, 16), (16,))
     assert score_error(q, k, 1.0, _cfg()) > MAX_SCORE_ERROR
-    assert score_safe_config(q, k, 1.0, _cfg()) is None
-    assert score_safe_config(q, k, 16**-0.5 / 8, _cfg()) is _cfg()  # the same tensors, a small scale
+    assert _unsafe(q, k, 1.0, _cfg()) is True
+    assert _unsafe(q, k, 16**-0.5 / 8, _cfg()) is False  # the same tensors, a small scale
     q, k = 0.3 * torch.randn(2, 4, 32, 16), 0.3 * torch.randn(2, 2, 32, 16)  # GQA: 2 key heads
-    assert score_safe_config(q, k, None, _cfg()) is _cfg()
-    assert score_safe_config(q, k, None, None) is None
-    two_bit = dataclasses.replace(_cfg(), bits=2)  # a narrow width chosen by the policy is not overridden
-    assert score_safe_config(q, k, None, two_bit) is two_bit
+    assert _unsafe(q, k, None, _cfg()) is False
+    assert _unsafe(q, k, None, None) is None
+    # judged at 8 bits: a narrow width chosen by the policy is not overridden
+    two_bit = dataclasses.replace(_cfg(), bits=2)
+    assert checked_score_error(q, k, None, two_bit) == checked_score_error(q, k, None, _cfg())
 
 
 def test_qk_normalised_unscaled_attention_passes_the_int8_floor():
@@ -84,6 +91,27 @@ def test_summary_names_attention_the_guard_kept_exact():
         model = slimact.convert(nn.Sequential(_QKNormAttention(scale=scale)), "int8")
         notes = [n for n in slimact.summary(model, x).notes if "kept q, k, v exact" in n]
         assert bool(notes) == named and (not named or notes[0].startswith("attention in 0 ")), notes
+
+
+def test_attention_the_guard_kept_exact_is_not_counted_as_covered():
+    # Qwen3's QK-normalised q and k with 1/sqrt(D): estimated score error 0.016 at 8 bits rounded to nearest
+    # ("int8"), 0.022 with stochastic rounding ("mesa"), past MAX_SCORE_ERROR. Its attention (transformers'
+    # AttentionInterface) then kept q, k, v exact, plain's bytes, while summary counted it converted: 99.4% coverage.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=64)
+    ids = torch.randint(0, 300, (2, 64))
+    batch = {"input_ids": ids, "labels": ids}
+    attention = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    reports = {}
+    for policy in ("int8", "mesa"):
+        model = slimact.convert(transformers.Qwen3ForCausalLM(cfg), policy)
+        reports[policy] = report = slimact.summary(model, batch)
+        guarded = any("kept q, k, v exact" in n for n in report.notes)
+        assert guarded == (policy == "mesa"), report.notes
+        assert all(("score guard" in report.skipped.get(name, "")) == guarded for name in attention), report.skipped
+    assert reports["mesa"].coverage < reports["int8"].coverage - 0.05
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
