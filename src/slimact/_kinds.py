@@ -953,7 +953,7 @@ def _probe_gated_mlp(module: nn.Module, layouts: list[GatedLayout]) -> list[tupl
         try:
             with cast():
                 seen = _gated_calls(module, names, x)
-        except Exception:
+        except _PROBE_ERRORS:  # (anything else is a bug and propagates: module docstring)
             if not extra:
                 raise
             continue

@@ -155,6 +155,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
+    if not str(args.out).lower().endswith(".toml"):  # (before the measuring, not after it)
+        raise _UsageError(f"--out {args.out!r}: the chosen policy is written as TOML, to a file ending in .toml")
     import transformers
 
     from slimact.fit import AUTO_ORDER, fit

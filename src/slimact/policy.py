@@ -315,7 +315,7 @@ class Policy:
         return dataclasses.replace(self, **changes)
 
     def to_file(self, path: str | os.PathLike[str]) -> Path:
-        """Write this policy as TOML (every field), readable by :meth:`from_file`."""
+        """Write this policy as TOML (every field), readable by :meth:`from_file`: ``path`` must end in ``.toml``."""
         lines = [f"# slimact policy {self.name!r}", ""]
         for f in dataclasses.fields(self):
             if f.name != "per_kind":
@@ -324,6 +324,8 @@ class Policy:
             lines += ["", f"[per_kind.{kind}]"]
             lines += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(settings).items() if v is not None]
         path = Path(path)
+        if path.suffix.lower() != ".toml":  # (from_file reads a file by its suffix: any other it would refuse)
+            raise PolicyError(f"Policy.to_file writes TOML: {str(path)!r} must end in .toml")
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
 

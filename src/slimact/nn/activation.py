@@ -48,9 +48,10 @@ class _ActivationMixin(SlimModule):
 
 
 _DOC = "Drop-in ``nn.{0}`` keeping {1} for the backward. Args: those of ``nn.{0}``, and keyword ``policy``."
-GELU = standalone(_ActivationMixin, nn.GELU, "gelu", "GELU", _DOC.format("GELU", "its input 8-bit"),
+_INPUT = "its input 8-bit (exact under a lossless policy)"
+GELU = standalone(_ActivationMixin, nn.GELU, "gelu", "GELU", _DOC.format("GELU", _INPUT),
                   form=activation_form)
-SiLU = standalone(_ActivationMixin, nn.SiLU, "silu", "SiLU", _DOC.format("SiLU", "its input 8-bit"),
+SiLU = standalone(_ActivationMixin, nn.SiLU, "silu", "SiLU", _DOC.format("SiLU", _INPUT),
                   form=activation_form)
 ReLU = standalone(_ActivationMixin, nn.ReLU, "relu", "ReLU", _DOC.format("ReLU", "a 1-bit mask"),
                   form=activation_form)

@@ -35,7 +35,8 @@ class _BatchNormMixin(SlimModule):
 
 BatchNorm2d = standalone(
     _BatchNormMixin, nn.BatchNorm2d, "batchnorm", "BatchNorm2d",
-    "Drop-in ``nn.BatchNorm2d`` keeping its input 8-bit. Args: those of ``nn.BatchNorm2d``, and keyword ``policy``.",
+    "Drop-in ``nn.BatchNorm2d`` keeping its input 8-bit (exact under a lossless policy). Args: those of "
+    "``nn.BatchNorm2d``, and keyword ``policy``.",
 )
 
 

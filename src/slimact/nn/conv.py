@@ -33,7 +33,8 @@ class _ConvMixin(SlimModule):
 
 Conv2d = standalone(
     _ConvMixin, nn.Conv2d, "conv", "Conv2d",
-    "Drop-in ``nn.Conv2d`` keeping its input 8-bit. Args: those of ``nn.Conv2d``, and keyword ``policy``.",
+    "Drop-in ``nn.Conv2d`` keeping its input 8-bit (exact under a lossless policy). Args: those of "
+    "``nn.Conv2d``, and keyword ``policy``.",
 )
 
 

@@ -23,7 +23,8 @@ class _SoftmaxMixin(SlimModule):
 
 Softmax = standalone(
     _SoftmaxMixin, nn.Softmax, "softmax", "Softmax",
-    "Drop-in ``nn.Softmax`` keeping its output 8-bit. Args: those of ``nn.Softmax``, and keyword ``policy``.",
+    "Drop-in ``nn.Softmax`` keeping its output 8-bit (exact under a lossless policy). Args: those of "
+    "``nn.Softmax``, and keyword ``policy``.",
 )
 
 

@@ -148,8 +148,8 @@ class _SharedPacks:
     while autograd keeps the pack: whether the next layer shares a pack must not depend on who keeps it.
     Under ``torch.utils.checkpoint`` the first forward keeps nothing, and its recomputation keeps
     everything; with a weakly held pack the two made different choices and saved differently shaped tensors,
-    which checkpointing rejects. The pack costs at most a quarter of the (larger) tensor it was made from,
-    only while that tensor is alive anyway.
+    which checkpointing rejects. The pack costs about a quarter (fp32) or half (fp16, bf16) of the tensor it was
+    made from, plus 8 bytes per scale group, only while that tensor is alive anyway.
 
     An entry made in a converted model's forward (its seed stream, :func:`slimact.quant.reference.current_stream`)
     serves only that forward: a batch fed to two models, or to one model at two steps, is packed afresh by each,
