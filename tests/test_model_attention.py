@@ -630,3 +630,33 @@ def test_a_running_sum_a_product_reads_in_attention_is_kept_exact(policy, normal
             grads.append(model[2].to_q.weight.grad)
         sqnr = 10 * torch.log10(grads[0].square().sum() / (grads[0] - grads[1]).square().sum())
         assert sqnr >= 30, (seed, float(sqnr))
+
+
+class _GatedRunningSumAttention(nn.Module):
+    """Attention (by its name: its products are routed) whose running sum a Linear reads too: the Linear packs it,
+    and the product that keeps it exact
+    asked the shared-pack cache with no config (AttributeError: 'NoneType' object has no attribute 'bits')."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.gate = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        running = k.cumsum(1)  # [B, T, D]
+        gate = self.gate(running)  # packed first
+        scores = running @ q.transpose(-1, -2)  # running kept exact, as PyTorch keeps it
+        return (scores.softmax(-1) @ v) * gate
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa"])
+def test_a_running_sum_a_linear_packed_too_is_kept_exact_by_the_product(policy):
+    torch.manual_seed(0)
+    plain = nn.Sequential(_GatedRunningSumAttention(), nn.Linear(32, 1))
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    x = torch.randn(2, 16, 32)
+    for model in (plain, slim):
+        model(x).square().sum().backward()
+    for (name, p), s in zip(plain.named_parameters(), slim.parameters(), strict=True):
+        if not name.endswith("q.bias"):  # (zero in exact arithmetic: softmax ignores a per-row shift)
+            assert nn.functional.cosine_similarity(p.grad.flatten(), s.grad.flatten(), 0) > 0.999, name

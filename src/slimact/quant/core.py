@@ -279,11 +279,12 @@ def forget_shared_packs(x: Tensor) -> None:
     _shared.forget_storage(x)
 
 
-def is_shared(x: Tensor, cfg: QuantConfig) -> bool:
+def is_shared(x: Tensor, cfg: QuantConfig | None) -> bool:
     """Whether :func:`pack` of ``x`` with ``cfg`` would reuse a pack another consumer made of it (the softmax's of
     its probabilities, for the product with ``v``): for a caller that packs ``x`` in a layout of its own only where
-    there is no such pack to share."""
-    return not torch.compiler.is_compiling() and _shared.get(x, cfg) is not None
+    there is no such pack to share. Never with ``cfg`` ``None`` (``x`` kept as it is: a product's running sum,
+    which a Linear packed too, raised AttributeError)."""
+    return cfg is not None and not torch.compiler.is_compiling() and _shared.get(x, cfg) is not None
 
 
 @torch.no_grad()
