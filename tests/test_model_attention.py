@@ -634,8 +634,8 @@ def test_a_running_sum_a_product_reads_in_attention_is_kept_exact(policy, normal
 
 class _GatedRunningSumAttention(nn.Module):
     """Attention (by its name: its products are routed) whose running sum a Linear reads too: the Linear packs it,
-    and the product that keeps it exact
-    asked the shared-pack cache with no config (AttributeError: 'NoneType' object has no attribute 'bits')."""
+    and the product that keeps it exact asked the shared-pack cache with no config (AttributeError: 'NoneType'
+    object has no attribute 'bits')."""
 
     def __init__(self, d: int = 32) -> None:
         super().__init__()
