@@ -660,3 +660,29 @@ def test_a_running_sum_a_linear_packed_too_is_kept_exact_by_the_product(policy):
     for (name, p), s in zip(plain.named_parameters(), slim.parameters(), strict=True):
         if not name.endswith("q.bias"):  # (zero in exact arithmetic: softmax ignores a per-row shift)
             assert nn.functional.cosine_similarity(p.grad.flatten(), s.grad.flatten(), 0) > 0.999, name
+
+
+def test_attention_not_switched_whose_eager_products_are_routed_is_reported_converted():
+    # A model declaring _supports_sdpa = False (GOT-OCR2's, whose vision tower has no SDPA) keeps its eager attention:
+    # summary said "left as written" and counted its bytes as not covered while its products and softmaxes were routed
+    # 8-bit (86,016 -> 24,704 bytes a layer; a sweep of transformers' causal LMs).
+    transformers = pytest.importorskip("transformers")
+
+    class NoSdpaLlama(transformers.LlamaForCausalLM):
+        _supports_sdpa = False
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    attention = "model.layers.0.self_attn"
+    torch.manual_seed(0)
+    plain = NoSdpaLlama(cfg)
+    for policy, routed in (("int8", True), ("tempo", False)):  # (a lossless policy leaves products as written)
+        model = slimact.convert(copy.deepcopy(plain), policy)
+        report = slimact.summary(model, inputs)
+        assert (report.modules.get(attention) == "attention") == routed, report.modules.get(attention)
+        assert report.skipped.get(attention, "").startswith("its model declares _supports_sdpa = False") != routed
+        assert (attention in report.uncovered) != routed or report.uncovered[attention] < 0.5 * slimact.profile(
+            plain, inputs).by_module[attention]

@@ -760,8 +760,7 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
             if attention.eager_is_sdpa_with_sinks(module):
                 eager_masks.add(id(module.config))
             else:
-                reason = ("its model declares _supports_sdpa = False (its eager attention computes more than "
-                          "scaled dot-product attention): left as written")
+                reason = _EAGER_ONLY
         if reason is None:
             reason = _unknown_setting(module.config)
         if reason is None and id(module.config) in branching:
@@ -784,6 +783,12 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
     for module in model.modules():
         if id(getattr(module, "config", None)) in originals:
             module.__dict__[attention.ORIGINAL_ATTR] = originals[id(module.config)]
+
+
+#: Why transformers' AttentionInterface is not switched for an attention module (its eager products and softmaxes
+#: are still routed where the policy compresses them: summary then reports it converted, by its products).
+_EAGER_ONLY = ("its model declares _supports_sdpa = False (its eager attention computes more than scaled dot-product "
+               "attention): left as written")
 
 
 def _unroot(module: nn.Module) -> None:
@@ -1016,11 +1021,17 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             skipped.pop(name, None)
             if kind == "attention" and name in watched:
                 by_products.add(name)
-        elif name and name not in skipped and kind_of(module) == "attention" and not any(
+        elif name and (name not in skipped or (skipped[name] == _EAGER_ONLY and {"matmul", "softmax"} & watched.get(
+            name, set()))) and kind_of(
+            module
+        ) == "attention" and not any(
             attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
             for sub in module.modules()
         ):  # attention computed in the module's own code (a wrapper around a routed one is fine)
             if {"matmul", "softmax"} & watched.get(name, set()):  # its products and softmaxes are routed
+                # (also where transformers' AttentionInterface was not switched for it, a model declaring
+                # _supports_sdpa = False: "left as written" there while its eager products were routed, a sweep)
+                skipped.pop(name, None)
                 modules[name] = "attention"
                 by_products.add(name)
                 continue
