@@ -686,3 +686,17 @@ def test_attention_not_switched_whose_eager_products_are_routed_is_reported_conv
         assert report.skipped.get(attention, "").startswith("its model declares _supports_sdpa = False") != routed
         assert (attention in report.uncovered) != routed or report.uncovered[attention] < 0.5 * slimact.profile(
             plain, inputs).by_module[attention]
+
+
+def test_attention_whose_routed_calls_were_gathers_is_not_said_to_call_sdpa():
+    # DeBERTa (v1) under "tempo": its torch.gather calls (relative positions) are routed, no SDPA call runs; summary
+    # said "its F.scaled_dot_product_attention calls run through slimact's attention" (a sweep).
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DebertaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=128, relative_attention=True,
+                                     pos_att_type=["c2p", "p2c"], max_relative_positions=16)
+    torch.manual_seed(0)
+    model = slimact.convert(transformers.DebertaForMaskedLM(cfg).train(), "tempo")
+    ids = torch.randint(5, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    why = slimact.summary(model, {"input_ids": ids, "labels": ids}).skipped["deberta.encoder.layer.0.attention"]
+    assert "scaled_dot_product_attention" not in why and "torch.gather" in why, why

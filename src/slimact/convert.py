@@ -787,8 +787,8 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
 
 #: Why transformers' AttentionInterface is not switched for an attention module (its eager products and softmaxes
 #: are still routed where the policy compresses them: summary then reports it converted, by its products).
-_EAGER_ONLY = ("its model declares _supports_sdpa = False (its eager attention computes more than scaled dot-product "
-               "attention): left as written")
+_EAGER_ONLY = ("its model declares _supports_sdpa = False (transformers runs its attention eager only; slimact switches "
+               "such attention only where its eager function is SDPA with attention sinks, gpt-oss's): left as written")
 
 
 def _unroot(module: nn.Module) -> None:
@@ -1164,11 +1164,16 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
                                     f"{', ...' if len(top) > 3 else ''}; counted as not covered")
         for name in as_plain:
             del modules[name]
-            skipped[name] = ("its attention kept q, k, v exact for the score guard on these inputs (the note), no "
-                             "fewer bytes than PyTorch's own kernel: not counted as converted" if name in guarded else
-                             "its F.scaled_dot_product_attention calls run through slimact's attention, which keeps "
-                             "no fewer bytes than PyTorch's own kernel on these inputs under this policy: not "
-                             "counted as converted")
+            if name in guarded:
+                skipped[name] = ("its attention kept q, k, v exact for the score guard on these inputs (the note), "
+                                 "no fewer bytes than PyTorch's own kernel: not counted as converted")
+            elif routing is not None and name in routing.attended:
+                skipped[name] = ("its F.scaled_dot_product_attention calls run through slimact's attention, which "
+                                 "keeps no fewer bytes than PyTorch's own kernel on these inputs under this policy: "
+                                 "not counted as converted")
+            else:  # (DeBERTa's, Reformer's: no SDPA call ran, only their torch.gather calls were routed; a sweep)
+                skipped[name] = ("the calls routed in its code on these inputs (torch.gather, kept as its index) keep "
+                                 "no fewer bytes than PyTorch does under this policy: not counted as converted")
         for name, why in own.items():
             modules.pop(name, None)
             skipped[name] = f"each call on these inputs ran the module's own forward, left as written: {why}"
