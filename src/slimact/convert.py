@@ -787,8 +787,9 @@ def _route_attention(model: nn.Module, pol: Policy, skipped: dict[str, str], fil
 
 #: Why transformers' AttentionInterface is not switched for an attention module (its eager products and softmaxes
 #: are still routed where the policy compresses them: summary then reports it converted, by its products).
-_EAGER_ONLY = ("its model declares _supports_sdpa = False (transformers runs its attention eager only; slimact switches "
-               "such attention only where its eager function is SDPA with attention sinks, gpt-oss's): left as written")
+_EAGER_ONLY = ("its model declares _supports_sdpa = False (transformers runs its attention eager only; slimact "
+               "switches such attention only where its eager function is SDPA with attention sinks, gpt-oss's): left "
+               "as written")
 
 
 def _unroot(module: nn.Module) -> None:
