@@ -164,7 +164,7 @@ def test_a_state_of_a_trained_step_without_estimates_warns_under_running_estimat
     assert len(ours) == (1 if policy == "mesa" else 0), ours
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a device besides the CPU)")
 def test_loaded_state_goes_to_the_modules_device():
     model = slimact.convert(_plain(), "mesa")
     _steps(model, torch.optim.SGD(model.parameters(), lr=1e-2), _batches(2, 1))

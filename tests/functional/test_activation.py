@@ -206,7 +206,10 @@ def test_non_finite_inputs_show_in_the_gradient_as_in_torch(policy):
     _, g1 = _step(converted_copy(nn.GELU(), policy), (x,), seed=1)
     assert torch.equal(g0["input0"].isnan(), g1["input0"].isnan())
     finite = torch.isfinite(g0["input0"])
-    torch.testing.assert_close(g1["input0"][finite], g0["input0"][finite], rtol=1e-3, atol=1e-3)
+    # int8 keeps a tensor holding NaN/inf exact: PyTorch's gradient to float rounding; "tempo" differentiates from
+    # the output, within the in-place GELU's documented bound on y' (4e-4 absolute, docs/tempo.md)
+    tol = {"rtol": 0.0, "atol": 4e-4} if policy == "tempo" else {}
+    torch.testing.assert_close(g1["input0"][finite], g0["input0"][finite], **tol)
 
 
 @pytest.mark.parametrize("policy", ["int8", "tempo"])
