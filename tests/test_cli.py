@@ -28,7 +28,7 @@ def test_profile_gpt2_linear_inputs_at_most_0_3x(capsys):
 @pytest.mark.slow
 def test_python_m_slimact_profile_bert_by_module():
     proc = subprocess.run(
-        [sys.executable, "-m", "slimact", "profile", "--model", "bert-base", "--layers", "1", "--batch", "1",
+        [sys.executable, "-m", "slimact", "profile", "--model", "bert-base", "--tiny", "--batch", "1",
          "--seq", "32", "--by-module"],
         capture_output=True, text=True, check=True, timeout=300,
     )

@@ -1168,7 +1168,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             if name in guarded:
                 skipped[name] = ("its attention kept q, k, v exact for the score guard on these inputs (the note), "
                                  "no fewer bytes than PyTorch's own kernel: not counted as converted")
-            elif routing is not None and name in routing.attended:
+            elif routing is not None and any(_at_or_under(a, name) for a in routing.attended):  # (or a child's)
                 skipped[name] = ("its F.scaled_dot_product_attention calls run through slimact's attention, which "
                                  "keeps no fewer bytes than PyTorch's own kernel on these inputs under this policy: "
                                  "not counted as converted")

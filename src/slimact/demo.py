@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["POLICIES", "RunResult", "run_demo"]
+__all__ = ["POLICIES", "TASKS", "RunResult", "run_demo"]
 
 POLICIES = ("plain", "tempo", "int8")
 
@@ -191,9 +191,13 @@ def _train(task: _Task, policy: str, steps: int, seed: int, progress) -> RunResu
     return result
 
 
+TASKS = ("text", "digits")
+
+
 def run_demo(out: str | Path = "slimact-out", *, steps: int = 300, quick: bool = False, seed: int = 0,
-             device: str = "cpu") -> list[RunResult]:
-    """Run both tasks under each of :data:`POLICIES`; write ``demo.png``, ``demo.md``, ``demo.csv`` to ``out``.
+             device: str = "cpu", tasks: tuple[str, ...] = TASKS) -> list[RunResult]:
+    """Run ``tasks`` (both by default) under each of :data:`POLICIES`; write ``demo.png``, ``demo.md``, ``demo.csv``
+    to ``out``.
 
     ``steps`` is the text task's length (the digits task runs 400 steps, its steps being 10x cheaper);
     ``quick`` shortens both (40 and 200) for a run of about a minute.
@@ -202,7 +206,11 @@ def run_demo(out: str | Path = "slimact-out", *, steps: int = 300, quick: bool =
 
     if device != "cpu":
         raise ValueError("the demo runs on the CPU (its models are a few MB); --device cpu")
-    plan = [(_Text(), 40 if quick else steps), (_Digits(), 200 if quick else 400)]
+    unknown = set(tasks) - set(TASKS)
+    if unknown or not tasks:
+        raise ValueError(f"tasks: {sorted(unknown) or 'none given'}; the demo's tasks are {list(TASKS)}")
+    plan = [(task(), n) for name, task, n in (("text", _Text, 40 if quick else steps),
+                                              ("digits", _Digits, 200 if quick else 400)) if name in tasks]
     results = []
     total = sum(n for _, n in plan) * len(POLICIES)
     with tqdm(total=total, desc="slimact demo", unit="step") as progress:
