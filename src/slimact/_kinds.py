@@ -1303,9 +1303,10 @@ def _rule_reported(module, cls):
         return Recognised(kind)
     name = cls.__name__
     if ("Attention" in name or (_ATTN_NAME.search(name) and _computes_scores(cls))
-            or "scaled_dot_product_attention" in forward_names(module)):
+            or "scaled_dot_product_attention" in forward_names(module) or uses_attention_interface(module)):
         # (a forward that calls F.scaled_dot_product_attention is attention whatever its class's name: timm's
-        # ParallelScalingBlock, XCA, SimPool; its call was routed, and summary called the module "not covered")
+        # ParallelScalingBlock, XCA, SimPool; its call was routed, and summary called the module "not covered"; so
+        # is one calling transformers' AttentionInterface: LongCat-Flash's LongcatFlashMLA was left with no reason)
         return Recognised("attention")
     if name.endswith("LayerNorm"):
         return Recognised("layernorm")
