@@ -613,7 +613,7 @@ def test_summary_coverage_flags_attention_that_never_reached_slimact():
     stray.config._attn_implementation = "sdpa"
     report = slimact.summary(model, inputs)
     assert report.converted["attention"] == 1
-    assert "did not run through" in report.skipped["model.layers.0.self_attn"]
+    assert "none of its attention ran through" in report.skipped["model.layers.0.self_attn"]
     assert report.coverage < full.coverage
     assert "model.layers.0.self_attn" in report.uncovered
 

@@ -1194,8 +1194,9 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             if routing is not None and any(_at_or_under(r, name) for r in routing.routed):
                 continue  # its products and softmaxes (or a child's: DeBERTa-v2's) were routed instead
             del modules[name]
-            skipped[name] = ("tagged for slimact's attention, but its attention did not run through transformers' "
-                             "AttentionInterface: left as written")
+            skipped[name] = ("tagged for slimact's attention, but none of its attention ran through transformers' "
+                             "AttentionInterface on these inputs (not called on them, as a vision tower on a text "
+                             "batch, or its attention computed otherwise): left as written")
         result.converted = dict(Counter(modules.values()))
     return result
 
