@@ -608,6 +608,29 @@ def test_a_relu_mask_beside_its_output_kept_in_full_is_left_out_or_reported_as_k
     assert "1" not in slimact.summary(slimact.convert(nn.Sequential(*_ReluBetween(layer).children()), "int8")).skipped
 
 
+def test_a_relu_ending_one_block_of_a_sequential_before_a_conv_starting_the_next_is_left_as_written():
+    # transformers' ResNetConvLayer registers and applies conv, norm, ReLU: in a Sequential of them each ReLU's output
+    # is the next layer's conv input, kept in full, and "tempo" kept its mask beside it (ResNet 1.007x plain's bytes,
+    # RegNet 1.011x, a sweep); the rule read only a Sequential's own children.
+    class ConvLayer(nn.Module):
+        def __init__(self, c_in, c_out):
+            super().__init__()
+            self.convolution, self.normalization = nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out)
+            self.activation = nn.ReLU()
+
+        def forward(self, x):
+            return self.activation(self.normalization(self.convolution(x)))
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(ConvLayer(3, 8), ConvLayer(8, 8), nn.Conv2d(8, 4, 1))
+    slim = slimact.convert(copy.deepcopy(plain), "tempo")
+    x = torch.randn(2, 3, 16, 16)
+    skipped = slimact.summary(slim).skipped
+    assert all("keeps its output in full" in skipped[f"{i}.activation"] for i in (0, 1)), skipped
+    assert slimact.profile(slim, x).kept_bytes == slimact.profile(plain, x).kept_bytes
+    assert "0.activation" not in slimact.summary(slimact.convert(copy.deepcopy(plain), "int8")).skipped
+
+
 def test_a_relu_before_a_linear_subclass_left_as_written_is_left_as_written_too():
     # Under "int8" too: an nn.Linear subclass with its own forward (zuko's MaskedLinear in MAF and NSF) is left alone
     # and keeps its input whole, so the converted ReLU's 1-bit mask was a second copy (1.02x plain's bytes).
