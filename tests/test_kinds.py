@@ -1344,3 +1344,31 @@ def test_a_module_calling_the_attention_interface_is_attention_whatever_its_name
     assert report.passed, str(report)
     found = slimact.summary(slimact.convert(model, "tempo"), inputs)
     assert all(found.modules.get(n) == "attention" for n in attention), (found.modules, found.skipped)
+
+
+def test_a_decoder_layer_calling_the_attention_interface_inline_is_not_attention():
+    # Only a name saying attention in short (LongcatFlashMLA) counts with an AttentionInterface call: a whole decoder
+    # layer making that call inline, as "attention", had its Linears and MLP counted as covered under "tempo" (a
+    # review).
+    pytest.importorskip("transformers")
+
+    class DecoderLayer(nn.Module):
+        def __init__(self, d=32):
+            super().__init__()
+            self.norm, self.qkv = nn.LayerNorm(d), nn.Linear(d, 3 * d)
+            self.o, self.up = nn.Linear(d, d), nn.Linear(d, d)
+
+        def forward(self, x):
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            q, k, v = (t.unflatten(-1, (4, -1)).transpose(1, 2) for t in self.qkv(self.norm(x)).chunk(3, -1))
+            out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](self, q, k, v, None, scaling=0.25, is_causal=True)
+            return x + self.up(self.o(out.flatten(2)))
+
+    class LayerMLA(DecoderLayer):  # (a name saying attention in short: taken)
+        pass
+
+    from slimact._kinds import uses_attention_interface
+
+    assert uses_attention_interface(DecoderLayer()) and kind_of(DecoderLayer()) != "attention"
+    assert kind_of(LayerMLA()) == "attention"

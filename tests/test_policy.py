@@ -58,10 +58,11 @@ def test_to_file_writes_only_what_from_file_reads(tmp_path, capsys):
     # slimact fit says so before it measures anything
     from slimact.cli import main
 
-    with pytest.raises(SystemExit) as exited:
-        main(["fit", "--model", "gpt2", "--tiny", "--budget", "8MiB", "--out", str(tmp_path / "p.policy")])
-    assert exited.value.code == 2
-    assert "written as TOML, to a file ending in .toml" in capsys.readouterr().err
+    for name in ("p.policy", ".toml"):  # (".toml" is a name with no suffix, as to_file reads it)
+        with pytest.raises(SystemExit) as exited:
+            main(["fit", "--model", "gpt2", "--tiny", "--budget", "8MiB", "--out", str(tmp_path / name)])
+        assert exited.value.code == 2
+        assert "written as TOML, to a file ending in .toml" in capsys.readouterr().err
 
 
 def test_a_mesa_text_file_enabling_matmul_and_softmax_compresses_fused_attention(tmp_path):

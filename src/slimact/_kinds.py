@@ -1258,8 +1258,9 @@ _REPORTED: tuple[tuple[type[nn.Module], str], ...] = (
 
 #: Class names that say attention without the word (timm's ``ClassAttn``/``TalkingHeadAttn`` in CaiT,
 #: ``LocallyGroupedAttn`` in Twins, ``BottleneckAttn``, ConViT's ``MHSA``, a VQ-VAE's ``AttnBlock``); so do CBAM's
-#: ``ChannelAttn`` and ResNeSt's ``SplitAttn``, which compute no scores: hence :func:`_computes_scores` too.
-_ATTN_NAME = re.compile(r"Attn(?![a-z])|MHSA|MHA(?![a-z])")
+#: ``ChannelAttn`` and ResNeSt's ``SplitAttn``, which compute no scores: hence :func:`_computes_scores` too (or a
+#: call of transformers' AttentionInterface: LongCat-Flash's multi-head latent attention, ``LongcatFlashMLA``).
+_ATTN_NAME = re.compile(r"Attn(?![a-z])|MHSA|MHA(?![a-z])|MLA(?![a-z])")
 #: Calls that multiply two tensors (with ``@``, the forms an attention's scores and output are written in).
 _PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
 #: ``@`` and ``@=`` in Python 3.10's bytecode (3.11 on: ``BINARY_OP`` with the operator as its argument).
@@ -1302,11 +1303,13 @@ def _rule_reported(module, cls):
     if kind is not None:
         return Recognised(kind)
     name = cls.__name__
-    if ("Attention" in name or (_ATTN_NAME.search(name) and _computes_scores(cls))
-            or "scaled_dot_product_attention" in forward_names(module) or uses_attention_interface(module)):
+    if ("Attention" in name or (_ATTN_NAME.search(name) and (_computes_scores(cls) or uses_attention_interface(module)))
+            or "scaled_dot_product_attention" in forward_names(module)):
         # (a forward that calls F.scaled_dot_product_attention is attention whatever its class's name: timm's
-        # ParallelScalingBlock, XCA, SimPool; its call was routed, and summary called the module "not covered"; so
-        # is one calling transformers' AttentionInterface: LongCat-Flash's LongcatFlashMLA was left with no reason)
+        # ParallelScalingBlock, XCA, SimPool; its call was routed, and summary called the module "not covered". A
+        # name saying attention in short, as LongCat-Flash's LongcatFlashMLA, counts with a call of transformers'
+        # AttentionInterface too: it was left with no reason; not any module making that call, a decoder layer
+        # writing its attention inline, whose Linears would then count as covered under "tempo", a review)
         return Recognised("attention")
     if name.endswith("LayerNorm"):
         return Recognised("layernorm")
