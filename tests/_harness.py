@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -114,6 +115,18 @@ def tiny_hf(name: str, *, padding: bool = False, mlm_mask: bool = False, heads: 
         inputs = {"pixel_values": torch.randn(4, 3, 32, 32, generator=gen), "labels": torch.randint(0, 10, (4,))}
         return transformers.ViTForImageClassification(cfg), inputs
     raise ValueError(name)
+
+
+def tiny_auto(cls_name: str, model_type: str) -> nn.Module:
+    """transformers' ``cls_name`` built from :func:`slimact.zoo.tiny_config` of ``model_type``, in training mode; the
+    test is skipped where the installed transformers has no such model at that size."""
+    pytest.importorskip("transformers")
+    from slimact.zoo import build_auto, tiny_config
+
+    try:
+        return build_auto(cls_name, tiny_config(model_type)).train()
+    except (ImportError, KeyError, ValueError, AttributeError) as e:
+        pytest.skip(f"this transformers has no {cls_name} at the tiny size: {e}")
 
 
 class Gradients(dict):

@@ -1330,13 +1330,10 @@ def test_a_module_asserting_its_inputs_rank_is_probed_as_one_that_refuses_the_pr
 def test_a_module_calling_the_attention_interface_is_attention_whatever_its_name():
     # LongCat-Flash's LongcatFlashMLA (multi-head latent attention) calls transformers' AttentionInterface, but its
     # name says no attention: it was neither converted nor given a reason, its bytes only "not covered" (a sweep).
-    pytest.importorskip("transformers")
-    from slimact.zoo import build_auto, tiny_config, tiny_inputs
+    from _harness import tiny_auto
+    from slimact.zoo import tiny_inputs
 
-    try:
-        model = build_auto("LongcatFlashForCausalLM", tiny_config("longcat_flash")).train()
-    except (ImportError, KeyError, ValueError, AttributeError) as e:
-        pytest.skip(f"this transformers has no LongCat-Flash at the tiny size: {e}")
+    model = tiny_auto("LongcatFlashForCausalLM", "longcat_flash")
     attention = [n for n, m in model.named_modules() if type(m).__name__ == "LongcatFlashMLA"]
     assert attention and all(recognise(m).kind == "attention" for n, m in model.named_modules() if n in attention)
     inputs = tiny_inputs(model, "causal-lm")

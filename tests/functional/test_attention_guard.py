@@ -60,13 +60,10 @@ def test_normalised_unscaled_scores_keep_q_k_v_exact_and_ordinary_attention_stay
 def test_qk_normalised_unscaled_attention_passes_the_int8_floor():
     # EmbeddingGemma2 (q_norm/k_norm, scaling 1.0): before the guard its q_norm, k_norm, q_proj, k_proj and
     # embedding gradients were at cosine ~0.96 under "int8".
-    pytest.importorskip("transformers")
-    from slimact.zoo import build_auto, projection_loss, tiny_config, tiny_inputs
+    from _harness import tiny_auto
+    from slimact.zoo import projection_loss, tiny_inputs
 
-    try:
-        model = build_auto("EmbeddingGemma2TextModel", tiny_config("embedding_gemma2_text")).train()
-    except (ImportError, KeyError, ValueError, AttributeError) as e:
-        pytest.skip(f"this transformers has no EmbeddingGemma2 at the tiny size: {e}")
+    model = tiny_auto("EmbeddingGemma2TextModel", "embedding_gemma2_text")
     report = slimact.check(model, tiny_inputs(model, "base"), "int8", loss_fn=projection_loss)
     assert report.passed, report
 
