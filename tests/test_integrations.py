@@ -3,6 +3,7 @@ gradient scaler."""
 
 import contextlib
 import copy
+import functools
 import warnings
 
 import pytest
@@ -570,6 +571,13 @@ def _graph_breaks(model, inputs) -> tuple[int, list[str]]:
     return breaks, [str(w.message).splitlines()[0] for w in seen]
 
 
+@functools.cache
+def _plain_graph_breaks(name: str) -> tuple[int, list[str]]:
+    """:func:`_graph_breaks` of the plain one-block model (once per model and process: its cases share it)."""
+    model = zoo.build(name, tiny=True, layers=1).train()
+    return _graph_breaks(model, zoo.example_inputs(model, 2, 32))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "policy"), [("gpt2", "int8"), ("gpt2", "tempo"),
                                               ("llama", "int8"), ("llama", "mesa")])
@@ -581,11 +589,9 @@ def test_a_converted_model_compiles_with_no_more_graph_breaks_or_warnings_than_p
     # policy's settings, a clipped config) were functools caches, each of which dynamo met with a warning of
     # "potential silent incorrectness" (five for GPT-2).
     # One block: a break slimact added would be in each (dynamo's tracing of a second is half this test's time).
+    plain, plain_warnings = _plain_graph_breaks(name)
     model = zoo.build(name, tiny=True, layers=1).train()
-    inputs = zoo.example_inputs(model, 2, 32)
-    plain, plain_warnings = _graph_breaks(model, inputs)
-    slimact.convert(model, policy)
-    breaks, warned = _graph_breaks(model, inputs)
+    breaks, warned = _graph_breaks(slimact.convert(model, policy), zoo.example_inputs(model, 2, 32))
     assert breaks == plain
     # Under running estimates, the one warning that they are left aside while compiled (its own test below).
     ours = {w for w in warned if w not in plain_warnings}
