@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import slimact
-from _harness import assert_gradients_close, assert_gradients_equal, loss_grads, tiny_hf
+from _harness import assert_gradients_close, assert_gradients_equal, gradients, loss_grads, tiny_hf
 from slimact._metrics import cosine
 from slimact.policy import resolve
 
@@ -18,7 +18,7 @@ def _grads(model, call):
     torch.manual_seed(5)  # the same dropout draws
     out = call(model)
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), gradients(model)
 
 
 @pytest.mark.parametrize("policy", ["tempo", "int8", "mesa"])
@@ -738,7 +738,7 @@ def _step(model, inputs, grads=True):
     if not grads:
         return out.logits, None
     out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), gradients(model)
 
 
 def _same_step(plain, slim, inputs, truth=None, msg="", **tolerance):

@@ -15,7 +15,7 @@ from torch import nn
 
 import _nano
 import slimact
-from _harness import LinearOnlyWeight, assert_gradients_close, assert_gradients_equal, quantised_llama
+from _harness import LinearOnlyWeight, assert_gradients_close, assert_gradients_equal, gradients, quantised_llama
 from slimact._kinds import gated_mlp_form, recognise
 from slimact.nn import SlimModule
 
@@ -119,7 +119,7 @@ def _grads(model, x):
     model.zero_grad(set_to_none=True)
     out = model(x)
     out.square().sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), gradients(model)
 
 
 def _x(seed=1):

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import slimact
-from _harness import assert_gradients_close, assert_gradients_equal, tiny_hf
+from _harness import assert_gradients_close, assert_gradients_equal, gradients, tiny_hf
 from slimact._metrics import sqnr_db
 from slimact.functional.activation import FORMS, INPLACE_ERROR_BOUNDS, MINIMUM, reference
 
@@ -202,7 +202,7 @@ def _ctc_step(model, inputs):
     np.random.seed(1)  # the time masks (SpecAugment) are drawn with numpy
     out = model(**inputs)
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), gradients(model)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
