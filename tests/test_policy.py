@@ -52,7 +52,7 @@ def test_from_toml_and_json(tmp_path):
 
 def test_to_file_writes_only_what_from_file_reads(tmp_path, capsys):
     # to_file wrote TOML under any name, and from_file refused the file it wrote ("unknown policy file type").
-    with pytest.raises(PolicyError, match=r"must end in \.toml"):
+    with pytest.raises(PolicyError, match=r"a policy is written as TOML, to a file ending in \.toml"):
         slimact.PRESETS["int8"].to_file(tmp_path / "p.policy")
     assert not (tmp_path / "p.policy").exists()
     # slimact fit says so before it measures anything
@@ -62,7 +62,7 @@ def test_to_file_writes_only_what_from_file_reads(tmp_path, capsys):
         with pytest.raises(SystemExit) as exited:
             main(["fit", "--model", "gpt2", "--tiny", "--budget", "8MiB", "--out", str(tmp_path / name)])
         assert exited.value.code == 2
-        assert "written as TOML, to a file ending in .toml" in capsys.readouterr().err
+        assert "a policy is written as TOML, to a file ending in .toml" in capsys.readouterr().err
 
 
 def test_a_mesa_text_file_enabling_matmul_and_softmax_compresses_fused_attention(tmp_path):

@@ -323,9 +323,7 @@ class Policy:
         for kind, settings in self.per_kind:
             lines += ["", f"[per_kind.{kind}]"]
             lines += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(settings).items() if v is not None]
-        path = Path(path)
-        if path.suffix.lower() != ".toml":  # (from_file reads a file by its suffix: any other it would refuse)
-            raise PolicyError(f"Policy.to_file writes TOML: {str(path)!r} must end in .toml")
+        path = _toml_path(path)
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
 
@@ -397,6 +395,15 @@ def _with_line(message: str, source: str, text: str) -> str:
         if re.search(rf'(^|[\s{{,.\[])"?{name}"?\s*[\]=:]', lines[no]):
             return f"{source}:{no + 1}: {body}"
     return message
+
+
+def _toml_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` for :meth:`Policy.to_file`, which writes TOML; a :class:`PolicyError` unless its suffix is ``.toml``
+    (:meth:`Policy.from_file` reads a file by its suffix: any other it would refuse)."""
+    path = Path(path)
+    if path.suffix.lower() != ".toml":
+        raise PolicyError(f"{str(path)!r}: a policy is written as TOML, to a file ending in .toml")
+    return path
 
 
 def _toml_value(value: Any) -> str:
