@@ -1005,6 +1005,7 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
     fell_back: list[str] = []  # (converted modules running their own code: a value they read changed)
     for name, module in model.named_modules():
         routed = routing is not None and not any(_at_or_under(name, n) for n in as_written)
+        products = bool({"matmul", "softmax"} & watched.get(name, set()))  # its products and softmaxes are routed
         if isinstance(module, SlimModule) and (changed := module._slimact_changed()):
             # (it runs its own code now, with the warning its call gave: it kept what PyTorch keeps where summary
             # called it converted, coverage 1.0; a review)
@@ -1037,14 +1038,13 @@ def summary(model: nn.Module, inputs: Any = None, *, loss_fn: Callable[[Any], An
             skipped.pop(name, None)
             if kind == "attention" and name in watched:
                 by_products.add(name)
-        elif name and (name not in skipped or (skipped[name] == _EAGER_ONLY and {"matmul", "softmax"} & watched.get(
-            name, set()))) and kind_of(
-            module
-        ) == "attention" and not any(
-            attention.POLICY_ATTR in sub.__dict__ or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
-            for sub in module.modules()
-        ):  # attention computed in the module's own code (a wrapper around a routed one is fine)
-            if {"matmul", "softmax"} & watched.get(name, set()):  # its products and softmaxes are routed
+        elif (name and (name not in skipped or (skipped[name] == _EAGER_ONLY and products))
+              and kind_of(module) == "attention"
+              and not any(attention.POLICY_ATTR in sub.__dict__
+                          or (isinstance(sub, SlimModule) and sub._slimact_kind == "attention")
+                          for sub in module.modules())):
+            # attention computed in the module's own code (a wrapper around a routed one is fine)
+            if products:
                 # (also where transformers' AttentionInterface was not switched for it, a model declaring
                 # _supports_sdpa = False: "left as written" there while its eager products were routed, a sweep)
                 skipped.pop(name, None)
