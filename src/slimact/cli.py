@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="train small models plainly and converted on real data; compare loss and memory")
     d.add_argument("--quick", action="store_true",
-                   help="a one-minute version (40 steps per text run, 200 per digits run)")
+                   help="a one-minute version (40 steps per text run at half its batch, 200 per digits run)")
     d.add_argument("--steps", type=_positive, default=300,
                    help="training steps per text run (the digits task runs 400; --quick overrides both)")
     d.add_argument("--out", default="slimact-out", help="folder for demo.png, demo.md, demo.csv")
