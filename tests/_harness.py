@@ -16,12 +16,21 @@ from slimact.nn import SlimModule
 FLOAT_DTYPES = [torch.float32, torch.bfloat16]
 
 
+def upstream_loss(out: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:
+    """``(out * upstream).sum()``, whose backward sends ``upstream`` to ``out`` as ``out.backward(upstream)`` does,
+    keeping nothing of ``out``. Drop ``out`` before its backward (``loss, out = upstream_loss(out, g), out.detach()``)
+    to test a lossy Function's backward from what it kept, as inside a model: a softmax uses its own output instead
+    of its codes wherever that output is still alive (slimact.functional.softmax), as a test's ``out`` is."""
+    return (out * upstream.to(out.dtype)).sum()
+
+
 def _step(module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int):
     xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
     torch.manual_seed(seed)
     out = module(*xs)
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype)
-    out.backward(upstream)
+    loss, out = upstream_loss(out, upstream), out.detach()
+    loss.backward()
     grads = {f"input{i}": x.grad for i, x in enumerate(xs) if x.grad is not None}
     grads.update({n: p.grad for n, p in module.named_parameters() if p.grad is not None})
     return out.detach(), grads

@@ -700,3 +700,79 @@ def test_attention_whose_routed_calls_were_gathers_is_not_said_to_call_sdpa():
     ids = torch.randint(5, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     why = slimact.summary(model, {"input_ids": ids, "labels": ids}).skipped["deberta.encoder.layer.0.attention"]
     assert "scaled_dot_product_attention" not in why and "torch.gather" in why, why
+
+
+class _MapsAttention(nn.Module):
+    """Attention returning its probabilities, peaked (the smallest ~1e-9), for a loss that divides by them."""
+
+    def __init__(self, dim: int = 32, heads: int = 2, sharp: float = 30.0) -> None:
+        super().__init__()
+        self.heads, self.sharp = heads, sharp
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (m(x).view(b, t, self.heads, c // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        p = torch.softmax(q @ k.transpose(-1, -2) * (self.sharp / (c // self.heads) ** 0.5), dim=-1)
+        return (p @ v).transpose(1, 2).reshape(b, t, c), p
+
+
+class _Distilled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = _MapsAttention(), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h, p = self.attn(x)
+        return self.head(h), p
+
+
+def _kl_to_teacher(out) -> torch.Tensor:
+    """MiniLM's attention distillation: KL(teacher || student) on the maps, with the output's own loss."""
+    o, p = out
+    teacher = torch.softmax(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 2, -1)
+    return nn.functional.kl_div(torch.log(p + 1e-30), teacher, reduction="batchmean") + _projected(o)
+
+
+def _projected(o: torch.Tensor) -> torch.Tensor:
+    return (o * torch.randn(o.shape, generator=torch.Generator().manual_seed(4))).sum()
+
+
+@pytest.mark.parametrize("policy", ["int8", "mesa"])
+def test_attention_maps_a_model_returns_are_exact_for_a_loss_dividing_by_them(policy):
+    # The routed softmax keeps 8-bit codes of sqrt(p), whose error is absolute: a loss taking log(p) multiplies it by
+    # 1 / p, and with the smallest probabilities at 2e-9 the query and key weight gradients were at cosine 0.92
+    # ("int8") and 0.34, 8.7x the norm ("mesa"; a sweep, 2026-12-07). Maps the model returns are kept exact for the
+    # softmax's backward (plain PyTorch keeps them too).
+    torch.manual_seed(0)
+    plain, x = _Distilled(), torch.randn(2, 16, 32)
+    slim = slimact.convert(copy.deepcopy(plain), policy)
+    grads = []
+    for model in (plain, slim):
+        _kl_to_teacher(model(x)).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert_gradients_close(*grads)
+
+
+def test_hugging_face_attention_maps_returned_for_distillation_keep_the_floor():
+    # BERT with output_attentions=True (eager attention, no attention dropout) and a KL loss on its returned maps,
+    # its queries scaled so that attention is peaked (min probability ~1e-10): "int8" was at cosine 0.974.
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, attn_implementation="eager",
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertModel(config)
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(300.0)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out):
+        return _kl_to_teacher((out.last_hidden_state, out.attentions[0])) + _kl_to_teacher(
+            (out.last_hidden_state, out.attentions[1]))
+
+    report = slimact.check(model, {"input_ids": ids, "output_attentions": True}, "int8", loss_fn=loss_fn, warmup=0)
+    assert report.passed, report
+

@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import slimact.functional as sf
+from _harness import upstream_loss
 from slimact._metrics import cosine, sqnr_db
 from slimact.functional import lm_loss as lm_loss_module
 from slimact.functional import mlp as mlp_module
@@ -1032,8 +1033,9 @@ def _run(fn: Callable[..., Tensor], case: Case, dtype: torch.dtype | None = None
     torch.manual_seed(case.seed)
     out = fn(*leaves.values())  # the builders list the inputs in the order the calls take them
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + 1)).to(case.dtype)
-    out.backward((upstream.abs() if magnitude else upstream).to(out.dtype))
-    return Run(out.detach(), {n: t.grad for n, t in leaves.items()}, upstream)
+    loss, out = upstream_loss(out, upstream.abs() if magnitude else upstream), out.detach()
+    loss.backward()
+    return Run(out, {n: t.grad for n, t in leaves.items()}, upstream)
 
 
 def _norm2(t: Tensor) -> float:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import slimact.functional as sf
-from _harness import FLOAT_DTYPES, check_against_plain, non_contiguous, saved_ratio
+from _harness import FLOAT_DTYPES, check_against_plain, non_contiguous, saved_ratio, upstream_loss
 from slimact._metrics import sqnr_db
 from slimact.functional.softmax import pack_probabilities
 from slimact.quant import QuantConfig, pack, unpack
@@ -36,8 +36,9 @@ def test_long_rows_keep_the_floor_with_one_scale_per_head(keys):
     g = torch.randn(1, 2, 256, keys)
     cfg = QuantConfig(group_dim=1, groups=0)
     y = sf.softmax(scores, -1, cfg)
-    y.backward(g)
-    exact = torch._softmax_backward_data(g, y.detach(), -1, torch.float32)
+    loss, y = upstream_loss(y, g), y.detach()  # (from the codes: nothing else keeps y, as in attention)
+    loss.backward()
+    exact = torch._softmax_backward_data(g, y, -1, torch.float32)
     assert sqnr_db(exact, scores.grad) >= 30.0
     # The counterfactual: Mesa's linear codes of y (no outliers kept apart either: the largest probabilities of a
     # row can be 64x the others' typical magnitude, and kept exactly they take back a few dB)
@@ -73,7 +74,8 @@ def test_the_8bit_input_gradient_rows_sum_to_zero_as_softmaxs_do():
     scores = (torch.randn(2, 4, 16, 16) * 2).requires_grad_(True)
     g = torch.randn(2, 4, 16, 16)
     exact = torch.autograd.grad(torch.softmax(scores, -1), scores, g)[0]
-    approx = torch.autograd.grad(sf.softmax(scores, -1, QuantConfig(group_dim=1, groups=0)), scores, g)[0]
+    cfg = QuantConfig(group_dim=1, groups=0)
+    approx = torch.autograd.grad(upstream_loss(sf.softmax(scores, -1, cfg), g), scores)[0]
     assert exact.sum(-1).abs().max() <= 1e-6 * exact.abs().max()  # (float rounding)
     assert approx.sum(-1).abs().max() <= 1e-6 * exact.abs().max()
     assert sqnr_db(exact, approx) >= 30.0
@@ -108,3 +110,71 @@ def test_the_restored_probabilities_are_rescaled_in_place(dtype):
         got = normalized(y, -1)
     assert torch.equal(got, want) and got.data_ptr() == y.data_ptr()
     assert seen.pointers and all(ptr == y.data_ptr() for ptr in seen.pointers)
+
+
+
+def _peaked_scores() -> torch.Tensor:
+    # Scores whose smallest probabilities are ~1e-9 (peaked attention): where 8-bit codes of sqrt(y) restore 0 or a
+    # value far from y, so that a gradient growing as 1 / y (a log of the probabilities) is far off from them.
+    return (torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(0)) * 6).requires_grad_(True)
+
+
+def _log_grad(fn, scores: torch.Tensor, hold: bool = False) -> torch.Tensor:
+    """The gradient of ``sum(t * log(y + 1e-30))`` for ``y = fn(scores)``, ``y`` held by the caller through the
+    backward or not (as in a model: what the graph keeps only; ``log`` releases its own copy before the softmax's
+    backward runs)."""
+    y = fn(scores)
+    t = torch.rand(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    loss = (t * torch.log(y + 1e-30)).sum()
+    held = y if hold else None
+    del y
+    grad = torch.autograd.grad(loss, scores)[0]
+    del held
+    return grad
+
+
+def test_the_backward_uses_the_probabilities_themselves_while_they_are_held():
+    cfg = QuantConfig(group_dim=1, groups=0)
+    scores = _peaked_scores()
+    exact = _log_grad(lambda s: torch.softmax(s, -1), scores)
+    torch.testing.assert_close(_log_grad(lambda s: sf.softmax(s, -1, cfg), scores, hold=True), exact)
+    # The counterfactual: nothing holds y, its codes serve the backward, and the 1 / y gradient is far from exact
+    # (the limit a loss dividing by probabilities that are not returned meets: docs/robustness.md).
+    assert sqnr_db(exact, _log_grad(lambda s: sf.softmax(s, -1, cfg), scores)) < 20.0
+
+
+def test_probabilities_changed_or_released_since_are_not_read():
+    # The backward reads the softmax's output only where it still holds what the softmax computed: not after an
+    # in-place op (its version), nor where its memory was released (memcnn's resize_(0)): the codes serve then.
+    cfg = QuantConfig(group_dim=1, groups=0)
+    scores = _peaked_scores()
+    g = torch.randn(scores.shape, generator=torch.Generator().manual_seed(2))
+    from_codes = torch.autograd.grad(upstream_loss(sf.softmax(scores, -1, cfg), g), scores)[0]
+    exact = torch.autograd.grad(upstream_loss(torch.softmax(scores, -1), g), scores)[0]
+    assert not torch.equal(from_codes, exact)  # (else this test proves nothing)
+    for change in (lambda y: y.mul_(1.0), lambda y: y.untyped_storage().resize_(0)):
+        y = sf.softmax(scores, -1, cfg)
+        loss = upstream_loss(y, g)
+        with torch.no_grad():
+            change(y)
+        torch.testing.assert_close(torch.autograd.grad(loss, scores)[0], from_codes, rtol=0, atol=0)
+
+
+def test_keep_exact_holds_the_probabilities_through_a_view_and_a_dropout():
+    # What a model returns (its attention maps, a view or a dropout of them) is held for the softmax's backward,
+    # while the softmax's output is still there when the model returns (the routing's note of a dropout holds it).
+    from slimact.functional.softmax import keep_exact
+
+    cfg = QuantConfig(group_dim=1, groups=0)
+    scores = _peaked_scores()
+    exact = _log_grad(lambda s: torch.softmax(s, -1).transpose(1, 2), scores)
+
+    def returned(s):
+        y = sf.softmax(s, -1, cfg)
+        out = sf.dropout(y.transpose(1, 2), 0.0, True)
+        assert keep_exact(out)
+        return out
+
+    torch.testing.assert_close(_log_grad(returned, scores), exact)
+    assert not keep_exact(sf.softmax(scores, -1, cfg) * scores)  # (a product with a tensor needing a gradient)
+    assert not keep_exact(sf.softmax(scores, -1, None))  # (lossless: its output is what it keeps)

@@ -34,8 +34,9 @@ from slimact.quant.core import forget_shared_packs
 from slimact.quant.state import note_backward
 
 __all__ = ["IN_PLACE", "KEPT_OUTPUTS", "Gradient", "Mask", "SlimFunction", "copy_on_write", "faking",
-           "foreign_saved_hooks", "foreign_weight", "is_dtensor", "is_gradient", "is_parameter_gradient", "keep_output",
-           "kept_or_view_of_kept", "load", "observer", "opaque", "save", "transformed"]
+           "foreign_saved_hooks", "foreign_weight", "holds_its_values", "is_dtensor", "is_gradient",
+           "is_parameter_gradient", "keep_output", "kept_or_view_of_kept", "load", "observer", "opaque", "save",
+           "transformed"]
 
 
 class Mask(NamedTuple):
@@ -570,17 +571,24 @@ def load(ctx: Any, restore: bool = True) -> list[Any]:
     return out
 
 
+def holds_its_values(t: Any) -> bool:
+    """Whether ``t``'s memory still holds its elements (see :func:`_present`); true of anything but a strided tensor
+    with elements."""
+    if type(t) is not Tensor or not t.numel() or t.layout is not torch.strided:
+        return True
+    room = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    # (the first test, enough for a dense tensor, costs a tenth of the second)
+    return room >= t.numel() or room > sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+
+
 def _present(t: Any, ctx: Any) -> Any:
     """``t``, a tensor a Function kept as it is, if its memory still holds it. A tensor's memory can be released
     while the tensor lives on, with no version change: memcnn's invertible wrapper (``keep_input=False``, its
     default) frees its input's with ``untyped_storage().resize_(0)`` and rebuilds the values in its own backward.
     PyTorch's layer before it kept its own input, untouched; a policy keeping that layer's output instead (``"tempo"``'s
     norms and activations) read the freed memory: the process died (SIGSEGV) or the gradient was garbage."""
-    if torch.compiler.is_compiling() or type(t) is not Tensor or not t.numel() or t.layout is not torch.strided:
+    if torch.compiler.is_compiling() or holds_its_values(t):
         return t
-    room = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    if room >= t.numel() or room > sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)):
-        return t  # (the first test, enough for a dense tensor, costs a tenth of the second)
     cls = type(ctx)._forward_cls
     raise RuntimeError(
         f"slimact's {cls.layer} Function ({cls.__name__}) keeps a tensor of the forward whose memory was released "

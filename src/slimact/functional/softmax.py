@@ -17,18 +17,31 @@ same bytes. (Over a group, the mean squared error shrinks by ``max_g(y) / (4 mea
 Error: with ``s_hat`` within ``e = step_s / 2`` of ``s`` (``step_s = range_g(s) / 255``, plus its cast to
 ``y``'s dtype), ``|y_hat - y| <= e (2 s + e)``, plus the rounding of the square in ``y``'s dtype. The backward
 is PyTorch's own softmax backward evaluated at ``y_hat``; tests assert SQNR >= 30 dB at any row length.
+
+That bound is absolute, which is what a product of the probabilities (``probs @ v``) needs: its gradient to ``y`` is
+bounded. It is not relative: ``y_hat / y`` is 0 or far from 1 for the smallest probabilities, and a gradient that
+grows as ``1 / y`` (a loss taking ``log(y)``: a KL divergence to a teacher's attention maps, MiniLM's distillation,
+a pointer network's NLL) multiplies that ratio: the query and key weight gradients at cosine 0.92 where the smallest
+probability is 2e-9 (a sweep, 2026-12-07). So the backward uses ``y`` itself, exact, where that costs nothing: where
+the model returns it (:func:`keep_exact`, which the routing calls on a training forward's outputs: attention maps
+a loss may divide by; plain PyTorch's softmax keeps them too), and where ``y`` is still held, unchanged, when the
+backward runs. The probabilities divided by inside the model (a ``log`` in its code, a mask applied after the
+softmax and the rows renormalised), or returned only as a copy (bf16 maps cast from an fp32 softmax), get the
+codes: docs/robustness.md, where ``slimact.check`` reports them.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
-from slimact.functional._saving import SlimFunction, load, save
+from slimact.functional._saving import SlimFunction, holds_its_values, load, save
 from slimact.quant import Packed, QuantConfig, RunningRange, pack
 from slimact.quant.core import register_derivation, share_derived
 
-__all__ = ["normalized", "pack_probabilities", "softmax"]
+__all__ = ["keep_exact", "normalized", "pack_probabilities", "softmax"]
 
 register_derivation("square", torch.square)
 
@@ -59,6 +72,22 @@ def normalized(y_hat: Tensor, dim: int) -> Tensor:
     return y_hat.div_(total.masked_fill_(total == 0, 1.0))
 
 
+class _Exact:
+    """A lossy softmax's own output ``y`` where its backward can read it at no cost (the module docstring): a weak
+    reference (alive while someone holds ``y``: another op's saved copy is released before this backward runs), or
+    ``y`` itself once :func:`keep_exact` holds it. Either is used only while ``y`` is unchanged (its version) and
+    its memory still holds it."""
+
+    __slots__ = ("held", "ref", "version")
+
+    def __init__(self, y: Tensor) -> None:
+        self.ref, self.version, self.held = weakref.ref(y), y._version, None
+
+    def get(self) -> Tensor | None:
+        y = self.held if self.held is not None else self.ref()
+        return y if y is not None and y._version == self.version and holds_its_values(y) else None
+
+
 class _SoftmaxFunction(SlimFunction):
     layer = "softmax"
 
@@ -68,14 +97,19 @@ class _SoftmaxFunction(SlimFunction):
         ctx.dim, ctx.in_dtype = dim, x.dtype
         packed = pack_probabilities(y, cfg, state)
         ctx.lossy = packed.meta.derive is not None  # codes of sqrt(y), not y as computed
+        ctx.exact = _Exact(y) if ctx.lossy and not torch.compiler.is_compiling() else None
         save(ctx, packed)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        (y_hat,) = load(ctx)
-        if ctx.lossy:
-            y_hat = normalized(y_hat, ctx.dim)
+        y = ctx.exact.get() if ctx.exact is not None else None
+        if y is not None:
+            y_hat = y.detach()
+        else:
+            (y_hat,) = load(ctx)
+            if ctx.lossy:
+                y_hat = normalized(y_hat, ctx.dim)
         # With ``dtype=`` the softmax ran on ``x.to(dtype)``: its backward in that dtype, then the cast's (to x's).
         grad_x = torch._softmax_backward_data(grad_y, y_hat, ctx.dim, grad_y.dtype).to(ctx.in_dtype)
         return grad_x, None, None, None, None
@@ -88,3 +122,41 @@ def softmax(
     if not torch.is_grad_enabled() or not x.requires_grad:
         return torch.softmax(x, dim, dtype=dtype)
     return _SoftmaxFunction.apply(x, dim, cfg, state, dtype)
+
+
+#: Autograd nodes that pass a tensor's values on, unchanged but in place or order (views, copies, casts, dropouts):
+#: :func:`keep_exact` looks through them for the softmax a returned tensor comes from (whose output it holds only if
+#: it is still there: the base of a view, the input a routed dropout's note keeps, not one a copy replaced).
+_PASSING = frozenset({
+    "AliasBackward0", "CloneBackward0", "ExpandBackward0", "NativeDropoutBackward0", "PermuteBackward0",
+    "SelectBackward0", "SliceBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "ToCopyBackward0",
+    "TransposeBackward0", "TransposeBackward1", "UnsafeViewBackward0", "UnsqueezeBackward0", "ViewBackward0",
+    "_DropoutFunctionBackward",
+})
+
+
+def keep_exact(t: Tensor) -> bool:
+    """Hold the output of the lossy slimact softmax ``t`` comes from (``t`` itself, or a view, cast or dropout of it)
+    for that softmax's backward, which then uses it exactly (the module docstring): for the probabilities a model
+    returns. Whether it held one (the output must still be there: see :data:`_PASSING`)."""
+    node = t.grad_fn
+    for _ in range(16):
+        if node is None:
+            return False
+        if type(node) is _SoftmaxFunction._backward_cls:
+            exact = node.exact
+            if exact is None:
+                return False
+            y = exact.ref()
+            if y is None or y._version != exact.version:
+                return False
+            # (detached: the same elements and version counter, but no graph, so the node holding it makes no cycle)
+            exact.held = y.detach()
+            return True
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        name = type(node).__name__
+        # (a product or quotient by a tensor needing no gradient: PyTorch's dropout on the CPU, a head mask)
+        if not (name in _PASSING or (name in ("MulBackward0", "DivBackward0") and len(inputs) == 1)):
+            return False
+        node = inputs[0] if inputs else None
+    return False

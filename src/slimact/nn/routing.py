@@ -112,7 +112,7 @@ from slimact.functional.grouped_mm import grouped_mm
 from slimact.functional.matmul import Dropped, baddbmm, bmm, einsum, einsum_terms, matmul, packing_source
 from slimact.functional.norm import _group_norm_applies, group_norm, norm, output_kept_as, rms_default_eps
 from slimact.functional.product import broadcast_big, broadcast_product, product
-from slimact.functional.softmax import softmax
+from slimact.functional.softmax import keep_exact, softmax
 from slimact.nn.clamped_glu import GATE_ATTR, Gate
 from slimact.nn.lm_loss import _ALIASES, NOT_LAZY, LossTracker, labels_position, lazy_call
 from slimact.policy import Policy
@@ -1263,6 +1263,12 @@ class Routing:
         if self._mode is not None and torch.overrides._get_current_function_mode() is self._mode:
             self._mode.__exit__(None, None, None)
         self._forget_forward()
+        if module.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Attention maps the model returns: the loss may divide by them (a KL to a teacher's), which a softmax's
+            # 8-bit codes cannot serve (slimact.functional.softmax); plain PyTorch's softmax keeps them too.
+            for t in torch.utils._pytree.tree_leaves(output):
+                if type(t) is Tensor and t.grad_fn is not None:
+                    keep_exact(t)
         if self.loss is not None:
             self.loss.stop()
 
