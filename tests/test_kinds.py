@@ -1369,3 +1369,30 @@ def test_a_decoder_layer_calling_the_attention_interface_inline_is_not_attention
 
     assert uses_attention_interface(DecoderLayer()) and kind_of(DecoderLayer()) != "attention"
     assert kind_of(LayerMLA()) == "attention"
+
+
+def test_a_torch_class_whose_forward_is_patched_is_left_as_written(monkeypatch):
+    # A patch on torch's class itself (an fp32-upcasting LayerNorm, a scaled Linear) had been taken for torch's own
+    # forward: the replacement computed the unpatched math (the output doubled where the patch halves it).
+    original = nn.LayerNorm.forward
+    monkeypatch.setattr(nn.LayerNorm, "forward", lambda self, x: original(self, x) * 0.5)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    for policy in ("tempo", "int8"):
+        slim = slimact.convert(copy.deepcopy(plain), policy)
+        torch.testing.assert_close(slim(x), plain(x), rtol=0, atol=0)
+        assert "not PyTorch's own (patched" in slimact.summary(slim).skipped["1"]
+
+
+def test_a_module_with_a_forward_set_on_it_is_left_as_written():
+    # Its calls run the forward set on the instance (accelerate's hooks), bound to the class's forward: converted, it
+    # kept plain's bytes and was counted converted (0.417x of plain's bytes reported as the whole model covered).
+    import types
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    model[0].forward = types.MethodType(lambda self, x: nn.Linear.forward(self, x), model[0])
+    summary = slimact.summary(slimact.convert(model, "int8"))
+    assert "a forward is set on the module itself" in summary.skipped["0"]
+    assert summary.converted == {"gelu": 1, "linear": 1}

@@ -29,6 +29,7 @@ import functools
 import inspect
 import itertools
 import numbers
+import os
 import re
 import sys
 import threading
@@ -36,7 +37,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -154,11 +155,26 @@ def _torch_base(cls: type) -> type | None:
     return next((c for c in cls.__mro__ if c.__module__.startswith("torch.nn.modules.")), None)
 
 
+#: Where ``torch.nn``'s module classes are defined: their own forwards' code is there.
+_TORCH_MODULES_DIR = os.path.dirname(nn.modules.__file__)
+
+
 def _own_forward(cls: type, base: type | None = None) -> str | None:
-    """Why ``cls`` cannot be taken for ``base`` (default: its torch base class): it defines a forward of its own."""
+    """Why ``cls`` cannot be taken for ``base`` (default: its torch base class): it defines a forward of its own, or
+    the torch class's forward is not PyTorch's (patched on the class: ``nn.LayerNorm.forward = ...``)."""
     base = base or _torch_base(cls)
-    if base is None or cls.forward is base.forward:
+    if base is None:
         return None
+    if cls.forward is base.forward:
+        # (a patch on torch's class had been taken for torch's own forward: the replacement computed unpatched math, a
+        # LayerNorm's output halved by the patch doubled, a sweep)
+        code = getattr(base.forward, "__code__", None)
+        if not base.__module__.startswith("torch.") or (code is not None
+                                                        and code.co_filename.startswith(_TORCH_MODULES_DIR)):
+            return None
+        return (f"nn.{base.__name__}.forward is not PyTorch's own (patched, from "
+                f"{getattr(base.forward, '__module__', None) or 'elsewhere'}): slimact's {base.__name__} would not "
+                "compute what it does")
     owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
     where = "nn." if base.__module__.startswith("torch.") else f"{base.__module__}."
     return (f"{cls.__name__} subclasses {where}{base.__name__} with its own forward ({owner.__qualname__}.forward): "
@@ -1682,6 +1698,12 @@ def recognise(module: nn.Module) -> Recognised:
         # gradients (a gated MLP was left unfused there, an activation's in-place probe raised).
         with unseen_by_selective_checkpointing(), torch.inference_mode(False):
             found = next((r for rule in _RULES if (r := rule(module, cls)) is not None), Recognised("other"))
+        if found.replace is not None and "forward" in module.__dict__:
+            # Its calls run the forward set on it (accelerate's hooks, `m.forward = ...`), which calls the class's
+            # forward it was bound to, not a replacement's: converted, it kept plain's bytes and was counted.
+            found = replace(found, replace=None, reason=(
+                "a forward is set on the module itself (accelerate's hooks, `module.forward = ...`): its calls run "
+                f"that, not slimact's {found.kind}"))
         _cache[module] = found
     return found
 
