@@ -299,6 +299,23 @@ def test_a_norm_straight_into_a_batch_norm_keeps_exact_tensors(first, chunks):
         assert "directly" in skipped["f"] and "of the norm registered right before it" in skipped["b"], skipped
 
 
+@pytest.mark.parametrize("after", ["InstanceNorm2d", "GroupNorm(C, C)"])
+def test_a_batch_norm_straight_into_a_norm_of_each_channel_keeps_exact_tensors(after):
+    # The norm after it standardises each channel on its own, removing the BatchNorm's affine but for eps: its weight
+    # gradient came out at cosine 0.31 ("int8") and -0.07 ("mesa"), 1000x the exact norm (a sweep, 2026-12-07).
+    import slimact
+
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm2d(4, affine=True) if after == "InstanceNorm2d" else nn.GroupNorm(4, 4)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), norm, nn.GELU(), nn.Conv2d(4, 2, 1))
+    x, w = torch.randn(4, 3, 8, 8), torch.randn(4, 2, 8, 8, generator=torch.Generator().manual_seed(1))
+    for policy in ("int8", "mesa"):
+        report = slimact.check(model, x, policy, loss_fn=lambda out: (out * w).sum())
+        assert report.passed, str(report)
+        skipped = slimact.summary(slimact.convert(copy.deepcopy(model), policy)).skipped
+        assert "standardising each of its channels on its own" in skipped["1"], skipped
+
+
 def _inverted_residual(act: type[nn.Module]) -> nn.Sequential:
     """MobileNetV2's block: 1 x 1 expansion, BatchNorm, ReLU6, depthwise conv, BatchNorm, ReLU6, 1 x 1 projection,
     BatchNorm. The first BatchNorm's per-channel scale passes the ReLU6 (``relu6(a x) = a relu6(x)`` below the
