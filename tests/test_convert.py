@@ -353,6 +353,16 @@ def test_summary_does_not_report_converted_a_module_whose_call_the_route_decline
     assert ("norm", torch.float32) in kept, kept  # as written, as the summary now says
 
 
+def test_an_in_place_dropout_module_is_reported_left_as_written():
+    # torchvision's EfficientNet and MobileNetV3 heads: nn.Dropout(inplace=True) runs PyTorch's own dropout (the
+    # replacement's forward declines in place), which summary had counted converted, its bytes blamed on ops "left
+    # as written in its code (a tanh soft cap ...)".
+    model = slimact.convert(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2, inplace=True), nn.Linear(16, 4)), "int8")
+    s = slimact.summary(model, torch.randn(4, 16))
+    assert "1" not in s.modules and "in place (inplace=True)" in s.skipped["1"], s.skipped
+    assert not any("soft cap" in note for note in s.notes), s.notes
+
+
 def test_tempo_policy_converts_only_lossless_kinds():
     model = slimact.convert(_model(), "tempo")
     kinds = {m._slimact_kind for m in model.modules() if isinstance(m, SlimModule)}

@@ -1219,9 +1219,12 @@ def _rule_exact(base: type[nn.Module], kind: str, replace: str):
     def rule(module, cls):
         if not isinstance(module, base):
             return None
-        if cls is base:
-            return Recognised(kind, replace)
-        return Recognised(kind, reason=f"{cls.__name__} subclasses nn.{base.__name__}: left as written")
+        if cls is not base:
+            return Recognised(kind, reason=f"{cls.__name__} subclasses nn.{base.__name__}: left as written")
+        if getattr(module, "inplace", False) is True:  # (torchvision's EfficientNet and MobileNetV3 heads)
+            return Recognised(kind, reason="in place (inplace=True): PyTorch's own runs, whose mask is kept as it is; "
+                                           "slimact's keeps a mask as bits out of place only")
+        return Recognised(kind, replace)
 
     return rule
 
