@@ -1148,3 +1148,29 @@ def test_summary_reasons_follow_where_attention_calls_were_routed():
     in_float64 = slimact.convert(nn.Sequential(_InnerAttention(float64=True), nn.Linear(32, 8)), "int8")
     summary = slimact.summary(in_float64, x)
     assert "0" not in summary.modules and "in float64" in summary.skipped["0"], summary
+
+
+class _ConfigCopied(nn.Linear):
+    """A layer whose deep copy rebuilds it from its config (``self.__class__(...)``), as PyTorch Geometric's did."""
+
+    def __deepcopy__(self, memo):
+        new = self.__class__(self.in_features, self.out_features, bias=self.bias is not None)
+        new.load_state_dict(self.state_dict())
+        return new
+
+
+def test_an_instance_made_by_calling_a_converted_modules_class_runs_as_its_own_class():
+    # type(layer)(...) (a config clone, a __deepcopy__ rebuilding itself) made an instance of slimact's class with none
+    # of slimact's attributes: its training forward raised AttributeError ('_slimact_policy'), and revert and check
+    # of a deep copy raised too ('_slimact_orig_cls'), where plain PyTorch runs.
+    torch.manual_seed(0)
+    model = slimact.convert(nn.Sequential(_ConfigCopied(8, 16), nn.GELU(), _ConfigCopied(16, 4)).train(), "int8")
+    x = torch.randn(2, 8)
+    clone = type(model[0])(8, 16).train()
+    clone.load_state_dict(model[0].state_dict())
+    torch.testing.assert_close(clone(x), nn.functional.linear(x, clone.weight, clone.bias), rtol=0, atol=0)
+    twin = copy.deepcopy(model)
+    twin(x.requires_grad_()).sum().backward()
+    plain = slimact.revert(copy.deepcopy(model))
+    assert type(plain[0]) is _ConfigCopied and not isinstance(plain[0], SlimModule)
+    assert slimact.check(model, x).passed

@@ -205,7 +205,10 @@ class SlimModule:
         something else does for this call (``_slimact_deferred``: the LM head whose product the fused loss
         computes, :mod:`slimact.nn.lm_loss`) runs its own forward too, and so does a call under a ``torch.func``
         transform or forward-mode AD, which slimact's Functions do not support (:func:`transformed`)."""
-        if not self.training or "_slimact_deferred" in self.__dict__:  # type: ignore[attr-defined]
+        # (an instance made by calling a converted module's class, ``type(layer)(...)``, as a config clone or a
+        # ``__deepcopy__`` rebuilding itself does, has no policy: it computes as its own class, where its first
+        # training forward raised AttributeError: '_slimact_policy', a sweep)
+        if not self.training or "_slimact_deferred" in self.__dict__ or "_slimact_policy" not in self.__dict__:
             return False
         if self.__dict__.get("qconfig") is not None:  # type: ignore[attr-defined]
             _warn_skipped_by_prepare_qat(self)
@@ -361,12 +364,18 @@ def _unslimmed_class(cls: type[nn.Module], orig: type[nn.Module]) -> type[nn.Mod
     return type(cls.__name__, (orig,), body)
 
 
+def original_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` had before :func:`attach`; for an instance made by calling a converted module's class
+    (which ``attach`` never saw), the class slimact's was made from (its last base: ``(mixin, original)``)."""
+    return module.__dict__.get("_slimact_orig_cls") or type(module).__bases__[-1]
+
+
 def detach(module: nn.Module) -> nn.Module:
     """Undo :func:`attach`: the original class again, slimact's attributes and estimates gone."""
     if not isinstance(module, SlimModule):
         return module
     clear_state(module)
-    module.__class__ = _unslimmed_class(type(module), module._slimact_orig_cls)
+    module.__class__ = _unslimmed_class(type(module), original_class(module))
     for name in [n for n in module.__dict__ if n.startswith("_slimact_") and not n.startswith("_slimact_root")]:
         del module.__dict__[name]
     return module
@@ -382,7 +391,7 @@ def as_written(model: nn.Module) -> Iterator[None]:
         for module in model.modules():
             if isinstance(module, SlimModule):
                 try:
-                    plain = _unslimmed_class(type(module), module._slimact_orig_cls)
+                    plain = _unslimmed_class(type(module), original_class(module))
                 except RuntimeError:  # (a class derived from slimact's that revert cannot rebuild either: kept)
                     continue
                 swapped.append((module, type(module)))
