@@ -37,7 +37,7 @@ from slimact.functional.attention import _additive, scaled_dot_product_attention
 from slimact.functional.attention_guard import GUARDED_ATTR, guarded
 from slimact.functional.dropout import dropout as _dropout
 from slimact.functional.matmul import matmul
-from slimact.functional.softmax import softmax
+from slimact.functional.softmax import keep_exact, softmax
 from slimact.nn._base import begin_call, site_estimate
 from slimact.policy import Policy
 from slimact.quant.reference import COMPRESSIBLE_DTYPES
@@ -79,7 +79,12 @@ def _eager(module, query, key, value, mask, scaling, p, policy, is_causal):
     elif is_causal:  # top-left aligned, as scaled_dot_product_attention's is_causal
         causal = torch.ones(t, scores.shape[-1], dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-    probs = softmax(scores.float(), -1, cfg).to(query.dtype)
+    probs = softmax(scores.float(), -1, cfg)
+    # Returned to the caller (output_attentions): a loss may divide by them (a KL to a teacher's maps), which the
+    # softmax's codes cannot serve; held exact for its backward, as plain PyTorch's softmax keeps them
+    # (slimact.functional.softmax; the model's outputs are the dropout's, by when the probabilities are gone).
+    keep_exact(probs)
+    probs = probs.to(query.dtype)
     dropped = _dropout(probs, p, p > 0)
     out = matmul(dropped.reshape(b, h_kv, h // h_kv, t, -1), value.unsqueeze(2), cfg, cfg)
     return out.reshape(b, h, t, -1), dropped

@@ -23,11 +23,12 @@ bounded. It is not relative: ``y_hat / y`` is 0 or far from 1 for the smallest p
 grows as ``1 / y`` (a loss taking ``log(y)``: a KL divergence to a teacher's attention maps, MiniLM's distillation,
 a pointer network's NLL) multiplies that ratio: the query and key weight gradients at cosine 0.92 where the smallest
 probability is 2e-9 (a sweep, 2026-12-07). So the backward uses ``y`` itself, exact, where that costs nothing: where
-the model returns it (:func:`keep_exact`, which the routing calls on a training forward's outputs: attention maps
-a loss may divide by; plain PyTorch's softmax keeps them too), and where ``y`` is still held, unchanged, when the
-backward runs. The probabilities divided by inside the model (a ``log`` in its code, a mask applied after the
-softmax and the rows renormalised), or returned only as a copy (bf16 maps cast from an fp32 softmax), get the
-codes: docs/robustness.md, where ``slimact.check`` reports them.
+the model returns it (:func:`keep_exact`, which the routing calls on a training forward's outputs, and slimact's
+attention function where it returns probabilities: attention maps a loss may divide by; plain PyTorch's softmax
+keeps them too), and where ``y`` is still held, unchanged, when the backward runs. The probabilities divided by
+inside the model (a ``log`` in its code, a mask applied after the softmax and the rows renormalised), or returned
+by a model's own attention only as a copy or a dropout of its own, get the codes: docs/robustness.md, where
+``slimact.check`` reports them.
 """
 
 from __future__ import annotations
