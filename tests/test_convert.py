@@ -1171,6 +1171,9 @@ def test_an_instance_made_by_calling_a_converted_modules_class_runs_as_its_own_c
     torch.testing.assert_close(clone(x), nn.functional.linear(x, clone.weight, clone.bias), rtol=0, atol=0)
     twin = copy.deepcopy(model)
     twin(x.requires_grad_()).sum().backward()
+    # (the clone itself deep-copies, pickles and converts: each read the attribute only convert sets)
+    copy.deepcopy(clone)
+    slimact.convert(nn.Sequential(clone), "int8")(x).sum().backward()
     plain = slimact.revert(copy.deepcopy(model))
     assert type(plain[0]) is _ConfigCopied and not isinstance(plain[0], SlimModule)
     assert slimact.check(model, x).passed

@@ -146,8 +146,11 @@ _cache: weakref.WeakKeyDictionary[nn.Module, Recognised] = weakref.WeakKeyDictio
 
 
 def _cls(module: nn.Module) -> type[nn.Module]:
-    """The module's own class (the original one if slimact converted it)."""
-    return module.__dict__.get("_slimact_orig_cls") or type(module)
+    """The module's own class (the original one if slimact converted it, or if it was made by calling the class of a
+    module slimact converted: :func:`slimact.nn._base.original_class`)."""
+    from slimact.nn._base import SlimModule, original_class
+
+    return original_class(module) if isinstance(module, SlimModule) else type(module)
 
 
 def _torch_base(cls: type) -> type | None:

@@ -236,7 +236,11 @@ def _scale_free_chains(model: nn.Module) -> dict[str, str]:
         if not _standardises_each_channel(norm):
             continue
         bn_name, bn = leaves[_before_scale_passing(leaves, i)]
-        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.num_features == _channels_of(norm):
+        # (children of one nn.Sequential, whose data flows from one to the next: in IBN-Net's IBN-b block a residual
+        # is added between its last BatchNorm and the InstanceNorm registered after it, and nothing cancels; a review)
+        parent = bn_name.rpartition(".")[0]
+        if (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.num_features == _channels_of(norm)
+                and norm_name.rpartition(".")[0] == parent and isinstance(model.get_submodule(parent), nn.Sequential)):
             out.setdefault(bn_name, _BN_INTO_CHANNEL_NORM)
             out.setdefault(norm_name, _REMOVES_NORM_SCALE)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}

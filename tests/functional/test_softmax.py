@@ -15,7 +15,21 @@ from slimact.quant import QuantConfig, pack, unpack
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 1, 9), (2, 3, 5, 7), (2, 5, 17, 17), "non-contiguous"], ids=str)
 def test_softmax_matches_torch(shape, dtype):
     x = non_contiguous(2, 3, 9, 9) if shape == "non-contiguous" else torch.randn(shape)
-    check_against_plain(nn.Softmax(dim=-1).to(dtype), (x * 2).to(dtype))
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    check_against_plain(_SoftmaxIntoProduct(g).to(dtype), (x * 2).to(dtype))
+
+
+class _SoftmaxIntoProduct(nn.Module):
+    """An ``nn.Softmax`` whose output goes on into a product inside the model, as attention's does: one the model
+    returned would be held for its backward and used exactly (``keep_exact``), leaving its codes untested."""
+
+    def __init__(self, g: torch.Tensor) -> None:
+        super().__init__()
+        self.softmax = nn.Softmax(dim=-1)
+        self.register_buffer("g", g)
+
+    def forward(self, x):
+        return (self.softmax(x) * self.g).sum(-1)
 
 
 def test_softmax_keeps_at_most_0_27x():

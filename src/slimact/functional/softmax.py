@@ -38,6 +38,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from slimact._cache import storage_key
 from slimact.functional._saving import SlimFunction, holds_its_values, load, save
 from slimact.quant import Packed, QuantConfig, RunningRange, pack
 from slimact.quant.core import register_derivation, share_derived
@@ -76,17 +77,20 @@ def normalized(y_hat: Tensor, dim: int) -> Tensor:
 class _Exact:
     """A lossy softmax's own output ``y`` where its backward can read it at no cost (the module docstring): a weak
     reference (alive while someone holds ``y``: another op's saved copy is released before this backward runs), or
-    ``y`` itself once :func:`keep_exact` holds it. Either is used only while ``y`` is unchanged (its version) and
-    its memory still holds it."""
+    ``y`` itself once :func:`keep_exact` holds it. Either is used only while ``y`` is unchanged: its version, and
+    where its elements are (``y.data = t`` moves no version counter: a stash of the probabilities given other data
+    had its new values read, a gradient at cosine 0.06, a review), and while its memory still holds it."""
 
-    __slots__ = ("held", "ref", "version")
+    __slots__ = ("held", "ref", "version", "where")
 
     def __init__(self, y: Tensor) -> None:
-        self.ref, self.version, self.held = weakref.ref(y), y._version, None
+        self.ref, self.version, self.where, self.held = weakref.ref(y), y._version, storage_key(y), None
 
     def get(self) -> Tensor | None:
         y = self.held if self.held is not None else self.ref()
-        return y if y is not None and y._version == self.version and holds_its_values(y) else None
+        if y is None or y._version != self.version or storage_key(y) != self.where or not holds_its_values(y):
+            return None
+        return y
 
 
 class _SoftmaxFunction(SlimFunction):
@@ -105,6 +109,8 @@ class _SoftmaxFunction(SlimFunction):
     @staticmethod
     def backward(ctx, grad_y):
         y = ctx.exact.get() if ctx.exact is not None else None
+        # (released with the backward: a graph kept past it, a logged loss, had held every step's maps; a review)
+        ctx.exact = None
         if y is not None:
             y_hat = y.detach()
         else:

@@ -280,7 +280,7 @@ class SlimModule:
         cls = type(self)
         if getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls:
             return super().__reduce_ex__(protocol)
-        return _rebuild, (cls.__bases__[0], self._slimact_orig_cls), self.__getstate__()
+        return _rebuild, (cls.__bases__[0], original_class(self)), self.__getstate__()
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # type: ignore[misc]
