@@ -159,14 +159,17 @@ def test_the_backward_uses_the_probabilities_themselves_while_they_are_held():
 
 def test_probabilities_changed_or_released_since_are_not_read():
     # The backward reads the softmax's output only where it still holds what the softmax computed: not after an
-    # in-place op (its version), nor where its memory was released (memcnn's resize_(0)): the codes serve then.
+    # in-place op (its version), nor after `y.data = t` (which moves no version counter: a stash of the probabilities
+    # given other data had them read, a gradient at cosine 0.06), nor where its memory was released (memcnn's
+    # resize_(0)): the codes serve then.
     cfg = QuantConfig(group_dim=1, groups=0)
     scores = _peaked_scores()
     g = torch.randn(scores.shape, generator=torch.Generator().manual_seed(2))
     from_codes = torch.autograd.grad(upstream_loss(sf.softmax(scores, -1, cfg), g), scores)[0]
     exact = torch.autograd.grad(upstream_loss(torch.softmax(scores, -1), g), scores)[0]
     assert not torch.equal(from_codes, exact)  # (else this test proves nothing)
-    for change in (lambda y: y.mul_(1.0), lambda y: y.untyped_storage().resize_(0)):
+    for change in (lambda y: y.mul_(1.0), lambda y: setattr(y, "data", torch.rand_like(y)),
+                   lambda y: y.untyped_storage().resize_(0)):
         y = sf.softmax(scores, -1, cfg)
         loss = upstream_loss(y, g)
         with torch.no_grad():
@@ -190,5 +193,12 @@ def test_keep_exact_holds_the_probabilities_through_a_view_and_a_dropout():
         return out
 
     torch.testing.assert_close(_log_grad(returned, scores), exact)
+    # Released with the backward (a graph kept past it, a logged loss, had held every step's maps).
+    y = sf.softmax(scores, -1, cfg)
+    node, loss = y.grad_fn, y.sum()
+    assert keep_exact(y) and node.exact.held is not None
+    del y
+    loss.backward()
+    assert node.exact is None
     assert not keep_exact(sf.softmax(scores, -1, cfg) * scores)  # (a product with a tensor needing a gradient)
     assert not keep_exact(sf.softmax(scores, -1, None))  # (lossless: its output is what it keeps)
