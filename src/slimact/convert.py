@@ -175,18 +175,6 @@ def _depthwise_into_batch_norm(a: nn.Module, b: nn.Module) -> bool:
             and a.groups == a.in_channels == a.out_channels == b.num_features)
 
 
-def _one_weight_into_channel_norm(a: nn.Module, b: nn.Module) -> bool:
-    """``a`` a conv whose every output channel is one weight times one input channel, ``b`` a norm standardising each
-    of those channels on its own (BatchNorm, InstanceNorm, GroupNorm of one channel a group)."""
-    # (in_channels / groups inputs a channel, each through the whole kernel: a transposed conv's weight is laid out
-    # [in, out / groups, *kernel], so its weight[0] is not one channel's)
-    if not isinstance(a, nn.modules.conv._ConvNd) or a.in_channels // a.groups * math.prod(a.kernel_size) != 1:
-        return False
-    if isinstance(b, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
-        return b.num_features == a.out_channels
-    return isinstance(b, nn.GroupNorm) and b.num_groups == b.num_channels == a.out_channels
-
-
 def _standardises_each_channel(m: nn.Module) -> bool:
     """Whether ``m`` standardises each channel on its own: an InstanceNorm, a GroupNorm of one channel a group."""
     return (isinstance(m, nn.modules.instancenorm._InstanceNorm)
@@ -195,6 +183,18 @@ def _standardises_each_channel(m: nn.Module) -> bool:
 
 def _channels_of(m: nn.Module) -> int:
     return m.num_features if isinstance(m, nn.modules.instancenorm._InstanceNorm) else m.num_channels
+
+
+def _one_weight_into_channel_norm(a: nn.Module, b: nn.Module) -> bool:
+    """``a`` a conv whose every output channel is one weight times one input channel, ``b`` a norm standardising each
+    of those channels on its own (BatchNorm, InstanceNorm, GroupNorm of one channel a group)."""
+    # (in_channels / groups inputs a channel, each through the whole kernel: a transposed conv's weight is laid out
+    # [in, out / groups, *kernel], so its weight[0] is not one channel's)
+    if not isinstance(a, nn.modules.conv._ConvNd) or a.in_channels // a.groups * math.prod(a.kernel_size) != 1:
+        return False
+    if isinstance(b, nn.modules.batchnorm._BatchNorm):
+        return b.num_features == a.out_channels
+    return _standardises_each_channel(b) and _channels_of(b) == a.out_channels
 
 
 def _before_scale_passing(leaves: list[tuple[str, nn.Module]], i: int) -> int:
