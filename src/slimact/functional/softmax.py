@@ -86,11 +86,21 @@ class _Exact:
     def __init__(self, y: Tensor) -> None:
         self.ref, self.version, self.where, self.held = weakref.ref(y), y._version, storage_key(y), None
 
-    def get(self) -> Tensor | None:
-        y = self.held if self.held is not None else self.ref()
+    def _unchanged(self, y: Tensor | None) -> Tensor | None:
         if y is None or y._version != self.version or storage_key(y) != self.where or not holds_its_values(y):
             return None
         return y
+
+    def get(self) -> Tensor | None:
+        return self._unchanged(self.held if self.held is not None else self.ref())
+
+    def hold(self) -> bool:
+        """Hold ``y`` (if it is still there, unchanged) until the backward; whether it did."""
+        y = self._unchanged(self.ref())
+        if y is not None:
+            # (detached: the same elements and version counter, but no graph, so the node holding it makes no cycle)
+            self.held = y.detach()
+        return y is not None
 
 
 class _SoftmaxFunction(SlimFunction):
@@ -151,15 +161,7 @@ def keep_exact(t: Tensor) -> bool:
         if node is None:
             return False
         if type(node) is _SoftmaxFunction._backward_cls:
-            exact = node.exact
-            if exact is None:
-                return False
-            y = exact.ref()
-            if y is None or y._version != exact.version:
-                return False
-            # (detached: the same elements and version counter, but no graph, so the node holding it makes no cycle)
-            exact.held = y.detach()
-            return True
+            return node.exact is not None and node.exact.hold()
         inputs = [n for n, _ in node.next_functions if n is not None]
         name = type(node).__name__
         # (a product or quotient by a tensor needing no gradient: PyTorch's dropout on the CPU, a head mask)
