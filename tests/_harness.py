@@ -33,7 +33,7 @@ def _step(module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int):
     loss.backward()
     grads = {f"input{i}": x.grad for i, x in enumerate(xs) if x.grad is not None}
     grads.update({n: p.grad for n, p in module.named_parameters() if p.grad is not None})
-    return out.detach(), grads
+    return out, grads
 
 
 def estimates(model: nn.Module) -> dict[str, torch.Tensor]:
